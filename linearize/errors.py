@@ -1,0 +1,27 @@
+"""Errors a user can cause. The CLI prints them as one line and exits non-zero."""
+
+
+class LinearizeError(Exception):
+    """Base class: a problem with the user's input or environment, reported in one line."""
+
+    exit_code = 2
+
+
+class SpecError(LinearizeError):
+    """A model spec that cannot be resolved or loaded."""
+
+
+class RecipeError(LinearizeError):
+    """A recipe that cannot be found or does not validate."""
+
+
+class SelectionError(LinearizeError):
+    """A layer layout (ratio, explicit list) that does not fit the model."""
+
+
+class OutputError(LinearizeError):
+    """An output path that cannot be written (exists, not writable)."""
+
+
+class UnsupportedModelError(LinearizeError):
+    """An architecture this tool cannot convert."""

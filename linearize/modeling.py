@@ -1,0 +1,192 @@
+"""The hybrid model: a Hugging Face config and causal-LM class with its own ``model_type``.
+
+``LinearizeConfig`` carries every field of the base model's config (so generic code reads
+``hidden_size``, ``vocab_size``, ... as usual), plus ``base_model_type``, the hybrid
+``layer_types`` and the ``linear_attention`` settings. ``LinearizeForCausalLM`` builds the base
+family's causal LM from that config, replaces the attention of every ``linear_attention`` layer
+with :class:`~linearize.attention.LinearAttention`, and runs the base family's own forward.
+Parameter names are the base model's plus the feature-map and window parameters.
+
+Importing :mod:`linearize` registers both with the Auto classes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers.cache_utils import Cache
+
+from .attention import LinearAttention, arch_spec
+from .cache import HybridCache
+from .select import FULL, LINEAR
+
+#: base-config fields that belong to the hybrid and must not be passed to the base config class
+_OWN_FIELDS = ("base_model_type", "layer_types", "linear_attention", "base_layer_types", "linearize_version")
+
+
+class LinearizeConfig(PretrainedConfig):
+    """Config of a linearize hybrid: the base config's fields + the layer layout + layer settings."""
+
+    model_type = "linearize"
+
+    def __init__(self, base_model_type: str = "llama", layer_types: list[str] | None = None,
+                 linear_attention: dict | None = None, base_layer_types: list[str] | None = None,
+                 linearize_version: str | None = None, **kwargs):
+        self.base_model_type = base_model_type
+        self.layer_types = list(layer_types) if layer_types is not None else None
+        self.linear_attention = dict(linear_attention or {})
+        self.base_layer_types = base_layer_types
+        self.linearize_version = linearize_version
+        self.use_cache = kwargs.pop("use_cache", True)
+        super().__init__(**kwargs)
+
+    @classmethod
+    def from_base(cls, base_config: PretrainedConfig, layer_types: list[str], linear_attention: dict) -> "LinearizeConfig":
+        """Wrap a base config (e.g. ``LlamaConfig``) with a hybrid layout and layer settings."""
+        from . import __version__
+
+        d = base_config.to_dict()
+        base_type = d.pop("model_type")
+        arch_spec(base_type)  # one-line error for unsupported families
+        for k in ("architectures", "auto_map", "transformers_version", "quantization_config"):
+            d.pop(k, None)
+        base_layer_types = d.pop("layer_types", None)
+        n = base_config.num_hidden_layers
+        if len(layer_types) != n:
+            raise ValueError(f"layer_types has {len(layer_types)} entries for {n} layers")
+        return cls(base_model_type=base_type, layer_types=layer_types, linear_attention=linear_attention,
+                   base_layer_types=base_layer_types, linearize_version=__version__, **d)
+
+    def base_config(self) -> PretrainedConfig:
+        """The base family's config object (its own ``layer_types`` restored)."""
+        d = self.to_dict()
+        for k in _OWN_FIELDS + ("model_type", "architectures", "auto_map", "transformers_version"):
+            d.pop(k, None)
+        if self.base_layer_types is not None:
+            d["layer_types"] = self.base_layer_types
+        cfg = AutoConfig.for_model(self.base_model_type, **d)
+        impl = getattr(self, "_attn_implementation", None)
+        if impl is not None:
+            cfg._attn_implementation = impl
+        return cfg
+
+    @property
+    def linear_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types or []) if t == LINEAR]
+
+
+class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
+    """A causal LM whose ``linear_attention`` layers run linear attention. Loads with ``from_pretrained``."""
+
+    config_class = LinearizeConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _supports_sdpa = True
+    _supports_flash_attn = True
+    _supports_flex_attn = False
+    _supports_attention_backend = True
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _no_split_modules = ["LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"]
+
+    def __init__(self, config: LinearizeConfig, base_model: PreTrainedModel | None = None):
+        super().__init__(config)
+        base_cfg = config.base_config()
+        if base_model is None:
+            base_model = AutoModelForCausalLM.from_config(base_cfg, dtype=config.dtype if isinstance(config.dtype, torch.dtype) else None)
+        self._base_forward = type(base_model).forward
+        self.model = base_model.model
+        self.lm_head = base_model.lm_head
+        self.vocab_size = config.vocab_size
+        spec = arch_spec(config.base_model_type)
+        for i in config.linear_layers:
+            layer = self.model.layers[i]
+            original = getattr(layer, spec.attention)
+            setattr(layer, spec.attention, LinearAttention(original, base_cfg, i, config.linear_attention, spec))
+        self.post_init()
+
+    def _init_weights(self, module):
+        # New modules (feature maps, window logits) initialise themselves; base weights come from the checkpoint.
+        if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)) and not getattr(module, "_is_hf_initialized", False):
+            super()._init_weights(module)
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def linear_modules(self) -> list[LinearAttention]:
+        """The linear-attention layers, in order."""
+        return [m for m in self.modules() if isinstance(m, LinearAttention)]
+
+    def set_attention_mode(self, mode: str) -> None:
+        """``"linear"`` (converted), ``"softmax"`` (original attention) or ``"distill"`` (both)."""
+        if mode not in ("linear", "softmax", "distill"):
+            raise ValueError(f"unknown attention mode {mode!r}")
+        for m in self.linear_modules():
+            m.mode = mode
+
+    def new_cache(self) -> HybridCache:
+        return HybridCache(self.config.layer_types)
+
+    def _swap_cache(self, cache: Any) -> Any:
+        if cache is None or isinstance(cache, HybridCache):
+            return cache
+        if isinstance(cache, Cache) and cache.get_seq_length() == 0:
+            return self.new_cache()
+        raise ValueError("a linearize hybrid needs its own HybridCache (model.new_cache()), got " + type(cache).__name__)
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        out = super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        for key in ("cache", "past_key_values"):
+            c = model_kwargs.get(key)
+            if isinstance(c, Cache) and not isinstance(c, HybridCache) and not getattr(c, "_is_user_defined", False):
+                model_kwargs[key] = self.new_cache()
+        return out
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, cache=None,
+                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
+        impl = self.config._attn_implementation
+        if impl is not None and self.model.config._attn_implementation != impl:
+            self.model.config._attn_implementation = impl
+        c = cache if cache is not None else past_key_values
+        if use_cache is None:
+            use_cache = self.config.use_cache and not self.training
+        if use_cache and c is None:
+            c = self.new_cache()
+        c = self._swap_cache(c)
+        if "cache" in _base_forward_params(self._base_forward):
+            kwargs["cache"] = c
+        else:
+            kwargs["past_key_values"] = c
+        return self._base_forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                  inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
+                                  logits_to_keep=logits_to_keep, **kwargs)
+
+
+_PARAMS_CACHE: dict[Any, set[str]] = {}
+
+
+def _base_forward_params(fn) -> set[str]:
+    if fn not in _PARAMS_CACHE:
+        import inspect
+
+        _PARAMS_CACHE[fn] = set(inspect.signature(inspect.unwrap(fn)).parameters)
+    return _PARAMS_CACHE[fn]
+
+
+def register_auto_classes() -> None:
+    """Make ``AutoConfig``/``AutoModelForCausalLM`` know the ``linearize`` model type."""
+    try:
+        AutoConfig.register("linearize", LinearizeConfig)
+    except ValueError:
+        pass
+    try:
+        AutoModelForCausalLM.register(LinearizeConfig, LinearizeForCausalLM)
+    except ValueError:
+        pass
+
+
+register_auto_classes()

