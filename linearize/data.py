@@ -360,7 +360,19 @@ def _hf_dataset(src: DataSource, seed: int | None, epoch: int = 0) -> Iterable[A
 
 def _hf_documents(src: DataSource, split: str, text_field: str, seed: int | None, epoch: int = 0) -> Iterator[str]:
     ds = _hf_dataset(src, seed, epoch)
-    for i, row in enumerate(ds):
+    rows = iter(ds)
+    i = -1
+    while True:
+        i += 1
+        try:
+            row = next(rows)
+        except StopIteration:
+            return
+        except Exception as e:  # noqa: BLE001 - network/format errors while streaming
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            raise DataError(
+                f"error reading dataset {src.hf_name} at row {i}: {first} -- check the network connection"
+            ) from None
         if not isinstance(row, dict) or text_field not in row:
             keys = ", ".join(sorted(map(str, row))) if isinstance(row, dict) else type(row).__name__
             raise DataError(
@@ -579,10 +591,7 @@ def _local_doc_stream(
     epoch = 0
     while True:
         if epoch > 0:
-            log.info(
-                "data %r: the source has %d tokens, fewer than requested; starting epoch %d (reshuffled)",
-                spec, total, epoch + 1,
-            )
+            log.info("data %r: all %d tokens used; starting epoch %d (reshuffled)", spec, total, epoch + 1)
         for i in _permutation(n, seed, epoch):
             doc = ids[offsets[i]: offsets[i + 1]].astype(np.int64, copy=False)
             yield doc
@@ -712,7 +721,7 @@ def heldout_sequences(
     spec: str = "wiki",
     *,
     seq_len: int,
-    n_seqs: int | None,
+    n_seqs: int | None = None,
     text_field: str = "text",
     split: str = "heldout",
 ) -> torch.Tensor:

@@ -14,9 +14,14 @@ Outputs are non-negative (so the linear-attention normaliser is positive),
 except ``taylor`` whose features can be negative but whose inner products
 ``phi(q) . phi(k) = 1 + t + t^2/2 >= 1/2`` are always positive.
 
-The same map is applied to queries and keys (one module per layer, weights
-shared between q and k, as in Hedgehog / LoLCATs). Build one with
-:func:`build_feature_map`; recipe fields become keyword parameters.
+Queries and keys may get separate map instances (as in LoLCATs), possibly with
+different head counts under GQA (query head ``h`` attends with key head
+``h // (H / Hk)``). So that ``phi_q(q) . phi_k(k)`` is right from the start,
+every map's initial (or fixed random) weights are the same for every head and
+depend only on ``head_dim``, the parameters and ``seed``: two instances built
+with the same arguments agree head for head whatever their head counts.
+Build one with :func:`build_feature_map`; recipe fields become keyword
+parameters.
 """
 
 from __future__ import annotations
@@ -53,6 +58,12 @@ def _check_positive_int(map_name: str, param: str, value: Any) -> int:
         raise ValueError(
             f"feature map {map_name!r}: {param}={value!r} is invalid; expected a positive integer"
         )
+    return value
+
+
+def _check_int(map_name: str, param: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"feature map {map_name!r}: {param}={value!r} is invalid; expected an integer")
     return value
 
 
@@ -191,8 +202,9 @@ class T2RFeatureMap(FeatureMap):
     Kasai et al., "Finetuning Pretrained Transformers into RNNs" (EMNLP 2021,
     arXiv 2103.13076), https://github.com/jungokasai/T2R. The paper uses a
     randomly initialised MLP; here ``W`` starts as the identity (first ``f``
-    columns; columns past ``D`` are Kaiming-uniform random, drawn from torch's
-    global RNG) and ``b = 0`` so the untrained map equals ``relu``.
+    columns; columns past ``D`` are uniform(+-1/sqrt(D)) random from ``seed``,
+    default 0, the same for every head) and ``b = 0`` so the untrained map
+    equals ``relu``.
     Outputs get ``+ eps`` (default ``1e-6``) so a row is never all zero.
     Learnable.
     """
@@ -201,12 +213,18 @@ class T2RFeatureMap(FeatureMap):
     learnable = True
 
     def __init__(
-        self, num_heads: int, head_dim: int, feature_dim: int | None = None, eps: float = 1e-6
+        self,
+        num_heads: int,
+        head_dim: int,
+        feature_dim: int | None = None,
+        eps: float = 1e-6,
+        seed: int = 0,
     ) -> None:
         super().__init__(num_heads, head_dim)
         f = head_dim if feature_dim is None else feature_dim
         f = _check_positive_int(self.name, "feature_dim", f)
         self.eps = _check_non_negative_float(self.name, "eps", eps)
+        self.seed = _check_int(self.name, "seed", seed)
         self.feature_dim = f
         self.weight = nn.Parameter(torch.empty(num_heads, head_dim, f))  # [H, D, f]
         self.bias = nn.Parameter(torch.empty(num_heads, f))  # [H, f]
@@ -214,13 +232,13 @@ class T2RFeatureMap(FeatureMap):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """``W[h] = I[:, :f]`` (random Kaiming-uniform columns past D), ``b = 0``."""
+        """``W[h] = I[:, :f]`` (seeded random columns past D, same for every head), ``b = 0``."""
+        gen = torch.Generator(device="cpu").manual_seed(self.seed)
         bound = 1.0 / math.sqrt(self.head_dim)
-        self.weight.uniform_(-bound, bound)
+        w = (torch.rand(self.head_dim, self.feature_dim, generator=gen, device="cpu") * 2 - 1) * bound  # [D, f]
         n = min(self.head_dim, self.feature_dim)
-        self.weight[:, :, :n] = 0.0
-        idx = torch.arange(n)
-        self.weight[:, idx, idx] = 1.0
+        w[:, :n] = torch.eye(self.head_dim, device="cpu")[:, :n]
+        self.weight.copy_(w.expand_as(self.weight))
         self.bias.zero_()
 
     def _features(self, x: torch.Tensor) -> torch.Tensor:
@@ -238,12 +256,12 @@ def _orthogonal_gaussian(rows: int, dim: int, gen: torch.Generator) -> torch.Ten
     """
     blocks = []
     for _ in range(math.ceil(rows / dim)):
-        g = torch.randn(dim, dim, generator=gen, dtype=torch.float64)
+        g = torch.randn(dim, dim, generator=gen, dtype=torch.float64, device="cpu")
         q, r = torch.linalg.qr(g)
         q = q * torch.sign(torch.diagonal(r)).unsqueeze(0)  # unique (Haar) orthogonal
         blocks.append(q.T)  # rows orthonormal
     w = torch.cat(blocks, dim=0)[:rows]  # [rows, dim]
-    norms = torch.randn(rows, dim, generator=gen, dtype=torch.float64).norm(dim=-1)  # chi(dim)
+    norms = torch.randn(rows, dim, generator=gen, dtype=torch.float64, device="cpu").norm(dim=-1)  # chi(dim)
     return (w * norms.unsqueeze(-1)).float()
 
 
@@ -255,8 +273,9 @@ class PerformerFeatureMap(FeatureMap):
     so ``E[phi(q) . phi(k)] = exp(q' . k') = exp(q . k / sqrt(D))`` (up to ``eps``,
     default ``1e-6``, which keeps rows from underflowing to zero; the exponent is
     clamped at 80 so very large heads cannot overflow fp32). F = m =
-    ``feature_dim`` (default D). The projection is a buffer ``[H, D, m]`` (a
-    separate draw per head) generated from ``seed`` (default 0): it is not
+    ``feature_dim`` (default D). The projection is one buffer ``[D, m]`` shared
+    by all heads (as in the Performer code; it also makes the query and key
+    maps agree under GQA), generated from ``seed`` (default 0): it is not
     trained but is saved in the state dict, so a checkpoint reproduces it.
 
     Choromanski et al., "Rethinking Attention with Performers" (ICLR 2021,
@@ -277,19 +296,15 @@ class PerformerFeatureMap(FeatureMap):
         super().__init__(num_heads, head_dim)
         m = head_dim if feature_dim is None else feature_dim
         self.feature_dim = _check_positive_int(self.name, "feature_dim", m)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"feature map 'performer': seed={seed!r} is invalid; expected an integer")
-        self.seed = seed
+        self.seed = _check_int(self.name, "seed", seed)
         self.eps = _check_non_negative_float(self.name, "eps", eps)
-        gen = torch.Generator().manual_seed(seed)
-        proj = torch.stack(
-            [_orthogonal_gaussian(m, head_dim, gen).T for _ in range(num_heads)]
-        )  # [H, D, m]
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        proj = _orthogonal_gaussian(self.feature_dim, head_dim, gen).T.contiguous()  # [D, m]
         self.register_buffer("projection", proj, persistent=True)
 
     def _features(self, x: torch.Tensor) -> torch.Tensor:
         xs = x * self.head_dim ** -0.25  # [B, T, H, D]
-        u = torch.einsum("bthd,hdm->bthm", xs, self._weight(self.projection, x))  # [B, T, H, m]
+        u = xs @ self._weight(self.projection, x)  # [B, T, H, D] @ [D, m] -> [B, T, H, m]
         sq = 0.5 * (xs * xs).sum(-1, keepdim=True)  # [B, T, H, 1]
         # u - |x'|^2/2 <= |w||x'| - |x'|^2/2 <= |w|^2/2 ~ D/2: finite in fp32 for D up to ~160;
         # the clamp only guards larger heads against inf (fp32 exp overflows past ~88.7)
@@ -313,9 +328,10 @@ class TaylorFeatureMap(FeatureMap):
     normaliser is always positive (>= n/2 over n keys).
 
     ``P`` is learnable and starts as a Johnson-Lindenstrauss random projection
-    (entries ``N(0, (pD)^(-1/2))``, drawn from torch's global RNG) so that
-    initially ``E[t] = q . k / sqrt(D)``, i.e. the map approximates the model's
-    own ``exp(q . k / sqrt(D))`` to 2nd order in expectation.
+    (entries ``N(0, (pD)^(-1/2))``, drawn from ``seed``, default 0, the same
+    matrix for every head) so that initially ``E[t] = q . k / sqrt(D)``, i.e.
+    the map approximates the model's own ``exp(q . k / sqrt(D))`` to 2nd order
+    in expectation.
 
     Arora et al., "Simple linear attention language models balance the
     recall-throughput tradeoff" (Based, ICML 2024, arXiv 2402.18668),
@@ -327,9 +343,10 @@ class TaylorFeatureMap(FeatureMap):
     name = "taylor"
     learnable = True
 
-    def __init__(self, num_heads: int, head_dim: int, feature_dim: int = 16) -> None:
+    def __init__(self, num_heads: int, head_dim: int, feature_dim: int = 16, seed: int = 0) -> None:
         super().__init__(num_heads, head_dim)
         p = _check_positive_int(self.name, "feature_dim", feature_dim)
+        self.seed = _check_int(self.name, "seed", seed)
         self.proj_dim = p
         self.feature_dim = 1 + p + p * p
         self.weight = nn.Parameter(torch.empty(num_heads, head_dim, p))  # [H, D, p]
@@ -337,8 +354,10 @@ class TaylorFeatureMap(FeatureMap):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """JL init: ``P ~ N(0, (p D)^(-1/2))`` so that ``E[y_q . y_k] / sqrt(p) = q . k / sqrt(D)``."""
-        self.weight.normal_(0.0, (self.proj_dim * self.head_dim) ** -0.25)
+        """JL init: ``P ~ N(0, (p D)^(-1/2))`` (seeded, shared by all heads), so ``E[t] = q . k / sqrt(D)``."""
+        gen = torch.Generator(device="cpu").manual_seed(self.seed)
+        w = torch.randn(self.head_dim, self.proj_dim, generator=gen, device="cpu")  # [D, p]
+        self.weight.copy_((w * (self.proj_dim * self.head_dim) ** -0.25).expand_as(self.weight))
 
     def _features(self, x: torch.Tensor) -> torch.Tensor:
         p = self.proj_dim

@@ -133,12 +133,12 @@ def test_performer_seed_deterministic():
     c = build_feature_map("performer", H, D, seed=4)
     assert torch.equal(a.projection, b.projection)
     assert not torch.equal(a.projection, c.projection)
-    assert a.projection.shape == (H, D, D)
+    assert a.projection.shape == (D, D)  # one [D, m] draw shared by all heads
 
 
 def test_performer_orthogonal_blocks():
     fm = build_feature_map("performer", 1, D, feature_dim=D)
-    w = fm.projection[0].T.double()  # [m, D] rows
+    w = fm.projection.T.double()  # [m, D] rows
     gram = w @ w.T
     off = gram - torch.diag(torch.diagonal(gram))
     assert off.abs().max() < 1e-4
@@ -164,6 +164,46 @@ def test_performer_approximates_softmax_kernel_better_with_more_features():
     assert e_big < e_mid < e_small
     assert e_big < 0.35 * e_small  # 1/sqrt(F) would give 1/11
     assert e_big < 0.2
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_query_and_key_maps_agree_under_gqa(name):
+    """Maps built separately for 6 query heads and 2 key heads start identical head for head,
+    so phi_q(q) . phi_k(k) is the intended kernel from step 0 (GQA: q head h uses kv head h // 3)."""
+    torch.manual_seed(0)
+    fq = build_feature_map(name, 6, D, **({"feature_dim": 24} if name in ("t2r", "hedgehog") else {}))
+    torch.manual_seed(1)  # a different global RNG state must not matter
+    fk = build_feature_map(name, 2, D, **({"feature_dim": 24} if name in ("t2r", "hedgehog") else {}))
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 4, 1, D, generator=g)
+    yq = fq(x.expand(1, 4, 6, D).contiguous())
+    yk = fk(x.expand(1, 4, 2, D).contiguous())
+    for h in range(6):
+        assert torch.equal(yq[:, :, h], yk[:, :, h // 3])
+
+
+def test_seed_changes_random_init():
+    a = build_feature_map("taylor", H, D, seed=0)
+    b = build_feature_map("taylor", H, D, seed=1)
+    assert not torch.equal(a.weight, b.weight)
+    assert torch.equal(a.weight, build_feature_map("taylor", H, D, seed=0).weight)
+    t = build_feature_map("t2r", H, D, feature_dim=D + 4, seed=2)
+    assert not torch.equal(t.weight[..., D:], build_feature_map("t2r", H, D, feature_dim=D + 4, seed=3).weight[..., D:])
+
+
+def test_taylor_init_approximates_model_kernel():
+    """JL init: t = y_q . y_k / sqrt(p) is an unbiased estimate of q . k / sqrt(D) (averaged over seeds)."""
+    d, p = 16, 16
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 32, 1, d, generator=g)
+    k = torch.randn(1, 32, 1, d, generator=g)
+    s = torch.einsum("bihd,bjhd->bij", q, k) / math.sqrt(d)
+    ts = []
+    for seed in range(64):
+        W = build_feature_map("taylor", 1, d, feature_dim=p, seed=seed).weight[0]
+        ts.append(torch.einsum("bihp,bjhp->bij", q @ W, k @ W) / math.sqrt(p))
+    t = torch.stack(ts).mean(0)
+    assert (t - s).abs().mean() < 0.25 * s.abs().mean()
 
 
 def test_hedgehog_identity_init():
@@ -237,6 +277,8 @@ def test_bad_param_values_and_none_means_default():
         build_feature_map("performer", H, D, seed="x")
     assert build_feature_map("hedgehog", H, D, feature_dim=None).feature_dim == D
     assert feature_map_params("performer") == {"feature_dim": None, "seed": 0, "eps": 1e-6}
+    with pytest.raises(ValueError, match="seed"):
+        build_feature_map("taylor", H, D, seed=1.5)
 
 
 def test_wrong_input_shape():

@@ -1,0 +1,233 @@
+"""Write and verify hybrid checkpoint directories.
+
+A checkpoint is written into a temporary sibling directory and renamed into place only when
+complete, so an interrupted run never leaves a directory that looks finished. Layout (DESIGN.md):
+``config.json`` (+ ``auto_map``), ``model-0000k-of-0000N.safetensors`` + ``model.safetensors.index.json``
+(with per-shard sizes and sha256), tokenizer files, ``generation_config.json``,
+``configuration_linearize.py``/``modeling_linearize.py`` (for ``trust_remote_code=True``),
+``linearize_recipe.yaml``, ``README.md`` (model card) and stage reports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from safetensors.torch import save_file
+
+from .errors import OutputError
+
+INDEX_NAME = "model.safetensors.index.json"
+DEFAULT_SHARD_BYTES = 2 * 1024**3
+
+_REMOTE_CONFIG = '''"""Loader shim: the hybrid's config class lives in the `linearize` package (pip install linearize)."""
+from linearize.modeling import LinearizeConfig  # noqa: F401
+'''
+_REMOTE_MODELING = '''"""Loader shim: the hybrid's model class lives in the `linearize` package (pip install linearize)."""
+from linearize.modeling import LinearizeConfig, LinearizeForCausalLM  # noqa: F401
+'''
+
+
+def check_output_dir(out: Path, overwrite: bool) -> None:
+    """Refuse an existing output unless ``overwrite``; check the parent is writable. Writes nothing."""
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise OutputError(f"output {out} already exists (pass --overwrite to replace it)")
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"output {out} exists and is not a directory")
+    parent = out.resolve().parent
+    probe = parent
+    while not probe.exists():
+        probe = probe.parent
+    if not os.access(probe, os.W_OK):
+        raise OutputError(f"output {out}: {probe} is not writable")
+
+
+@contextlib.contextmanager
+def atomic_dir(out: Path, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary directory that becomes ``out`` only if the block completes."""
+    out = Path(out)
+    check_output_dir(out, overwrite)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        old = None
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            os.replace(out, old)
+        os.replace(tmp, out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _state_dict_for_save(model) -> dict[str, torch.Tensor]:
+    sd = model.state_dict()
+    if getattr(model.config, "tie_word_embeddings", False):
+        sd.pop("lm_head.weight", None)
+    seen: dict[int, str] = {}
+    out = {}
+    for k, v in sd.items():
+        ptr = (v.data_ptr(), v.numel())
+        if v.numel() and hash(ptr) in seen:
+            continue
+        if v.numel():
+            seen[hash(ptr)] = k
+        out[k] = v.detach().to("cpu").contiguous()
+    return out
+
+
+def write_shards(model, directory: Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> dict[str, Any]:
+    """Write sharded safetensors and an index carrying total size and per-shard size + sha256."""
+    sd = _state_dict_for_save(model)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k, v in sd.items():
+        n = v.numel() * v.element_size()
+        if shards[-1] and size + n > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][k] = v
+        size += n
+    total = len(shards)
+    weight_map: dict[str, str] = {}
+    files: dict[str, dict[str, Any]] = {}
+    total_size = 0
+    for i, shard in enumerate(shards, 1):
+        name = f"model-{i:05d}-of-{total:05d}.safetensors"
+        save_file(shard, str(directory / name), metadata={"format": "pt"})
+        files[name] = {"size": (directory / name).stat().st_size, "sha256": sha256_file(directory / name)}
+        for k in shard:
+            weight_map[k] = name
+        total_size += sum(v.numel() * v.element_size() for v in shard.values())
+    index = {"metadata": {"total_size": total_size, "shards": files}, "weight_map": weight_map}
+    (directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    return index
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def verify_checkpoint(directory: Path, hashes: bool = False) -> None:
+    """Fail with one line naming the file if a shard is missing, truncated or (optionally) altered."""
+    directory = Path(directory)
+    index_path = directory / INDEX_NAME
+    if not index_path.is_file():
+        raise OutputError(f"{directory}: missing {INDEX_NAME} (not a complete linearize checkpoint)")
+    try:
+        index = json.loads(index_path.read_text())
+    except ValueError:
+        raise OutputError(f"{index_path}: not valid JSON") from None
+    for name, meta in index.get("metadata", {}).get("shards", {}).items():
+        p = directory / name
+        if not p.is_file():
+            raise OutputError(f"{p}: shard missing")
+        if p.stat().st_size != meta["size"]:
+            raise OutputError(f"{p}: size {p.stat().st_size} != {meta['size']} in the index (truncated or edited)")
+        if hashes and sha256_file(p) != meta["sha256"]:
+            raise OutputError(f"{p}: sha256 does not match the index (edited or corrupt)")
+
+
+def model_card(model, *, base: str, recipe_name: str, reports: dict[str, Any]) -> str:
+    """The checkpoint's README.md: metadata front matter, layer map, how to load, scores."""
+    from . import __version__
+    from .select import describe_layout
+
+    cfg = model.config
+    lines = [
+        "---",
+        "library_name: transformers",
+        f"base_model: {base}",
+        "tags: [linearize, linear-attention, hybrid-attention]",
+        "---",
+        "",
+        f"# {base} → linear-attention hybrid",
+        "",
+        f"Converted with [linearize](https://pypi.org/project/linearize/) {__version__} using recipe `{recipe_name}`.",
+        "",
+        f"- base model: `{base}` ({cfg.base_model_type}, {cfg.num_hidden_layers} layers)",
+        f"- layer map (L = linear, S = softmax): `{describe_layout(cfg.layer_types)}`",
+        f"- linear attention: `{json.dumps(cfg.linear_attention, sort_keys=True)}`",
+        "",
+        "## Load",
+        "",
+        "```python",
+        "import linearize  # registers the hybrid with transformers' Auto classes",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        'model = AutoModelForCausalLM.from_pretrained("PATH")  # or trust_remote_code=True without the import',
+        'tokenizer = AutoTokenizer.from_pretrained("PATH")',
+        "```",
+        "",
+        "Loading needs the `linearize` package installed (`pip install linearize`); it holds the layer code.",
+        "",
+        "## Stages",
+        "",
+    ]
+    if not reports:
+        lines.append("Surgery only: the linear layers are untrained (run `linearize distill`).")
+    for stage, rep in reports.items():
+        lines.append(f"- **{stage}**: " + ", ".join(f"{k}={v}" for k, v in rep.items() if not isinstance(v, (dict, list))))
+    return "\n".join(lines) + "\n"
+
+
+def save_checkpoint(model, tokenizer, out: Path, *, base: str, recipe, overwrite: bool = False,
+                    reports: dict[str, dict] | None = None, resolved: dict[str, Any] | None = None,
+                    max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+    """Write the complete checkpoint directory atomically; return its path."""
+    from .recipe import resolved_yaml
+
+    out = Path(out)
+    reports = reports or {}
+    t0 = time.time()
+    with atomic_dir(out, overwrite) as tmp:
+        cfg = model.config
+        cfg.architectures = ["LinearizeForCausalLM"]
+        cfg.auto_map = {"AutoConfig": "configuration_linearize.LinearizeConfig",
+                        "AutoModelForCausalLM": "modeling_linearize.LinearizeForCausalLM"}
+        cfg.save_pretrained(tmp)
+        write_shards(model, tmp, max_shard_bytes)
+        tokenizer.save_pretrained(tmp)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(tmp)
+        (tmp / "configuration_linearize.py").write_text(_REMOTE_CONFIG)
+        (tmp / "modeling_linearize.py").write_text(_REMOTE_MODELING)
+        (tmp / "linearize_recipe.yaml").write_text(resolved_yaml(recipe, {"base_model": base, **(resolved or {})}))
+        (tmp / "README.md").write_text(model_card(model, base=base, recipe_name=recipe.name, reports=reports))
+        for stage, rep in reports.items():
+            (tmp / f"report_{stage}.json").write_text(json.dumps(rep, indent=2, default=str) + "\n")
+        summary = {"base_model": base, "recipe": recipe.name, "layer_types": cfg.layer_types,
+                   "stages": reports, "save_seconds": round(time.time() - t0, 2)}
+        (tmp / "report.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+        (tmp / "report.md").write_text(_report_md(summary))
+    return out
+
+
+def _report_md(summary: dict[str, Any]) -> str:
+    from .select import describe_layout
+
+    lines = [f"# Conversion report: {summary['base_model']}", "",
+             f"- recipe: `{summary['recipe']}`",
+             f"- layers: `{describe_layout(summary['layer_types'])}`", ""]
+    if not summary["stages"]:
+        lines.append("Surgery only (no training stage ran).")
+    for stage, rep in summary["stages"].items():
+        lines += [f"## {stage}", "", "| metric | value |", "|---|---|"]
+        lines += [f"| {k} | {v} |" for k, v in rep.items() if not isinstance(v, (dict, list))]
+        lines.append("")
+    return "\n".join(lines) + "\n"

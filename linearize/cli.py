@@ -1,0 +1,157 @@
+"""The ``linearize`` command line: every command is a thin wrapper over a library function."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+from typing import Callable, List, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .errors import LinearizeError
+
+app = typer.Typer(
+    help="Convert softmax-attention LLMs into fast linear-attention hybrids.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+def fail(message: str, code: int = 2) -> None:
+    """Print one line on stderr and exit non-zero."""
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def user_errors(fn: Callable) -> Callable:
+    """Turn errors a user can cause into one line and a non-zero exit, never a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except LinearizeError as e:
+            fail(str(e), e.exit_code)
+        except KeyboardInterrupt:
+            err_console.print("interrupted")
+            raise typer.Exit(130)
+        except MemoryError:
+            fail("out of host memory: try a smaller --dtype (bfloat16) or a smaller model", 3)
+        except Exception as e:  # CUDA OOM has no common base class before torch 2.5
+            if type(e).__name__ == "OutOfMemoryError":
+                fail("out of GPU memory: try --dtype bfloat16, a smaller batch or --device cpu", 3)
+            raise
+
+    return wrapper
+
+
+def _overrides(sets: Optional[List[str]]) -> dict:
+    from .recipe import parse_override
+
+    return dict(parse_override(s) for s in (sets or []))
+
+
+@app.command()
+@user_errors
+def convert(
+    spec: str = typer.Argument("smollm2-135m", help="Model: alias, local dir, .gguf file or hub id."),
+    ratio: str = typer.Option("3:1", "--ratio", help="A:B = A linear layers per B softmax layers, repeating."),
+    softmax_layers: Optional[str] = typer.Option(None, "--softmax-layers", help="Explicit softmax layers, e.g. 3,7,11 (overrides --ratio)."),
+    recipe: str = typer.Option("lolcats", "--recipe", help="Recipe name (see `linearize recipes`) or YAML path."),
+    set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a recipe field: section.field=value (repeatable)."),
+    no_train: bool = typer.Option(False, "--no-train", help="Surgery only: write the untrained hybrid."),
+    out: Optional[Path] = typer.Option(None, "-o", "--output", help="Output directory (default: MODEL-LAYOUT-RECIPE)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="float32 | bfloat16 | float16 (default: float32 on CPU, bfloat16 on GPU)."),
+    device: Optional[str] = typer.Option(None, "--device", help="cpu | cuda | cuda:N (default: cuda when available)."),
+):
+    """Convert a model into a linear-attention hybrid checkpoint."""
+    from .pipeline import convert as run
+
+    path = run(spec, ratio=ratio, softmax_layers=softmax_layers, recipe=recipe, overrides=_overrides(set_),
+               train=not no_train, out=out, overwrite=overwrite, dtype=dtype, device=device,
+               log=lambda m: console.print(m, highlight=False))
+    console.print(f"wrote {path}")
+
+
+@app.command()
+@user_errors
+def info(spec: str = typer.Argument(..., help="Model spec or hybrid checkpoint directory.")):
+    """Show the layer map, parameter counts and cache bytes at 4K/32K/128K."""
+    from .info import model_info
+
+    data = model_info(spec)
+    console.print(f"[bold]{data['name']}[/] ({data['model_type']}, {data['num_layers']} layers)", highlight=False)
+    console.print(f"layers: {data['layout']}", highlight=False)
+    console.print(f"parameters: {data['parameters']:,} (linear-attention extras: {data['extra_parameters']:,})")
+    table = Table(title="cache + state bytes per sequence (bf16 KV, fp32 state)")
+    table.add_column("context")
+    table.add_column("original", justify="right")
+    table.add_column("hybrid", justify="right")
+    table.add_column("hybrid / original", justify="right")
+    for length, row in data["cache_bytes"].items():
+        table.add_row(length, _human(row["original"]), _human(row["hybrid"]), f"{row['hybrid'] / row['original']:.1%}")
+    console.print(table)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024:
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} PiB"
+
+
+@app.command()
+@user_errors
+def generate(
+    spec: str = typer.Argument(..., help="Model spec or hybrid checkpoint directory."),
+    prompt: str = typer.Argument(..., help="The prompt."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1, help="Tokens to generate."),
+    chat: bool = typer.Option(True, "--chat/--raw", help="Apply the tokenizer's chat template when it has one."),
+    dtype: Optional[str] = typer.Option(None, "--dtype"),
+    device: Optional[str] = typer.Option(None, "--device"),
+):
+    """Generate text (greedy), streaming tokens as they come."""
+    from .generation import stream_generate
+
+    for piece in stream_generate(spec, prompt, max_new_tokens=max_new_tokens, chat=chat, dtype=dtype, device=device):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+
+
+@app.command("recipes")
+@user_errors
+def recipes_cmd(name: Optional[str] = typer.Argument(None, help="Show this recipe's YAML instead of the list.")):
+    """List the shipped recipes, or show one."""
+    from . import recipe as R
+
+    if name is not None:
+        console.print(R.find(name).read_text(), highlight=False, markup=False)
+        return
+    table = Table(title="recipes")
+    table.add_column("name")
+    table.add_column("feature map")
+    table.add_column("window")
+    table.add_column("description")
+    for n in R.available():
+        r = R.load(n)
+        table.add_row(n, r["attention"]["feature_map"], str(r["attention"]["window"]), r[""]["description"])
+    console.print(table)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

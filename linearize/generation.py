@@ -1,0 +1,47 @@
+"""Streaming greedy generation for `linearize generate`."""
+
+from __future__ import annotations
+
+from threading import Thread
+from typing import Iterator
+
+import torch
+
+from .sources import load_model
+
+
+def build_inputs(tokenizer, prompt: str, chat: bool) -> torch.Tensor:
+    """Token ids ``[1, T]`` for a prompt, through the chat template when asked and available."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+        return tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+    return tokenizer(prompt, return_tensors="pt").input_ids
+
+
+def stream_generate(spec: str, prompt: str, *, max_new_tokens: int = 64, chat: bool = True, dtype=None,
+                    device=None) -> Iterator[str]:
+    """Yield decoded text pieces as the model generates them (greedy)."""
+    from transformers import TextIteratorStreamer
+
+    model, tokenizer = load_model(spec, dtype=dtype, device=device)
+    ids = build_inputs(tokenizer, prompt, chat).to(model.device)
+    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                  do_sample=False, streamer=streamer, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+    errors: list[BaseException] = []
+
+    def run():
+        try:
+            with torch.inference_mode():
+                model.generate(**kwargs)
+        except BaseException as e:  # surfaced in the caller's thread
+            errors.append(e)
+            streamer.end()
+
+    thread = Thread(target=run, daemon=True)
+    thread.start()
+    yield from streamer
+    thread.join()
+    if errors:
+        raise errors[0]

@@ -1,0 +1,43 @@
+"""What `linearize info` shows: layer map, parameter counts and cache bytes, without loading weights."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .select import describe_layout
+from .sources import local_dir, resolve
+from .surgery import cache_bytes
+
+CONTEXTS = {"4K": 4096, "32K": 32768, "128K": 131072}
+
+
+def model_info(spec: str) -> dict[str, Any]:
+    """Layer map, parameters (total and added by linearization) and cache bytes for a spec or hybrid dir."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from . import modeling  # noqa: F401  (registers the hybrid)
+
+    r = resolve(spec)
+    config = AutoConfig.from_pretrained(local_dir(r))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    total = sum(p.numel() for p in model.parameters())
+    extra = sum(p.numel() for n, p in model.named_parameters() if "feature_map" in n or "window_logit" in n)
+    if config.model_type == "linearize":
+        layout = describe_layout(config.layer_types)
+        base_type = config.base_model_type
+    else:
+        layout = describe_layout(["full_attention"] * config.num_hidden_layers) + " (not converted)"
+        base_type = config.model_type
+    return {
+        "name": r.name,
+        "model_type": base_type,
+        "num_layers": config.num_hidden_layers,
+        "layout": layout,
+        "layer_types": getattr(config, "layer_types", None),
+        "parameters": total,
+        "extra_parameters": extra,
+        "cache_bytes": {name: cache_bytes(config, n) for name, n in CONTEXTS.items()},
+    }

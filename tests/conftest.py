@@ -1,0 +1,48 @@
+"""Shared fixtures: tiny random models of each supported family and the real embedded model."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+# Keep derived files (de-quantized GGUF, tokenized corpus) in one place for the whole run.
+os.environ.setdefault("LINEARIZE_CACHE", str(Path.home() / ".cache" / "linearize"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
+
+
+def tiny_model(family: str, layers: int = 4, seed: int = 0):
+    """A 2-4 layer, hidden-64 random causal LM of ``family`` (GQA: 4 heads, 2 KV heads, head_dim 16)."""
+    import transformers
+
+    cls_cfg = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}[family]
+    cls_lm = cls_cfg.replace("Config", "ForCausalLM")
+    kwargs = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=1024,
+                  tie_word_embeddings=family in ("llama", "qwen3"))
+    if family == "qwen2":
+        kwargs["attention_bias"] = True
+    torch.manual_seed(seed)
+    cfg = getattr(transformers, cls_cfg)(**kwargs)
+    model = getattr(transformers, cls_lm)(cfg).eval()
+    return model
+
+
+@pytest.fixture(scope="session")
+def embedded_dir() -> Path:
+    """The embedded SmolLM2-135M, de-quantized once into an HF directory."""
+    from linearize.sources import local_dir
+
+    return local_dir("smollm2-135m")
+
+
+def run_cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run ``linearize ARGS`` in a fresh interpreter; capture output."""
+    return subprocess.run([sys.executable, "-m", "linearize.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "COLUMNS": "200"})

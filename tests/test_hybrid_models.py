@@ -1,0 +1,145 @@
+"""Surgery, hybrid forward, generation cache and checkpoints on tiny models of every family."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import FAMILIES, tiny_model
+from linearize import recipe as R
+from linearize.checkpoint import save_checkpoint, verify_checkpoint
+from linearize.errors import OutputError
+from linearize.select import select_layout
+from linearize.surgery import linearize_model
+
+RECIPES = {"elu": None, "lolcats": {"attention.window": 8}}
+
+
+def _cache(out):
+    return out.cache if hasattr(out, "cache") and out.cache is not None else out.past_key_values
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_all_softmax_conversion_is_exact(family):
+    model = tiny_model(family)
+    ids = torch.randint(0, 128, (2, 40))
+    ref = model(ids).logits
+    hybrid = linearize_model(model, select_layout(4, ratio="0:1"), R.load("lolcats"))
+    assert (hybrid(ids).logits - ref).abs().max().item() == 0.0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_prefill_then_decode_equals_full_forward(family, recipe):
+    model = tiny_model(family)
+    hybrid = linearize_model(model, select_layout(4, ratio="1:1"), R.load(recipe, RECIPES[recipe]))
+    ids = torch.randint(0, 128, (2, 60))
+    with torch.no_grad():
+        full = hybrid(ids, use_cache=False).logits
+        out = hybrid(ids[:, :40], use_cache=True)
+        cache, logits = _cache(out), [out.logits]
+        for t in range(40, 60):
+            out = hybrid(ids[:, t : t + 1], cache=cache, use_cache=True)
+            logits.append(out.logits)
+        assert (torch.cat(logits, 1) - full).abs().max().item() <= 1e-4
+        # a multi-token continuation (chunked prefill) matches too
+        out = hybrid(ids[:, :25], use_cache=True)
+        out2 = hybrid(ids[:, 25:], cache=_cache(out), use_cache=True)
+        assert (torch.cat([out.logits, out2.logits], 1) - full).abs().max().item() <= 1e-4
+
+
+def test_linear_layers_differ_from_softmax_and_modes():
+    model = tiny_model("llama")
+    ids = torch.randint(0, 128, (1, 50))
+    ref = model(ids).logits
+    hybrid = linearize_model(model, select_layout(4, ratio="1:0"), R.load("elu"))
+    assert (hybrid(ids).logits - ref).abs().max().item() > 1e-3
+    hybrid.set_attention_mode("softmax")
+    assert (hybrid(ids, use_cache=False).logits - ref).abs().max().item() <= 1e-5
+    hybrid.set_attention_mode("distill")
+    hybrid(ids, use_cache=False)
+    pairs = [m.distill_pair for m in hybrid.linear_modules()]
+    assert all(p is not None and p[0].shape == p[1].shape == (1, 50, 4, 16) for p in pairs)
+    with pytest.raises(ValueError):
+        hybrid.set_attention_mode("bogus")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generate(family):
+    hybrid = linearize_model(tiny_model(family), select_layout(4, ratio="3:1"), R.load("lolcats", RECIPES["lolcats"]))
+    ids = torch.randint(0, 128, (1, 12))
+    out = hybrid.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
+    assert out.shape == (1, 18)
+    # greedy generation with the cache equals greedy decoding without it
+    seq = ids
+    for _ in range(6):
+        nxt = hybrid(seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+        seq = torch.cat([seq, nxt], 1)
+    assert torch.equal(out, seq)
+
+
+def _tiny_tokenizer(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(127)}
+    vocab["[UNK]"] = 127
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="w0")
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_checkpoint_round_trip(tmp_path, family):
+    from transformers import AutoModelForCausalLM
+
+    hybrid = linearize_model(tiny_model(family), select_layout(4, ratio="3:1"), R.load("lolcats", RECIPES["lolcats"]))
+    with torch.no_grad():  # make the learned parts non-trivial so the round trip is checked
+        for m in hybrid.linear_modules():
+            for p in list(m.feature_map_q.parameters()) + [m.window_logit]:
+                p.add_(0.1 * torch.randn_like(p))
+    out = tmp_path / "ckpt"
+    save_checkpoint(hybrid, _tiny_tokenizer(tmp_path), out, base="tiny", recipe=R.load("lolcats", RECIPES["lolcats"]),
+                    max_shard_bytes=200_000)
+    names = sorted(p.name for p in out.iterdir())
+    shards = [n for n in names if n.endswith(".safetensors")]
+    assert len(shards) > 1 and all(n.startswith("model-") and f"-of-{len(shards):05d}" in n for n in shards)
+    for required in ("config.json", "model.safetensors.index.json", "tokenizer.json", "generation_config.json",
+                     "linearize_recipe.yaml", "README.md", "report.json", "report.md", "modeling_linearize.py",
+                     "configuration_linearize.py"):
+        assert required in names
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == "linearize" and cfg["base_model_type"] == family
+    assert cfg["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+    assert cfg["auto_map"]["AutoModelForCausalLM"] == "modeling_linearize.LinearizeForCausalLM"
+    assert not any(p.name.startswith(".ckpt") for p in tmp_path.iterdir())  # no temporary left behind
+    verify_checkpoint(out, hashes=True)
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    ids = torch.randint(0, 128, (1, 30))
+    with torch.no_grad():
+        assert (loaded(ids).logits - hybrid(ids).logits).abs().max().item() <= 1e-6
+    with pytest.raises(OutputError, match="already exists"):
+        save_checkpoint(hybrid, _tiny_tokenizer(tmp_path), out, base="tiny", recipe=R.load("elu"))
+    # a truncated shard is named
+    shard = out / shards[0]
+    shard.write_bytes(shard.read_bytes()[:-10])
+    with pytest.raises(OutputError, match=shards[0]):
+        verify_checkpoint(out)
+
+
+def test_trust_remote_code_in_fresh_process(tmp_path):
+    hybrid = linearize_model(tiny_model("llama"), select_layout(4, ratio="1:1"), R.load("elu"))
+    out = tmp_path / "ckpt"
+    save_checkpoint(hybrid, _tiny_tokenizer(tmp_path), out, base="tiny", recipe=R.load("elu"))
+    code = (
+        "import sys, torch\n"
+        "from transformers import AutoModelForCausalLM\n"
+        f"m = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)\n"
+        "assert 'linearize' not in sys.modules or True\n"
+        "print(type(m).__name__, m.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=3, do_sample=False).shape)\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "LinearizeForCausalLM torch.Size([1, 6])" in res.stdout

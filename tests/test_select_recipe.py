@@ -1,0 +1,75 @@
+"""Layer selection and recipe loading/validation."""
+
+import pytest
+
+from linearize import recipe as R
+from linearize.errors import RecipeError, SelectionError
+from linearize.select import FULL, LINEAR, layout_from_ratio, parse_layer_list, select_layout, softmax_indices
+
+
+def test_ratio_3_to_1_on_30_layers():
+    layout = layout_from_ratio("3:1", 30)
+    assert softmax_indices(layout) == [3, 7, 11, 15, 19, 23, 27]
+    assert layout.count(LINEAR) == 23 and layout.count(FULL) == 7
+
+
+@pytest.mark.parametrize("ratio,n_lin", [("1:0", 30), ("0:1", 0), ("1:1", 15), ("7:1", 27)])
+def test_ratio_counts(ratio, n_lin):
+    assert layout_from_ratio(ratio, 30).count(LINEAR) == n_lin
+
+
+@pytest.mark.parametrize("bad", ["3:0:1", "a:b", "0:0", "3", "-1:2", ""])
+def test_bad_ratio(bad):
+    with pytest.raises(SelectionError):
+        layout_from_ratio(bad, 30)
+
+
+def test_softmax_layers_override_and_range():
+    layout = select_layout(8, ratio="1:0", softmax_layers="1,5-6")
+    assert softmax_indices(layout) == [1, 5, 6]
+    assert parse_layer_list("3, 7") == [3, 7]
+    with pytest.raises(SelectionError, match="out of range"):
+        select_layout(8, softmax_layers="8")
+    with pytest.raises(SelectionError):
+        parse_layer_list("x")
+
+
+def test_shipped_recipes_load():
+    names = R.available()
+    assert {"lolcats", "elu"} <= set(names)
+    r = R.load("lolcats")
+    assert r["attention"]["feature_map"] == "hedgehog" and r["attention"]["window"] == 64
+    for n in names:
+        text = R.find(n).read_text()
+        assert text.lstrip().startswith("#") and "linearize convert" in text  # header shows the command
+
+
+def test_recipe_override_and_errors(tmp_path):
+    r = R.load("lolcats", {"attention.window": 32})
+    assert r["attention"]["window"] == 32 and r.overrides == {"attention.window": 32}
+    with pytest.raises(RecipeError, match="attention.window = -1"):
+        R.load("lolcats", {"attention.window": -1})
+    with pytest.raises(RecipeError, match="unknown field 'attention.foo'"):
+        R.load("lolcats", {"attention.foo": 1})
+    with pytest.raises(RecipeError, match="one of"):
+        R.load("lolcats", {"attention.feature_map": "nope"})
+    with pytest.raises(RecipeError, match="unknown recipe"):
+        R.load("does-not-exist")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nbogus: 1\n")
+    with pytest.raises(RecipeError, match="unknown field 'bogus'"):
+        R.load(str(bad))
+    bad.write_text("attention: [1, 2\n")
+    with pytest.raises(RecipeError, match="invalid YAML"):
+        R.load(str(bad))
+
+
+def test_resolved_yaml_keeps_source_bytes():
+    import yaml
+
+    r = R.load("elu", {"attention.window": 16})
+    text = R.resolved_yaml(r, {"base_model": "m"})
+    assert text.startswith(r.source_text)
+    data = yaml.safe_load(text)
+    assert data["resolved"]["recipe"]["attention"]["window"] == 16
+    assert R.validate(data)["attention"]["window"] == 0  # the original fields, metadata ignored
