@@ -6,14 +6,20 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
+from . import linear_attention, window_linear_attention
 
-def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """||x - ref|| / ||ref|| in float64 (inf if x has NaN/inf)."""
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor, floor: float = 0.0) -> float:
+    """||x - ref|| / max(||ref||, floor * sqrt(numel)) in float64 (inf if x has NaN/inf).
+
+    ``floor`` is an RMS level below which a reference counts as zero (for gradients
+    that vanish mathematically, e.g. dq at T=1).
+    """
     x64, r64 = x.detach().double(), ref.detach().double()
     if not torch.isfinite(x64).all():
         return float("inf")
-    den = r64.norm().item()
-    return (x64 - r64).norm().item() / max(den, 1e-30)
+    den = max(r64.norm().item(), floor * max(r64.numel(), 1) ** 0.5, 1e-30)
+    return (x64 - r64).norm().item() / den
 
 
 def linear_inputs(B, T, H, Hk, K, V, *, dtype=torch.float32, device="cpu", seed=0, state=False):
@@ -72,3 +78,94 @@ def grads(inputs: Dict):
         else:
             out[name] = t.grad
     return out
+
+
+F64 = torch.float64
+TOL = {torch.float32: 2e-5, torch.bfloat16: 1e-2}
+
+
+# ---------------------------------------------------------------------------
+# generic checks: a path vs the float64 reference, outputs, final state and all gradients
+
+
+def run_linear(backend, inp, *, normalize=True, dtype=None, seed=1):
+    x = leaves(inp, dtype=dtype)
+    o, (S, z) = linear_attention(
+        x["q"], x["k"], x["v"], normalize=normalize, initial_state=x.get("initial_state"),
+        output_final_state=True, backend=backend,
+    )
+    g = torch.Generator().manual_seed(seed)
+    do = torch.randn(o.shape, generator=g, dtype=F64).to(o.device)
+    dS = torch.randn(S.shape, generator=g, dtype=F64).to(o.device)
+    dz = torch.randn(z.shape, generator=g, dtype=F64).to(o.device)
+    loss = (o.double() * do).sum() + (S.double() * dS).sum() + (z.double() * dz).sum()
+    loss.backward()
+    return o, (S, z), grads(x)
+
+
+# gradient tolerances per path and dtype; bf16 gradients of the Triton path use the
+# stored bf16 output for the normaliser term (as FlashAttention does), so they are looser
+TOL_G = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+GRAD_FLOOR = 1e-2  # RMS below which a reference gradient counts as ~0 (e.g. dq at T=1)
+
+
+def check_linear(backend, B, T, H, Hk, K, V, dtype, *, normalize=True, state=False, tol=None, tol_g=None, device="cpu"):
+    """Assert a path matches the float64 reference (outputs, final state, all gradients)."""
+    inp = linear_inputs(B, T, H, Hk, K, V, dtype=dtype, state=state, seed=T * 7 + H, device=device)
+    o, st, g = run_linear(backend, inp, normalize=normalize)
+    ro, rst, rg = run_linear("reference", inp, normalize=normalize, dtype=F64)
+    tol = tol or TOL[dtype]
+    tol_g = tol_g or TOL_G[dtype]
+    assert o.dtype == dtype and o.shape == (B, T, H, V)
+    assert st[0].dtype == torch.float32 and st[1].dtype == torch.float32
+    assert rel_err(o, ro) <= tol, ("o", rel_err(o, ro))
+    assert rel_err(st[0], rst[0]) <= tol and rel_err(st[1], rst[1]) <= tol
+    for name in rg:
+        assert g[name] is not None, name
+        e = rel_err(g[name], rg[name], floor=GRAD_FLOOR)
+        assert e <= tol_g, (name, e)
+
+
+def run_window(backend, inp, *, window, dtype=None, seed=1):
+    x = leaves(inp, dtype=dtype)
+    if dtype is not None:
+        x["window_factor"] = inp["window_factor"].detach().to(dtype).requires_grad_()
+    o, (S, z) = window_linear_attention(
+        x["q"], x["k"], x["fq"], x["fk"], x["v"], x["window_factor"], window=window,
+        initial_state=x.get("initial_state"), output_final_state=True, backend=backend,
+    )
+    g = torch.Generator().manual_seed(seed)
+    do = torch.randn(o.shape, generator=g, dtype=F64).to(o.device)
+    dS = torch.randn(S.shape, generator=g, dtype=F64).to(o.device)
+    dz = torch.randn(z.shape, generator=g, dtype=F64).to(o.device)
+    loss = (o.double() * do).sum() + (S.double() * dS).sum() + (z.double() * dz).sum()
+    loss.backward()
+    return o, (S, z), grads(x)
+
+
+def check_window(backend, B, T, H, Hk, D, K, V, W, dtype, *, state=False, tol=None, tol_g=None, qk_std=2.0,
+                 device="cpu"):
+    """Assert a path matches the float64 reference (outputs, final state, all gradients)."""
+    inp = window_inputs(B, T, H, Hk, D, K, V, dtype=dtype, state=state, seed=T * 5 + W, qk_std=qk_std,
+                        device=device)
+    o, st, g = run_window(backend, inp, window=W)
+    ro, rst, rg = run_window("reference", inp, window=W, dtype=F64)
+    tol = tol or TOL[dtype]
+    tol_g = tol_g or TOL_G[dtype]
+    assert o.dtype == dtype and o.shape == (B, T, H, V)
+    assert rel_err(o, ro) <= tol, ("o", rel_err(o, ro))
+    assert rel_err(st[0], rst[0]) <= tol and rel_err(st[1], rst[1]) <= tol
+    for name in rg:
+        assert g[name] is not None, name
+        if name == "window_factor":
+            # a sum over B*T rows; with no token older than the window (T <= W, no state) it is
+            # ~0 mathematically (w only enters through eps) and only rounding is left to compare
+            if T <= W and not state:
+                continue
+            e = rel_err(g[name], rg[name], floor=GRAD_FLOOR * (B * T) ** 0.5)
+            assert e <= 2.5 * tol_g, (name, e)
+            continue
+        e = rel_err(g[name], rg[name], floor=GRAD_FLOOR)
+        assert e <= tol_g, (name, e)
+
+

@@ -150,6 +150,13 @@ def recipes_cmd(name: Optional[str] = typer.Argument(None, help="Show this recip
 
 def main() -> None:
     """Console-script entry point."""
+    import os
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     app()
 
 

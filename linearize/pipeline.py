@@ -13,7 +13,7 @@ from . import recipe as recipes
 from .checkpoint import check_output_dir, save_checkpoint
 from .errors import LinearizeError
 from .select import describe_layout, parse_layer_list, parse_ratio, select_layout
-from .sources import load_model, resolve
+from .sources import load_model, resolve, resolve_dtype
 
 
 class TrainingUnavailable(LinearizeError):
@@ -41,7 +41,15 @@ def convert(spec: str, *, ratio: str | None = "3:1", softmax_layers: str | None 
         parse_layer_list(softmax_layers)
     else:
         parse_ratio(ratio or "3:1")
+    if dtype is not None:
+        resolve_dtype(dtype, device or "cpu")
     resolved = resolve(spec)
+    from transformers import AutoConfig
+
+    from .sources import local_dir
+
+    base_config = AutoConfig.from_pretrained(local_dir(resolved))
+    layer_types = select_layout(base_config.num_hidden_layers, ratio=ratio, softmax_layers=softmax_layers)
     out = Path(out or default_output_name(spec, ratio or "3:1", softmax_layers, rec.name))
     check_output_dir(out, overwrite)
     if train:
@@ -51,7 +59,6 @@ def convert(spec: str, *, ratio: str | None = "3:1", softmax_layers: str | None 
         )
     t0 = time.time()
     model, tokenizer = load_model(spec, dtype=dtype, device=device)
-    layer_types = select_layout(model.config.num_hidden_layers, ratio=ratio, softmax_layers=softmax_layers)
     log(f"layers: {describe_layout(layer_types)}")
     from .surgery import linearize_model
 

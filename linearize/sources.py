@@ -237,7 +237,7 @@ def resolve_dtype(dtype, device):
         return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     if isinstance(dtype, torch.dtype):
         return dtype
-    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    names = {"float64": torch.float64, "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
              "float16": torch.float16, "fp16": torch.float16}
     if dtype not in names:
         raise SpecError(f"--dtype {dtype!r}: expected one of {', '.join(names)}")

@@ -22,77 +22,10 @@ from linearize.kernels import (
     window_state_from_prefill,
 )
 from linearize.kernels.reference import linear_attention_reference, window_linear_attention_reference
-from linearize.kernels.testing import grads, leaves, linear_inputs, rel_err, window_inputs
+from linearize.kernels.testing import check_linear, check_window, linear_inputs, rel_err, window_inputs
 
 F64 = torch.float64
 TOL = {torch.float32: 2e-5, torch.bfloat16: 1e-2}
-
-
-# ---------------------------------------------------------------------------
-# generic checks (also used by test_kernels_triton.py via copy of the same shape)
-
-
-def run_linear(backend, inp, *, normalize=True, dtype=None, seed=1):
-    x = leaves(inp, dtype=dtype)
-    o, (S, z) = linear_attention(
-        x["q"], x["k"], x["v"], normalize=normalize, initial_state=x.get("initial_state"),
-        output_final_state=True, backend=backend,
-    )
-    g = torch.Generator().manual_seed(seed)
-    do = torch.randn(o.shape, generator=g, dtype=F64)
-    dS = torch.randn(S.shape, generator=g, dtype=F64)
-    dz = torch.randn(z.shape, generator=g, dtype=F64)
-    loss = (o.double() * do).sum() + (S.double() * dS).sum() + (z.double() * dz).sum()
-    loss.backward()
-    return o, (S, z), grads(x)
-
-
-def check_linear(backend, B, T, H, Hk, K, V, dtype, *, normalize=True, state=False, tol=None, tol_g=None):
-    inp = linear_inputs(B, T, H, Hk, K, V, dtype=dtype, state=state, seed=T * 7 + H)
-    o, st, g = run_linear(backend, inp, normalize=normalize)
-    ro, rst, rg = run_linear("reference", inp, normalize=normalize, dtype=F64)
-    tol = tol or TOL[dtype]
-    tol_g = tol_g or tol
-    assert o.dtype == dtype and o.shape == (B, T, H, V)
-    assert st[0].dtype == torch.float32 and st[1].dtype == torch.float32
-    assert rel_err(o, ro) <= tol, ("o", rel_err(o, ro))
-    assert rel_err(st[0], rst[0]) <= tol and rel_err(st[1], rst[1]) <= tol
-    for name in rg:
-        assert g[name] is not None, name
-        e = rel_err(g[name], rg[name])
-        assert e <= tol_g, (name, e)
-
-
-def run_window(backend, inp, *, window, dtype=None, seed=1):
-    x = leaves(inp, dtype=dtype)
-    if dtype is not None:
-        x["window_factor"] = inp["window_factor"].detach().to(dtype).requires_grad_()
-    o, (S, z) = window_linear_attention(
-        x["q"], x["k"], x["fq"], x["fk"], x["v"], x["window_factor"], window=window,
-        initial_state=x.get("initial_state"), output_final_state=True, backend=backend,
-    )
-    g = torch.Generator().manual_seed(seed)
-    do = torch.randn(o.shape, generator=g, dtype=F64)
-    dS = torch.randn(S.shape, generator=g, dtype=F64)
-    dz = torch.randn(z.shape, generator=g, dtype=F64)
-    loss = (o.double() * do).sum() + (S.double() * dS).sum() + (z.double() * dz).sum()
-    loss.backward()
-    return o, (S, z), grads(x)
-
-
-def check_window(backend, B, T, H, Hk, D, K, V, W, dtype, *, state=False, tol=None, tol_g=None, qk_std=2.0):
-    inp = window_inputs(B, T, H, Hk, D, K, V, dtype=dtype, state=state, seed=T * 5 + W, qk_std=qk_std)
-    o, st, g = run_window(backend, inp, window=W)
-    ro, rst, rg = run_window("reference", inp, window=W, dtype=F64)
-    tol = tol or TOL[dtype]
-    tol_g = tol_g or tol
-    assert o.dtype == dtype and o.shape == (B, T, H, V)
-    assert rel_err(o, ro) <= tol, ("o", rel_err(o, ro))
-    assert rel_err(st[0], rst[0]) <= tol and rel_err(st[1], rst[1]) <= tol
-    for name in rg:
-        assert g[name] is not None, name
-        e = rel_err(g[name], rg[name])
-        assert e <= tol_g, (name, e)
 
 
 # ---------------------------------------------------------------------------

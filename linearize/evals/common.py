@@ -343,3 +343,19 @@ def grid_summary(rows: list[dict], cfg: "EvalConfig", *, with_grid: bool = True)
             for L in cfg.lengths if any(r["length"] == L for r in rows)
         }
     return out
+
+
+# --------------------------------------------------------------------------- teacher forcing
+
+
+@torch.no_grad()
+def tail_logits(handle: ModelHandle, ids: Sequence[int] | torch.Tensor, k: int) -> torch.Tensor:
+    """Logits of the last ``k`` positions of one sequence, as float32 ``[k, V]`` on the model's
+    device (``logits_to_keep`` keeps the vocabulary projection to those positions)."""
+    x = torch.as_tensor(ids, dtype=torch.long, device=handle.device).reshape(1, -1)
+    k = min(int(k), x.shape[1])
+    try:
+        out = handle.model(input_ids=x, logits_to_keep=k, use_cache=False)
+    except TypeError:  # a model without logits_to_keep
+        out = handle.model(input_ids=x, use_cache=False)
+    return out.logits[0, -k:].float()

@@ -1,0 +1,198 @@
+"""Shared Triton pieces: the chunk-state scan kernel and launch helpers.
+
+``_scan_kernel`` accumulates ``S = init + sum_t (a_t x_t)^T y_t`` (and optionally
+``z = zinit + sum_t u_t x_t``) over chunks of ``BT`` tokens, forward or reverse in
+time, for one ``[BK, BV]`` block of the state per program. It can
+
+* store the *exclusive* state before every ``STRIDE``-th chunk (per-chunk states
+  for the backward passes), and/or
+* run over a sub-range of chunks (a "segment") and store its final sum
+  (per-segment partial states for the sequence-parallel forward).
+
+Several source heads (``G``) may feed one state head: that is how the GQA
+reductions of the backward pass (sum over the query heads of a KV group) happen
+inside the kernel instead of through a materialised repeat.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+POISON_OUTPUTS = os.environ.get("LINEARIZE_POISON", "0") == "1"
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# The CPU interpreter multiplies 16-bit operands incorrectly (triton 3.9); upcast there.
+_INTERP = tl.constexpr(interpreting())
+
+
+@triton.jit
+def mm(a, b, PREC: tl.constexpr):
+    """tl.dot with fp32 accumulation (operands upcast under the interpreter)."""
+    if _INTERP:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=PREC)
+
+
+def new_empty(shape, *, dtype, device):
+    """torch.empty, or NaN-filled when poisoning is on (tests)."""
+    if POISON_OUTPUTS:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def set_poison(flag: bool) -> None:
+    global POISON_OUTPUTS
+    POISON_OUTPUTS = bool(flag)
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def prec(dtype: torch.dtype) -> str:
+    """Dot precision: exact fp32 for fp32 inputs, native for 16-bit inputs."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def pow2(n: int, lo: int = 16) -> int:
+    return max(lo, triton.next_power_of_2(int(n)))
+
+
+@triton.jit
+def _scan_kernel(
+    X, Y, A, U,  # X [B,T,HXY,K], Y [B,T,HXY,V], A/U [B,T,HXY] row scalars
+    INIT_S, INIT_Z,  # [B,HS,K,V], [B,HS,K]
+    OUT_S, OUT_Z,  # per-chunk exclusive states [B,HS,NSTATE,K,V], [B,HS,NSTATE,K]
+    FIN_S, FIN_Z,  # final / per-segment sums [B,HS,NSEG,K,V], [B,HS,NSEG,K]
+    T, HS, NSTATE, NSEG, SEG_CHUNKS, SEG_OFF,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+    G: tl.constexpr, STRIDE: tl.constexpr, REVERSE: tl.constexpr,
+    HAS_A: tl.constexpr, HAS_U: tl.constexpr, DO_Z: tl.constexpr, HAS_INIT: tl.constexpr,
+    STORE_STATES: tl.constexpr, STORE_FINAL: tl.constexpr, PREC: tl.constexpr,
+):
+    pk = tl.program_id(0)
+    pv = tl.program_id(1)
+    pz = tl.program_id(2)
+    seg = pz % NSEG
+    bh = pz // NSEG
+    b = bh // HS
+    hs = bh % HS
+    HXY = HS * G
+    ok = pk * BK + tl.arange(0, BK)
+    ov = pv * BV + tl.arange(0, BV)
+    mk = ok < K
+    mv = ov < V
+    acc = tl.zeros([BK, BV], dtype=tl.float32)
+    accz = tl.zeros([BK], dtype=tl.float32)
+    if HAS_INIT:
+        sp = INIT_S + bh.to(tl.int64) * K * V
+        acc += tl.load(sp + ok[:, None] * V + ov[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
+        if DO_Z:
+            accz += tl.load(INIT_Z + bh.to(tl.int64) * K + ok, mask=mk, other=0.0)
+    N = tl.cdiv(T, BT)
+    c0 = tl.maximum(seg * SEG_CHUNKS - SEG_OFF, 0)
+    c1 = tl.minimum((seg + 1) * SEG_CHUNKS - SEG_OFF, N)
+    for it in range(c0, c1):
+        if REVERSE:
+            i = c1 - 1 - (it - c0)
+        else:
+            i = it
+        if STORE_STATES:
+            if i % STRIDE == 0:
+                op = OUT_S + (bh.to(tl.int64) * NSTATE + i // STRIDE) * K * V
+                tl.store(op + ok[:, None] * V + ov[None, :], acc, mask=mk[:, None] & mv[None, :])
+                if DO_Z:
+                    if pv == 0:
+                        tl.store(OUT_Z + (bh.to(tl.int64) * NSTATE + i // STRIDE) * K + ok, accz, mask=mk)
+        ot = i * BT + tl.arange(0, BT)
+        mt = ot < T
+        for g in tl.static_range(G):
+            hx = hs * G + g
+            row = (b.to(tl.int64) * T + ot) * HXY + hx  # [BT]
+            x = tl.load(X + row[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+            y = tl.load(Y + row[:, None] * V + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
+            if HAS_A:
+                a = tl.load(A + row, mask=mt, other=0.0)
+                xa = (x.to(tl.float32) * a[:, None]).to(x.dtype)
+            else:
+                xa = x
+            acc += mm(tl.trans(xa), y, PREC)
+            if DO_Z:
+                if HAS_U:
+                    u = tl.load(U + row, mask=mt, other=0.0)
+                    accz += tl.sum(x.to(tl.float32) * u[:, None], 0)
+                else:
+                    accz += tl.sum(x.to(tl.float32), 0)
+    if STORE_FINAL:
+        fp = FIN_S + (bh.to(tl.int64) * NSEG + seg) * K * V
+        tl.store(fp + ok[:, None] * V + ov[None, :], acc, mask=mk[:, None] & mv[None, :])
+        if DO_Z:
+            if pv == 0:
+                tl.store(FIN_Z + (bh.to(tl.int64) * NSEG + seg) * K + ok, accz, mask=mk)
+
+
+def scan_states(
+    x: torch.Tensor,  # [B, T, HXY, K]
+    y: torch.Tensor,  # [B, T, HXY, V]
+    *,
+    heads: int,  # state heads HS (HXY = HS * G)
+    a: torch.Tensor = None,  # [B, T, HXY] fp32 row scale of the outer product
+    u: torch.Tensor = None,  # [B, T, HXY] fp32 row weights of the z sum
+    do_z: bool = True,
+    init=None,  # (S [B,HS,K,V] fp32, z [B,HS,K] fp32 or None)
+    reverse: bool = False,
+    per_chunk: bool = True,  # store exclusive per-chunk states
+    store_final: bool = False,
+    segments: int = 1,
+    seg_chunks: int = 0,
+    seg_off: int = 0,
+    BT: int = 64,
+    BK: int = 64,
+    BV: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+):
+    """Run the scan; returns (states, zstates, final, zfinal) (unrequested ones None)."""
+    B, T, HXY, K = x.shape
+    V = y.shape[-1]
+    G = HXY // heads
+    N = triton.cdiv(T, BT)
+    dev = x.device
+    BK = min(BK, pow2(K))
+    BV = min(BV, pow2(V))
+    if segments == 1:
+        seg_chunks = N + seg_off
+    f32 = torch.float32
+    st = new_empty((B, heads, N, K, V), dtype=f32, device=dev) if per_chunk else None
+    stz = new_empty((B, heads, N, K), dtype=f32, device=dev) if (per_chunk and do_z) else None
+    fin = new_empty((B, heads, segments, K, V), dtype=f32, device=dev) if store_final else None
+    finz = new_empty((B, heads, segments, K), dtype=f32, device=dev) if (store_final and do_z) else None
+    dummy = x  # never dereferenced when the matching flag is off
+    S0, z0 = init if init is not None else (None, None)
+    has_init = S0 is not None
+    if has_init and do_z and z0 is None:
+        raise ValueError("scan_states: init z required when do_z")
+    grid = (triton.cdiv(K, BK), triton.cdiv(V, BV), B * heads * segments)
+    _scan_kernel[grid](
+        x, y, a if a is not None else dummy, u if u is not None else dummy,
+        S0 if has_init else dummy, z0 if (has_init and z0 is not None) else dummy,
+        st if st is not None else dummy, stz if stz is not None else dummy,
+        fin if fin is not None else dummy, finz if finz is not None else dummy,
+        T, heads, N, segments, seg_chunks, seg_off,
+        K=K, V=V, BK=BK, BV=BV, BT=BT, G=G, STRIDE=1, REVERSE=reverse,
+        HAS_A=a is not None, HAS_U=u is not None, DO_Z=do_z,
+        HAS_INIT=has_init, STORE_STATES=per_chunk, STORE_FINAL=store_final, PREC=prec(x.dtype),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return st, stz, fin, finz

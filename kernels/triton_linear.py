@@ -1,0 +1,394 @@
+"""Triton kernels for causal (normalised) linear attention, forward and backward.
+
+Forward: one sequential pass per (value block, query head, segment) that carries
+the state ``S [K, BV]`` and the normaliser ``z [K]`` in registers across chunks of
+``BT`` tokens and writes the *normalised* output directly (the normaliser is
+fused: no separate pass, no materialised per-chunk states). When the grid would
+not fill the GPU (few heads, long sequences) the sequence is split into
+segments: a parallel kernel sums ``k^T v`` per segment, a tiny cumulative sum
+gives each segment its starting state, and segments then run independently.
+
+Backward (math in README.md): per-chunk states are recomputed by two scans
+(forward ``sum k^T v``, reverse ``sum q^T dn``), then two chunk-parallel kernels
+produce ``dq`` and ``(dk, dv)``; the GQA sum over a KV group's query heads is
+done inside the kernels.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_common import mm, new_empty, num_sms, pow2, prec, scan_states
+
+BT_DEFAULT = 64
+
+
+@triton.jit
+def _la_fwd_kernel(
+    Q, Kp, Vp, O, DEN,  # q [B,T,H,K], k [B,T,HK,K], v [B,T,HK,V], o [B,T,H,V], den [B,T,H] fp32
+    SEG_S, SEG_Z,  # starting state per segment [B,HK,NSEG,K,V], [B,HK,NSEG,K]
+    FIN_S, FIN_Z,  # final state [B,HK,K,V], [B,HK,K]
+    T, H, HK, NSEG, SEG_CHUNKS, eps,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+    NORMALIZE: tl.constexpr, HAS_SEG: tl.constexpr, STORE_FINAL: tl.constexpr,
+    STORE_DEN: tl.constexpr, PREC: tl.constexpr,
+):
+    pv = tl.program_id(0)
+    pbh = tl.program_id(1)
+    ps = tl.program_id(2)
+    b = pbh // H
+    h = pbh % H
+    G = H // HK
+    hk = h // G
+    ok = tl.arange(0, BK)
+    ov = pv * BV + tl.arange(0, BV)
+    mk = ok < K
+    mv = ov < V
+    S = tl.zeros([BK, BV], dtype=tl.float32)
+    z = tl.zeros([BK], dtype=tl.float32)
+    sbh = (b * HK + hk).to(tl.int64)
+    if HAS_SEG:
+        sp = SEG_S + (sbh * NSEG + ps) * K * V
+        S += tl.load(sp + ok[:, None] * V + ov[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
+        z += tl.load(SEG_Z + (sbh * NSEG + ps) * K + ok, mask=mk, other=0.0)
+    N = tl.cdiv(T, BT)
+    c0 = ps * SEG_CHUNKS
+    c1 = tl.minimum(c0 + SEG_CHUNKS, N)
+    ar = tl.arange(0, BT)
+    causal = ar[:, None] >= ar[None, :]
+    for i in range(c0, c1):
+        ot = i * BT + ar
+        mt = ot < T
+        qrow = (b.to(tl.int64) * T + ot) * H + h
+        krow = (b.to(tl.int64) * T + ot) * HK + hk
+        q = tl.load(Q + qrow[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+        k = tl.load(Kp + krow[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+        v = tl.load(Vp + krow[:, None] * V + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
+        A = mm(q, tl.trans(k), PREC)
+        A = tl.where(causal, A, 0.0).to(v.dtype)  # rounded once: numerator and normaliser agree
+        o = mm(A, v, PREC)
+        o += mm(q, S.to(q.dtype), PREC)
+        if NORMALIZE:
+            d = tl.sum(A.to(tl.float32), 1) + tl.sum(q.to(tl.float32) * z[None, :], 1) + eps
+            o = o / d[:, None]
+            if STORE_DEN:
+                if pv == 0:
+                    tl.store(DEN + qrow, d, mask=mt)
+        tl.store(O + qrow[:, None] * V + ov[None, :], o.to(O.dtype.element_ty), mask=mt[:, None] & mv[None, :])
+        S += mm(tl.trans(k), v, PREC)
+        z += tl.sum(k.to(tl.float32), 0)
+    if STORE_FINAL:
+        if ps == NSEG - 1:
+            if h % G == 0:
+                tl.store(FIN_S + sbh * K * V + ok[:, None] * V + ov[None, :], S, mask=mk[:, None] & mv[None, :])
+                if pv == 0:
+                    tl.store(FIN_Z + sbh * K + ok, z, mask=mk)
+
+
+@triton.jit
+def _la_bwd_dq_kernel(
+    Kp, Vp, DO, INVD, DD,  # k, v, do [B,T,H,V], 1/den and dd [B,T,H] fp32
+    ST_S, ST_Z,  # exclusive per-chunk states [B,HK,N,K,V], [B,HK,N,K]
+    DQ,
+    T, H, HK,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+    NV_BLK: tl.constexpr, NORMALIZE: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
+):
+    pk = tl.program_id(0)
+    i = tl.program_id(1)
+    pbh = tl.program_id(2)
+    b = pbh // H
+    h = pbh % H
+    hk = h // (H // HK)
+    N = tl.cdiv(T, BT)
+    ar = tl.arange(0, BT)
+    ot = i * BT + ar
+    mt = ot < T
+    ok = pk * BK + tl.arange(0, BK)
+    mk = ok < K
+    qrow = (b.to(tl.int64) * T + ot) * H + h
+    krow = (b.to(tl.int64) * T + ot) * HK + hk
+    st = ((b * HK + hk).to(tl.int64) * N + i)
+    Bm = tl.zeros([BT, BT], dtype=tl.float32)
+    dq = tl.zeros([BT, BK], dtype=tl.float32)
+    for vb in tl.static_range(NV_BLK):
+        ov = vb * BV + tl.arange(0, BV)
+        mv = ov < V
+        do = tl.load(DO + qrow[:, None] * V + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
+        v = tl.load(Vp + krow[:, None] * V + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
+        Bm += mm(do, tl.trans(v), PREC)
+        S = tl.load(ST_S + st * K * V + ok[:, None] * V + ov[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
+        St = tl.trans(S)
+        S_hi = St.to(do.dtype)
+        dq += mm(do, S_hi, PREC)
+        if SPLIT:
+            # 16-bit operands: add the rounding residual of the fp32 state (dq cancels strongly)
+            dq += mm(do, (St - S_hi.to(tl.float32)).to(do.dtype), PREC)
+    if NORMALIZE:
+        invd = tl.load(INVD + qrow, mask=mt, other=0.0)
+        dd = tl.load(DD + qrow, mask=mt, other=0.0)
+        Bm = Bm * invd[:, None] + dd[:, None]
+        z = tl.load(ST_Z + st * K + ok, mask=mk, other=0.0)
+        dq = dq * invd[:, None] + dd[:, None] * z[None, :]
+    Bm = tl.where(ar[:, None] >= ar[None, :], Bm, 0.0)
+    k = tl.load(Kp + krow[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+    dq += mm(Bm.to(k.dtype), k, PREC)
+    tl.store(DQ + qrow[:, None] * K + ok[None, :], dq.to(DQ.dtype.element_ty), mask=mt[:, None] & mk[None, :])
+
+
+@triton.jit
+def _la_bwd_dkv_kernel(
+    Q, Kp, Vp, DO, INVD, DD,
+    RS, RZ,  # reverse exclusive states [B,HK,N,K,V], [B,HK,N,K] (already summed over the group)
+    DK, DV,
+    T, H, HK,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+    NK_BLK: tl.constexpr, NV_BLK: tl.constexpr, G: tl.constexpr,
+    NORMALIZE: tl.constexpr, PREC: tl.constexpr,
+):
+    p0 = tl.program_id(0)
+    i = tl.program_id(1)
+    pbh = tl.program_id(2)
+    b = pbh // HK
+    hk = pbh % HK
+    N = tl.cdiv(T, BT)
+    ar = tl.arange(0, BT)
+    ot = i * BT + ar
+    mt = ot < T
+    krow = (b.to(tl.int64) * T + ot) * HK + hk
+    st = (pbh.to(tl.int64) * N + i)
+    tri = ar[:, None] >= ar[None, :]  # [t, j]: t >= j
+    if p0 < NK_BLK:
+        ok = p0 * BK + tl.arange(0, BK)
+        mk = ok < K
+        dk = tl.zeros([BT, BK], dtype=tl.float32)
+        for g in tl.static_range(G):
+            h = hk * G + g
+            qrow = (b.to(tl.int64) * T + ot) * H + h
+            Bm = tl.zeros([BT, BT], dtype=tl.float32)
+            if NORMALIZE:
+                invd = tl.load(INVD + qrow, mask=mt, other=0.0)
+                dd = tl.load(DD + qrow, mask=mt, other=0.0)
+            for vb in tl.static_range(NV_BLK):
+                ov = vb * BV + tl.arange(0, BV)
+                mv = ov < V
+                do = tl.load(DO + qrow[:, None] * V + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
+                v = tl.load(Vp + krow[:, None] * V + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
+                Bm += mm(do, tl.trans(v), PREC)
+            if NORMALIZE:
+                Bm = Bm * invd[:, None] + dd[:, None]
+            Bm = tl.where(tri, Bm, 0.0)
+            q = tl.load(Q + qrow[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+            dk += mm(tl.trans(Bm).to(q.dtype), q, PREC)
+        for vb in tl.static_range(NV_BLK):
+            ov = vb * BV + tl.arange(0, BV)
+            mv = ov < V
+            v = tl.load(Vp + krow[:, None] * V + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
+            R = tl.load(RS + st * K * V + ok[:, None] * V + ov[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
+            dk += mm(v, tl.trans(R).to(v.dtype), PREC)
+        if NORMALIZE:
+            r = tl.load(RZ + st * K + ok, mask=mk, other=0.0)
+            dk += r[None, :]
+        tl.store(DK + krow[:, None] * K + ok[None, :], dk.to(DK.dtype.element_ty), mask=mt[:, None] & mk[None, :])
+    else:
+        ov = (p0 - NK_BLK) * BV + tl.arange(0, BV)
+        mv = ov < V
+        dv = tl.zeros([BT, BV], dtype=tl.float32)
+        for g in tl.static_range(G):
+            h = hk * G + g
+            qrow = (b.to(tl.int64) * T + ot) * H + h
+            A = tl.zeros([BT, BT], dtype=tl.float32)
+            for kb in tl.static_range(NK_BLK):
+                ok = kb * BK + tl.arange(0, BK)
+                mk = ok < K
+                q = tl.load(Q + qrow[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+                k = tl.load(Kp + krow[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+                A += mm(q, tl.trans(k), PREC)
+            A = tl.where(tri, A, 0.0)
+            do = tl.load(DO + qrow[:, None] * V + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
+            if NORMALIZE:
+                invd = tl.load(INVD + qrow, mask=mt, other=0.0)
+                dn = (do.to(tl.float32) * invd[:, None]).to(do.dtype)
+            else:
+                dn = do
+            dv += mm(tl.trans(A).to(dn.dtype), dn, PREC)
+        for kb in tl.static_range(NK_BLK):
+            ok = kb * BK + tl.arange(0, BK)
+            mk = ok < K
+            k = tl.load(Kp + krow[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+            R = tl.load(RS + st * K * V + ok[:, None] * V + ov[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
+            dv += mm(k, R.to(k.dtype), PREC)
+        tl.store(DV + krow[:, None] * V + ov[None, :], dv.to(DV.dtype.element_ty), mask=mt[:, None] & mv[None, :])
+
+
+# ---------------------------------------------------------------------------
+# launch configuration (tuned on an H200; see README.md)
+
+CONFIG = {
+    "fwd_bv": 64,  # value block of the forward kernel
+    "fwd_warps": 4,
+    "fwd_stages": 2,
+    "fwd_waves": 2.0,  # aim for this many programs per SM before splitting into segments
+    "bwd_bk": 64,
+    "bwd_bv": 64,
+    "bwd_warps": 4,
+    "scan_warps": 4,
+}
+
+
+def _fwd(q, k, v, S0, z0, normalize, eps, want_final, store_den):
+    B, T, H, K = q.shape
+    HK, V = k.shape[2], v.shape[-1]
+    dev = q.device
+    BT = BT_DEFAULT
+    BK = pow2(K)
+    BV = min(CONFIG["fwd_bv"], pow2(V))
+    NVB = triton.cdiv(V, BV)
+    N = triton.cdiv(T, BT)
+    progs = B * H * NVB
+    nseg = 1
+    if dev.type == "cuda":
+        target = CONFIG["fwd_waves"] * num_sms(dev)
+        if progs < target and N >= 4:
+            nseg = min(N // 2, triton.cdiv(int(target), progs))
+    seg_chunks = triton.cdiv(N, nseg)
+    nseg = triton.cdiv(N, seg_chunks)
+    o = new_empty((B, T, H, V), dtype=v.dtype, device=dev)
+    den = new_empty((B, T, H), dtype=torch.float32, device=dev) if (store_den and normalize) else None
+    f32 = torch.float32
+    seg_S = seg_z = None
+    if nseg > 1:
+        _, _, part, partz = scan_states(k, v, heads=HK, per_chunk=False, store_final=True, do_z=True,
+                                        segments=nseg, seg_chunks=seg_chunks, BT=BT,
+                                        num_warps=CONFIG["scan_warps"])
+        seg_S = torch.cumsum(part, 2) - part  # exclusive over segments
+        seg_z = torch.cumsum(partz, 2) - partz
+        if S0 is not None:
+            seg_S += S0.to(f32).unsqueeze(2)
+            seg_z += z0.to(f32).unsqueeze(2)
+    elif S0 is not None:
+        seg_S = S0.to(f32).contiguous().unsqueeze(2)
+        seg_z = z0.to(f32).contiguous().unsqueeze(2)
+    fin_S = new_empty((B, HK, K, V), dtype=f32, device=dev) if want_final else None
+    fin_z = new_empty((B, HK, K), dtype=f32, device=dev) if want_final else None
+    dummy = o
+    grid = (NVB, B * H, nseg)
+    _la_fwd_kernel[grid](
+        q, k, v, o, den if den is not None else dummy,
+        seg_S if seg_S is not None else dummy, seg_z if seg_z is not None else dummy,
+        fin_S if want_final else dummy, fin_z if want_final else dummy,
+        T, H, HK, nseg, seg_chunks, eps,
+        K=K, V=V, BK=BK, BV=BV, BT=BT, NORMALIZE=normalize, HAS_SEG=seg_S is not None,
+        STORE_FINAL=want_final, STORE_DEN=den is not None, PREC=prec(q.dtype),
+        num_warps=CONFIG["fwd_warps"], num_stages=CONFIG["fwd_stages"],
+    )
+    return o, den, fin_S, fin_z
+
+
+def _bwd(q, k, v, o, den, S0, z0, do, dS_f, dz_f, normalize, need_state_grads):
+    B, T, H, K = q.shape
+    HK, V = k.shape[2], v.shape[-1]
+    G = H // HK
+    dev = q.device
+    BT = BT_DEFAULT
+    f32 = torch.float32
+    N = triton.cdiv(T, BT)
+    do = do.contiguous()
+    if normalize:
+        invd = (1.0 / den).contiguous()
+        dd = -(do.to(f32) * o.to(f32)).sum(-1) * invd  # [B,T,H]
+        dd = dd.contiguous()
+    else:
+        invd = dd = None
+    # forward-direction exclusive states (for dq)
+    init_f = None
+    if S0 is not None:
+        init_f = (S0.to(f32).contiguous(), z0.to(f32).contiguous())
+    st, stz, _, _ = scan_states(k, v, heads=HK, do_z=normalize, init=init_f,
+                                BT=BT, num_warps=CONFIG["scan_warps"])
+    # reverse exclusive states sum_{t in later chunks} q_t^T dn_t (+ dS_f), summed over the group
+    init_r = None
+    if dS_f is not None or (normalize and dz_f is not None):
+        Sr = dS_f.to(f32).contiguous() if dS_f is not None else torch.zeros(B, HK, K, V, device=dev, dtype=f32)
+        zr = None
+        if normalize:
+            zr = dz_f.to(f32).contiguous() if dz_f is not None else torch.zeros(B, HK, K, device=dev, dtype=f32)
+        init_r = (Sr, zr)
+    rs, rz, fin, finz = scan_states(q, do, heads=HK, a=invd, u=dd, do_z=normalize, init=init_r, reverse=True,
+                                    store_final=need_state_grads, BT=BT, num_warps=CONFIG["scan_warps"])
+    BK = min(CONFIG["bwd_bk"], pow2(K))
+    BV = min(CONFIG["bwd_bv"], pow2(V))
+    NKB, NVB = triton.cdiv(K, BK), triton.cdiv(V, BV)
+    dq = new_empty(q.shape, dtype=q.dtype, device=dev)
+    dk = new_empty(k.shape, dtype=k.dtype, device=dev)
+    dv = new_empty(v.shape, dtype=v.dtype, device=dev)
+    dummy = dq
+    pr = prec(q.dtype)
+    _la_bwd_dq_kernel[(NKB, N, B * H)](
+        k, v, do, invd if normalize else dummy, dd if normalize else dummy, st, stz if normalize else dummy, dq,
+        T, H, HK, K=K, V=V, BK=BK, BV=BV, BT=BT, NV_BLK=NVB, NORMALIZE=normalize,
+        SPLIT=q.dtype != torch.float32, PREC=pr,
+        num_warps=CONFIG["bwd_warps"],
+    )
+    _la_bwd_dkv_kernel[(NKB + NVB, N, B * HK)](
+        q, k, v, do, invd if normalize else dummy, dd if normalize else dummy, rs, rz if normalize else dummy,
+        dk, dv, T, H, HK, K=K, V=V, BK=BK, BV=BV, BT=BT, NK_BLK=NKB, NV_BLK=NVB, G=G,
+        NORMALIZE=normalize, PREC=pr, num_warps=CONFIG["bwd_warps"],
+    )
+    if not normalize and dz_f is not None:
+        dk = (dk.to(f32) + dz_f.to(f32).unsqueeze(1)).to(k.dtype)
+    dS0 = dz0 = None
+    if need_state_grads:
+        dS0 = fin[:, :, 0]
+        if normalize:
+            dz0 = finz[:, :, 0]
+        else:
+            dz0 = dz_f.to(f32).clone() if dz_f is not None else torch.zeros(B, HK, K, device=dev, dtype=f32)
+    return dq, dk, dv, dS0, dz0
+
+
+class _LinearAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, S0, z0, normalize, eps, output_final_state):
+        needs_grad = any(ctx.needs_input_grad[:5])
+        o, den, S_f, z_f = _fwd(q, k, v, S0, z0, normalize, eps, output_final_state, store_den=needs_grad)
+        ctx.save_for_backward(q, k, v, o, den, S0, z0)
+        ctx.normalize = normalize
+        ctx.set_materialize_grads(False)
+        if output_final_state:
+            return o, S_f, z_f
+        return o, None, None
+
+    @staticmethod
+    def backward(ctx, do, dS_f, dz_f):
+        q, k, v, o, den, S0, z0 = ctx.saved_tensors
+        if do is None:
+            do = torch.zeros_like(o)
+        need_state = ctx.needs_input_grad[3] or ctx.needs_input_grad[4]
+        dq, dk, dv, dS0, dz0 = _bwd(q, k, v, o, den, S0, z0, do, dS_f, dz_f, ctx.normalize, need_state)
+        return dq, dk, dv, dS0, dz0, None, None, None
+
+
+def linear_attention_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    normalize: bool = True,
+    eps: float = 1e-6,
+    initial_state: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+    output_final_state: bool = False,
+):
+    """Triton path of :func:`linearize.kernels.linear_attention`."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    S0 = z0 = None
+    if initial_state is not None:
+        S0, z0 = initial_state
+        S0 = S0.float().contiguous()
+        z0 = z0.float().contiguous()
+    o, S_f, z_f = _LinearAttention.apply(q, k, v, S0, z0, normalize, float(eps), output_final_state)
+    return o, ((S_f, z_f) if output_final_state else None)

@@ -1,0 +1,437 @@
+"""Triton kernels for the LoLCATs sliding-window hybrid, forward and backward.
+
+Chunks of ``BT >= W`` tokens (64, or 128 for 64 < W <= 128). A query in chunk
+``n`` sees its window inside chunks ``n-1`` and ``n``; everything older than the
+window in chunk ``n-1`` (and in chunk ``n`` when ``W < BT``) is handled through
+masked feature-map scores, and all tokens before chunk ``n-1`` through the
+carried linear state ``(S, z)``, which therefore lags one chunk behind. The
+forward is one fused sequential pass (softmax part, linear part and the shared
+normaliser together), split into segments when the grid would not fill the
+GPU. The backward recomputes scores from the saved row shift ``m`` and
+denominator ``D`` (``[B,T,H]`` fp32 each): a query-side kernel gives ``dq``,
+``dfq`` and the window-factor gradient, a key-side kernel ``dk``, ``dfk``,
+``dv``. Math in README.md.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_common import mm, new_empty, num_sms, pow2, prec, scan_states
+
+NEG_INF = float("-inf")
+
+
+@triton.jit
+def _win_fwd_kernel(
+    Q, Kr, FQ, FK, Vp, WF,  # q [B,T,H,D], k [B,T,HK,D], fq [B,T,H,K], fk [B,T,HK,K], v [B,T,HK,V], wf [H] fp32
+    O, MS, DEN,  # o [B,T,H,V]; m, den [B,T,H] fp32
+    SEG_S, SEG_Z,  # lagged starting state per segment [B,HK,NSEG,K,V], [B,HK,NSEG,K]
+    T, H, HK, NSEG, SEG_CHUNKS, W, scale, eps,
+    D: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+    HAS_LIN_CUR: tl.constexpr, HAS_SEG: tl.constexpr, STORE_STATS: tl.constexpr, PREC: tl.constexpr,
+):
+    pv = tl.program_id(0)
+    pbh = tl.program_id(1)
+    ps = tl.program_id(2)
+    b = pbh // H
+    h = pbh % H
+    hk = h // (H // HK)
+    od = tl.arange(0, BD)
+    ok = tl.arange(0, BK)
+    ov = pv * BV + tl.arange(0, BV)
+    md, mk, mv = od < D, ok < K, ov < V
+    w = tl.load(WF + h).to(tl.float32)
+    S = tl.zeros([BK, BV], dtype=tl.float32)
+    z = tl.zeros([BK], dtype=tl.float32)
+    sbh = (b * HK + hk).to(tl.int64)
+    if HAS_SEG:
+        S += tl.load(SEG_S + (sbh * NSEG + ps) * K * V + ok[:, None] * V + ov[None, :],
+                     mask=mk[:, None] & mv[None, :], other=0.0)
+        z += tl.load(SEG_Z + (sbh * NSEG + ps) * K + ok, mask=mk, other=0.0)
+    N = tl.cdiv(T, BT)
+    c0 = ps * SEG_CHUNKS
+    c1 = tl.minimum(c0 + SEG_CHUNKS, N)
+    ar = tl.arange(0, BT)
+    diff_c = ar[:, None] - ar[None, :]  # i - j inside the chunk
+    diff_p = diff_c + BT  # i - j against the previous chunk
+    for i in range(c0, c1):
+        ot = i * BT + ar
+        mt = ot < T
+        otp = ot - BT
+        mtp = otp >= 0
+        qrow = (b.to(tl.int64) * T + ot) * H + h
+        krow = (b.to(tl.int64) * T + ot) * HK + hk
+        prow = (b.to(tl.int64) * T + otp) * HK + hk
+        q = tl.load(Q + qrow[:, None] * D + od[None, :], mask=mt[:, None] & md[None, :], other=0.0)
+        fq = tl.load(FQ + qrow[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+        kc = tl.load(Kr + krow[:, None] * D + od[None, :], mask=mt[:, None] & md[None, :], other=0.0)
+        kp = tl.load(Kr + prow[:, None] * D + od[None, :], mask=mtp[:, None] & md[None, :], other=0.0)
+        fkp = tl.load(FK + prow[:, None] * K + ok[None, :], mask=mtp[:, None] & mk[None, :], other=0.0)
+        vc = tl.load(Vp + krow[:, None] * V + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
+        vp = tl.load(Vp + prow[:, None] * V + ov[None, :], mask=mtp[:, None] & mv[None, :], other=0.0)
+        s_c = mm(q, tl.trans(kc), PREC) * scale
+        s_p = mm(q, tl.trans(kp), PREC) * scale
+        win_c = (diff_c >= 0) & (diff_c < W)
+        win_p = (diff_p < W) & mtp[None, :]
+        lin_p = (diff_p >= W) & mtp[None, :]
+        m = tl.maximum(tl.max(tl.where(win_c, s_c, NEG_INF), 1), tl.max(tl.where(win_p, s_p, NEG_INF), 1))
+        m = tl.maximum(m, 0.0)
+        em = tl.exp(-m)
+        c = (1.0 - w) * em
+        P_c = tl.where(win_c, w * tl.exp(s_c - m[:, None]), 0.0)
+        a_p = mm(fq, tl.trans(fkp), PREC)
+        P_p = tl.where(win_p, w * tl.exp(s_p - m[:, None]), tl.where(lin_p, c[:, None] * a_p, 0.0))
+        if HAS_LIN_CUR:
+            fkc = tl.load(FK + krow[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+            a_c = mm(fq, tl.trans(fkc), PREC)
+            P_c += tl.where(diff_c >= W, c[:, None] * a_c, 0.0)
+        P_c = P_c.to(vc.dtype)  # rounded once: numerator and normaliser agree
+        P_p = P_p.to(vp.dtype)
+        num = mm(P_c, vc, PREC) + mm(P_p, vp, PREC)
+        num += c[:, None] * mm(fq, S.to(fq.dtype), PREC)
+        den = tl.sum(P_c.to(tl.float32), 1) + tl.sum(P_p.to(tl.float32), 1) + c * tl.sum(fq.to(tl.float32) * z[None, :], 1) + eps * em
+        o = num / den[:, None]
+        tl.store(O + qrow[:, None] * V + ov[None, :], o.to(O.dtype.element_ty), mask=mt[:, None] & mv[None, :])
+        if STORE_STATS:
+            if pv == 0:
+                tl.store(MS + qrow, m, mask=mt)
+                tl.store(DEN + qrow, den, mask=mt)
+        # lagged state: add the previous chunk (its tokens are older than every window of chunk i+1)
+        S += mm(tl.trans(fkp), vp, PREC)
+        z += tl.sum(fkp.to(tl.float32), 0)
+
+
+@triton.jit
+def _win_bwd_q_kernel(
+    Q, Kr, FQ, FK, Vp, WF, DO, MS, INVD, DDEN,
+    ST_S, ST_Z,  # forward exclusive per-chunk states of (fk, v) [B,HK,N,K,V], [B,HK,N,K]
+    DQ, DFQ, DW,  # DW [B,T,H] fp32 per-row window-factor gradient
+    T, H, HK, W, scale,
+    D: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NV_BLK: tl.constexpr,
+    HAS_LIN_CUR: tl.constexpr, PREC: tl.constexpr,
+):
+    i = tl.program_id(0)
+    pbh = tl.program_id(1)
+    b = pbh // H
+    h = pbh % H
+    hk = h // (H // HK)
+    N = tl.cdiv(T, BT)
+    od = tl.arange(0, BD)
+    ok = tl.arange(0, BK)
+    md, mk = od < D, ok < K
+    w = tl.load(WF + h).to(tl.float32)
+    ar = tl.arange(0, BT)
+    diff_c = ar[:, None] - ar[None, :]
+    diff_p = diff_c + BT
+    ot = i * BT + ar
+    mt = ot < T
+    otp = ot - BT
+    mtp = otp >= 0
+    qrow = (b.to(tl.int64) * T + ot) * H + h
+    krow = (b.to(tl.int64) * T + ot) * HK + hk
+    prow = (b.to(tl.int64) * T + otp) * HK + hk
+    q = tl.load(Q + qrow[:, None] * D + od[None, :], mask=mt[:, None] & md[None, :], other=0.0)
+    fq = tl.load(FQ + qrow[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+    kc = tl.load(Kr + krow[:, None] * D + od[None, :], mask=mt[:, None] & md[None, :], other=0.0)
+    kp = tl.load(Kr + prow[:, None] * D + od[None, :], mask=mtp[:, None] & md[None, :], other=0.0)
+    fkp = tl.load(FK + prow[:, None] * K + ok[None, :], mask=mtp[:, None] & mk[None, :], other=0.0)
+    m = tl.load(MS + qrow, mask=mt, other=0.0)
+    invd = tl.load(INVD + qrow, mask=mt, other=0.0)
+    dD = tl.load(DDEN + qrow, mask=mt, other=0.0)
+    em = tl.exp(-m)
+    c = (1.0 - w) * em
+    win_c = (diff_c >= 0) & (diff_c < W)
+    win_p = (diff_p < W) & mtp[None, :]
+    lin_p = (diff_p >= W) & mtp[None, :]
+    p_c = tl.where(win_c, tl.exp(mm(q, tl.trans(kc), PREC) * scale - m[:, None]), 0.0)
+    p_p = tl.where(win_p, tl.exp(mm(q, tl.trans(kp), PREC) * scale - m[:, None]), 0.0)
+    # g[t, j] = dN_t . v_j + dD_t  (dN = do / D)
+    g_c = tl.zeros([BT, BT], dtype=tl.float32)
+    g_p = tl.zeros([BT, BT], dtype=tl.float32)
+    u = tl.zeros([BT, BK], dtype=tl.float32)
+    sl = tl.maximum(i - 1, 0)  # lagged state index
+    st = (b * HK + hk).to(tl.int64) * N + sl
+    for vb in tl.static_range(NV_BLK):
+        ov = vb * BV + tl.arange(0, BV)
+        mv = ov < V
+        do = tl.load(DO + qrow[:, None] * V + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
+        vc = tl.load(Vp + krow[:, None] * V + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
+        vp = tl.load(Vp + prow[:, None] * V + ov[None, :], mask=mtp[:, None] & mv[None, :], other=0.0)
+        g_c += mm(do, tl.trans(vc), PREC)
+        g_p += mm(do, tl.trans(vp), PREC)
+        S = tl.load(ST_S + st * K * V + ok[:, None] * V + ov[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
+        St = tl.trans(S)
+        S_hi = St.to(do.dtype)
+        u += mm(do, S_hi, PREC)
+        if PREC != "ieee":
+            u += mm(do, (St - S_hi.to(tl.float32)).to(do.dtype), PREC)
+    g_c = g_c * invd[:, None] + dD[:, None]
+    g_p = g_p * invd[:, None] + dD[:, None]
+    z = tl.load(ST_Z + st * K + ok, mask=mk, other=0.0)
+    u = u * invd[:, None] + dD[:, None] * z[None, :]
+    ds_c = w * p_c * g_c
+    ds_p = w * p_p * g_p
+    dq = (mm(ds_c.to(kc.dtype), kc, PREC) + mm(ds_p.to(kp.dtype), kp, PREC)) * scale
+    u += mm(tl.where(lin_p, g_p, 0.0).to(fkp.dtype), fkp, PREC)
+    if HAS_LIN_CUR:
+        fkc = tl.load(FK + krow[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+        u += mm(tl.where(diff_c >= W, g_c, 0.0).to(fkc.dtype), fkc, PREC)
+    dfq = c[:, None] * u
+    dw = tl.sum(p_c * g_c, 1) + tl.sum(p_p * g_p, 1) - em * tl.sum(fq.to(tl.float32) * u, 1)
+    tl.store(DQ + qrow[:, None] * D + od[None, :], dq.to(DQ.dtype.element_ty), mask=mt[:, None] & md[None, :])
+    tl.store(DFQ + qrow[:, None] * K + ok[None, :], dfq.to(DFQ.dtype.element_ty), mask=mt[:, None] & mk[None, :])
+    tl.store(DW + qrow, dw, mask=mt)
+
+
+@triton.jit
+def _win_bwd_kv_kernel(
+    Q, Kr, FQ, FK, Vp, WF, DO, MS, INVD, DDEN,
+    RS, RZ,  # reverse exclusive states of (c/D fq, do) [B,HK,N,K,V], [B,HK,N,K]
+    DK, DFK, DV,
+    T, H, HK, W, scale,
+    D: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NV_BLK: tl.constexpr,
+    G: tl.constexpr, PREC: tl.constexpr,
+):
+    n = tl.program_id(0)
+    pbh = tl.program_id(1)
+    b = pbh // HK
+    hk = pbh % HK
+    N = tl.cdiv(T, BT)
+    od = tl.arange(0, BD)
+    ok = tl.arange(0, BK)
+    ovf = tl.arange(0, BV * NV_BLK)
+    md, mk, mvf = od < D, ok < K, ovf < V
+    ar = tl.arange(0, BT)
+    oj = n * BT + ar
+    mj = oj < T
+    krow = (b.to(tl.int64) * T + oj) * HK + hk
+    k = tl.load(Kr + krow[:, None] * D + od[None, :], mask=mj[:, None] & md[None, :], other=0.0)
+    fk = tl.load(FK + krow[:, None] * K + ok[None, :], mask=mj[:, None] & mk[None, :], other=0.0)
+    v = tl.load(Vp + krow[:, None] * V + ovf[None, :], mask=mj[:, None] & mvf[None, :], other=0.0)
+    dk = tl.zeros([BT, BD], dtype=tl.float32)
+    dfk = tl.zeros([BT, BK], dtype=tl.float32)
+    dv = tl.zeros([BT, BV * NV_BLK], dtype=tl.float32)
+    for g in tl.static_range(G):
+        h = hk * G + g
+        w = tl.load(WF + h).to(tl.float32)
+        for qq in tl.static_range(2):
+            ot = (n + qq) * BT + ar
+            mt = ot < T
+            qrow = (b.to(tl.int64) * T + ot) * H + h
+            q = tl.load(Q + qrow[:, None] * D + od[None, :], mask=mt[:, None] & md[None, :], other=0.0)
+            fq = tl.load(FQ + qrow[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+            do = tl.load(DO + qrow[:, None] * V + ovf[None, :], mask=mt[:, None] & mvf[None, :], other=0.0)
+            m = tl.load(MS + qrow, mask=mt, other=0.0)
+            invd = tl.load(INVD + qrow, mask=mt, other=0.0)
+            dD = tl.load(DDEN + qrow, mask=mt, other=0.0)
+            diff = qq * BT + ar[:, None] - ar[None, :]  # [t, j]
+            win = (diff >= 0) & (diff < W) & mt[:, None]
+            lin = (diff >= W) & mt[:, None]
+            p = tl.where(win, tl.exp(mm(q, tl.trans(k), PREC) * scale - m[:, None]), 0.0)
+            a = tl.where(lin, mm(fq, tl.trans(fk), PREC), 0.0)
+            gg = mm(do, tl.trans(v), PREC) * invd[:, None] + dD[:, None]
+            c = (1.0 - w) * tl.exp(-m)
+            ds = w * p * gg
+            dk += mm(tl.trans(ds).to(q.dtype), q, PREC)
+            Pm = (w * p + c[:, None] * a) * invd[:, None]
+            dv += mm(tl.trans(Pm).to(do.dtype), do, PREC)
+            dfk += mm(tl.trans(tl.where(lin, c[:, None] * gg, 0.0)).to(fq.dtype), fq, PREC)
+    # queries in chunks >= n+2 see chunk n only through the linear state
+    if n + 1 < N:
+        st = pbh.to(tl.int64) * N + n + 1
+        R = tl.load(RS + st * K * V + ok[:, None] * V + ovf[None, :], mask=mk[:, None] & mvf[None, :], other=0.0)
+        dfk += mm(v, tl.trans(R).to(v.dtype), PREC)
+        dv += mm(fk, R.to(fk.dtype), PREC)
+        r = tl.load(RZ + st * K + ok, mask=mk, other=0.0)
+        dfk += r[None, :]
+    tl.store(DK + krow[:, None] * D + od[None, :], (dk * scale).to(DK.dtype.element_ty), mask=mj[:, None] & md[None, :])
+    tl.store(DFK + krow[:, None] * K + ok[None, :], dfk.to(DFK.dtype.element_ty), mask=mj[:, None] & mk[None, :])
+    tl.store(DV + krow[:, None] * V + ovf[None, :], dv.to(DV.dtype.element_ty), mask=mj[:, None] & mvf[None, :])
+
+
+CONFIG = {
+    "fwd_bv": 64,
+    "fwd_warps": 4,
+    "fwd_stages": 2,
+    "fwd_waves": 2.0,
+    "bwd_warps": 4,
+    "scan_warps": 4,
+}
+
+
+def _chunk_for(window: int) -> Optional[int]:
+    if window <= 64:
+        return 64
+    if window <= 128:
+        return 128
+    return None
+
+
+def supported(window: int) -> bool:
+    return _chunk_for(window) is not None
+
+
+def _fwd(q, k, fq, fk, v, wf, W, scale, eps, S0, z0, store_stats):
+    B, T, H, D = q.shape
+    HK, K, V = k.shape[2], fk.shape[-1], v.shape[-1]
+    dev = q.device
+    BT = _chunk_for(W)
+    BD, BK = pow2(D), pow2(K)
+    BV = min(CONFIG["fwd_bv"], pow2(V))
+    NVB = triton.cdiv(V, BV)
+    N = triton.cdiv(T, BT)
+    progs = B * H * NVB
+    nseg = 1
+    if dev.type == "cuda":
+        target = CONFIG["fwd_waves"] * num_sms(dev)
+        if progs < target and N >= 4:
+            nseg = min(N // 2, triton.cdiv(int(target), progs))
+    seg_chunks = triton.cdiv(N, nseg)
+    nseg = triton.cdiv(N, seg_chunks)
+    f32 = torch.float32
+    o = new_empty((B, T, H, V), dtype=v.dtype, device=dev)
+    ms = new_empty((B, T, H), dtype=f32, device=dev) if store_stats else None
+    den = new_empty((B, T, H), dtype=f32, device=dev) if store_stats else None
+    seg_S = seg_z = None
+    if nseg > 1:
+        _, _, part, partz = scan_states(fk, v, heads=HK, per_chunk=False, store_final=True, do_z=True,
+                                        segments=nseg, seg_chunks=seg_chunks, seg_off=1, BT=BT,
+                                        num_warps=CONFIG["scan_warps"])
+        seg_S = torch.cumsum(part, 2) - part
+        seg_z = torch.cumsum(partz, 2) - partz
+        if S0 is not None:
+            seg_S += S0.unsqueeze(2)
+            seg_z += z0.unsqueeze(2)
+    elif S0 is not None:
+        seg_S, seg_z = S0.unsqueeze(2).contiguous(), z0.unsqueeze(2).contiguous()
+    dummy = o
+    _win_fwd_kernel[(NVB, B * H, nseg)](
+        q, k, fq, fk, v, wf, o, ms if ms is not None else dummy, den if den is not None else dummy,
+        seg_S if seg_S is not None else dummy, seg_z if seg_z is not None else dummy,
+        T, H, HK, nseg, seg_chunks, W, scale, eps,
+        D=D, K=K, V=V, BD=BD, BK=BK, BV=BV, BT=BT, HAS_LIN_CUR=W < BT, HAS_SEG=seg_S is not None,
+        STORE_STATS=store_stats, PREC=prec(q.dtype),
+        num_warps=CONFIG["fwd_warps"], num_stages=CONFIG["fwd_stages"],
+    )
+    return o, ms, den
+
+
+def _final_state(fk, v, W, S0, z0):
+    B, T, HK, K = fk.shape
+    n = max(T - W, 0)
+    S = torch.einsum("bthk,bthv->bhkv", fk[:, :n].float(), v[:, :n].float())
+    z = fk[:, :n].float().sum(1)
+    if S0 is not None:
+        S, z = S + S0, z + z0
+    return S, z
+
+
+def _bwd(q, k, fq, fk, v, wf, o, ms, den, W, scale, S0, z0, do, dS_f, dz_f, need_state):
+    B, T, H, D = q.shape
+    HK, K, V = k.shape[2], fk.shape[-1], v.shape[-1]
+    G = H // HK
+    dev = q.device
+    BT = _chunk_for(W)
+    f32 = torch.float32
+    N = triton.cdiv(T, BT)
+    do = do.contiguous()
+    invd = (1.0 / den).contiguous()
+    dD = (-(do.to(f32) * o.to(f32)).sum(-1) * invd).contiguous()
+    cw = (1.0 - wf.to(f32)).view(1, 1, H) * torch.exp(-ms)  # (1-w) e^{-m}  [B,T,H]
+    init_f = (S0, z0) if S0 is not None else None
+    st, stz, _, _ = scan_states(fk, v, heads=HK, do_z=True, init=init_f, BT=BT, num_warps=CONFIG["scan_warps"])
+    rs, rz, fin, finz = scan_states(fq, do, heads=HK, a=(cw * invd).contiguous(), u=(cw * dD).contiguous(),
+                                    do_z=True, reverse=True, store_final=need_state, BT=BT,
+                                    num_warps=CONFIG["scan_warps"])
+    BD, BK = pow2(D), pow2(K)
+    BV = min(64, pow2(V))
+    NVB = triton.cdiv(V, BV)
+    dq = new_empty(q.shape, dtype=q.dtype, device=dev)
+    dfq = new_empty(fq.shape, dtype=fq.dtype, device=dev)
+    dk = new_empty(k.shape, dtype=k.dtype, device=dev)
+    dfk = new_empty(fk.shape, dtype=fk.dtype, device=dev)
+    dv = new_empty(v.shape, dtype=v.dtype, device=dev)
+    dw_rows = new_empty((B, T, H), dtype=f32, device=dev)
+    pr = prec(q.dtype)
+    _win_bwd_q_kernel[(N, B * H)](
+        q, k, fq, fk, v, wf, do, ms, invd, dD, st, stz, dq, dfq, dw_rows,
+        T, H, HK, W, scale, D=D, K=K, V=V, BD=BD, BK=BK, BV=BV, BT=BT, NV_BLK=NVB,
+        HAS_LIN_CUR=W < BT, PREC=pr, num_warps=CONFIG["bwd_warps"],
+    )
+    _win_bwd_kv_kernel[(N, B * HK)](
+        q, k, fq, fk, v, wf, do, ms, invd, dD, rs, rz, dk, dfk, dv,
+        T, H, HK, W, scale, D=D, K=K, V=V, BD=BD, BK=BK, BV=BV, BT=BT, NV_BLK=NVB, G=G,
+        PREC=pr, num_warps=CONFIG["bwd_warps"],
+    )
+    dwf = dw_rows.sum((0, 1))
+    n = max(T - W, 0)
+    if n and (dS_f is not None or dz_f is not None):
+        dfk32, dv32 = dfk.to(f32), dv.to(f32)
+        if dS_f is not None:
+            dfk32[:, :n] += torch.einsum("bthv,bhkv->bthk", v[:, :n].to(f32), dS_f.to(f32))
+            dv32[:, :n] += torch.einsum("bthk,bhkv->bthv", fk[:, :n].to(f32), dS_f.to(f32))
+        if dz_f is not None:
+            dfk32[:, :n] += dz_f.to(f32).unsqueeze(1)
+        dfk, dv = dfk32.to(fk.dtype), dv32.to(v.dtype)
+    dS0 = dz0 = None
+    if need_state:
+        dS0, dz0 = fin[:, :, 0], finz[:, :, 0]
+        if dS_f is not None:
+            dS0 = dS0 + dS_f
+        if dz_f is not None:
+            dz0 = dz0 + dz_f
+    return dq, dk, dfq, dfk, dv, dwf, dS0, dz0
+
+
+class _WindowAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, fq, fk, v, wf, S0, z0, W, scale, eps, output_final_state):
+        needs_grad = any(ctx.needs_input_grad[:8])
+        o, ms, den = _fwd(q, k, fq, fk, v, wf, W, scale, eps, S0, z0, store_stats=needs_grad)
+        S_f = z_f = None
+        if output_final_state:
+            S_f, z_f = _final_state(fk, v, W, S0, z0)
+        ctx.save_for_backward(q, k, fq, fk, v, wf, o, ms, den, S0, z0)
+        ctx.W, ctx.scale = W, scale
+        ctx.set_materialize_grads(False)
+        return o, S_f, z_f
+
+    @staticmethod
+    def backward(ctx, do, dS_f, dz_f):
+        q, k, fq, fk, v, wf, o, ms, den, S0, z0 = ctx.saved_tensors
+        if do is None:
+            do = torch.zeros_like(o)
+        need_state = ctx.needs_input_grad[6] or ctx.needs_input_grad[7]
+        dq, dk, dfq, dfk, dv, dwf, dS0, dz0 = _bwd(q, k, fq, fk, v, wf, o, ms, den, ctx.W, ctx.scale, S0, z0,
+                                                   do, dS_f, dz_f, need_state)
+        return dq, dk, dfq, dfk, dv, dwf, dS0, dz0, None, None, None, None
+
+
+def window_linear_attention_triton(
+    q, k, fq, fk, v, window_factor, *, window: int = 64, scale: Optional[float] = None, eps: float = 1e-12,
+    initial_state: Optional[Tuple[torch.Tensor, torch.Tensor]] = None, output_final_state: bool = False,
+):
+    """Triton path of :func:`linearize.kernels.window_linear_attention` (``window <= 128``)."""
+    W = int(window)
+    if not supported(W):
+        from .chunked import window_linear_attention_chunked
+
+        return window_linear_attention_chunked(q, k, fq, fk, v, window_factor, window=W, scale=scale, eps=eps,
+                                               initial_state=initial_state, output_final_state=output_final_state)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    q, k, fq, fk, v = (x.contiguous() for x in (q, k, fq, fk, v))
+    wf = window_factor.float().contiguous()
+    S0 = z0 = None
+    if initial_state is not None:
+        S0, z0 = initial_state[0].float().contiguous(), initial_state[1].float().contiguous()
+    o, S_f, z_f = _WindowAttention.apply(q, k, fq, fk, v, wf, S0, z0, W, float(scale), float(eps), output_final_state)
+    return o, ((S_f, z_f) if output_final_state else None)

@@ -1,0 +1,94 @@
+"""Perplexity on held-out text with a sliding window.
+
+One stream of held-out tokens (the embedded corpus' held-out split, or ``data``) is scored
+at every context length ``L``: windows of ``L`` tokens advance by ``L // 2``; each window
+scores only the tokens no earlier window scored, so every token but the first is scored
+exactly once and sees between ``L/2`` and ``L`` tokens of context (``L`` for the first
+window's tokens, growing from 1). The same tokens are scored at every length, so the numbers
+are comparable across lengths and between models with the same tokenizer.
+
+Task argument: ``ppl:16K`` sets the number of held-out tokens (default 8K; at least twice the
+largest length is used). Headline score: perplexity at the largest length.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .common import EvalConfig, EvalError, ModelHandle, Progress, parse_count, tail_logits
+from .corpus import heldout_stream
+
+NAME = "ppl"
+DEFAULT_TOKENS = 8192
+
+
+def parse_args(arg: str | None) -> dict:
+    if not arg:
+        return {"tokens": DEFAULT_TOKENS}
+    try:
+        return {"tokens": parse_count(arg, what="ppl token count")}
+    except EvalError:
+        raise EvalError(f"bad task 'ppl:{arg}': expected a token count like ppl:16K") from None
+
+
+def n_tokens(cfg: EvalConfig, args: dict) -> int:
+    return max(args["tokens"], 2 * max(cfg.lengths))
+
+
+def windows(n: int, length: int) -> list[tuple[int, int, int]]:
+    """``(begin, end, n_scored)`` for each window over ``n`` tokens; the scored tokens are the
+    last ``n_scored`` of ``[begin, end)``."""
+    stride = max(1, length // 2)
+    out = []
+    prev_end = 1  # token 0 is never scored
+    begin = 0
+    while prev_end < n:
+        end = min(begin + length, n)
+        out.append((begin, end, end - prev_end))
+        prev_end = end
+        begin += stride
+    return out
+
+
+def count(cfg: EvalConfig, args: dict) -> int:
+    n = n_tokens(cfg, args)
+    return sum(len(windows(n, L)) for L in cfg.lengths)
+
+
+@torch.no_grad()
+def nll_of_window(handle: ModelHandle, ids: torch.Tensor, n_scored: int) -> float:
+    """Sum of negative log-likelihoods of the last ``n_scored`` tokens of ``ids`` (1-D)."""
+    logits = tail_logits(handle, ids, n_scored + 1)[:-1]  # [n_scored, V]: predictions of the scored tokens
+    target = ids[-n_scored:].to(logits.device)
+    total = 0.0
+    for a in range(0, n_scored, 2048):  # bound the log-softmax temporaries
+        lp = torch.log_softmax(logits[a:a + 2048], dim=-1)
+        total += float(-lp.gather(1, target[a:a + 2048, None]).sum())
+    return total
+
+
+def run(handle: ModelHandle, cfg: EvalConfig, args: dict, progress: Progress, shared: dict) -> list[dict]:
+    n = n_tokens(cfg, args)
+    stream = heldout_stream(handle.tokenizer, cfg.data, n)
+    rows = []
+    for L in cfg.lengths:
+        nll = 0.0
+        scored = 0
+        wins = windows(n, L)
+        for begin, end, k in wins:
+            nll += nll_of_window(handle, stream[begin:end], k)
+            scored += k
+            progress.advance()
+        mean = nll / scored
+        rows.append({"task": NAME, "length": L, "tokens": scored, "windows": len(wins), "stride": max(1, L // 2),
+                     "nll": round(mean, 6), "ppl": round(math.exp(mean), 4), "data": cfg.data or "wiki"})
+    return rows
+
+
+def summarize(rows: list[dict], cfg: EvalConfig) -> dict:
+    by = {str(r["length"]): r["ppl"] for r in rows}
+    top = max(rows, key=lambda r: r["length"])
+    return {"metric": "ppl", "higher_is_better": False, "score": top["ppl"], "by_length": by,
+            "nll_by_length": {str(r["length"]): r["nll"] for r in rows}, "tokens": top["tokens"], "data": top["data"]}
