@@ -1,0 +1,327 @@
+"""``run_eval``: run evaluation tasks on a model (and the original it is compared against),
+write ``results.jsonl``, ``summary.json``, ``report.md`` and PNGs atomically."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import gc
+import json
+import shutil
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable, Sequence
+
+from . import agreement, lm_eval, niah, passkey, ppl, recall, speed
+from .common import (EvalConfig, EvalError, ModelHandle, Progress, format_length, parse_batch_sizes, parse_depths,
+                     parse_lengths, parse_seeds)
+from .report import summary_table, task_difference, write_report
+
+TASKS: dict[str, ModuleType] = {
+    "niah": niah, "passkey": passkey, "ppl": ppl, "recall": recall,
+    "agreement": agreement, "speed": speed, "lm-eval": lm_eval,
+}
+ALIASES = {"perplexity": "ppl", "lm_eval": "lm-eval", "lmeval": "lm-eval", "mqar": "recall"}
+LENGTH_TASKS = ("niah", "passkey", "ppl", "agreement", "speed")
+ALLOWED = "niah[:VARIANTS], passkey, ppl[:TOKENS], recall[:PAIRS], agreement[:TOKENS], speed[:DECODE_TOKENS], lm-eval:TASKS"
+
+
+@dataclass
+class TaskSpec:
+    name: str
+    arg: str | None
+    args: dict
+
+    @property
+    def module(self) -> ModuleType:
+        return TASKS[self.name]
+
+    @property
+    def label(self) -> str:
+        return self.name if not self.arg else f"{self.name}:{self.arg}"
+
+
+def parse_tasks(value: str | Sequence[str]) -> list[TaskSpec]:
+    """Parse and validate a task list: ``"niah,ppl"``, ``["passkey", "recall:8+16"]``,
+    ``"lm-eval:hellaswag,piqa"`` (names after ``lm-eval:`` that are not linearize tasks go to
+    lm-eval). Raises :class:`EvalError` naming the bad value and the allowed ones."""
+    items = [s.strip() for s in (value.split(",") if isinstance(value, str) else value)]
+    items = [s for s in items if s]
+    if not items:
+        raise EvalError(f"no task given: expected one or more of {ALLOWED}")
+    specs: list[TaskSpec] = []
+    raw: dict[str, str | None] = {}
+    for item in items:
+        name, sep, arg = item.partition(":")
+        key = ALIASES.get(name.strip().lower(), name.strip().lower())
+        if key not in TASKS:
+            if specs and specs[-1].name == "lm-eval" and not sep:
+                raw["lm-eval"] = f"{raw['lm-eval']}+{item}"
+                specs[-1].arg = raw["lm-eval"]
+                continue
+            raise EvalError(f"unknown task {item!r}: expected one of {ALLOWED}")
+        if key in raw:
+            raise EvalError(f"task {key!r} is given twice: give each task once")
+        raw[key] = arg.strip() if sep else None
+        specs.append(TaskSpec(key, raw[key], {}))
+    for s in specs:
+        s.args = s.module.parse_args(s.arg)
+    return specs
+
+
+def _default_loader() -> Callable:
+    try:
+        from linearize.sources import load_model  # noqa: PLC0415
+    except ImportError as e:  # pragma: no cover - sources.py ships with the package
+        raise EvalError(f"model loading is unavailable ({e}); pass loader=") from None
+    return load_model
+
+
+class _RichProgress(Progress):
+    def __init__(self, console):
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress as RP, TextColumn,  # noqa: PLC0415
+                                   TimeElapsedColumn, TimeRemainingColumn)
+
+        self.console = console
+        self.p = RP(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TimeRemainingColumn(), console=console)
+        self.task = None
+
+    def __enter__(self):
+        self.p.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.p.__exit__(*exc)
+
+    def start(self, label: str, total: int) -> None:
+        self.task = self.p.add_task(label, total=max(1, total))
+
+    def advance(self, n: int = 1) -> None:
+        if self.task is not None:
+            self.p.advance(self.task, n)
+
+    def note(self, text: str) -> None:
+        self.p.console.log(text)
+
+
+class _Quiet(Progress):
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
+def _versions() -> dict:
+    out = {}
+    from importlib import metadata  # noqa: PLC0415
+
+    for pkg in ("linearize", "torch", "transformers"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def _resolve_chat(tokenizer, chat_template: bool | None, spec: str) -> bool:
+    has = bool(getattr(tokenizer, "chat_template", None))
+    if chat_template is None:
+        return has
+    if chat_template and not has:
+        raise EvalError(f"{spec} has no chat template: drop chat_template=True (--chat-template)")
+    return bool(chat_template)
+
+
+def _check_limits(handle: ModelHandle, cfg: EvalConfig, specs: list[TaskSpec]) -> None:
+    limit = handle.max_positions
+    if not limit or not any(s.name in LENGTH_TASKS for s in specs):
+        return
+    too_long = [L for L in cfg.lengths if L > limit]
+    if too_long:
+        raise EvalError(f"length {format_length(too_long[0])} ({too_long[0]} tokens) exceeds the position limit of "
+                        f"{handle.spec} ({limit} tokens, max_position_embeddings): use lengths up to {limit}")
+
+
+def _row_key(r: dict) -> tuple | None:
+    if r["task"] in ("niah", "passkey"):
+        return (r["task"], r.get("variant"), r["seed"], r["length"], r["depth"])
+    if r["task"] == "recall":
+        return (r["task"], r["pairs"], r["seed"])
+    if r["task"] == "agreement":
+        return (r["task"], r["length"], r["seed"])
+    return None
+
+
+def _prompts_identical(rows: dict[str, list[dict]]) -> bool | None:
+    if "against" not in rows:
+        return None
+    a = {k: r["prompt_sha1"] for r in rows["against"] if (k := _row_key(r)) and "prompt_sha1" in r}
+    m = {k: r["prompt_sha1"] for r in rows["model"] if (k := _row_key(r)) and "prompt_sha1" in r}
+    common = set(a) & set(m)
+    if not common:
+        return None
+    return all(a[k] == m[k] for k in common)
+
+
+def run_eval(
+    spec: str,
+    tasks: str | Sequence[str],
+    *,
+    against: str | None = None,
+    out_dir: str | Path,
+    lengths: Any = "1K,2K,4K",
+    depths: Any = 5,
+    seeds: Any = 2,
+    chat_template: bool | None = None,
+    data: str | None = None,
+    batch_sizes: Any = "1",
+    max_new_tokens: int | None = None,
+    device: Any = None,
+    dtype: Any = None,
+    loader: Callable | None = None,
+    progress: bool = True,
+    overwrite: bool = False,
+    gen_batch_size: int = 1,
+    console: Any = None,
+) -> dict:
+    """Evaluate ``spec`` (and ``against``, the original, on identical prompts); return the summary.
+
+    Args:
+        spec: the model to evaluate: an alias (``smollm2-135m``), checkpoint dir, .gguf or hub id.
+        tasks: ``"niah,passkey,ppl,recall,agreement,speed,lm-eval:TASKS"`` (string or list);
+            task arguments after ``:``, e.g. ``niah:single-filler+multikey``, ``recall:8+16+32``.
+        against: the original model to compare with, evaluated first on the same prompts.
+        out_dir: report directory; written atomically (``NAME.tmp-XXXX`` renamed at the end).
+        lengths: context lengths in tokens, ``"1K,2K,4K"`` or ints (niah, passkey, ppl, agreement, speed).
+        depths: needle depths, a count (``11`` -> 0, 10%, ..., 100%) or fractions ``"0,0.5,1"``.
+        seeds: a count (``2`` -> seeds 0, 1) or explicit seeds; samples per grid cell.
+        chat_template: None = use it when the tokenizer has one; True = require it; False = plain text.
+        data: held-out text for ppl and agreement (default: the embedded corpus' held-out split).
+        batch_sizes: batch sizes for the speed task, ``"1,8"``.
+        max_new_tokens: override every generation task's own small default.
+        device, dtype: passed to the loader.
+        loader: ``loader(spec, dtype=, device=) -> (model, tokenizer)``; default ``linearize.sources.load_model``.
+        progress: rich progress bars and the summary table on the terminal (stderr).
+        overwrite: replace an existing ``out_dir``.
+        gen_batch_size: prompts generated together (all have the same length, so no padding).
+        console: a rich Console to draw on (default: stderr).
+    """
+    t_start = time.time()
+    specs = parse_tasks(tasks)
+    if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0):
+        raise EvalError(f"bad max_new_tokens {max_new_tokens!r}: expected a positive integer")
+    if isinstance(gen_batch_size, bool) or not isinstance(gen_batch_size, int) or gen_batch_size <= 0:
+        raise EvalError(f"bad gen_batch_size {gen_batch_size!r}: expected a positive integer")
+    cfg = EvalConfig(lengths=parse_lengths(lengths), depths=parse_depths(depths), seeds=parse_seeds(seeds),
+                     chat_template=chat_template, data=data, batch_sizes=parse_batch_sizes(batch_sizes),
+                     max_new_tokens=max_new_tokens, gen_batch_size=gen_batch_size)
+    if against is None and any(s.name == "agreement" for s in specs):
+        raise EvalError("task 'agreement' needs against= (--against SPEC): the original generates the text it is scored on")
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not overwrite:
+        raise EvalError(f"output directory {out_dir} already exists: pass overwrite=True (--overwrite) to replace it")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise EvalError(f"output path {out_dir} exists and is not a directory")
+    if any(s.name == "lm-eval" for s in specs):
+        lm_eval.require_lm_eval()  # fail before loading any model
+    loader = loader or _default_loader()
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{out_dir.name}.tmp-", dir=out_dir.parent))
+    if console is None and progress:
+        from rich.console import Console  # noqa: PLC0415
+
+        console = Console(stderr=True)
+    ui = _RichProgress(console) if progress else _Quiet()
+    roles = ([("against", against)] if against else []) + [("model", spec)]
+    results: dict[str, dict] = {}
+    rows_by_role: dict[str, list[dict]] = {}
+    shared: dict = {}
+    meta: dict = {"chat_template": {}, "device": None, "dtype": None}
+    try:
+        with ui, open(tmp / "results.jsonl", "w", encoding="utf-8") as fout:
+            for role, s in roles:
+                model, tokenizer = loader(s, dtype=dtype, device=device)
+                model.eval()
+                handle = ModelHandle(spec=s, role=role, model=model, tokenizer=tokenizer,
+                                     chat=_resolve_chat(tokenizer, chat_template, s))
+                _check_limits(handle, cfg, specs)
+                meta["chat_template"][role] = handle.chat
+                meta["device"] = str(handle.device)
+                meta["dtype"] = str(next(model.parameters()).dtype).replace("torch.", "")
+                per_task: dict[str, dict] = {}
+                rows_by_role[role] = []
+                for ts in specs:
+                    ui.start(f"{ROLE_NAME[role]} · {ts.label}", ts.module.count(cfg, ts.args))
+                    t0 = time.time()
+                    rows = ts.module.run(handle, cfg, ts.args, ui, shared)
+                    summ = ts.module.summarize(rows, cfg)
+                    summ["seconds"] = round(time.time() - t0, 2)
+                    if ts.arg:
+                        summ["spec"] = ts.label
+                    per_task[ts.name] = summ
+                    for r in rows:
+                        fout.write(json.dumps({"model": role, "spec": s, **r}, ensure_ascii=False) + "\n")
+                    fout.flush()
+                    rows_by_role[role].extend(rows)
+                results[role] = {"model": s, "chat_template": handle.chat, "tasks": per_task}
+                del handle, model, tokenizer
+                _free()
+        summary: dict = {
+            "model": spec,
+            "tasks": results["model"]["tasks"],
+            "against": results.get("against"),
+            "difference": ({t: task_difference(t, results["model"]["tasks"][t], results["against"]["tasks"][t])
+                            for t in results["model"]["tasks"] if t in results["against"]["tasks"]}
+                           if "against" in results else None),
+            "config": {
+                "tasks": [s.label for s in specs], "lengths": cfg.lengths, "depths": cfg.depths, "seeds": cfg.seeds,
+                "chat_template": meta["chat_template"], "data": data or "wiki", "batch_sizes": cfg.batch_sizes,
+                "max_new_tokens": max_new_tokens, "gen_batch_size": gen_batch_size,
+                "device": meta["device"], "dtype": meta["dtype"],
+            },
+            "prompts_identical": _prompts_identical(rows_by_role),
+            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "versions": _versions(),
+        }
+        summary["elapsed_s"] = round(time.time() - t_start, 1)
+        write_report(tmp, summary)
+        (tmp / "summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        _commit(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if progress and console is not None:
+        console.print(summary_table(summary))
+        console.print(f"report: {out_dir / 'report.md'}")
+    return summary
+
+
+ROLE_NAME = {"model": "model", "against": "original"}
+
+
+def _free() -> None:
+    gc.collect()
+    try:
+        import torch  # noqa: PLC0415
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except Exception:  # noqa: BLE001  # pragma: no cover
+        pass
+
+
+def _commit(tmp: Path, out_dir: Path) -> None:
+    """Move the finished ``tmp`` directory to ``out_dir`` (replacing an old one last)."""
+    if out_dir.exists():
+        old = out_dir.with_name(f"{out_dir.name}.old-{uuid.uuid4().hex[:8]}")
+        out_dir.rename(old)
+        tmp.rename(out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(out_dir)
