@@ -251,7 +251,9 @@ def _fwd(q, k, v, S0, z0, normalize, eps, want_final, store_den):
     N = triton.cdiv(T, BT)
     progs = B * H * NVB
     nseg = 1
-    if dev.type == "cuda":
+    if CONFIG.get("force_segments"):
+        nseg = min(N, int(CONFIG["force_segments"]))
+    elif dev.type == "cuda":
         target = CONFIG["fwd_waves"] * num_sms(dev)
         if progs < target and N >= 4:
             nseg = min(N // 2, triton.cdiv(int(target), progs))

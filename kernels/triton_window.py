@@ -23,7 +23,7 @@ import triton.language as tl
 
 from .triton_common import mm, new_empty, num_sms, pow2, prec, scan_states
 
-NEG_INF = float("-inf")
+NEG_INF = tl.constexpr(float("-inf"))
 
 
 @triton.jit
@@ -290,7 +290,9 @@ def _fwd(q, k, fq, fk, v, wf, W, scale, eps, S0, z0, store_stats):
     N = triton.cdiv(T, BT)
     progs = B * H * NVB
     nseg = 1
-    if dev.type == "cuda":
+    if CONFIG.get("force_segments"):
+        nseg = min(N, int(CONFIG["force_segments"]))
+    elif dev.type == "cuda":
         target = CONFIG["fwd_waves"] * num_sms(dev)
         if progs < target and N >= 4:
             nseg = min(N // 2, triton.cdiv(int(target), progs))

@@ -67,6 +67,8 @@ def convert(
     recipe: str = typer.Option("lolcats", "--recipe", help="Recipe name (see `linearize recipes`) or YAML path."),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a recipe field: section.field=value (repeatable)."),
     no_train: bool = typer.Option(False, "--no-train", help="Surgery only: write the untrained hybrid."),
+    tokens: Optional[str] = typer.Option(None, "--tokens", help="Attention-transfer token budget, e.g. 256K, 20M (default: the recipe's)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run from its last checkpoint."),
     out: Optional[Path] = typer.Option(None, "-o", "--output", help="Output directory (default: MODEL-LAYOUT-RECIPE)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="float32 | bfloat16 | float16 (default: float32 on CPU, bfloat16 on GPU)."),
@@ -76,9 +78,28 @@ def convert(
     from .pipeline import convert as run
 
     path = run(spec, ratio=ratio, softmax_layers=softmax_layers, recipe=recipe, overrides=_overrides(set_),
-               train=not no_train, out=out, overwrite=overwrite, dtype=dtype, device=device,
-               log=lambda m: console.print(m, highlight=False))
+               train=not no_train, out=out, overwrite=overwrite, dtype=dtype, device=device, tokens=tokens,
+               resume=resume, log=lambda m: console.print(m, highlight=False))
     console.print(f"wrote {path}")
+
+
+@app.command()
+@user_errors
+def distill(
+    path: str = typer.Argument(..., help="A hybrid checkpoint directory (from `linearize convert`)."),
+    tokens: Optional[str] = typer.Option(None, "--tokens", help="Token budget, e.g. 256K, 20M (default: the recipe's)."),
+    set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a recipe field: section.field=value (repeatable)."),
+    out: Optional[Path] = typer.Option(None, "-o", "--output", help="Write here instead of updating PATH in place."),
+    resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run from its last checkpoint."),
+    dtype: Optional[str] = typer.Option(None, "--dtype"),
+    device: Optional[str] = typer.Option(None, "--device"),
+):
+    """(Re)run attention transfer (stage 1) on a hybrid checkpoint."""
+    from .pipeline import distill_checkpoint
+
+    p = distill_checkpoint(path, out=out, overrides=_overrides(set_), tokens=tokens, resume=resume, dtype=dtype,
+                           device=device, log=lambda m: console.print(m, highlight=False))
+    console.print(f"wrote {p}")
 
 
 @app.command()

@@ -11,13 +11,10 @@ from typing import Any, Callable
 
 from . import recipe as recipes
 from .checkpoint import check_output_dir, save_checkpoint
+from .data import parse_tokens
 from .errors import LinearizeError
 from .select import describe_layout, parse_layer_list, parse_ratio, select_layout
 from .sources import load_model, resolve, resolve_dtype
-
-
-class TrainingUnavailable(LinearizeError):
-    """Raised while the training stages are not part of this release."""
 
 
 def default_output_name(spec: str, ratio: str | None, softmax_layers: str | None, recipe_name: str) -> str:
@@ -30,6 +27,7 @@ def default_output_name(spec: str, ratio: str | None, softmax_layers: str | None
 def convert(spec: str, *, ratio: str | None = "3:1", softmax_layers: str | None = None, recipe: str = "lolcats",
             overrides: dict[str, Any] | None = None, train: bool = True, out: Path | None = None,
             overwrite: bool = False, dtype: str | None = None, device: str | None = None,
+            tokens: str | int | None = None, resume: bool = False,
             log: Callable[[str], None] = print) -> Path:
     """Convert ``spec`` into a hybrid checkpoint at ``out``; returns the path.
 
@@ -43,6 +41,8 @@ def convert(spec: str, *, ratio: str | None = "3:1", softmax_layers: str | None 
         parse_ratio(ratio or "3:1")
     if dtype is not None:
         resolve_dtype(dtype, device or "cpu")
+    if tokens is not None and parse_tokens(tokens) <= 0:
+        raise LinearizeError(f"--tokens {tokens!r}: must be > 0")
     resolved = resolve(spec)
     from transformers import AutoConfig
 
@@ -52,11 +52,6 @@ def convert(spec: str, *, ratio: str | None = "3:1", softmax_layers: str | None 
     layer_types = select_layout(base_config.num_hidden_layers, ratio=ratio, softmax_layers=softmax_layers)
     out = Path(out or default_output_name(spec, ratio or "3:1", softmax_layers, rec.name))
     check_output_dir(out, overwrite)
-    if train:
-        raise TrainingUnavailable(
-            "the training stages (attention transfer, LoRA) are not available in this release yet; "
-            "run with --no-train to write the untrained hybrid"
-        )
     t0 = time.time()
     model, tokenizer = load_model(spec, dtype=dtype, device=device)
     log(f"layers: {describe_layout(layer_types)}")
@@ -64,10 +59,70 @@ def convert(spec: str, *, ratio: str | None = "3:1", softmax_layers: str | None 
 
     hybrid = linearize_model(model, layer_types, rec)
     t_load = time.time() - t0
+    reports = {}
+    if train:
+        reports["distill"] = run_distill(hybrid, tokenizer, rec, out, tokens=tokens, resume=resume, log=log)
     path = save_checkpoint(
-        hybrid, tokenizer, out, base=resolved.name, recipe=rec, overwrite=overwrite,
+        hybrid, tokenizer, out, base=resolved.name, recipe=rec, overwrite=overwrite, reports=reports,
         resolved={"ratio": ratio if softmax_layers is None else None, "softmax_layers": softmax_layers,
                   "layer_types": layer_types, "dtype": str(next(hybrid.parameters()).dtype).replace("torch.", ""),
                   "load_and_surgery_seconds": round(t_load, 2)},
     )
+    import shutil
+
+    shutil.rmtree(state_dir_for(out), ignore_errors=True)
     return path
+
+
+def state_dir_for(out: Path) -> Path:
+    """Where resumable training state for output ``out`` lives (a hidden sibling directory)."""
+    out = Path(out)
+    return out.parent / f".{out.name}.state"
+
+
+def run_distill(model, tokenizer, rec, out: Path, *, tokens=None, resume: bool = False,
+                log: Callable[[str], None] = print) -> dict:
+    """Attention transfer with its state beside ``out``; the state is removed once the output is saved."""
+    from .distill import distill
+
+    sdir = state_dir_for(out)
+    if sdir.exists() and not resume:
+        import shutil
+
+        shutil.rmtree(sdir)
+    report = distill(model, tokenizer, rec, state_dir=sdir, resume=resume, tokens=tokens, log=log)
+    if "heldout_mse_reduction_mean" in report:
+        log(f"distill: held-out attention MSE {report['heldout_mse_start_mean']:.4g} -> "
+            f"{report['heldout_mse_end_mean']:.4g} (mean per-layer reduction {report['heldout_mse_reduction_mean']:.1f}x), "
+            f"{report['tokens']:,} tokens in {report['train_seconds']}s")
+    return report
+
+
+def distill_checkpoint(path: str, *, out: Path | None = None, overrides: dict[str, Any] | None = None,
+                       tokens=None, resume: bool = False, dtype: str | None = None, device: str | None = None,
+                       log: Callable[[str], None] = print) -> Path:
+    """(Re)run attention transfer on a hybrid checkpoint; write to ``out`` (default: in place)."""
+    from .sources import is_hybrid_dir, local_dir
+
+    src = local_dir(path)
+    if not is_hybrid_dir(src):
+        raise LinearizeError(f"{path}: not a linearize hybrid checkpoint; use `linearize convert {path}` first")
+    rec = recipes.load(str(src / "linearize_recipe.yaml"), overrides)
+    if tokens is not None and parse_tokens(tokens) <= 0:
+        raise LinearizeError(f"--tokens {tokens!r}: must be > 0")
+    out = Path(out) if out is not None else Path(src)
+    in_place = out.resolve() == Path(src).resolve()
+    if not in_place:
+        check_output_dir(out, overwrite=False)
+    import json
+
+    model, tokenizer = load_model(str(src), dtype=dtype, device=device)
+    report = run_distill(model, tokenizer, rec, out, tokens=tokens, resume=resume, log=log)
+    prev = json.loads((Path(src) / "report.json").read_text()).get("stages", {}) if (Path(src) / "report.json").is_file() else {}
+    base = json.loads((Path(src) / "report.json").read_text()).get("base_model", path) if prev is not None else path
+    path_out = save_checkpoint(model, tokenizer, out, base=base, recipe=rec, overwrite=in_place,
+                               reports={**prev, "distill": report})
+    import shutil
+
+    shutil.rmtree(state_dir_for(out), ignore_errors=True)
+    return path_out

@@ -29,6 +29,15 @@ class Field:
     nullable: bool = False
 
 
+def _positive_tokens(v) -> bool:
+    from .data import parse_tokens
+
+    try:
+        return parse_tokens(v) > 0
+    except ValueError:
+        return False
+
+
 def _feature_map_names() -> list[str]:
     from .feature_maps import FEATURE_MAPS
 
@@ -48,6 +57,20 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "window": Field(int, 64, "an integer in [0, 4096] (0 = no sliding window)", lambda v: 0 <= v <= 4096),
         "window_init": Field(float, 0.1, "a number in (0, 1)", lambda v: 0.0 < v < 1.0),
         "eps": Field(float, 1e-6, "a number in (0, 0.1]", lambda v: 0.0 < v <= 0.1),
+    },
+    "distill": {
+        "data": Field(str, "wiki", "a data spec: wiki, a .txt/.jsonl file or folder, hf:NAME[:CONFIG][:SPLIT]"),
+        "tokens": Field((str, int), "2M", "a token budget > 0 such as 256K, 20M, 1B", _positive_tokens),
+        "seq_len": Field(int, 512, "an integer in [16, 65536]", lambda v: 16 <= v <= 65536),
+        "batch_size": Field(int, 4, "an integer in [1, 4096]", lambda v: 1 <= v <= 4096),
+        "grad_accum": Field(int, 1, "an integer in [1, 1024]", lambda v: 1 <= v <= 1024),
+        "lr": Field(float, 1e-2, "a number in (0, 1]", lambda v: 0.0 < v <= 1.0),
+        "weight_decay": Field(float, 0.0, "a number in [0, 1]", lambda v: 0.0 <= v <= 1.0),
+        "warmup_steps": Field(int, 10, "an integer in [0, 100000]", lambda v: 0 <= v <= 100000),
+        "min_lr_ratio": Field(float, 0.1, "a number in [0, 1]", lambda v: 0.0 <= v <= 1.0),
+        "eval_seqs": Field(int, 8, "an integer in [1, 4096]", lambda v: 1 <= v <= 4096),
+        "checkpoint_every": Field(int, 50, "an integer in [1, 1000000] (optimizer steps)", lambda v: 1 <= v <= 1_000_000),
+        "seed": Field(int, 0, "an integer >= 0", lambda v: v >= 0),
     },
 }
 

@@ -128,10 +128,23 @@ def test_existing_output_needs_overwrite(tmp_path, embedded_dir):
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
 
 
-def test_training_not_pretended(tmp_path, embedded_dir):
-    res = run_cli("convert", "smollm2-135m", "-o", str(tmp_path / "OUT"))
-    assert res.returncode != 0 and "--no-train" in res.stderr
+def test_bad_token_budget(tmp_path, embedded_dir):
+    res = run_cli("convert", "smollm2-135m", "--tokens", "0", "-o", str(tmp_path / "OUT"))
+    assert res.returncode != 0 and "--tokens" in res.stderr and "Traceback" not in res.stderr
     assert not (tmp_path / "OUT").exists()
+
+
+def test_short_distill_end_to_end(tmp_path, embedded_dir):
+    out = tmp_path / "OUT"
+    res = run_cli("convert", "smollm2-135m", "--ratio", "3:1", "--tokens", "256", "--set", "distill.seq_len=64",
+                  "--set", "distill.batch_size=2", "--set", "distill.eval_seqs=2", "-o", str(out))
+    assert res.returncode == 0, res.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    d = report["stages"]["distill"]
+    assert d["steps"] == 2 and d["tokens"] == 256 and len(d["per_layer"]) == 23
+    assert not (tmp_path / ".OUT.state").exists()
+    res = run_cli("generate", str(out), "Hi", "--max-new-tokens", "3")
+    assert res.returncode == 0, res.stderr[-2000:]
 
 
 def test_info_and_recipes_commands(converted):

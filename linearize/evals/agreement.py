@@ -78,7 +78,7 @@ def run(handle: ModelHandle, cfg: EvalConfig, args: dict, progress: Progress, sh
     g = args["tokens"]
     store = shared.setdefault(NAME, {})
     if handle.role == "against":
-        stream = heldout_stream(handle.tokenizer, cfg.data, _stream_len(cfg))
+        stream = heldout_stream(handle.tokenizer, cfg.data, _stream_len(cfg), at_least=max(cfg.lengths))
         store["vocab"] = len(handle.tokenizer)
     else:
         if not store:

@@ -35,11 +35,17 @@ __all__ = [
 ]
 
 
-class EvalError(ValueError):
+try:
+    from linearize.errors import LinearizeError as _Base
+except ImportError:  # pragma: no cover - errors.py ships with the package
+    _Base = Exception
+
+
+class EvalError(_Base, ValueError):
     """A mistake the user can fix (bad option, missing package, model limit).
 
     The message is a single line naming the bad value and what is allowed; the
-    CLI prints it and exits non-zero without a traceback.
+    CLI prints it and exits non-zero without a traceback (it is a ``LinearizeError``).
     """
 
     def __init__(self, message: str):

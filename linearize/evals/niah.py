@@ -181,7 +181,7 @@ class _Builder:
             "row": {
                 "task": NAME, "variant": variant.name, "seed": seed, "length": length, "depth": depth,
                 "needle_pos": a.positions[0], "needle_depth": round(a.depths[0], 5),
-                "needle_positions": a.positions, "haystack_start": start,
+                "needle_positions": a.positions, "haystack_tokens": a.haystack_tokens, "haystack_start": start,
                 "keys": keys, "query": qkeys, "expected": expected, "distractors": distractors,
                 "chat": self.chat, "prompt_tokens": len(a.ids), "prompt_sha1": prompt_sha1(a.ids),
             },

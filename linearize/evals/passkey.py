@@ -58,7 +58,7 @@ def build_prompts(tokenizer, chat: bool, cfg: EvalConfig, args: dict | None = No
                 out.append({"ids": a.ids, "row": {
                     "task": NAME, "seed": s, "length": L, "depth": d,
                     "needle_pos": a.positions[0], "needle_depth": round(a.depths[0], 5),
-                    "expected": [str(key)], "chat": chat,
+                    "haystack_tokens": a.haystack_tokens, "expected": [str(key)], "chat": chat,
                     "prompt_tokens": len(a.ids), "prompt_sha1": prompt_sha1(a.ids),
                 }})
     return out

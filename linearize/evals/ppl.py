@@ -7,8 +7,9 @@ exactly once and sees between ``L/2`` and ``L`` tokens of context (``L`` for the
 window's tokens, growing from 1). The same tokens are scored at every length, so the numbers
 are comparable across lengths and between models with the same tokenizer.
 
-Task argument: ``ppl:16K`` sets the number of held-out tokens (default 8K; at least twice the
-largest length is used). Headline score: perplexity at the largest length.
+Task argument: ``ppl:16K`` sets the number of held-out tokens (default 8K; twice the largest
+length when that is more, or as much as the held-out split holds, at least one full window).
+Headline score: perplexity at the largest length.
 """
 
 from __future__ import annotations
@@ -70,8 +71,8 @@ def nll_of_window(handle: ModelHandle, ids: torch.Tensor, n_scored: int) -> floa
 
 
 def run(handle: ModelHandle, cfg: EvalConfig, args: dict, progress: Progress, shared: dict) -> list[dict]:
-    n = n_tokens(cfg, args)
-    stream = heldout_stream(handle.tokenizer, cfg.data, n)
+    stream = heldout_stream(handle.tokenizer, cfg.data, n_tokens(cfg, args), at_least=max(cfg.lengths) + 1)
+    n = stream.numel()
     rows = []
     for L in cfg.lengths:
         nll = 0.0

@@ -62,12 +62,22 @@ def fmt(x: Any, metric: str | None = None, signed: bool = False) -> str:
     v = _num(x)
     if v is None:
         return "–"
+    if metric and metric.endswith("tok_s"):
+        return f"{v:+.1f}" if signed else f"{v:.1f}"
     if metric in ("score", "accuracy", "top1"):
         s = f"{100 * v:+.1f}" if signed else f"{100 * v:.1f}"
         return s + "%"
     if metric in ("ppl",) or abs(v) >= 100:
         return f"{v:+.2f}" if signed else f"{v:.2f}"
     return f"{v:+.4f}" if signed else f"{v:.4f}"
+
+
+def _diff_cell(task: str, d: dict, metric: str | None) -> str:
+    """The difference column of the summary: model − original, or model / original for speed."""
+    if task == "speed":
+        r = _num(d.get("ratio"))
+        return f"{r:.2f}×" if r is not None else "–"
+    return fmt(d.get("score"), metric, signed=True)
 
 
 def _label_depth(d: str) -> str:
@@ -109,8 +119,7 @@ def heatmap(grid: dict, path: Path, title: str, *, diff: bool = False) -> Path:
     else:
         cmap = matplotlib.colormaps["RdYlGn"]
         vmin, vmax = 0.0, 1.0
-    cmap = cmap.copy()
-    cmap.set_bad("#dddddd")
+    cmap = cmap.with_extremes(bad="#dddddd")
     w = 2.2 + 1.0 * len(lengths)
     h = 1.6 + 0.42 * len(depths)
     fig, ax = plt.subplots(figsize=(w, h), dpi=130)
@@ -236,9 +245,11 @@ def render_markdown(summary: dict, images: dict[str, dict[str, str]]) -> str:
         row = [t, f"{metric} {better}", fmt(m.get("score"), metric)]
         if has_a:
             a = a_all.get(t, {})
-            row += [fmt(a.get("score"), metric), fmt(d_all.get(t, {}).get("score"), metric, signed=True)]
+            row += [fmt(a.get("score"), metric), _diff_cell(t, d_all.get(t, {}), metric)]
         rows.append(row)
     L += _table(["task", "metric", "model"] + (["original", "difference"] if has_a else []), rows) + [""]
+    if has_a and "speed" in m_all:
+        L += ["For speed the difference column is the ratio model / original.", ""]
 
     for t in [t for t in TASK_ORDER if t in m_all]:
         m, a, d = m_all[t], a_all.get(t), d_all.get(t)
@@ -271,7 +282,7 @@ def render_markdown(summary: dict, images: dict[str, dict[str, str]]) -> str:
                         dv = (d or {}).get("by_variant", {}).get(vname) or {}
                         vrows.append(["", "difference"] + [fmt((dv.get("by_length") or {}).get(x), "score", True) for x in lens]
                                      + [fmt(dv.get("score"), "score", True)])
-                L += _table(["variant", "model"] + [format_length(int(x)) for x in lens] + ["all"], vrows) + [""]
+                L += _table(["variant", ""] + [format_length(int(x)) for x in lens] + ["all"], vrows) + [""]
             L += ["Length × depth (model):", ""] + _grid_table(m["grid"], "score") + [""]
             if a is not None:
                 L += ["Length × depth (original):", ""] + _grid_table(a["grid"], "score") + [""]
@@ -420,7 +431,7 @@ def summary_table(summary: dict):
             if dv is not None and abs(dv) > 1e-12:
                 good = (dv > 0) == bool(m.get("higher_is_better"))
                 style = "green" if good else "red"
-            txt = fmt(d, metric, signed=True)
+            txt = _diff_cell(t, d_all.get(t, {}), metric)
             row += [fmt(a.get("score"), metric), f"[{style}]{txt}[/{style}]" if style else txt]
         table.add_row(*row)
     return table

@@ -1,10 +1,12 @@
 """Prefill and decode throughput and peak memory, through ``generate()``.
 
-For every context length ``L`` and batch size ``B`` (random token ids, seeded):
+For every context length ``L`` and batch size ``B`` (random token ids, seeded), one greedy
+``generate`` of ``1 + D`` tokens (``min_new_tokens`` forces all of them; ``D = 32``,
+``speed:64`` changes it) with a logits processor that timestamps every step:
 
-* prefill: ``generate(max_new_tokens=1)`` on ``[B, L]``; ``prefill_tok_s = B * L / t``;
-* decode: ``generate`` of ``1 + D`` tokens (``min_new_tokens`` forces all of them);
-  ``decode_tok_s = B * D / (t_total - t_prefill)`` with ``D = 32`` (``speed:64`` changes it);
+* prefill: from the call to the first step's logits; ``prefill_tok_s = B * L / t_prefill``;
+* decode: the mean time of the following ``D`` steps; ``decode_tok_s = B / t_step``
+  (``ms_per_step`` is reported too);
 * peak memory during the decode run:
   - CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``;
     ``peak_mib`` is the absolute peak (weights included), ``extra_mib`` the rise over the
@@ -16,8 +18,8 @@ For every context length ``L`` and batch size ``B`` (random token ids, seeded):
     the row says ``"memory": "lifetime-peak-rss"``. No allocation tracing is used, so the
     numbers include allocator slack and are comparable between models, not exact.
 
-Timing uses wall-clock with ``torch.cuda.synchronize`` on GPU; one warm-up run first;
-the median of 3 repeats on GPU, 1 on CPU. A batch that runs out of memory is recorded as
+Timing is wall-clock with ``torch.cuda.synchronize`` at every timestamp on GPU; one warm-up
+run first; the median of 3 repeats on GPU, 1 on CPU. A batch that runs out of memory is recorded as
 ``"oom": true`` and larger batches at that length are skipped.
 Headline score: decode tokens/s at the largest length and the first batch size.
 """
@@ -106,18 +108,37 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
+class _StepClock:
+    """A logits processor that only records when each generation step's logits are ready:
+    the first call comes right after the prefill forward, each later one after a decode step."""
+
+    def __init__(self, dev: torch.device):
+        self.dev = dev
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        _sync(self.dev)
+        self.times.append(time.perf_counter())
+        return scores
+
+
 @torch.no_grad()
-def _timed_generate(handle: ModelHandle, x: torch.Tensor, new: int) -> float:
-    from transformers import GenerationConfig  # noqa: PLC0415
+def timed_generate(handle: ModelHandle, x: torch.Tensor, new: int) -> tuple[float, float]:
+    """One greedy ``generate`` of exactly ``new`` tokens; returns (prefill seconds, seconds per
+    decode step), both read from the step clock inside that one call."""
+    from transformers import GenerationConfig, LogitsProcessorList  # noqa: PLC0415
 
     cfg = GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=False, num_beams=1,
                            pad_token_id=handle.pad_id, eos_token_id=handle.eos_ids or None)
-    dev = x.device
-    _sync(dev)
-    t = time.perf_counter()
-    handle.model.generate(input_ids=x, attention_mask=torch.ones_like(x), generation_config=cfg)
-    _sync(dev)
-    return time.perf_counter() - t
+    clock = _StepClock(x.device)
+    _sync(x.device)
+    t0 = time.perf_counter()
+    handle.model.generate(input_ids=x, attention_mask=torch.ones_like(x), generation_config=cfg,
+                          logits_processor=LogitsProcessorList([clock]))
+    t = clock.times
+    prefill = t[0] - t0
+    step = (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else float("nan")
+    return prefill, step
 
 
 def _is_oom(e: BaseException) -> bool:
@@ -131,7 +152,7 @@ def run(handle: ModelHandle, cfg: EvalConfig, args: dict, progress: Progress, sh
     vocab = int(getattr(handle.model.config, "vocab_size", None) or len(handle.tokenizer))
     g = torch.Generator().manual_seed(0)
     handle.model.eval()
-    _timed_generate(handle, torch.randint(0, vocab, (1, 16), generator=g).to(dev), 2)  # warm-up
+    timed_generate(handle, torch.randint(0, vocab, (1, 16), generator=g).to(dev), 3)  # warm-up
     rows = []
     for L in cfg.lengths:
         oom = False
@@ -144,19 +165,18 @@ def run(handle: ModelHandle, cfg: EvalConfig, args: dict, progress: Progress, sh
                 continue
             x = torch.randint(0, vocab, (B, L), generator=g).to(dev)
             try:
-                pre, full = [], []
+                pre, step = [], []
                 probe = _MemProbe(dev)
                 for r in range(repeats):
-                    pre.append(_timed_generate(handle, x, 1))
                     if r == repeats - 1:
                         probe.start()
-                    full.append(_timed_generate(handle, x, 1 + d))
+                    p, s = timed_generate(handle, x, 1 + d)
+                    pre.append(p)
+                    step.append(s)
                 peak, extra = probe.stop()
-                t_pre = statistics.median(pre)
-                t_dec = max(statistics.median(full) - t_pre, 1e-9)
-                row.update({"prefill_s": round(t_pre, 5), "decode_s": round(t_dec, 5),
-                            "prefill_tok_s": round(B * L / t_pre, 2), "decode_tok_s": round(B * d / t_dec, 2),
-                            "ms_per_step": round(1000 * t_dec / d, 3),
+                t_pre, t_step = statistics.median(pre), statistics.median(step)
+                row.update({"prefill_s": round(t_pre, 5), "prefill_tok_s": round(B * L / t_pre, 2),
+                            "ms_per_step": round(1000 * t_step, 3), "decode_tok_s": round(B / t_step, 2),
                             "peak_mib": round(peak, 1), "extra_mib": round(extra, 1), "memory": probe.kind})
             except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
                 if not _is_oom(e):

@@ -1,0 +1,142 @@
+"""Triton decode-step kernels (one token, state updated in place).
+
+One program per (batch, KV head) owns the whole ``[K, V]`` state of that head:
+it reads it once, adds ``k v^T`` (and, for the window hybrid, folds the token
+leaving the window), writes it back, and answers every query head of the KV
+group from registers. Owning the whole state is what makes the in-place update
+race-free (``z`` is shared by all value columns). Nothing is allocated except
+the output (``out=`` avoids that too), so a CUDA graph can replay the call; the
+window step's token counter ``seen`` is read on the device and incremented by
+one in-place add after the kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_common import pow2
+
+
+@triton.jit
+def _linear_step_kernel(
+    Q, Kp, Vp, S, Z, O,  # q [B,H,K], k [B,HK,K], v [B,HK,V], S [B,HK,K,V], z [B,HK,K], o [B,H,V]
+    H, HK, eps,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, G: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+):
+    pbh = tl.program_id(0)
+    b = pbh // HK
+    hk = pbh % HK
+    ok = tl.arange(0, BK)
+    ov = tl.arange(0, BV)
+    mk, mv = ok < K, ov < V
+    base = pbh.to(tl.int64)
+    k = tl.load(Kp + base * K + ok, mask=mk, other=0.0).to(tl.float32)
+    v = tl.load(Vp + base * V + ov, mask=mv, other=0.0).to(tl.float32)
+    sp = S + base * K * V + ok[:, None] * V + ov[None, :]
+    s = tl.load(sp, mask=mk[:, None] & mv[None, :], other=0.0)
+    s += k[:, None] * v[None, :]
+    tl.store(sp, s, mask=mk[:, None] & mv[None, :])
+    z = tl.load(Z + base * K + ok, mask=mk, other=0.0) + k
+    tl.store(Z + base * K + ok, z, mask=mk)
+    for g in tl.static_range(G):
+        h = hk * G + g
+        qrow = b.to(tl.int64) * H + h
+        q = tl.load(Q + qrow * K + ok, mask=mk, other=0.0).to(tl.float32)
+        o = tl.sum(q[:, None] * s, 0)
+        if NORMALIZE:
+            o = o / (tl.sum(q * z, 0) + eps)
+        tl.store(O + qrow * V + ov, o.to(O.dtype.element_ty), mask=mv)
+
+
+@triton.jit
+def _window_step_kernel(
+    Q, Kr, FQ, FK, Vp, WF,  # q [B,H,D], k [B,HK,D], fq [B,H,K], fk [B,HK,K], v [B,HK,V], wf [H] fp32
+    S, Z, KR, FKR, VR, SEEN,  # state; rings [B,HK,W,*]; seen int64 [1]
+    O,
+    H, HK, W, scale, eps,
+    D: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr, G: tl.constexpr,
+):
+    pbh = tl.program_id(0)
+    b = pbh // HK
+    hk = pbh % HK
+    od, ok, ov, ow = tl.arange(0, BD), tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BW)
+    md, mk, mv, mw = od < D, ok < K, ov < V, ow < W
+    base = pbh.to(tl.int64)
+    t = tl.load(SEEN)
+    slot = (t % W).to(tl.int32)
+    # ring tiles before the write; the new token replaces row `slot` in registers
+    kr = tl.load(KR + (base * W + ow[:, None]) * D + od[None, :], mask=mw[:, None] & md[None, :], other=0.0)
+    fkr = tl.load(FKR + (base * W + ow[:, None]) * K + ok[None, :], mask=mw[:, None] & mk[None, :], other=0.0)
+    vr = tl.load(VR + (base * W + ow[:, None]) * V + ov[None, :], mask=mw[:, None] & mv[None, :], other=0.0)
+    sel = ow == slot
+    fold = (t >= W).to(tl.float32)
+    fk_old = tl.sum(tl.where(sel[:, None], fkr.to(tl.float32), 0.0), 0) * fold  # [BK]
+    v_old = tl.sum(tl.where(sel[:, None], vr.to(tl.float32), 0.0), 0)  # [BV]
+    sp = S + base * K * V + ok[:, None] * V + ov[None, :]
+    s = tl.load(sp, mask=mk[:, None] & mv[None, :], other=0.0) + fk_old[:, None] * v_old[None, :]
+    tl.store(sp, s, mask=mk[:, None] & mv[None, :])
+    z = tl.load(Z + base * K + ok, mask=mk, other=0.0) + fk_old
+    tl.store(Z + base * K + ok, z, mask=mk)
+    k_new = tl.load(Kr + base * D + od, mask=md, other=0.0)
+    fk_new = tl.load(FK + base * K + ok, mask=mk, other=0.0)
+    v_new = tl.load(Vp + base * V + ov, mask=mv, other=0.0)
+    tl.store(KR + (base * W + slot) * D + od, k_new.to(KR.dtype.element_ty), mask=md)
+    tl.store(FKR + (base * W + slot) * K + ok, fk_new.to(FKR.dtype.element_ty), mask=mk)
+    tl.store(VR + (base * W + slot) * V + ov, v_new.to(VR.dtype.element_ty), mask=mv)
+    kr = tl.where(sel[:, None], k_new.to(KR.dtype.element_ty)[None, :], kr).to(tl.float32)
+    vr = tl.where(sel[:, None], v_new.to(VR.dtype.element_ty)[None, :], vr).to(tl.float32)
+    valid = (ow <= t) & mw
+    for g in tl.static_range(G):
+        h = hk * G + g
+        qrow = b.to(tl.int64) * H + h
+        w = tl.load(WF + h).to(tl.float32)
+        q = tl.load(Q + qrow * D + od, mask=md, other=0.0).to(tl.float32)
+        fq = tl.load(FQ + qrow * K + ok, mask=mk, other=0.0).to(tl.float32)
+        sc = tl.where(valid, tl.sum(kr * q[None, :], 1) * scale, float("-inf"))
+        m = tl.maximum(tl.max(sc, 0), 0.0)
+        p = tl.where(valid, tl.exp(sc - m), 0.0)
+        em = tl.exp(-m)
+        c = (1.0 - w) * em
+        num = w * tl.sum(p[:, None] * vr, 0) + c * tl.sum(fq[:, None] * s, 0)
+        den = w * tl.sum(p, 0) + c * tl.sum(fq * z, 0) + eps * em
+        tl.store(O + qrow * V + ov, (num / den).to(O.dtype.element_ty), mask=mv)
+
+
+def _warps(nbytes: int) -> int:
+    return 4 if nbytes <= 32 * 1024 else (8 if nbytes <= 96 * 1024 else 16)
+
+
+def linear_step_triton(q, k, v, S, z, *, normalize=True, eps=1e-6, out=None):
+    B, H, K = q.shape
+    HK, V = k.shape[1], v.shape[-1]
+    if out is None:
+        out = torch.empty((B, H, V), dtype=v.dtype, device=q.device)
+    BK, BV = pow2(K), pow2(V)
+    _linear_step_kernel[(B * HK,)](
+        q.contiguous(), k.contiguous(), v.contiguous(), S, z, out, H, HK, eps,
+        K=K, V=V, BK=BK, BV=BV, G=H // HK, NORMALIZE=normalize, num_warps=_warps(BK * BV * 4),
+    )
+    return out
+
+
+def window_step_triton(q, k, fq, fk, v, wf, st, *, scale, eps=1e-12, out=None):
+    B, H, D = q.shape
+    HK, W = st.k_ring.shape[1], st.k_ring.shape[2]
+    K, V = st.fk_ring.shape[-1], st.v_ring.shape[-1]
+    if out is None:
+        out = torch.empty((B, H, V), dtype=v.dtype, device=q.device)
+    if wf.dtype != torch.float32:
+        wf = wf.float()
+    BD, BK, BV, BW = pow2(D), pow2(K), pow2(V), pow2(W)
+    _window_step_kernel[(B * HK,)](
+        q.contiguous(), k.contiguous(), fq.contiguous(), fk.contiguous(), v.contiguous(), wf.contiguous(),
+        st.S, st.z, st.k_ring, st.fk_ring, st.v_ring, st.seen, out,
+        H, HK, W, float(scale), eps, D=D, K=K, V=V, BD=BD, BK=BK, BV=BV, BW=BW, G=H // HK,
+        num_warps=_warps(BK * BV * 4 + BW * (BD + BK + BV) * 4),
+    )
+    st.seen.add_(1)
+    return out

@@ -1,0 +1,516 @@
+"""Kernel benchmark: ``linearize bench kernels``.
+
+Times our Triton kernels side by side with fla 0.6.0 (``chunk_linear_attn``,
+``fused_recurrent_linear_attn``; optional: rows are skipped when fla is absent) and
+PyTorch SDPA (flash and cuDNN backends), median of ``triton.testing.do_bench``, all
+in one process on one GPU. A correctness check against the float64 reference runs
+first (fresh random inputs per check). See ``kernels/README.md`` for the table.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+# fla's Triton path only (it otherwise dispatches to other backends when present)
+os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")
+
+
+def _bench(fn: Callable[[], object], warmup: int = 25, rep: int = 100) -> float:
+    import triton
+
+    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def _fla():
+    try:
+        from fla.ops.linear_attn import chunk_linear_attn, fused_recurrent_linear_attn
+
+        return chunk_linear_attn, fused_recurrent_linear_attn
+    except Exception:  # pragma: no cover - optional dependency
+        return None
+
+
+def _versions() -> Dict[str, str]:
+    import triton
+
+    out = {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()}
+    try:
+        import importlib.metadata as md
+
+        out["fla-core"] = md.version("fla-core")
+    except Exception:
+        out["fla-core"] = "absent"
+    if torch.cuda.is_available():
+        out["gpu"] = torch.cuda.get_device_name()
+        out["cuda"] = str(torch.version.cuda)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# correctness on the device
+
+
+def check_kernels(device: str = "cuda") -> List[dict]:
+    """Our Triton paths vs the float64 reference on the device (outputs, states, gradients).
+
+    Returns one row per check with the measured relative errors; raises nothing (a failed
+    check is a row with ``ok=False``).
+    """
+    from linearize.kernels import (
+        linear_attention,
+        linear_attention_step,
+        window_linear_attention,
+        window_linear_attention_step,
+        window_state_from_prefill,
+    )
+    from linearize.kernels.testing import check_linear, check_window, linear_inputs, rel_err, window_inputs
+
+    rows: List[dict] = []
+
+    def run(name, fn):
+        try:
+            fn()
+            rows.append({"check": name, "ok": True})
+        except Exception as e:  # pragma: no cover - device only
+            rows.append({"check": name, "ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+
+    for dt in (torch.float32, torch.bfloat16):
+        for shape in [(2, 1000, 4, 2, 64, 32), (1, 777, 2, 2, 128, 128), (1, 300, 2, 1, 256, 64)]:
+            for norm in (True, False):
+                run(f"linear {shape} {dt} norm={norm}",
+                    lambda: check_linear("triton", *shape, dt, normalize=norm, state=True, device=device))
+        for shape in [(2, 1000, 4, 2, 64, 64, 32, 64), (1, 777, 2, 2, 128, 128, 128, 64),
+                      (1, 500, 2, 1, 64, 256, 64, 16), (1, 500, 2, 1, 64, 64, 64, 100)]:
+            run(f"window {shape} {dt}", lambda: check_window("triton", *shape, dt, state=True, device=device))
+
+    try:
+        rows.extend(_check_accuracy(device))
+    except Exception as e:  # pragma: no cover - device only
+        rows.append({"check": "accuracy/decode", "ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+    return rows
+
+
+def _check_accuracy(device: str) -> List[dict]:
+    from linearize.kernels import (
+        linear_attention,
+        linear_attention_step,
+        window_linear_attention,
+        window_linear_attention_step,
+        window_state_from_prefill,
+    )
+    from linearize.kernels.testing import linear_inputs, rel_err, window_inputs
+
+    rows: List[dict] = []
+    # accuracy at the benchmark's head size on a long sequence, vs a float64 reference
+    B, T, H, D = 1, 4096, 4, 128
+    for dt in (torch.float32, torch.bfloat16):
+        inp = linear_inputs(B, T, H, H, D, D, dtype=dt, device=device, seed=11)
+        for norm in (True, False):
+            o, _ = linear_attention(inp["q"], inp["k"], inp["v"], normalize=norm, backend="triton")
+            ref, _ = linear_attention(*(inp[n].double() for n in ("q", "k", "v")), normalize=norm,
+                                      backend="torch")
+            rows.append({"check": f"accuracy linear T={T} D={D} {dt} norm={norm}", "rel_err": rel_err(o, ref),
+                         "ok": rel_err(o, ref) <= (1e-4 if dt == torch.float32 else 1e-2)})
+        w = window_inputs(B, T, H, H, D, D, D, dtype=dt, device=device, seed=12)
+        xs = [w[n] for n in ("q", "k", "fq", "fk", "v")]
+        o, _ = window_linear_attention(*xs, w["window_factor"], window=64, backend="triton")
+        ref, _ = window_linear_attention(*(x.double() for x in xs), w["window_factor"].double(), window=64,
+                                         backend="torch")
+        rows.append({"check": f"accuracy window T={T} D={D} {dt}", "rel_err": rel_err(o, ref),
+                     "ok": rel_err(o, ref) <= (1e-4 if dt == torch.float32 else 1e-2)})
+
+    # decode: prefill + steps == one forward
+    B, T, H, Hk, D = 2, 200, 8, 4, 128
+    inp = linear_inputs(B, T, H, Hk, D, D, device=device, seed=3)
+    full, _ = linear_attention(inp["q"], inp["k"], inp["v"], backend="reference")
+    _, st = linear_attention(inp["q"][:, :150], inp["k"][:, :150], inp["v"][:, :150], output_final_state=True,
+                             backend="triton")
+    outs = [linear_attention_step(inp["q"][:, t], inp["k"][:, t], inp["v"][:, t], st) for t in range(150, T)]
+    e = rel_err(torch.stack(outs, 1), full[:, 150:])
+    rows.append({"check": "linear prefill+steps == full", "rel_err": e, "ok": e < 1e-5})
+    w = window_inputs(B, T, H, Hk, D, D, D, device=device, seed=4)
+    xs = [w[n] for n in ("q", "k", "fq", "fk", "v")]
+    full, _ = window_linear_attention(*xs, w["window_factor"], window=64, backend="reference")
+    _, st = window_linear_attention(*(x[:, :150] for x in xs), w["window_factor"], window=64,
+                                    output_final_state=True, backend="triton")
+    ws = window_state_from_prefill(xs[1][:, :150], xs[3][:, :150], xs[4][:, :150], st, 64)
+    outs = [window_linear_attention_step(*(x[:, t] for x in xs), w["window_factor"], ws) for t in range(150, T)]
+    e = rel_err(torch.stack(outs, 1), full[:, 150:])
+    rows.append({"check": "window prefill+steps == full", "rel_err": e, "ok": e < 1e-5})
+    return rows
+
+
+# ---------------------------------------------------------------------------
+# launch-configuration sweep (used to pick the defaults in kernels/triton_*.py CONFIG)
+
+
+def tune_kernels(heads: int = 32, dim: int = 128, progress: Optional[Callable[[str], None]] = None) -> dict:
+    """Time a small grid of launch configurations; set and return the best per kernel family."""
+    import itertools
+
+    from linearize.kernels import linear_attention, window_linear_attention
+    from linearize.kernels import triton_linear as tlin
+    from linearize.kernels import triton_window as twin
+
+    say = progress or (lambda s: None)
+    dev = torch.device("cuda")
+    bf = torch.bfloat16
+    shapes = [(1, 32768), (16, 2048)]
+    data = {}
+    for B, T in shapes:
+        q = torch.rand(B, T, heads, dim, device=dev, dtype=bf, requires_grad=True)
+        k = torch.rand(B, T, heads, dim, device=dev, dtype=bf, requires_grad=True)
+        v = torch.randn(B, T, heads, dim, device=dev, dtype=bf, requires_grad=True)
+        qr = torch.randn(B, T, heads, dim, device=dev, dtype=bf)
+        kr = torch.randn(B, T, heads, dim, device=dev, dtype=bf)
+        do = torch.randn(B, T, heads, dim, device=dev, dtype=bf)
+        data[(B, T)] = (q, k, v, qr, kr, do)
+    wf = torch.full((heads,), 0.3, device=dev)
+    best = {}
+
+    def sweep(name, cfg_mod, grid, fn):
+        base = dict(cfg_mod.CONFIG)
+        results = []
+        for vals in itertools.product(*grid.values()):
+            cfg = dict(zip(grid.keys(), vals))
+            cfg_mod.CONFIG.update(cfg)
+            try:
+                tot = 0.0
+                for key in data:
+                    tot += _bench(lambda: fn(*data[key]), 10, 40) / _bench_ref[(name, key)]
+                results.append((tot, cfg))
+                say(f"tune {name} {cfg}: {tot:.3f}")
+            except Exception as e:  # compile failure (e.g. out of shared memory)
+                say(f"tune {name} {cfg}: failed {str(e)[:100]}")
+            cfg_mod.CONFIG.clear()
+            cfg_mod.CONFIG.update(base)
+        results.sort(key=lambda r: r[0])
+        if results:
+            cfg_mod.CONFIG.update(results[0][1])
+            best[name] = results[0][1]
+        return results
+
+    def lin_fwd(q, k, v, qr, kr, do):
+        with torch.no_grad():
+            return linear_attention(q, k, v)[0]
+
+    def lin_fb(q, k, v, qr, kr, do):
+        o = linear_attention(q, k, v)[0]
+        torch.autograd.grad(o, (q, k, v), do)
+
+    def win_fwd(q, k, v, qr, kr, do):
+        with torch.no_grad():
+            return window_linear_attention(qr, kr, q, k, v, wf, window=64)[0]
+
+    def win_fb(q, k, v, qr, kr, do):
+        o = window_linear_attention(qr, kr, q, k, v, wf, window=64)[0]
+        torch.autograd.grad(o, (q, k, v), do)
+
+    _bench_ref = {}
+    for name, fn in (("lin_fwd", lin_fwd), ("lin_fb", lin_fb), ("win_fwd", win_fwd), ("win_fb", win_fb)):
+        for key in data:
+            _bench_ref[(name, key)] = _bench(lambda: fn(*data[key]), 10, 40)
+    sweep("lin_fwd", tlin, {"fwd_bv": [64, 128], "fwd_warps": [4, 8], "fwd_stages": [1, 2, 3]}, lin_fwd)
+    sweep("lin_fwd", tlin, {"fwd_waves": [1.0, 2.0, 4.0]}, lin_fwd)
+    sweep("lin_fb", tlin, {"bwd_bk": [64, 128], "bwd_bv": [64, 128], "bwd_warps": [4, 8]}, lin_fb)
+    sweep("lin_fb", tlin, {"scan_warps": [4, 8]}, lin_fb)
+    sweep("win_fwd", twin, {"fwd_bv": [64, 128], "fwd_warps": [4, 8], "fwd_stages": [1, 2]}, win_fwd)
+    sweep("win_fb", twin, {"bwd_warps": [4, 8], "scan_warps": [4, 8]}, win_fb)
+    say(f"tuned: linear {tlin.CONFIG} window {twin.CONFIG}")
+    return {"linear": dict(tlin.CONFIG), "window": dict(twin.CONFIG)}
+
+
+# ---------------------------------------------------------------------------
+# timing
+
+
+def _grad_fn(fwd: Callable[[], torch.Tensor], inputs: Sequence[torch.Tensor], do: torch.Tensor):
+    def f():
+        o = fwd()
+        torch.autograd.grad(o, inputs, do)
+
+    return f
+
+
+def _row(rows, **kw):
+    rows.append(kw)
+    return kw
+
+
+def bench_kernels(
+    out_json: Optional[Path] = None,
+    lengths: Sequence[int] = (2048, 8192, 32768, 131072),
+    tokens: int = 32768,
+    heads: int = 32,
+    dim: int = 128,
+    *,
+    window: int = 64,
+    hedgehog_dim: int = 256,
+    decode_batch: int = 8,
+    sdpa_bwd_max_len: int = 32768,
+    warmup: int = 25,
+    rep: int = 100,
+    check: bool = True,
+    progress: Optional[Callable[[str], None]] = None,
+) -> List[dict]:
+    """Benchmark our kernels vs fla and SDPA on the current CUDA device.
+
+    For each ``T`` in ``lengths`` the batch is ``max(1, tokens // T)``; bf16, ``heads``
+    heads of size ``dim`` (K = V = dim), plus the window hybrid (``window``) and the
+    Hedgehog feature size ``hedgehog_dim``; decode steps at ``decode_batch``. Returns
+    rows (dicts) and writes them with the environment to ``out_json`` if given.
+    """
+    if not torch.cuda.is_available():
+        raise RuntimeError("bench_kernels needs a CUDA GPU")
+    from linearize.kernels import (
+        empty_window_state,
+        linear_attention,
+        linear_attention_step,
+        window_linear_attention,
+        window_linear_attention_step,
+    )
+
+    say = progress or (lambda s: None)
+    dev = torch.device("cuda")
+    bf = torch.bfloat16
+    fla = _fla()
+    rows: List[dict] = []
+    meta = {"date": _dt.datetime.now().isoformat(timespec="seconds"), **_versions(),
+            "heads": heads, "dim": dim, "tokens": tokens, "window": window}
+    checks = check_kernels("cuda") if check else []
+    for c in checks:
+        say(f"check {c['check']}: {'ok' if c['ok'] else 'FAIL'} {c.get('rel_err', '')} {c.get('error', '')}")
+
+    # device ceilings: device-to-device copy
+    x = torch.empty(1 << 28, dtype=torch.float32, device=dev)  # 1 GiB
+    y = torch.empty_like(x)
+    x.normal_()
+    t = _bench(lambda: y.copy_(x), warmup, rep)
+    copy_gbs = 2 * x.numel() * 4 / t / 1e6
+    _row(rows, bench="copy", impl="torch copy_", T=0, B=0, passes="-", ms=t, gbs=copy_gbs)
+    del x, y
+    say(f"copy {copy_gbs:.0f} GB/s")
+
+    def lin_inputs(B, T, K, V, dt=bf):
+        q = torch.rand(B, T, heads, K, device=dev, dtype=dt)
+        k = torch.rand(B, T, heads, K, device=dev, dtype=dt)
+        v = torch.randn(B, T, heads, V, device=dev, dtype=dt)
+        return q, k, v
+
+    for T in lengths:
+        B = max(1, tokens // T)
+        for K in (dim, hedgehog_dim):
+          try:
+            tag = "" if K == dim else f" K={K}"
+            q, k, v = lin_inputs(B, T, K, dim)
+            do = torch.randn(B, T, heads, dim, device=dev, dtype=bf)
+            ins = (q, k, v)
+            for p in ins:
+                p.requires_grad_(True)
+            for norm in (True, False):
+                name = "ours" if norm else "ours-unnorm"
+                f = lambda: linear_attention(q, k, v, normalize=norm)[0]  # noqa: E731
+                with torch.no_grad():
+                    ms = _bench(f, warmup, rep)
+                _row(rows, bench="linear" + tag, impl=name, T=T, B=B, passes="fwd", ms=ms)
+                ms = _bench(_grad_fn(f, ins, do), warmup, rep)
+                _row(rows, bench="linear" + tag, impl=name, T=T, B=B, passes="fwd+bwd", ms=ms)
+                if fla is not None:
+                    chunk = fla[0]
+                    g = lambda: chunk(q, k, v, scale=1.0, normalize=norm)[0]  # noqa: E731
+                    fname = "fla" if norm else "fla-unnorm"
+                    with torch.no_grad():
+                        ms = _bench(g, warmup, rep)
+                    _row(rows, bench="linear" + tag, impl=fname, T=T, B=B, passes="fwd", ms=ms)
+                    ms = _bench(_grad_fn(g, ins, do), warmup, rep)
+                    _row(rows, bench="linear" + tag, impl=fname, T=T, B=B, passes="fwd+bwd", ms=ms)
+            say(f"linear{tag} T={T} done")
+            # window hybrid: raw q/k of size dim, features of size K
+            qr = torch.randn(B, T, heads, dim, device=dev, dtype=bf)
+            kr = torch.randn(B, T, heads, dim, device=dev, dtype=bf)
+            wf = torch.full((heads,), 0.3, device=dev, requires_grad=True)
+            wins = (qr, kr, q, k, v)
+            for p in (qr, kr):
+                p.requires_grad_(True)
+            f = lambda: window_linear_attention(qr, kr, q, k, v, wf, window=window)[0]  # noqa: E731
+            with torch.no_grad():
+                ms = _bench(f, warmup, rep)
+            _row(rows, bench="window" + tag, impl=f"ours W={window}", T=T, B=B, passes="fwd", ms=ms)
+            ms = _bench(_grad_fn(f, wins + (wf,), do), warmup, rep)
+            _row(rows, bench="window" + tag, impl=f"ours W={window}", T=T, B=B, passes="fwd+bwd", ms=ms)
+            del qr, kr, q, k, v, do
+            say(f"window{tag} T={T} done")
+          except Exception as e:  # pragma: no cover - device only
+            _row(rows, bench="error", impl=f"K={K}", T=T, B=B, passes="-", ms=float("nan"), note=str(e)[:300])
+            say(f"ERROR K={K} T={T}: {type(e).__name__}: {str(e)[:300]}")
+            torch.cuda.empty_cache()
+        # softmax baselines
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        qs = torch.randn(B, heads, T, dim, device=dev, dtype=bf, requires_grad=True)
+        ks = torch.randn(B, heads, T, dim, device=dev, dtype=bf, requires_grad=True)
+        vs = torch.randn(B, heads, T, dim, device=dev, dtype=bf, requires_grad=True)
+        dos = torch.randn(B, heads, T, dim, device=dev, dtype=bf)
+        for be, nm in ((SDPBackend.FLASH_ATTENTION, "sdpa-flash"), (SDPBackend.CUDNN_ATTENTION, "sdpa-cudnn")):
+            def s():
+                with sdpa_kernel(be):
+                    return torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+
+            try:
+                with torch.no_grad():
+                    ms = _bench(s, warmup, rep)
+                _row(rows, bench="linear", impl=nm, T=T, B=B, passes="fwd", ms=ms)
+                if T <= sdpa_bwd_max_len:
+                    ms = _bench(_grad_fn(s, (qs, ks, vs), dos), warmup, rep)
+                    _row(rows, bench="linear", impl=nm, T=T, B=B, passes="fwd+bwd", ms=ms)
+            except Exception as e:  # pragma: no cover - backend availability
+                _row(rows, bench="linear", impl=nm, T=T, B=B, passes="fwd", ms=float("nan"), note=str(e)[:120])
+        del qs, ks, vs, dos
+        say(f"sdpa T={T} done")
+
+    # decode steps, state rotated over 8 copies (more than L2), captured in a CUDA graph
+    Bd, K, V = decode_batch, dim, dim
+    nrot = 8
+    states = [(torch.rand(Bd, heads, K, V, device=dev), torch.rand(Bd, heads, K, device=dev) + 1)
+              for _ in range(nrot)]
+    qd = torch.rand(Bd, heads, K, device=dev, dtype=bf)
+    kd = torch.rand(Bd, heads, K, device=dev, dtype=bf)
+    vd = torch.randn(Bd, heads, V, device=dev, dtype=bf)
+    out = torch.empty(Bd, heads, V, device=dev, dtype=bf)
+    state_bytes = 2 * (Bd * heads * K * V * 4 + Bd * heads * K * 4)
+
+    def graphed(step_fn):
+        for i in range(nrot):  # warm up / compile outside capture
+            step_fn(i)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for i in range(nrot):
+                step_fn(i)
+        return lambda: g.replay()
+
+    def add_decode(impl, step_fn, nbytes):
+        try:
+            ms = _bench(graphed(step_fn), warmup, rep) / nrot
+            graph = True
+        except Exception:  # pragma: no cover
+            ms = _bench(lambda: [step_fn(i) for i in range(nrot)], warmup, rep) / nrot
+            graph = False
+        gbs = nbytes / ms / 1e6
+        _row(rows, bench="decode", impl=impl, T=1, B=Bd, passes="step", ms=ms, gbs=gbs,
+             pct_copy=100 * gbs / copy_gbs, graph=graph)
+
+    add_decode("ours linear step", lambda i: linear_attention_step(qd, kd, vd, states[i], out=out), state_bytes)
+    if fla is not None:
+        rec = fla[1]
+        q4, k4, v4 = qd.unsqueeze(1), kd.unsqueeze(1), vd.unsqueeze(1)
+        add_decode("fla fused_recurrent", lambda i: rec(q4, k4, v4, scale=1.0, initial_state=states[i][0],
+                                                        output_final_state=True), state_bytes)
+    wstates = []
+    for _ in range(nrot):
+        st = empty_window_state(Bd, heads, dim, K, V, window, dtype=bf, device=dev)
+        st.S.copy_(torch.rand_like(st.S))
+        st.z.copy_(torch.rand_like(st.z) + 1)
+        st.k_ring.normal_()
+        st.fk_ring.uniform_()
+        st.v_ring.normal_()
+        st.seen.fill_(1000)
+        wstates.append(st)
+    wfd = torch.full((heads,), 0.3, device=dev)
+    ring_bytes = Bd * heads * window * (dim + K + V) * 2
+    add_decode(f"ours window step W={window}",
+               lambda i: window_linear_attention_step(qd, kd, qd, kd, vd, wfd, wstates[i], out=out),
+               state_bytes + ring_bytes)
+    say("decode done")
+
+    if out_json is not None:
+        out_json = Path(out_json)
+        out_json.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out_json.with_suffix(out_json.suffix + ".tmp")
+        tmp.write_text(json.dumps({"meta": meta, "checks": checks, "rows": rows}, indent=1))
+        tmp.replace(out_json)
+    return [dict(meta=meta)] + checks + rows
+
+
+def summarize(rows: List[dict]) -> List[dict]:
+    """Ratios the issue's targets are stated in (per T): speed-ups = their ms / our ms."""
+    by = {}
+    for r in rows:
+        if "bench" in r:
+            by[(r["bench"], r["impl"], r["T"], r["passes"])] = r["ms"]
+    out = []
+    Ts = sorted({r["T"] for r in rows if r.get("bench") == "linear"})
+    for T in Ts:
+        g = lambda b, i, p: by.get((b, i, T, p))  # noqa: E731
+        ours_f, ours_fb = g("linear", "ours", "fwd"), g("linear", "ours", "fwd+bwd")
+        row = {"T": T, "ours fwd ms": ours_f, "ours fwd+bwd ms": ours_fb}
+        if g("linear", "fla", "fwd"):
+            row["fwd vs fla norm"] = g("linear", "fla", "fwd") / ours_f
+            row["fwd vs fla unnorm"] = g("linear", "fla-unnorm", "fwd") / ours_f
+            row["fwd+bwd vs fla norm"] = g("linear", "fla", "fwd+bwd") / ours_fb
+        sd = [x for x in (g("linear", "sdpa-flash", "fwd"), g("linear", "sdpa-cudnn", "fwd")) if x and x == x]
+        if sd:
+            row["fwd vs best sdpa"] = min(sd) / ours_f
+        wf = g("window", "ours W=64", "fwd")
+        if wf:
+            row["window fwd / ours fwd"] = wf / ours_f
+        out.append(row)
+    return out
+
+
+def print_table(rows: List[dict]) -> None:
+    """Print the benchmark rows and the target summary with rich."""
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    meta = next((r["meta"] for r in rows if "meta" in r), {})
+    if meta:
+        con.print(", ".join(f"{k}={v}" for k, v in meta.items()))
+    checks = [r for r in rows if "check" in r]
+    if checks:
+        bad = [c for c in checks if not c["ok"]]
+        con.print(f"device checks: {len(checks) - len(bad)}/{len(checks)} ok")
+        for c in checks:
+            if "rel_err" in c or not c["ok"]:
+                con.print(f"  {c['check']}: {'ok' if c['ok'] else 'FAIL'} {c.get('rel_err', '')} {c.get('error', '')}")
+    data = [r for r in rows if "bench" in r]
+    t = Table(title="kernel timings (median ms, do_bench)")
+    for col in ("bench", "impl", "T", "B", "passes", "ms", "GB/s", "% copy"):
+        t.add_column(col)
+    for r in data:
+        t.add_row(r["bench"], r["impl"], str(r["T"]), str(r["B"]), r["passes"], f"{r['ms']:.4f}",
+                  f"{r['gbs']:.0f}" if "gbs" in r else "", f"{r['pct_copy']:.0f}%" if "pct_copy" in r else "")
+    con.print(t)
+    summ = summarize(data)
+    if summ:
+        s = Table(title="speed-ups (their time / ours)")
+        cols = list(dict.fromkeys(k for r in summ for k in r))
+        for c in cols:
+            s.add_column(c)
+        for r in summ:
+            s.add_row(*[(f"{r[c]:.3f}" if isinstance(r.get(c), float) else str(r.get(c, ""))) for c in cols])
+        con.print(s)
+    dec = {r["impl"]: r for r in data if r["bench"] == "decode"}
+    if "ours linear step" in dec and "fla fused_recurrent" in dec:
+        con.print(f"decode: ours {dec['ours linear step']['ms'] * 1e3:.1f} us vs fla "
+                  f"{dec['fla fused_recurrent']['ms'] * 1e3:.1f} us = "
+                  f"{dec['fla fused_recurrent']['ms'] / dec['ours linear step']['ms']:.2f}x")
+
+
+if __name__ == "__main__":  # python -m linearize.bench [out.json] [--tune]
+    import sys
+
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    if "--tune" in sys.argv:
+        tuned = tune_kernels(progress=lambda s: print(s, flush=True))
+        print("TUNED", json.dumps(tuned), flush=True)
+    res = bench_kernels(Path(args[0]) if args else None, progress=lambda s: print(s, flush=True))
+    print_table(res)

@@ -1,0 +1,212 @@
+"""Stage 1, attention transfer: train feature maps so each linear layer reproduces its softmax layer.
+
+The model runs in ``distill`` mode: every linearized layer computes the original softmax output
+(which flows on to the next layer, so layers train independently and no second model copy is held)
+and its linear output from the same q, k, v. The loss is the mean over layers of the per-layer
+normalized MSE ``|o_lin - o_soft|² / |o_soft|²`` on per-head outputs before ``o_proj``, so layers
+with large outputs do not dominate. Only feature maps and window mixing logits train.
+
+Long runs checkpoint every ``checkpoint_every`` optimizer steps into a state directory beside the
+output; ``resume=True`` continues from it only when the fingerprint (model, recipe, data, seed)
+matches. A non-finite loss stops the run naming the layer and step, keeping the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .data import heldout_sequences, num_batches, packed_batches, parse_tokens
+from .errors import LinearizeError
+
+
+class TrainingError(LinearizeError):
+    """A training run that cannot continue (non-finite loss, fingerprint mismatch)."""
+
+
+def trainable_parameters(model) -> list[torch.nn.Parameter]:
+    """Freeze everything but the learned parts of the linear layers; return those parameters."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    params = []
+    for m in model.linear_modules():
+        for fm in (m.feature_map_q, m.feature_map_k):
+            if fm.learnable:
+                params += list(fm.parameters())
+        if m.window_logit is not None:
+            params.append(m.window_logit)
+    for p in params:
+        p.requires_grad_(True)
+    return params
+
+
+def layer_losses(model) -> list[torch.Tensor]:
+    """Per-layer normalized MSE of the last ``distill``-mode forward, in layer order."""
+    out = []
+    for m in model.linear_modules():
+        student, teacher = m.distill_pair
+        s, t = student.float(), teacher.float()
+        out.append((s - t).pow(2).mean() / t.pow(2).mean().clamp_min(1e-12))
+    return out
+
+
+@torch.no_grad()
+def evaluate_layers(model, ids: torch.Tensor, batch_size: int = 4) -> dict[str, list[float]]:
+    """Held-out per-layer MSE (raw and normalized) of the linear layers against softmax."""
+    model.set_attention_mode("distill")
+    raw = torch.zeros(len(model.linear_modules()), dtype=torch.float64)
+    norm = torch.zeros_like(raw)
+    n = 0
+    for i in range(0, ids.shape[0], batch_size):
+        batch = ids[i : i + batch_size].to(model.device)
+        model(input_ids=batch, use_cache=False)
+        for j, m in enumerate(model.linear_modules()):
+            s, t = (x.float() for x in m.distill_pair)
+            raw[j] += (s - t).pow(2).mean().item() * batch.shape[0]
+            norm[j] += ((s - t).pow(2).mean() / t.pow(2).mean().clamp_min(1e-12)).item() * batch.shape[0]
+        n += batch.shape[0]
+    model.set_attention_mode("linear")
+    return {"mse": (raw / n).tolist(), "normalized_mse": (norm / n).tolist()}
+
+
+def fingerprint(model, recipe, data: str, seed: int, tokens: int) -> str:
+    """What must match for a checkpoint to be resumed."""
+    cfg = model.config
+    blob = json.dumps({"base": getattr(cfg, "_name_or_path", ""), "layers": cfg.layer_types,
+                       "attention": cfg.linear_attention, "distill": {k: v for k, v in recipe["distill"].items()
+                                                                    if k != "checkpoint_every"},
+                       "data": data, "seed": seed, "tokens": tokens}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _lr_lambda(total_steps: int, warmup: int, floor: float) -> Callable[[int], float]:
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / max(1, warmup)
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return f
+
+
+def _save_state(path: Path, state: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def distill(model, tokenizer, recipe, *, state_dir: Path | None = None, resume: bool = False,
+            tokens: int | str | None = None, progress: bool = True, log: Callable[[str], None] = print) -> dict:
+    """Run attention transfer on ``model`` in place; return the stage report."""
+    cfg = recipe["distill"]
+    budget = parse_tokens(tokens if tokens is not None else cfg["tokens"])
+    seq_len, bsz, accum = cfg["seq_len"], cfg["batch_size"], cfg["grad_accum"]
+    params = trainable_parameters(model)
+    if not params:
+        model.set_attention_mode("linear")
+        log("distill: the recipe's layers have nothing to learn (fixed feature map, no window); skipped")
+        return {"skipped": "nothing to train"}
+    device = model.device
+    master = [p for p in params]
+    for p in master:  # train in fp32 even when the model is bf16
+        if p.dtype != torch.float32:
+            p.data = p.data.float()
+    heldout = heldout_sequences(tokenizer, cfg["data"], seq_len=seq_len, n_seqs=cfg["eval_seqs"])
+    t_start = time.time()
+    before = evaluate_layers(model, heldout)
+    micro_total = num_batches(budget, seq_len, bsz)
+    total_steps = max(1, micro_total // accum)
+    opt = torch.optim.AdamW(master, lr=cfg["lr"], weight_decay=cfg["weight_decay"], betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(total_steps, cfg["warmup_steps"], cfg["min_lr_ratio"]))
+    fp = fingerprint(model, recipe, cfg["data"], cfg["seed"], budget)
+    ckpt = Path(state_dir) / "distill-state.pt" if state_dir is not None else None
+    step = 0
+    if resume and ckpt is not None and ckpt.is_file():
+        state = torch.load(ckpt, map_location="cpu", weights_only=False)
+        if state["fingerprint"] != fp:
+            raise TrainingError(f"cannot resume from {ckpt}: it was written for a different model, recipe, data "
+                                f"or seed (fingerprint {state['fingerprint']} != {fp}); remove it or drop --resume")
+        for p, saved in zip(master, state["params"]):
+            p.data.copy_(saved.to(p.device))
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        step = state["step"]
+        log(f"distill: resumed at step {step}/{total_steps} from {ckpt}")
+    use_autocast = device.type == "cuda"
+    batches = packed_batches(tokenizer, cfg["data"], seq_len=seq_len, tokens=budget, batch_size=bsz,
+                             seed=cfg["seed"])
+    batches = itertools.islice(batches, step * accum, total_steps * accum)
+    model.set_attention_mode("distill")
+    model.train()
+    history: list[dict[str, float]] = []
+    tokens_seen = step * accum * bsz * seq_len
+    t_train = time.time()
+    tokens_this_run = 0
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    bar = Progress(TextColumn("distill"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
+                   TextColumn("{task.fields[info]}"), TimeRemainingColumn(), disable=not progress, transient=False)
+    with bar:
+        task = bar.add_task("distill", total=total_steps, completed=step, info="")
+        while step < total_steps:
+            opt.zero_grad(set_to_none=True)
+            per_layer = None
+            for _ in range(accum):
+                batch = next(batches).to(device)
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_autocast):
+                    model(input_ids=batch, use_cache=False)
+                losses = layer_losses(model)
+                loss = torch.stack(losses).mean() / accum
+                bad = [i for i, l in enumerate(losses) if not torch.isfinite(l)]
+                if bad:
+                    layer = model.linear_modules()[bad[0]].layer_idx
+                    raise TrainingError(f"distill: non-finite loss in layer {layer} at step {step}; the last good "
+                                        f"checkpoint is kept ({ckpt or 'none'}); try a lower distill.lr")
+                loss.backward()
+                lv = torch.stack([l.detach() for l in losses]).float().cpu()
+                per_layer = lv if per_layer is None else per_layer + lv
+                tokens_seen += batch.numel()
+                tokens_this_run += batch.numel()
+            torch.nn.utils.clip_grad_norm_(master, 1.0)
+            opt.step()
+            sched.step()
+            step += 1
+            per_layer = per_layer / accum
+            worst = int(per_layer.argmax())
+            rate = tokens_this_run / max(1e-9, time.time() - t_train)
+            history.append({"step": step, "loss": float(per_layer.mean()), "worst_layer":
+                            model.linear_modules()[worst].layer_idx, "worst_loss": float(per_layer[worst])})
+            bar.update(task, completed=step, info=f"loss {per_layer.mean():.4f}  worst L{history[-1]['worst_layer']} "
+                                                  f"{per_layer[worst]:.4f}  {rate:,.0f} tok/s")
+            if ckpt is not None and (step % cfg["checkpoint_every"] == 0 or step == total_steps):
+                _save_state(ckpt, {"fingerprint": fp, "step": step, "params": [p.detach().cpu() for p in master],
+                                   "optimizer": opt.state_dict(), "scheduler": sched.state_dict()})
+    model.eval()
+    train_seconds = time.time() - t_train
+    after = evaluate_layers(model, heldout)
+    layers = [m.layer_idx for m in model.linear_modules()]
+    ratios = [b / max(a, 1e-30) for a, b in zip(after["mse"], before["mse"])]
+    report = {
+        "tokens": tokens_seen, "steps": step, "seq_len": seq_len, "batch_size": bsz, "grad_accum": accum,
+        "train_seconds": round(train_seconds, 1), "total_seconds": round(time.time() - t_start, 1),
+        "tokens_per_second": round(tokens_this_run / max(train_seconds, 1e-9), 1),
+        "heldout_mse_start_mean": sum(before["mse"]) / len(layers),
+        "heldout_mse_end_mean": sum(after["mse"]) / len(layers),
+        "heldout_mse_reduction_mean": sum(ratios) / len(ratios),
+        "per_layer": [{"layer": l, "mse_start": a, "mse_end": b, "normalized_start": na, "normalized_end": nb}
+                      for l, a, b, na, nb in zip(layers, before["mse"], after["mse"], before["normalized_mse"],
+                                                 after["normalized_mse"])],
+        "history": history[-200:],
+    }
+    for p in master:  # back to the model's dtype for saving
+        p.requires_grad_(False)
+    return report
