@@ -19,6 +19,8 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+bench_app = typer.Typer(help="Benchmarks (GPU): kernels against fla and SDPA.", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
 
 console = Console()
 err_console = Console(stderr=True)
@@ -147,6 +149,57 @@ def generate(
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
+
+
+@app.command("eval")
+@user_errors
+def eval_cmd(
+    spec: str = typer.Argument(..., help="Model spec or hybrid checkpoint directory to evaluate."),
+    task: str = typer.Option(..., "--task", help="niah,passkey,ppl,recall,agreement,speed,lm-eval:TASKS (comma-separated)."),
+    against: Optional[str] = typer.Option(None, "--against", help="The original model, evaluated on identical prompts."),
+    out: Optional[Path] = typer.Option(None, "-o", "--output", help="Report directory (default: eval-MODEL)."),
+    lengths: str = typer.Option("1K,2K,4K", "--lengths", help="Context lengths in the model's tokens, e.g. 1K,2K,4K,8K."),
+    depths: str = typer.Option("5", "--depths", help="Needle depths: a count (11 = 0%,10%,...,100%) or fractions 0,0.5,1."),
+    seeds: str = typer.Option("2", "--seeds", help="Samples per (length, depth) cell: a count or explicit seeds."),
+    chat_template: Optional[bool] = typer.Option(None, "--chat-template/--no-chat-template", help="Use the tokenizer's chat template (default: when it has one)."),
+    data: Optional[str] = typer.Option(None, "--data", help="Text for ppl/agreement (default: held-out embedded corpus)."),
+    batch: str = typer.Option("1", "--batch", help="Batch sizes for the speed task, e.g. 1,8."),
+    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", help="Override each task's generation length."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing report directory."),
+    dtype: Optional[str] = typer.Option(None, "--dtype"),
+    device: Optional[str] = typer.Option(None, "--device"),
+):
+    """Evaluate recall, quality and speed, side by side with the original."""
+    from .evals.runner import run_eval
+    from .sources import resolve
+
+    out = out or Path(f"eval-{resolve(spec).name}")
+    run_eval(spec, task, against=against, out_dir=out, lengths=lengths, depths=depths, seeds=seeds,
+             chat_template=chat_template, data=data, batch_sizes=batch, max_new_tokens=max_new_tokens,
+             device=device, dtype=dtype, overwrite=overwrite)
+    console.print(f"wrote {out}")
+
+
+@bench_app.command("kernels")
+@user_errors
+def bench_kernels_cmd(
+    lengths: str = typer.Option("2K,8K,32K,128K", "--lengths", help="Sequence lengths T (B*T = --tokens)."),
+    tokens: int = typer.Option(32768, "--tokens", help="Tokens per call (B = tokens / T, at least 1)."),
+    heads: int = typer.Option(32, "--heads"),
+    dim: int = typer.Option(128, "--dim", help="Key and value head dimension."),
+    out: Optional[Path] = typer.Option(None, "-o", "--output", help="Write the rows as JSON here."),
+):
+    """Time our kernels against fla and SDPA on the GPU (median of triton.testing.do_bench)."""
+    import torch
+
+    from .bench import bench_kernels, print_table
+    from .evals.common import parse_lengths
+
+    if not torch.cuda.is_available():
+        fail("bench kernels needs a CUDA GPU (none is visible)")
+    rows = bench_kernels(out, lengths=parse_lengths(lengths), tokens=tokens, heads=heads, dim=dim,
+                         progress=lambda m: err_console.print(m, highlight=False))
+    print_table(rows)
 
 
 @app.command("recipes")
