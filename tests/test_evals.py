@@ -425,6 +425,17 @@ def test_run_eval_refusals(tmp_path, tiny, tok):
     with pytest.raises(EvalError, match=r"exceeds the position limit .*2048") as e:
         run_eval("tiny", "passkey", out_dir=tmp_path / "b", lengths="1K,4K", loader=loader, progress=False)
     assert "\n" not in str(e.value)
+    ckpt = tmp_path / "ckpt"  # a local checkpoint is checked before anything is loaded
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({"max_position_embeddings": 512}))
+
+    def never(spec, **kw):
+        raise AssertionError("loaded")
+
+    with pytest.raises(EvalError, match="position limit"):
+        run_eval(str(ckpt), "niah", out_dir=tmp_path / "d", lengths="1K", loader=never, progress=False)
+    (ckpt / "config.json").unlink()
+    ckpt.rmdir()
     notemplate = _metaspace_tokenizer(chat_template=None)
     with pytest.raises(EvalError, match="no chat template"):
         run_eval("tiny", "passkey", out_dir=tmp_path / "c", chat_template=True,

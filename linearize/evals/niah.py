@@ -11,6 +11,8 @@ A *variant* is ``KIND-HAYSTACK-VALUES``:
 * VALUES: ``numbers`` (7 digits), ``words`` (adjective-noun), ``uuids``.
 
 Missing parts default to ``prose`` and ``numbers`` (``single`` = ``single-prose-numbers``).
+``niah`` alone runs :data:`DEFAULT_VARIANTS` (single, multikey, multivalue, multiquery on prose
+with numbers); ``niah:single-filler+multikey-prose-uuids`` picks variants.
 The first queried needle goes at the requested depth; the others at seeded random depths.
 Score: fraction of expected values found in the greedy output (case-insensitive substring).
 Strict: the planted values found in the output as whole tokens (case-sensitive) are exactly
@@ -32,7 +34,6 @@ KINDS = ("single", "multikey", "multivalue", "multiquery")
 HAYSTACKS = ("filler", "prose")
 VALUE_TYPES = ("numbers", "words", "uuids")
 DEFAULT_VARIANTS = (
-    "single-filler-numbers",
     "single-prose-numbers",
     "multikey-prose-numbers",
     "multivalue-prose-numbers",
@@ -71,8 +72,9 @@ class Variant:
         return 4 if self.kind in ("multivalue", "multiquery") else 1
 
     def default_max_new_tokens(self) -> int:
-        per = {"numbers": 12, "words": 12, "uuids": 36}[self.values]
-        return 16 + per * self.n_expected
+        """Enough for the values and their separators (digit-per-token tokenizers included)."""
+        per = {"numbers": 10, "words": 10, "uuids": 36}[self.values]
+        return 6 + per * self.n_expected
 
 
 def parse_variant(text: str) -> Variant:

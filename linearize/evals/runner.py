@@ -137,14 +137,24 @@ def _resolve_chat(tokenizer, chat_template: bool | None, spec: str) -> bool:
     return bool(chat_template)
 
 
-def _check_limits(handle: ModelHandle, cfg: EvalConfig, specs: list[TaskSpec]) -> None:
-    limit = handle.max_positions
+def _check_limit(spec: str, limit: int | None, cfg: EvalConfig, specs: list[TaskSpec]) -> None:
+    """Refuse context lengths beyond the model's ``max_position_embeddings`` (one line)."""
     if not limit or not any(s.name in LENGTH_TASKS for s in specs):
         return
     too_long = [L for L in cfg.lengths if L > limit]
     if too_long:
         raise EvalError(f"length {format_length(too_long[0])} ({too_long[0]} tokens) exceeds the position limit of "
-                        f"{handle.spec} ({limit} tokens, max_position_embeddings): use lengths up to {limit}")
+                        f"{spec} ({limit} tokens, max_position_embeddings): use lengths up to {limit}")
+
+
+def _peek_max_positions(spec: str) -> int | None:
+    """``max_position_embeddings`` from a local checkpoint's config.json, without loading it."""
+    try:
+        cfg = json.loads((Path(spec) / "config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return None
+    n = cfg.get("max_position_embeddings") or (cfg.get("text_config") or {}).get("max_position_embeddings")
+    return int(n) if isinstance(n, int) else None
 
 
 def _row_key(r: dict) -> tuple | None:
@@ -227,6 +237,9 @@ def run_eval(
         raise EvalError(f"output directory {out_dir} already exists: pass overwrite=True (--overwrite) to replace it")
     if out_dir.exists() and not out_dir.is_dir():
         raise EvalError(f"output path {out_dir} exists and is not a directory")
+    for s_ in (spec, against):  # local checkpoints: check before loading anything
+        if s_:
+            _check_limit(s_, _peek_max_positions(s_), cfg, specs)
     if any(s.name == "lm-eval" for s in specs):
         lm_eval.require_lm_eval()  # fail before loading any model
     loader = loader or _default_loader()
@@ -250,7 +263,7 @@ def run_eval(
                 model.eval()
                 handle = ModelHandle(spec=s, role=role, model=model, tokenizer=tokenizer,
                                      chat=_resolve_chat(tokenizer, chat_template, s))
-                _check_limits(handle, cfg, specs)
+                _check_limit(s, handle.max_positions, cfg, specs)
                 meta["chat_template"][role] = handle.chat
                 meta["device"] = str(handle.device)
                 meta["dtype"] = str(next(model.parameters()).dtype).replace("torch.", "")
