@@ -55,9 +55,11 @@ def empty_window_state(
     *,
     dtype: torch.dtype = torch.bfloat16,
     device=None,
+    state_dtype: torch.dtype = torch.float32,
 ) -> WindowState:
-    """Zero window-hybrid decode state (nothing seen yet). ``dtype`` is the ring's."""
-    S, z = empty_linear_state(batch, kv_heads, feature_dim, value_dim, device=device)
+    """Zero window-hybrid decode state (nothing seen yet). ``dtype`` is the ring's, ``state_dtype``
+    that of ``S`` and ``z`` (fp32; float64 only for float64 models)."""
+    S, z = empty_linear_state(batch, kv_heads, feature_dim, value_dim, device=device, dtype=state_dtype)
     return WindowState(
         S=S,
         z=z,
@@ -88,7 +90,9 @@ def window_state_from_prefill(
     """
     B, T, Hk, D = k.shape
     W = int(window)
-    st = empty_window_state(B, Hk, D, fk.shape[-1], v.shape[-1], W, dtype=k.dtype, device=k.device)
+    state_dtype = torch.float64 if k.dtype == torch.float64 else torch.float32
+    st = empty_window_state(B, Hk, D, fk.shape[-1], v.shape[-1], W, dtype=k.dtype, device=k.device,
+                            state_dtype=state_dtype)
     n = min(T, W)
     if n:
         slots = (torch.arange(T - n, T, device=k.device) + offset) % W

@@ -69,6 +69,29 @@ def pow2(n: int, lo: int = 16) -> int:
     return max(lo, triton.next_power_of_2(int(n)))
 
 
+def _out_of_resources(e: Exception) -> bool:
+    return "OutOfResources" in type(e).__name__ or "out of resource" in str(e)
+
+
+def launch(kernel, grid, *args, **kw):
+    """``kernel[grid](*args, **kw)``; on "out of resources" (shared memory) retry unpipelined."""
+    try:
+        return kernel[grid](*args, **kw)
+    except Exception as e:
+        if not _out_of_resources(e) or kw.get("num_stages") == 1:
+            raise
+        return kernel[grid](*args, **{**kw, "num_stages": 1})
+
+
+def fwd_blocks(cfg: dict, BK: int, V: int, dtype: torch.dtype):
+    """(BV, num_stages) of a forward kernel: fp32 tiles are twice as large, wide K needs a narrower BV."""
+    BV = min(cfg["fwd_bv"], pow2(V), max(16, 16384 // BK))
+    stages = cfg["fwd_stages"]
+    if dtype == torch.float32:
+        BV, stages = min(BV, 64), min(stages, 2)
+    return BV, stages
+
+
 @triton.jit
 def _scan_kernel(
     X, Y, A, U,  # X [B,T,HXY,K], Y [B,T,HXY,V], A/U [B,T,HXY] row scalars
@@ -184,7 +207,8 @@ def scan_states(
     if has_init and do_z and z0 is None:
         raise ValueError("scan_states: init z required when do_z")
     grid = (triton.cdiv(K, BK), triton.cdiv(V, BV), B * heads * segments)
-    _scan_kernel[grid](
+    launch(
+        _scan_kernel, grid,
         x, y, a if a is not None else dummy, u if u is not None else dummy,
         S0 if has_init else dummy, z0 if (has_init and z0 is not None) else dummy,
         st if st is not None else dummy, stz if stz is not None else dummy,

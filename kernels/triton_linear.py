@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import mm, new_empty, num_sms, pow2, prec, scan_states
+from .triton_common import fwd_blocks, launch, mm, new_empty, num_sms, pow2, prec, scan_states
 
 BT_DEFAULT = 64
 
@@ -246,7 +246,7 @@ def _fwd(q, k, v, S0, z0, normalize, eps, want_final, store_den):
     dev = q.device
     BT = BT_DEFAULT
     BK = pow2(K)
-    BV = min(CONFIG["fwd_bv"], pow2(V), max(16, 16384 // BK))
+    BV, stages = fwd_blocks(CONFIG, BK, V, q.dtype)
     NVB = triton.cdiv(V, BV)
     N = triton.cdiv(T, BT)
     progs = B * H * NVB
@@ -279,14 +279,15 @@ def _fwd(q, k, v, S0, z0, normalize, eps, want_final, store_den):
     fin_z = new_empty((B, HK, K), dtype=f32, device=dev) if want_final else None
     dummy = o
     grid = (NVB, B * H, nseg)
-    _la_fwd_kernel[grid](
+    launch(
+        _la_fwd_kernel, grid,
         q, k, v, o, den if den is not None else dummy,
         seg_S if seg_S is not None else dummy, seg_z if seg_z is not None else dummy,
         fin_S if want_final else dummy, fin_z if want_final else dummy,
         T, H, HK, nseg, seg_chunks, eps,
         K=K, V=V, BK=BK, BV=BV, BT=BT, NORMALIZE=normalize, HAS_SEG=seg_S is not None,
         STORE_FINAL=want_final, STORE_DEN=den is not None, PREC=prec(q.dtype),
-        num_warps=CONFIG["fwd_warps"], num_stages=CONFIG["fwd_stages"],
+        num_warps=CONFIG["fwd_warps"], num_stages=stages,
     )
     return o, den, fin_S, fin_z
 
@@ -324,19 +325,23 @@ def _bwd(q, k, v, o, den, S0, z0, do, dS_f, dz_f, normalize, need_state_grads):
                                     store_final=need_state_grads, BT=BT, num_warps=CONFIG["scan_warps"])
     BK = min(CONFIG["bwd_bk"], pow2(K))
     BV = min(CONFIG["bwd_bv"], pow2(V))
+    if q.dtype == torch.float32:  # fp32 tiles are twice as large
+        BK, BV = min(BK, 64), min(BV, 64)
     NKB, NVB = triton.cdiv(K, BK), triton.cdiv(V, BV)
     dq = new_empty(q.shape, dtype=q.dtype, device=dev)
     dk = new_empty(k.shape, dtype=k.dtype, device=dev)
     dv = new_empty(v.shape, dtype=v.dtype, device=dev)
     dummy = dq
     pr = prec(q.dtype)
-    _la_bwd_dq_kernel[(NKB, N, B * H)](
+    launch(
+        _la_bwd_dq_kernel, (NKB, N, B * H),
         k, v, do, invd if normalize else dummy, dd if normalize else dummy, st, stz if normalize else dummy, dq,
         T, H, HK, K=K, V=V, BK=BK, BV=BV, BT=BT, NV_BLK=NVB, NORMALIZE=normalize,
         SPLIT=q.dtype != torch.float32, PREC=pr,
         num_warps=CONFIG["bwd_warps"],
     )
-    _la_bwd_dkv_kernel[(NKB + NVB, N, B * HK)](
+    launch(
+        _la_bwd_dkv_kernel, (NKB + NVB, N, B * HK),
         q, k, v, do, invd if normalize else dummy, dd if normalize else dummy, rs, rz if normalize else dummy,
         dk, dv, T, H, HK, K=K, V=V, BK=BK, BV=BV, BT=BT, NK_BLK=NKB, NV_BLK=NVB, G=G,
         NORMALIZE=normalize, PREC=pr, num_warps=CONFIG["bwd_warps"],

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import mm, new_empty, num_sms, pow2, prec, scan_states
+from .triton_common import fwd_blocks, launch, mm, new_empty, num_sms, pow2, prec, scan_states
 
 NEG_INF = tl.constexpr(float("-inf"))
 
@@ -285,7 +285,7 @@ def _fwd(q, k, fq, fk, v, wf, W, scale, eps, S0, z0, store_stats):
     dev = q.device
     BT = _chunk_for(W)
     BD, BK = pow2(D), pow2(K)
-    BV = min(CONFIG["fwd_bv"], pow2(V), max(16, 16384 // BK))
+    BV, stages = fwd_blocks(CONFIG, BK, V, q.dtype)
     NVB = triton.cdiv(V, BV)
     N = triton.cdiv(T, BT)
     progs = B * H * NVB
@@ -315,13 +315,14 @@ def _fwd(q, k, fq, fk, v, wf, W, scale, eps, S0, z0, store_stats):
     elif S0 is not None:
         seg_S, seg_z = S0.unsqueeze(2).contiguous(), z0.unsqueeze(2).contiguous()
     dummy = o
-    _win_fwd_kernel[(NVB, B * H, nseg)](
+    launch(
+        _win_fwd_kernel, (NVB, B * H, nseg),
         q, k, fq, fk, v, wf, o, ms if ms is not None else dummy, den if den is not None else dummy,
         seg_S if seg_S is not None else dummy, seg_z if seg_z is not None else dummy,
         T, H, HK, nseg, seg_chunks, W, scale, eps,
         D=D, K=K, V=V, BD=BD, BK=BK, BV=BV, BT=BT, HAS_LIN_CUR=W < BT, HAS_SEG=seg_S is not None,
         STORE_STATS=store_stats, PREC=prec(q.dtype),
-        num_warps=CONFIG["fwd_warps"], num_stages=CONFIG["fwd_stages"],
+        num_warps=CONFIG["fwd_warps"], num_stages=stages,
     )
     return o, ms, den
 
@@ -363,12 +364,14 @@ def _bwd(q, k, fq, fk, v, wf, o, ms, den, W, scale, S0, z0, do, dS_f, dz_f, need
     dv = new_empty(v.shape, dtype=v.dtype, device=dev)
     dw_rows = new_empty((B, T, H), dtype=f32, device=dev)
     pr = prec(q.dtype)
-    _win_bwd_q_kernel[(N, B * H)](
+    launch(
+        _win_bwd_q_kernel, (N, B * H),
         q, k, fq, fk, v, wf, do, ms, invd, dD, st, stz, dq, dfq, dw_rows,
         T, H, HK, W, scale, D=D, K=K, V=V, BD=BD, BK=BK, BV=BV, BT=BT, NV_BLK=NVB,
         HAS_LIN_CUR=W < BT, PREC=pr, num_warps=CONFIG["bwd_warps"],
     )
-    _win_bwd_kv_kernel[(N, B * HK)](
+    launch(
+        _win_bwd_kv_kernel, (N, B * HK),
         q, k, fq, fk, v, wf, do, ms, invd, dD, rs, rz, dk, dfk, dv,
         T, H, HK, W, scale, D=D, K=K, V=V, BD=BD, BK=BK, BV=BV, BT=BT, NV_BLK=NVB, G=G,
         PREC=pr, num_warps=CONFIG["bwd_warps"],

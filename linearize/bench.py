@@ -63,14 +63,7 @@ def check_kernels(device: str = "cuda") -> List[dict]:
     Returns one row per check with the measured relative errors; raises nothing (a failed
     check is a row with ``ok=False``).
     """
-    from linearize.kernels import (
-        linear_attention,
-        linear_attention_step,
-        window_linear_attention,
-        window_linear_attention_step,
-        window_state_from_prefill,
-    )
-    from linearize.kernels.testing import check_linear, check_window, linear_inputs, rel_err, window_inputs
+    from linearize.kernels.testing import check_linear, check_window
 
     rows: List[dict] = []
 
@@ -323,52 +316,52 @@ def bench_kernels(
     for T in lengths:
         B = max(1, tokens // T)
         for K in (dim, hedgehog_dim):
-          if K != dim and hedgehog_lengths is not None and T not in hedgehog_lengths:
-              continue
-          try:
-            tag = "" if K == dim else f" K={K}"
-            q, k, v = lin_inputs(B, T, K, dim)
-            do = torch.randn(B, T, heads, dim, device=dev, dtype=bf)
-            ins = (q, k, v)
-            for p in ins:
-                p.requires_grad_(True)
-            for norm in (True, False):
-                name = "ours" if norm else "ours-unnorm"
-                f = lambda: linear_attention(q, k, v, normalize=norm)[0]  # noqa: E731
+            if K != dim and hedgehog_lengths is not None and T not in hedgehog_lengths:
+                continue
+            try:
+                tag = "" if K == dim else f" K={K}"
+                q, k, v = lin_inputs(B, T, K, dim)
+                do = torch.randn(B, T, heads, dim, device=dev, dtype=bf)
+                ins = (q, k, v)
+                for p in ins:
+                    p.requires_grad_(True)
+                for norm in (True, False):
+                    name = "ours" if norm else "ours-unnorm"
+                    f = lambda: linear_attention(q, k, v, normalize=norm)[0]  # noqa: E731
+                    with torch.no_grad():
+                        ms = _bench(f, warmup, rep)
+                    _row(rows, bench="linear" + tag, impl=name, T=T, B=B, passes="fwd", ms=ms)
+                    ms = _bench(_grad_fn(f, ins, do), warmup, rep)
+                    _row(rows, bench="linear" + tag, impl=name, T=T, B=B, passes="fwd+bwd", ms=ms)
+                    if fla is not None:
+                        chunk = fla[0]
+                        g = lambda: chunk(q, k, v, scale=1.0, normalize=norm)[0]  # noqa: E731
+                        fname = "fla" if norm else "fla-unnorm"
+                        with torch.no_grad():
+                            ms = _bench(g, warmup, rep)
+                        _row(rows, bench="linear" + tag, impl=fname, T=T, B=B, passes="fwd", ms=ms)
+                        ms = _bench(_grad_fn(g, ins, do), warmup, rep)
+                        _row(rows, bench="linear" + tag, impl=fname, T=T, B=B, passes="fwd+bwd", ms=ms)
+                say(f"linear{tag} T={T} done")
+                # window hybrid: raw q/k of size dim, features of size K
+                qr = torch.randn(B, T, heads, dim, device=dev, dtype=bf)
+                kr = torch.randn(B, T, heads, dim, device=dev, dtype=bf)
+                wf = torch.full((heads,), 0.3, device=dev, requires_grad=True)
+                wins = (qr, kr, q, k, v)
+                for p in (qr, kr):
+                    p.requires_grad_(True)
+                f = lambda: window_linear_attention(qr, kr, q, k, v, wf, window=window)[0]  # noqa: E731
                 with torch.no_grad():
                     ms = _bench(f, warmup, rep)
-                _row(rows, bench="linear" + tag, impl=name, T=T, B=B, passes="fwd", ms=ms)
-                ms = _bench(_grad_fn(f, ins, do), warmup, rep)
-                _row(rows, bench="linear" + tag, impl=name, T=T, B=B, passes="fwd+bwd", ms=ms)
-                if fla is not None:
-                    chunk = fla[0]
-                    g = lambda: chunk(q, k, v, scale=1.0, normalize=norm)[0]  # noqa: E731
-                    fname = "fla" if norm else "fla-unnorm"
-                    with torch.no_grad():
-                        ms = _bench(g, warmup, rep)
-                    _row(rows, bench="linear" + tag, impl=fname, T=T, B=B, passes="fwd", ms=ms)
-                    ms = _bench(_grad_fn(g, ins, do), warmup, rep)
-                    _row(rows, bench="linear" + tag, impl=fname, T=T, B=B, passes="fwd+bwd", ms=ms)
-            say(f"linear{tag} T={T} done")
-            # window hybrid: raw q/k of size dim, features of size K
-            qr = torch.randn(B, T, heads, dim, device=dev, dtype=bf)
-            kr = torch.randn(B, T, heads, dim, device=dev, dtype=bf)
-            wf = torch.full((heads,), 0.3, device=dev, requires_grad=True)
-            wins = (qr, kr, q, k, v)
-            for p in (qr, kr):
-                p.requires_grad_(True)
-            f = lambda: window_linear_attention(qr, kr, q, k, v, wf, window=window)[0]  # noqa: E731
-            with torch.no_grad():
-                ms = _bench(f, warmup, rep)
-            _row(rows, bench="window" + tag, impl=f"ours W={window}", T=T, B=B, passes="fwd", ms=ms)
-            ms = _bench(_grad_fn(f, wins + (wf,), do), warmup, rep)
-            _row(rows, bench="window" + tag, impl=f"ours W={window}", T=T, B=B, passes="fwd+bwd", ms=ms)
-            del qr, kr, q, k, v, do
-            say(f"window{tag} T={T} done")
-          except Exception as e:  # pragma: no cover - device only
-            _row(rows, bench="error", impl=f"K={K}", T=T, B=B, passes="-", ms=float("nan"), note=str(e)[:300])
-            say(f"ERROR K={K} T={T}: {type(e).__name__}: {str(e)[:300]}")
-            torch.cuda.empty_cache()
+                _row(rows, bench="window" + tag, impl=f"ours W={window}", T=T, B=B, passes="fwd", ms=ms)
+                ms = _bench(_grad_fn(f, wins + (wf,), do), warmup, rep)
+                _row(rows, bench="window" + tag, impl=f"ours W={window}", T=T, B=B, passes="fwd+bwd", ms=ms)
+                del qr, kr, q, k, v, do
+                say(f"window{tag} T={T} done")
+            except Exception as e:  # pragma: no cover - device only
+                _row(rows, bench="error", impl=f"K={K}", T=T, B=B, passes="-", ms=float("nan"), note=str(e)[:300])
+                say(f"ERROR K={K} T={T}: {type(e).__name__}: {str(e)[:300]}")
+                torch.cuda.empty_cache()
         # softmax baselines
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -475,16 +468,19 @@ def summarize(rows: List[dict]) -> List[dict]:
         g = lambda b, i, p: by.get((b, i, T, p))  # noqa: E731
         ours_f, ours_fb = g("linear", "ours", "fwd"), g("linear", "ours", "fwd+bwd")
         row = {"T": T, "ours fwd ms": ours_f, "ours fwd+bwd ms": ours_fb}
-        if g("linear", "fla", "fwd"):
-            row["fwd vs fla norm"] = g("linear", "fla", "fwd") / ours_f
-            row["fwd vs fla unnorm"] = g("linear", "fla-unnorm", "fwd") / ours_f
-            row["fwd+bwd vs fla norm"] = g("linear", "fla", "fwd+bwd") / ours_fb
+        def ratio(key, their, ours):
+            if their is not None and ours:
+                row[key] = their / ours
+
+        ratio("fwd vs fla norm", g("linear", "fla", "fwd"), ours_f)
+        ratio("fwd vs fla unnorm", g("linear", "fla-unnorm", "fwd"), ours_f)
+        ratio("fwd+bwd vs fla norm", g("linear", "fla", "fwd+bwd"), ours_fb)
         sd = [x for x in (g("linear", "sdpa-flash", "fwd"), g("linear", "sdpa-cudnn", "fwd")) if x and x == x]
         if sd:
-            row["fwd vs best sdpa"] = min(sd) / ours_f
-        wf = g("window", "ours W=64", "fwd")
-        if wf:
-            row["window fwd / ours fwd"] = wf / ours_f
+            ratio("fwd vs best sdpa", min(sd), ours_f)
+        wins = [r["ms"] for r in rows if r.get("bench") == "window" and r["T"] == T and r["passes"] == "fwd"]
+        if wins and ours_f:
+            row["window fwd / ours fwd"] = wins[0] / ours_f
         out.append(row)
     return out
 

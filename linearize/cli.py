@@ -187,18 +187,28 @@ def bench_kernels_cmd(
     tokens: int = typer.Option(32768, "--tokens", help="Tokens per call (B = tokens / T, at least 1)."),
     heads: int = typer.Option(32, "--heads"),
     dim: int = typer.Option(128, "--dim", help="Key and value head dimension."),
+    window: int = typer.Option(64, "--window", help="Window of the hybrid rows."),
+    hedgehog_dim: int = typer.Option(256, "--hedgehog-dim", help="Feature dimension of the Hedgehog rows."),
+    decode_batch: int = typer.Option(8, "--decode-batch", help="Batch of the decode-step rows."),
+    check: str = typer.Option("full", "--check", help="Correctness check before timing: full | accuracy | none."),
+    tune: bool = typer.Option(False, "--tune", help="Sweep launch configurations first."),
     out: Optional[Path] = typer.Option(None, "-o", "--output", help="Write the rows as JSON here."),
 ):
     """Time our kernels against fla and SDPA on the GPU (median of triton.testing.do_bench)."""
     import torch
 
-    from .bench import bench_kernels, print_table
+    from .bench import bench_kernels, print_table, tune_kernels
     from .evals.common import parse_lengths
 
     if not torch.cuda.is_available():
         fail("bench kernels needs a CUDA GPU (none is visible)")
-    rows = bench_kernels(out, lengths=parse_lengths(lengths), tokens=tokens, heads=heads, dim=dim,
-                         progress=lambda m: err_console.print(m, highlight=False))
+    if check not in ("full", "accuracy", "none"):
+        fail(f"--check {check!r}: expected full, accuracy or none")
+    log = lambda m: err_console.print(m, highlight=False)  # noqa: E731
+    if tune:
+        tune_kernels(heads=heads, dim=dim, progress=log)
+    rows = bench_kernels(out, lengths=parse_lengths(lengths), tokens=tokens, heads=heads, dim=dim, window=window,
+                         hedgehog_dim=hedgehog_dim, decode_batch=decode_batch, check=check, progress=log)
     print_table(rows)
 
 
