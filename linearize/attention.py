@@ -115,6 +115,8 @@ class LinearAttention(nn.Module):
             self.window_logit.data = self.window_logit.data.to(device=ref.device, dtype=torch.float32)
         self.mode = "linear"
         self.distill_pair: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.xent_rows = 0  # > 0: in distill mode also compute Hedgehog's attention-weight cross-entropy
+        self.distill_xent: torch.Tensor | None = None
 
     # -- projections -------------------------------------------------------------------------
     def project(self, hidden_states: torch.Tensor, position_embeddings):
@@ -138,6 +140,28 @@ class LinearAttention(nn.Module):
             kh, vh = kh.repeat_interleave(rep, dim=1), vh.repeat_interleave(rep, dim=1)
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=q.shape[1] > 1, scale=self.scaling)
         return o.transpose(1, 2)
+
+    def attention_xent(self, q, k, rows: int) -> torch.Tensor:
+        """Hedgehog's loss: cross-entropy of the linear attention weights against the softmax weights.
+
+        Computed on the last ``rows`` query positions (they see every key), ``[B, H, rows, T]`` in fp32.
+        """
+        T = q.shape[1]
+        r = min(rows, T)
+        qs = q[:, T - r :].transpose(1, 2).float()  # [B, H, r, D]
+        fq = self.feature_map_q(q[:, T - r :]).transpose(1, 2).float()  # [B, H, r, F]
+        kh = k.transpose(1, 2).float()  # [B, Hk, T, D]
+        fk = self.feature_map_k(k).transpose(1, 2).float()  # [B, Hk, T, F]
+        rep = self.num_heads // self.num_kv_heads
+        if rep > 1:
+            kh, fk = kh.repeat_interleave(rep, dim=1), fk.repeat_interleave(rep, dim=1)
+        pos_q = torch.arange(T - r, T, device=q.device).unsqueeze(1)
+        causal = torch.arange(T, device=q.device).unsqueeze(0) <= pos_q  # [r, T]
+        scores = (qs @ kh.transpose(-1, -2)) * self.scaling
+        p_true = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+        lin = (fq @ fk.transpose(-1, -2)).masked_fill(~causal, 0.0)
+        a_pred = lin / lin.sum(-1, keepdim=True).clamp_min(1e-12)
+        return -(p_true * torch.log(a_pred.clamp_min(1e-12))).sum(-1).mean()
 
     @property
     def window_factor(self) -> torch.Tensor | None:
@@ -200,6 +224,7 @@ class LinearAttention(nn.Module):
             teacher = self.softmax_attention(q, k, v)
             student = self.linear_attention(q, k, v)
             self.distill_pair = (student, teacher.detach())
+            self.distill_xent = self.attention_xent(q, k, self.xent_rows) if self.xent_rows > 0 else None
             o = teacher
         else:
             o = self.linear_attention(q, k, v, layer_cache)

@@ -32,6 +32,12 @@ class TrainingError(LinearizeError):
     """A training run that cannot continue (non-finite loss, fingerprint mismatch)."""
 
 
+class TrainingInterrupted(LinearizeError):
+    """Ctrl-C during training: a resumable checkpoint was saved."""
+
+    exit_code = 130
+
+
 def trainable_parameters(model) -> list[torch.nn.Parameter]:
     """Freeze everything but the learned parts of the linear layers; return those parameters."""
     for p in model.parameters():
@@ -48,13 +54,17 @@ def trainable_parameters(model) -> list[torch.nn.Parameter]:
     return params
 
 
-def layer_losses(model) -> list[torch.Tensor]:
-    """Per-layer normalized MSE of the last ``distill``-mode forward, in layer order."""
+def layer_losses(model, mse_weight: float = 1.0, xent_weight: float = 0.0) -> list[torch.Tensor]:
+    """Per-layer loss of the last ``distill``-mode forward, in layer order: ``mse_weight`` x normalized MSE
+    of the outputs + ``xent_weight`` x Hedgehog's attention-weight cross-entropy."""
     out = []
     for m in model.linear_modules():
         student, teacher = m.distill_pair
         s, t = student.float(), teacher.float()
-        out.append((s - t).pow(2).mean() / t.pow(2).mean().clamp_min(1e-12))
+        loss = mse_weight * (s - t).pow(2).mean() / t.pow(2).mean().clamp_min(1e-12)
+        if xent_weight > 0 and m.distill_xent is not None:
+            loss = loss + xent_weight * m.distill_xent
+        out.append(loss)
     return out
 
 
@@ -146,50 +156,67 @@ def distill(model, tokenizer, recipe, *, state_dir: Path | None = None, resume: 
                              seed=cfg["seed"])
     batches = itertools.islice(batches, step * accum, total_steps * accum)
     model.set_attention_mode("distill")
+    for m in model.linear_modules():
+        m.xent_rows = cfg["xent_rows"] if cfg["xent_weight"] > 0 else 0
     model.train()
     history: list[dict[str, float]] = []
-    tokens_seen = step * accum * bsz * seq_len
+    run = {"step": step, "tokens_seen": step * accum * bsz * seq_len, "tokens_this_run": 0}
     t_train = time.time()
-    tokens_this_run = 0
+
+    def save() -> None:
+        if ckpt is not None:
+            _save_state(ckpt, {"fingerprint": fp, "step": run["step"], "params": [p.detach().cpu() for p in master],
+                               "optimizer": opt.state_dict(), "scheduler": sched.state_dict()})
+
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     bar = Progress(TextColumn("distill"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
                    TextColumn("{task.fields[info]}"), TimeRemainingColumn(), disable=not progress, transient=False)
-    with bar:
-        task = bar.add_task("distill", total=total_steps, completed=step, info="")
-        while step < total_steps:
-            opt.zero_grad(set_to_none=True)
-            per_layer = None
-            for _ in range(accum):
-                batch = next(batches).to(device)
-                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_autocast):
-                    model(input_ids=batch, use_cache=False)
-                losses = layer_losses(model)
-                loss = torch.stack(losses).mean() / accum
-                bad = [i for i, l in enumerate(losses) if not torch.isfinite(l)]
-                if bad:
-                    layer = model.linear_modules()[bad[0]].layer_idx
-                    raise TrainingError(f"distill: non-finite loss in layer {layer} at step {step}; the last good "
-                                        f"checkpoint is kept ({ckpt or 'none'}); try a lower distill.lr")
-                loss.backward()
-                lv = torch.stack([l.detach() for l in losses]).float().cpu()
-                per_layer = lv if per_layer is None else per_layer + lv
-                tokens_seen += batch.numel()
-                tokens_this_run += batch.numel()
-            torch.nn.utils.clip_grad_norm_(master, 1.0)
-            opt.step()
-            sched.step()
-            step += 1
-            per_layer = per_layer / accum
-            worst = int(per_layer.argmax())
-            rate = tokens_this_run / max(1e-9, time.time() - t_train)
-            history.append({"step": step, "loss": float(per_layer.mean()), "worst_layer":
-                            model.linear_modules()[worst].layer_idx, "worst_loss": float(per_layer[worst])})
-            bar.update(task, completed=step, info=f"loss {per_layer.mean():.4f}  worst L{history[-1]['worst_layer']} "
-                                                  f"{per_layer[worst]:.4f}  {rate:,.0f} tok/s")
-            if ckpt is not None and (step % cfg["checkpoint_every"] == 0 or step == total_steps):
-                _save_state(ckpt, {"fingerprint": fp, "step": step, "params": [p.detach().cpu() for p in master],
-                                   "optimizer": opt.state_dict(), "scheduler": sched.state_dict()})
+    try:
+        with bar:
+            task = bar.add_task("distill", total=total_steps, completed=step, info="")
+            while run["step"] < total_steps:
+                opt.zero_grad(set_to_none=True)
+                per_layer = None
+                for _ in range(accum):
+                    batch = next(batches).to(device)
+                    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_autocast):
+                        model(input_ids=batch, use_cache=False)
+                    losses = layer_losses(model, cfg["mse_weight"], cfg["xent_weight"])
+                    bad = [i for i, l in enumerate(losses) if not torch.isfinite(l)]
+                    if bad:
+                        layer = model.linear_modules()[bad[0]].layer_idx
+                        raise TrainingError(f"distill: non-finite loss in layer {layer} at step {run['step']}; the "
+                                            f"last good checkpoint is kept ({ckpt or 'none'}); try a lower distill.lr")
+                    (torch.stack(losses).mean() / accum).backward()
+                    lv = torch.stack([l.detach() for l in losses]).float().cpu()
+                    per_layer = lv if per_layer is None else per_layer + lv
+                    run["tokens_seen"] += batch.numel()
+                    run["tokens_this_run"] += batch.numel()
+                torch.nn.utils.clip_grad_norm_(master, 1.0)
+                opt.step()
+                sched.step()
+                run["step"] += 1
+                per_layer = per_layer / accum
+                worst = int(per_layer.argmax())
+                rate = run["tokens_this_run"] / max(1e-9, time.time() - t_train)
+                history.append({"step": run["step"], "loss": float(per_layer.mean()),
+                                "worst_layer": model.linear_modules()[worst].layer_idx,
+                                "worst_loss": float(per_layer[worst])})
+                bar.update(task, completed=run["step"], info=f"loss {per_layer.mean():.4f}  worst "
+                           f"L{history[-1]['worst_layer']} {per_layer[worst]:.4f}  {rate:,.0f} tok/s")
+                if run["step"] % cfg["checkpoint_every"] == 0 or run["step"] == total_steps:
+                    save()
+    except KeyboardInterrupt:
+        if ckpt is None:
+            raise
+        save()  # parameters and optimizer as of the last completed step
+        raise TrainingInterrupted(f"distill interrupted at step {run['step']}/{total_steps}; checkpoint saved in "
+                                  f"{ckpt.parent}; run the same command with --resume to continue") from None
+    finally:
+        for m in model.linear_modules():
+            m.xent_rows = 0
+    step, tokens_seen, tokens_this_run = run["step"], run["tokens_seen"], run["tokens_this_run"]
     model.eval()
     train_seconds = time.time() - t_train
     after = evaluate_layers(model, heldout)

@@ -70,11 +70,12 @@ def test_resume_matches_uninterrupted(corpus, monkeypatch, tmp_path):
 
     def save_then_die(path, state):
         real_save(path, state)
-        if state["step"] == 4:
+        if state["step"] == 4 and not getattr(save_then_die, "fired", False):
+            save_then_die.fired = True
             raise KeyboardInterrupt
 
     monkeypatch.setattr(D, "_save_state", save_then_die)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises((KeyboardInterrupt, D.TrainingInterrupted)):
         D.distill(b, tok, rec, state_dir=tmp_path / "b", progress=False, log=lambda m: None)
     monkeypatch.setattr(D, "_save_state", real_save)
     c = _hybrid()  # a fresh process would rebuild the model from the same surgery
@@ -97,3 +98,44 @@ def test_non_finite_loss_names_layer_and_step(corpus, monkeypatch, tmp_path):
             hybrid.linear_modules()[1].feature_map_k.parameters()).fill_(float("nan"))
     with pytest.raises(D.TrainingError, match=r"layer 1 at step 0"):
         D.distill(hybrid, _tokenizer(), _recipe(corpus), progress=False, log=lambda m: None)
+
+
+@pytest.mark.parametrize("name", R.available())
+def test_every_shipped_recipe_distills(name, corpus, monkeypatch, tmp_path):
+    monkeypatch.setenv("LINEARIZE_CACHE", str(tmp_path / "cache"))
+    base = R.load(name)
+    over = {"distill.data": corpus, "distill.seq_len": 64, "distill.batch_size": 2, "distill.tokens": 64 * 2 * 3,
+            "distill.warmup_steps": 1, "distill.eval_seqs": 2}
+    if base["attention"]["window"]:
+        over["attention.window"] = 8
+    rec = R.load(name, over)
+    model = tiny_model("llama", layers=2)
+    model.resize_token_embeddings(64)
+    hybrid = linearize_model(model, select_layout(2, ratio="1:1"), rec)
+    report = D.distill(hybrid, _tokenizer(), rec, progress=False, log=lambda m: None)
+    learnable = any(p.numel() for m in hybrid.linear_modules()
+                    for fm in (m.feature_map_q, m.feature_map_k) if fm.learnable for p in fm.parameters())
+    if learnable or rec["attention"]["window"]:
+        assert report["steps"] == 3 and all(h["loss"] == h["loss"] for h in report["history"])
+    else:
+        assert report == {"skipped": "nothing to train"}
+
+
+def test_hedgehog_xent_term(corpus, monkeypatch, tmp_path):
+    monkeypatch.setenv("LINEARIZE_CACHE", str(tmp_path / "cache"))
+    model = tiny_model("llama", layers=2)
+    model.resize_token_embeddings(64)
+    hybrid = linearize_model(model, select_layout(2, ratio="1:0"), R.load("hedgehog"))
+    D.trainable_parameters(hybrid)
+    ids = torch.randint(0, 64, (2, 40))
+    hybrid.set_attention_mode("distill")
+    for m in hybrid.linear_modules():
+        m.xent_rows = 16
+    hybrid(ids, use_cache=False)
+    mse_only = D.layer_losses(hybrid, 1.0, 0.0)
+    both = D.layer_losses(hybrid, 1.0, 1.0)
+    for m, a, b in zip(hybrid.linear_modules(), mse_only, both):
+        assert m.distill_xent is not None and m.distill_xent.item() > 0
+        assert torch.allclose(b - a, m.distill_xent)
+        (b).backward(retain_graph=True)
+    assert hybrid.linear_modules()[0].feature_map_q.weight.grad is not None

@@ -73,8 +73,8 @@ class Variant:
 
     def default_max_new_tokens(self) -> int:
         """Enough for the values and their separators (digit-per-token tokenizers included)."""
-        per = {"numbers": 10, "words": 10, "uuids": 36}[self.values]
-        return 6 + per * self.n_expected
+        per = {"numbers": 16, "words": 16, "uuids": 40}[self.values]
+        return 8 + per * self.n_expected
 
 
 def parse_variant(text: str) -> Variant:

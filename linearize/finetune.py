@@ -1,0 +1,351 @@
+"""Stage 2, LoRA: brief fine-tuning of the linearized layers' projections with peft adapters.
+
+After attention transfer the linear layers approximate their softmax originals; a short LoRA run on
+the q/k/v/o projections of those layers (LoLCATs: r=8, alpha=16) closes most of the remaining gap.
+Only the adapters train: feature maps, window mixing logits, the softmax layers and everything else
+stay frozen. Two losses:
+
+- ``xent``: next-token cross-entropy on packed text (the model's own loss, labels = input ids);
+- ``kl``: ``KL(teacher || student)`` on the logits, where the teacher is the *same* model with the
+  original softmax attention switched back on and the adapters disabled (no second model copy),
+  and the student is the linear model with adapters on.
+
+Adapters are merged (``merge_and_unload``) at the end, so the returned model is a plain
+:class:`~linearize.modeling.LinearizeForCausalLM` with the same parameter names and dtypes as
+before, and its checkpoint needs no peft to load. With ``adapter_only_dir`` the adapter is written
+there with peft's ``save_pretrained`` instead and the model is returned unchanged.
+
+Checkpoints, resume (fingerprinted), the non-finite-loss stop and progress follow stage 1
+(:mod:`linearize.distill`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import itertools
+import json
+import math
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from .attention import arch_spec
+from .data import heldout_sequences, num_batches, packed_batches, parse_tokens
+from .distill import TrainingError, _lr_lambda, _save_state
+
+__all__ = ["finetune", "lora_target_regex", "fingerprint", "evaluate", "TrainingError"]
+
+STATE_FILE = "finetune-state.pt"
+
+
+def lora_target_regex(model, targets: list[str]) -> str:
+    """A regex (peft ``target_modules``) matching only ``targets`` inside the linearized layers.
+
+    e.g. ``model\\.layers\\.(3|4|5)\\.self_attn\\.(q_proj|k_proj|v_proj|o_proj)``; peft full-matches it
+    against module names, so softmax layers and feature maps are never touched.
+    """
+    attn = arch_spec(model.config.base_model_type).attention
+    layers = "|".join(str(i) for i in model.config.linear_layers)
+    projs = "|".join(re.escape(t) for t in targets)
+    return rf"model\.layers\.({layers})\.{re.escape(attn)}\.({projs})"
+
+
+def fingerprint(model, recipe, data: str, seed: int, tokens: int, loss: str) -> str:
+    """What must match for a finetune checkpoint to be resumed (layout, recipe, data, seed, budget, loss)."""
+    cfg = model.config
+    blob = json.dumps({"base": getattr(cfg, "_name_or_path", ""), "layers": cfg.layer_types,
+                       "attention": cfg.linear_attention,
+                       "finetune": {k: v for k, v in recipe["finetune"].items() if k != "checkpoint_every"},
+                       "data": data, "seed": seed, "tokens": tokens, "loss": loss}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
+    """Mean over tokens of ``KL(teacher || student)``; logits ``[B, T, V]``, computed in fp32."""
+    V = student_logits.shape[-1]
+    t = F.log_softmax(teacher_logits.float().reshape(-1, V), dim=-1)
+    s = F.log_softmax(student_logits.float().reshape(-1, V), dim=-1)
+    return F.kl_div(s, t, reduction="batchmean", log_target=True)
+
+
+def _teacher_logits(peft_model, model, batch: torch.Tensor) -> torch.Tensor:
+    """Logits of the original softmax model: same weights, adapters off, softmax attention on."""
+    with torch.no_grad(), peft_model.disable_adapter():
+        model.set_attention_mode("softmax")
+        try:
+            return peft_model(input_ids=batch, use_cache=False).logits
+        finally:
+            model.set_attention_mode("linear")
+
+
+@torch.no_grad()
+def evaluate(peft_model, model, ids: torch.Tensor, batch_size: int = 4, teacher: bool = True) -> dict[str, float]:
+    """Held-out perplexity of the linear model (adapters as they are) and, with ``teacher``, the
+    teacher's perplexity and ``KL(teacher || student)`` per token."""
+    was_training = peft_model.training
+    peft_model.eval()
+    model.set_attention_mode("linear")
+    device = model.device
+    use_autocast = device.type == "cuda"
+    nll = nll_t = kl = 0.0
+    n_tok = n_pos = 0
+    for i in range(0, ids.shape[0], batch_size):
+        batch = ids[i : i + batch_size].to(device)  # [b, T]
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_autocast):
+            logits = peft_model(input_ids=batch, use_cache=False).logits
+            t_logits = _teacher_logits(peft_model, model, batch) if teacher else None
+        V = logits.shape[-1]
+        target = batch[:, 1:].reshape(-1)
+        nll += F.cross_entropy(logits[:, :-1].float().reshape(-1, V), target, reduction="sum").item()
+        n_tok += target.numel()
+        if t_logits is not None:
+            nll_t += F.cross_entropy(t_logits[:, :-1].float().reshape(-1, V), target, reduction="sum").item()
+            kl += _kl(t_logits, logits).item() * batch.numel()
+            n_pos += batch.numel()
+    peft_model.train(was_training)
+    out = {"ppl": math.exp(min(nll / max(n_tok, 1), 700.0))}
+    if teacher:
+        out["teacher_ppl"] = math.exp(min(nll_t / max(n_tok, 1), 700.0))
+        out["kl"] = kl / max(n_pos, 1)
+    return out
+
+
+def _adapter_state(peft_model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().cpu().clone() for n, p in peft_model.named_parameters() if p.requires_grad}
+
+
+def _rng_state(device: torch.device) -> dict[str, Any]:
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def _save_adapter_atomic(peft_model, out: Path) -> Path:
+    """``save_pretrained`` into a temporary sibling, then rename over ``out``."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    peft_model.save_pretrained(str(tmp))
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(out, old)
+    os.replace(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return out
+
+
+def _finish(model):
+    """Leave the model as callers expect it: frozen, eval mode, linear attention, no peft attributes."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.set_attention_mode("linear")
+    model.eval()
+    if hasattr(model, "peft_config"):
+        try:
+            del model.peft_config
+        except AttributeError:
+            pass
+    return model
+
+
+def finetune(model, tokenizer, recipe, *, state_dir: Path | None = None, resume: bool = False,
+             tokens: int | str | None = None, loss: str | None = None, adapter_only_dir: Path | None = None,
+             progress: bool = True, log: Callable[[str], None] = print) -> tuple[Any, dict]:
+    """Run the LoRA stage on ``model`` (a :class:`LinearizeForCausalLM`); return ``(model, report)``.
+
+    ``tokens`` and ``loss`` override the recipe's ``finetune.tokens`` / ``finetune.loss``. The returned
+    model has the adapters merged into its weights (same object, same parameter names and dtypes,
+    frozen, eval mode, linear attention). With ``adapter_only_dir`` the adapter is saved there
+    (peft ``save_pretrained``, atomically) and the model is returned without the adapter.
+    Checkpoints go to ``state_dir/finetune-state.pt`` every ``checkpoint_every`` optimizer steps;
+    ``resume=True`` continues from there when the fingerprint matches.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    cfg = recipe["finetune"]
+    loss_kind = loss if loss is not None else cfg["loss"]
+    if loss_kind not in ("xent", "kl"):
+        raise TrainingError(f"finetune: loss {loss_kind!r} is not one of xent, kl")
+    budget = parse_tokens(tokens if tokens is not None else cfg["tokens"])
+    seq_len, bsz, accum = cfg["seq_len"], cfg["batch_size"], cfg["grad_accum"]
+    if not model.config.linear_layers:
+        _finish(model)
+        log("finetune: the model has no linear-attention layers; skipped")
+        return model, {"skipped": "no linear layers"}
+    micro_total = num_batches(budget, seq_len, bsz)
+    total_steps = micro_total // accum
+    if total_steps == 0:
+        raise TrainingError(f"finetune: --tokens {budget:,} is smaller than one optimizer step (batch_size {bsz} x "
+                            f"seq_len {seq_len} x grad_accum {accum} = {bsz * seq_len * accum:,} tokens)")
+    device = model.device
+    t_start = time.time()
+    # data first: a bad spec or a too-small split fails before the model is touched
+    heldout = heldout_sequences(tokenizer, cfg["data"], seq_len=seq_len, n_seqs=cfg["eval_seqs"])
+    batches = packed_batches(tokenizer, cfg["data"], seq_len=seq_len, tokens=budget, batch_size=bsz,
+                             seed=cfg["seed"])
+
+    names_before = [n for n, _ in model.named_parameters()]
+    dtypes_before = {n: p.dtype for n, p in model.named_parameters()}
+    pretraining_tp = getattr(model.config, "pretraining_tp", None)
+    fp = fingerprint(model, recipe, cfg["data"], cfg["seed"], budget, loss_kind)
+    ckpt = Path(state_dir) / STATE_FILE if state_dir is not None else None
+    state = None
+    if resume and ckpt is not None and ckpt.is_file():
+        state = torch.load(ckpt, map_location="cpu", weights_only=False)
+        if state.get("fingerprint") != fp:
+            raise TrainingError(f"cannot resume from {ckpt}: it was written for a different model, recipe, data, "
+                                f"seed, budget or loss (fingerprint {state.get('fingerprint')} != {fp}); remove it "
+                                f"or drop --resume")
+
+    for p in model.parameters():  # feature maps, window logits, everything: frozen; only adapters train
+        p.requires_grad_(False)
+    target_regex = lora_target_regex(model, cfg["targets"])
+    lora_cfg = LoraConfig(r=cfg["lora_r"], lora_alpha=cfg["lora_alpha"], lora_dropout=cfg["lora_dropout"],
+                          target_modules=target_regex, bias="none")
+    rng = contextlib.ExitStack()  # seeded adapter init and dropout; the caller's RNG is left untouched
+    rng.enter_context(torch.random.fork_rng(devices=[device] if device.type == "cuda" else []))
+    torch.manual_seed(cfg["seed"])
+    peft_model = None
+    try:
+        peft_model = get_peft_model(model, lora_cfg)
+        if pretraining_tp is not None:
+            model.config.pretraining_tp = pretraining_tp
+        params = [p for p in peft_model.parameters() if p.requires_grad]
+        names = [n for n, p in peft_model.named_parameters() if p.requires_grad]
+        linear = set(model.linear_modules())
+        expected = {f"{n}.{t}" for n, m in model.named_modules() if m in linear for t in cfg["targets"]}
+        wrapped = {n.rsplit(".lora_", 1)[0].removeprefix("base_model.model.") for n in names}
+        if wrapped != expected:  # guards the regex against naming surprises
+            raise TrainingError(f"finetune: LoRA wrapped {sorted(wrapped)}, expected {sorted(expected)}")
+        n_trainable = sum(p.numel() for p in params)
+        opt = torch.optim.AdamW(params, lr=cfg["lr"], weight_decay=cfg["weight_decay"], betas=(0.9, 0.95))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(total_steps, cfg["warmup_steps"],
+                                                                   cfg["min_lr_ratio"]))
+        step = 0
+        history: list[dict[str, float]] = []
+        if state is not None:
+            adapter = state["adapter"]
+            if sorted(adapter) != sorted(names):
+                raise TrainingError(f"cannot resume from {ckpt}: its adapter tensors do not match this model; "
+                                    f"remove it or drop --resume")
+            by_name = dict(peft_model.named_parameters())
+            with torch.no_grad():
+                for n in names:
+                    by_name[n].copy_(adapter[n].to(by_name[n].device))
+            opt.load_state_dict(state["optimizer"])
+            sched.load_state_dict(state["scheduler"])
+            step = state["step"]
+            history = list(state.get("history", []))
+            _set_rng_state(state["rng"], device)
+            log(f"finetune: resumed at step {step}/{total_steps} from {ckpt}")
+        layers = list(model.config.linear_layers)
+        log(f"finetune: LoRA r={cfg['lora_r']} alpha={cfg['lora_alpha']:g} on {','.join(cfg['targets'])} of "
+            f"{len(layers)} linear layers ({n_trainable:,} params), loss {loss_kind}, {total_steps} steps")
+
+        eval_bsz = max(1, min(bsz, 8))
+        before = evaluate(peft_model, model, heldout, eval_bsz) if state is None else state["before"]
+        use_autocast = device.type == "cuda"
+        batches = itertools.islice(batches, step * accum, total_steps * accum)
+        model.set_attention_mode("linear")
+        peft_model.train()
+        tokens_seen = step * accum * bsz * seq_len
+        tokens_this_run = 0
+        t_train = time.time()
+        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+        bar = Progress(TextColumn("finetune"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
+                       TextColumn("{task.fields[info]}"), TimeRemainingColumn(), disable=not progress,
+                       transient=False)
+        with bar:
+            task = bar.add_task("finetune", total=total_steps, completed=step, info="")
+            while step < total_steps:
+                opt.zero_grad(set_to_none=True)
+                step_loss = 0.0
+                for _ in range(accum):
+                    batch = next(batches).to(device)  # [B, T]
+                    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_autocast):
+                        if loss_kind == "xent":
+                            micro = peft_model(input_ids=batch, labels=batch, use_cache=False).loss
+                        else:
+                            t_logits = _teacher_logits(peft_model, model, batch)
+                            s_logits = peft_model(input_ids=batch, use_cache=False).logits
+                            micro = _kl(t_logits, s_logits)
+                            del t_logits, s_logits
+                    if not torch.isfinite(micro):
+                        raise TrainingError(f"finetune: non-finite loss at step {step}; the last good checkpoint "
+                                            f"is kept ({ckpt or 'none'}); try a lower finetune.lr")
+                    (micro / accum).backward()
+                    step_loss += micro.detach().float().item() / accum
+                    tokens_seen += batch.numel()
+                    tokens_this_run += batch.numel()
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+                if not torch.isfinite(grad_norm):
+                    raise TrainingError(f"finetune: non-finite gradient at step {step}; the last good checkpoint "
+                                        f"is kept ({ckpt or 'none'}); try a lower finetune.lr")
+                lr = sched.get_last_lr()[0]
+                opt.step()
+                sched.step()
+                step += 1
+                rate = tokens_this_run / max(1e-9, time.time() - t_train)
+                history.append({"step": step, "loss": step_loss, "lr": lr})
+                history = history[-200:]
+                bar.update(task, completed=step, info=f"{loss_kind} {step_loss:.4f}  lr {lr:.2e}  {rate:,.0f} tok/s")
+                if ckpt is not None and (step % cfg["checkpoint_every"] == 0 or step == total_steps):
+                    _save_state(ckpt, {"fingerprint": fp, "step": step, "adapter": _adapter_state(peft_model),
+                                       "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                                       "rng": _rng_state(device), "history": history, "before": before})
+        train_seconds = time.time() - t_train
+        after = evaluate(peft_model, model, heldout, eval_bsz)
+        adapter_path = None
+        if adapter_only_dir is not None:
+            adapter_path = _save_adapter_atomic(peft_model, Path(adapter_only_dir))
+            base = peft_model.unload()
+        else:
+            base = peft_model.merge_and_unload()
+    except BaseException:
+        # leave the caller's model as it was: no adapter layers, frozen, linear mode
+        if peft_model is not None:
+            with contextlib.suppress(Exception):
+                peft_model.unload()
+        _finish(model)
+        rng.close()
+        raise
+    rng.close()
+    assert base is model
+    _finish(model)
+    names_after = [n for n, _ in model.named_parameters()]
+    if names_after != names_before or any(dtypes_before[n] != p.dtype for n, p in model.named_parameters()):
+        raise TrainingError("finetune: merging the adapters changed the model's parameter names or dtypes")
+    report = {
+        "loss": loss_kind, "tokens": tokens_seen, "steps": step, "seq_len": seq_len, "batch_size": bsz,
+        "grad_accum": accum,
+        "lora": {"r": cfg["lora_r"], "alpha": cfg["lora_alpha"], "dropout": cfg["lora_dropout"],
+                 "targets": list(cfg["targets"]), "layers": layers, "target_modules": target_regex,
+                 "trainable_params": n_trainable},
+        "merged": adapter_only_dir is None, "adapter_dir": str(adapter_path) if adapter_path is not None else None,
+        "seconds": round(time.time() - t_start, 1), "train_seconds": round(train_seconds, 1),
+        "tokens_per_second": round(tokens_this_run / max(train_seconds, 1e-9), 1),
+        "heldout_ppl_teacher": before["teacher_ppl"],
+        "heldout_ppl_start": before["ppl"], "heldout_ppl_end": after["ppl"],
+        "heldout_kl_start": before["kl"], "heldout_kl_end": after["kl"],
+        "history": history[-200:],
+    }
+    return model, report
