@@ -1,0 +1,104 @@
+"""Real signals against the CLI: SIGINT and SIGKILL mid-distill, then --resume ends with the same weights."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import tiny_model
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """A tiny local model directory (with tokenizer) and a text corpus."""
+    import random
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    root = tmp_path_factory.mktemp("ws")
+    vocab = {c: i for i, c in enumerate("abcdefghijklmnopqrstuvwxyz .,")}
+    vocab["[UNK]"] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token=".")
+    model = tiny_model("llama", layers=2)
+    model.resize_token_embeddings(64)
+    model.save_pretrained(root / "tiny")
+    tokenizer.save_pretrained(root / "tiny")
+    rng = random.Random(0)
+    words = ["alpha", "beta", "gamma", "delta", "river", "stone", "light", "north"]
+    (root / "corpus.txt").write_text("\n\n".join(" ".join(rng.choice(words) for _ in range(60)) for _ in range(300)))
+    return root
+
+
+def _args(ws, out, *extra):
+    return [sys.executable, "-m", "linearize.cli", "convert", str(ws / "tiny"), "--ratio", "1:0",
+            "--set", "attention.window=8", "--set", f"distill.data={ws / 'corpus.txt'}", "--set", "distill.seq_len=32",
+            "--set", "distill.batch_size=2", "--set", "distill.eval_seqs=2", "--set", "distill.checkpoint_every=5",
+            "--tokens", str(32 * 2 * 150), "-o", str(out), *extra]
+
+
+def _env(ws):
+    return {**os.environ, "LINEARIZE_CACHE": str(ws / "cache"), "OMP_NUM_THREADS": "1"}
+
+
+def _weights(out):
+    return load_file(str(out / "model-00001-of-00001.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(workspace):
+    out = workspace / "full"
+    res = subprocess.run(_args(workspace, out), capture_output=True, text=True, env=_env(workspace), timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return _weights(out)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
+def test_interrupt_then_resume_matches(workspace, uninterrupted, sig):
+    out = workspace / f"run-{sig.name}"
+    state = workspace / f".{out.name}.state" / "distill-state.pt"
+    proc = subprocess.Popen(_args(workspace, out), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env(workspace))
+    deadline = time.time() + 300
+    while not state.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    assert state.exists(), "no checkpoint appeared"
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    if sig == signal.SIGINT:
+        assert proc.returncode == 130, err[-2000:]
+        assert "--resume" in err and "Traceback" not in err
+    else:
+        assert proc.returncode == -signal.SIGKILL
+    assert not out.exists()  # nothing that looks finished
+    res = subprocess.run(_args(workspace, out, "--resume"), capture_output=True, text=True, env=_env(workspace),
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "resumed at step" in res.stdout + res.stderr
+    got = _weights(out)
+    assert got.keys() == uninterrupted.keys()
+    for k in got:
+        assert torch.allclose(got[k], uninterrupted[k], atol=1e-6), k
+    assert not state.parent.exists()  # state removed once the output is complete
+
+
+def test_resume_refuses_other_settings(workspace, uninterrupted):
+    out = workspace / "mismatch"
+    state = workspace / f".{out.name}.state" / "distill-state.pt"
+    proc = subprocess.Popen(_args(workspace, out), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env(workspace))
+    while not state.exists() and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=120)
+    args = _args(workspace, out, "--resume", "--set", "distill.seed=7")
+    res = subprocess.run(args, capture_output=True, text=True, env=_env(workspace), timeout=600)
+    assert res.returncode != 0 and "fingerprint" in res.stderr and "Traceback" not in res.stderr
+    assert not out.exists()
