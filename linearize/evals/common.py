@@ -189,7 +189,7 @@ class EvalConfig:
     data: str | None = None
     batch_sizes: list[int] = field(default_factory=lambda: [1])
     max_new_tokens: int | None = None
-    gen_batch_size: int = 1
+    gen_batch_size: int | None = None
 
 
 @dataclass
@@ -252,13 +252,24 @@ class Progress:
 # --------------------------------------------------------------------------- generation
 
 
+AUTO_BATCH_TOKENS = 16384
+AUTO_BATCH_MAX = 8
+
+
+def auto_batch_size(length: int) -> int:
+    """Default generation batch for prompts of ``length`` tokens: ``16384 // length`` clamped
+    to 1..8 (8 at 2K and below, 1 from 16K up), so long contexts never multiply memory."""
+    return max(1, min(AUTO_BATCH_MAX, AUTO_BATCH_TOKENS // max(1, length)))
+
+
 @torch.no_grad()
-def greedy_generate(handle: ModelHandle, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 1,
+def greedy_generate(handle: ModelHandle, prompts: list[list[int]], max_new_tokens: int, batch_size: int | None = None,
                     on_batch: Callable[[int], None] | None = None) -> list[list[int]]:
     """Greedy continuation of each prompt (token ids in, new token ids out).
 
     Prompts are only batched together when they have the same length, so no padding
-    (and no left-padding support from converted hybrids) is ever needed."""
+    (and no left-padding support from converted hybrids) is ever needed. ``batch_size``
+    None picks :func:`auto_batch_size` per prompt length."""
     from transformers import GenerationConfig
 
     model = handle.model
@@ -272,7 +283,8 @@ def greedy_generate(handle: ModelHandle, prompts: list[list[int]], max_new_token
     order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
     groups: list[list[int]] = []
     for i in order:
-        if groups and len(groups[-1]) < batch_size and len(prompts[groups[-1][0]]) == len(prompts[i]):
+        bs = batch_size or auto_batch_size(len(prompts[i]))
+        if groups and len(groups[-1]) < bs and len(prompts[groups[-1][0]]) == len(prompts[i]):
             groups[-1].append(i)
         else:
             groups.append([i])

@@ -62,7 +62,7 @@ def _pick(metrics: dict) -> tuple[str | None, float | None]:
 def run(handle: ModelHandle, cfg: EvalConfig, args: dict, progress: Progress, shared: dict) -> list[dict]:
     lm_eval, hf = require_lm_eval()
     try:
-        lm = hf.HFLM(pretrained=handle.model, tokenizer=handle.tokenizer, batch_size=cfg.gen_batch_size)
+        lm = hf.HFLM(pretrained=handle.model, tokenizer=handle.tokenizer, batch_size=cfg.gen_batch_size or 1)
         res = lm_eval.simple_evaluate(model=lm, tasks=list(args["tasks"]), limit=args["limit"],
                                       apply_chat_template=cfg.chat_template is True, log_samples=False)
     except EvalError:

@@ -196,7 +196,7 @@ def run_eval(
     loader: Callable | None = None,
     progress: bool = True,
     overwrite: bool = False,
-    gen_batch_size: int = 1,
+    gen_batch_size: int | None = None,
     console: Any = None,
 ) -> dict:
     """Evaluate ``spec`` (and ``against``, the original, on identical prompts); return the summary.
@@ -218,15 +218,17 @@ def run_eval(
         loader: ``loader(spec, dtype=, device=) -> (model, tokenizer)``; default ``linearize.sources.load_model``.
         progress: rich progress bars and the summary table on the terminal (stderr).
         overwrite: replace an existing ``out_dir``.
-        gen_batch_size: prompts generated together (all have the same length, so no padding).
+        gen_batch_size: prompts generated together (they have the same length: never any padding);
+            None = automatic, 16384 // length clamped to 1..8.
         console: a rich Console to draw on (default: stderr).
     """
     t_start = time.time()
     specs = parse_tasks(tasks)
     if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0):
         raise EvalError(f"bad max_new_tokens {max_new_tokens!r}: expected a positive integer")
-    if isinstance(gen_batch_size, bool) or not isinstance(gen_batch_size, int) or gen_batch_size <= 0:
-        raise EvalError(f"bad gen_batch_size {gen_batch_size!r}: expected a positive integer")
+    if gen_batch_size is not None and (isinstance(gen_batch_size, bool) or not isinstance(gen_batch_size, int)
+                                       or gen_batch_size <= 0):
+        raise EvalError(f"bad gen_batch_size {gen_batch_size!r}: expected a positive integer (or None for automatic)")
     cfg = EvalConfig(lengths=parse_lengths(lengths), depths=parse_depths(depths), seeds=parse_seeds(seeds),
                      chat_template=chat_template, data=data, batch_sizes=parse_batch_sizes(batch_sizes),
                      max_new_tokens=max_new_tokens, gen_batch_size=gen_batch_size)
@@ -311,7 +313,6 @@ def run_eval(
         raise
     if progress and console is not None:
         console.print(summary_table(summary))
-        console.print(f"report: {out_dir / 'report.md'}")
     return summary
 
 

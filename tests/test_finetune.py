@@ -1,0 +1,267 @@
+"""LoRA stage 2 on tiny hybrids: xent lowers perplexity, kl lowers KL to the softmax teacher, merging
+touches only the targeted projections of linear layers, resume reproduces an uninterrupted run, NaN
+stops naming the step, and the adapter-only output loads with peft."""
+
+import re
+import warnings
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from linearize import finetune as FT
+from linearize import recipe as R
+from linearize.modeling import LinearizeForCausalLM
+from linearize.select import select_layout
+from linearize.surgery import linearize_model
+from test_distill import _tokenizer, corpus  # noqa: F401 - the corpus fixture is used by name
+
+QUIET = dict(progress=False, log=lambda m: None)
+
+
+@pytest.fixture(autouse=True)
+def _env(monkeypatch, tmp_path):
+    monkeypatch.setenv("LINEARIZE_CACHE", str(tmp_path / "cache"))
+    # Tiny models run fastest on one thread; with more, OpenMP barriers on a busy CI box cost ~100x.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _hybrid(layers=2, ratio="1:0", sharp=False, dtype=None):
+    """A tiny llama hybrid; ``sharp`` scales q/k, v/o and the final norm so linear and softmax
+    attention differ measurably (a random tiny model otherwise attends almost uniformly)."""
+    model = tiny_model("llama", layers=layers, seed=0)
+    model.resize_token_embeddings(64)
+    if sharp:
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n.endswith(("q_proj.weight", "k_proj.weight")):
+                    p.mul_(8)
+                elif n.endswith(("v_proj.weight", "o_proj.weight")) or n == "model.norm.weight":
+                    p.mul_(4)
+    if dtype is not None:
+        model.to(dtype)
+    rec = R.load("lolcats", {"attention.window": 8})
+    return linearize_model(model, select_layout(layers, ratio=ratio), rec)
+
+
+def _recipe(corpus, steps=8, **kw):
+    over = {"attention.window": 8, "finetune.data": corpus, "finetune.seq_len": 64, "finetune.batch_size": 2,
+            "finetune.tokens": 64 * 2 * steps, "finetune.lr": 1e-2, "finetune.warmup_steps": 1,
+            "finetune.eval_seqs": 4}
+    over.update({f"finetune.{k}": v for k, v in kw.items()})
+    return R.load("lolcats", over)
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=False).logits
+
+
+def _ids():
+    return torch.randint(0, 60, (2, 40), generator=torch.Generator().manual_seed(0))
+
+
+def _plain(model):
+    """The returned model is a plain, frozen, eval-mode hybrid in linear mode without peft leftovers."""
+    assert type(model) is LinearizeForCausalLM
+    assert not hasattr(model, "peft_config")
+    assert not any("lora" in n or "base_layer" in n for n, _ in model.named_parameters())
+    assert all(not p.requires_grad for p in model.parameters())
+    assert not model.training
+    assert {m.mode for m in model.linear_modules()} == {"linear"}
+
+
+def test_target_regex_matches_only_linear_layers():
+    hybrid = _hybrid(layers=4, ratio="3:1")
+    rx = FT.lora_target_regex(hybrid, ["q_proj", "o_proj"])
+    hits = sorted(n for n, _ in hybrid.named_modules() if re.fullmatch(rx, n))
+    assert hits == [f"model.layers.{i}.self_attn.{p}" for i in hybrid.config.linear_layers for p in ("o_proj", "q_proj")]
+
+
+def test_xent_lowers_heldout_perplexity(corpus):
+    hybrid = _hybrid()
+    out, rep = FT.finetune(hybrid, _tokenizer(), _recipe(corpus, steps=30), loss="xent", **QUIET)
+    assert out is hybrid
+    assert rep["steps"] == 30 and rep["tokens"] == 64 * 2 * 30 and rep["loss"] == "xent"
+    assert rep["heldout_ppl_end"] < 0.9 * rep["heldout_ppl_start"]
+    assert rep["merged"] and rep["adapter_dir"] is None and len(rep["history"]) == 30
+    assert rep["tokens_per_second"] > 0
+    _plain(out)
+
+
+def test_kl_lowers_heldout_kl(corpus):
+    hybrid = _hybrid(sharp=True)
+    out, rep = FT.finetune(hybrid, _tokenizer(), _recipe(corpus, steps=30, lr=3e-3, loss="kl"), **QUIET)
+    assert rep["loss"] == "kl"
+    assert rep["heldout_kl_end"] < 0.95 * rep["heldout_kl_start"]
+    assert rep["history"][-1]["loss"] < rep["history"][0]["loss"]
+    _plain(out)
+
+
+def test_merge_touches_only_targeted_projections_of_linear_layers(corpus):
+    hybrid = _hybrid(layers=4, ratio="3:1")
+    assert hybrid.config.layer_types.count("full_attention") == 1
+    before = {k: v.clone() for k, v in hybrid.state_dict().items()}
+    names = [n for n, _ in hybrid.named_parameters()]
+    dtypes = {n: p.dtype for n, p in hybrid.named_parameters()}
+    out, rep = FT.finetune(hybrid, _tokenizer(), _recipe(corpus, steps=4, targets=["q_proj", "v_proj"]),
+                           progress=True, log=lambda m: None)
+    after = out.state_dict()
+    assert list(after) == list(before)
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed == {f"model.layers.{i}.self_attn.{p}.weight" for i in hybrid.config.linear_layers
+                       for p in ("q_proj", "v_proj")}
+    assert [n for n, _ in out.named_parameters()] == names
+    assert {n: p.dtype for n, p in out.named_parameters()} == dtypes
+    assert rep["lora"]["layers"] == hybrid.config.linear_layers and rep["lora"]["targets"] == ["q_proj", "v_proj"]
+    _plain(out)
+
+
+def test_bf16_model_keeps_dtypes(corpus):
+    hybrid = _hybrid(layers=4, ratio="3:1", dtype=torch.bfloat16)
+    dtypes = {n: p.dtype for n, p in hybrid.named_parameters()}
+    out, rep = FT.finetune(hybrid, _tokenizer(), _recipe(corpus, steps=2, eval_seqs=2), loss="kl", **QUIET)
+    assert {n: p.dtype for n, p in out.named_parameters()} == dtypes
+    assert torch.bfloat16 in set(dtypes.values())
+    _plain(out)
+
+
+def test_adapter_only_loads_with_peft_and_merged_equals_peft(corpus, tmp_path):
+    from peft import PeftModel
+
+    tok, rec, ids = _tokenizer(), _recipe(corpus, steps=8), _ids()
+    fresh = _hybrid()
+    # adapter only: the adapter is written, the model comes back without it
+    a = _hybrid()
+    adir = tmp_path / "adapter"
+    out_a, rep_a = FT.finetune(a, tok, rec, adapter_only_dir=adir, **QUIET)
+    assert not rep_a["merged"] and rep_a["adapter_dir"] == str(adir)
+    assert (adir / "adapter_config.json").is_file() and (adir / "adapter_model.safetensors").is_file()
+    assert not list(tmp_path.glob(".adapter*"))  # no temporary left behind
+    _plain(out_a)
+    for (k, v), w in zip(out_a.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(v, w), k
+    # load it onto a fresh hybrid with peft
+    with warnings.catch_warnings():  # peft probes a deprecated transformers property
+        warnings.simplefilter("ignore", FutureWarning)
+        peft_model = PeftModel.from_pretrained(_hybrid(), str(adir)).eval()
+    peft_logits = _logits(peft_model, ids)
+    assert (peft_logits - _logits(fresh, ids)).abs().max() > 1e-4  # the adapter does something
+    # the same run merged gives the peft model's logits
+    merged, rep_m = FT.finetune(_hybrid(), tok, rec, **QUIET)
+    assert rep_m["merged"]
+    assert torch.allclose(_logits(merged, ids), peft_logits, atol=1e-5, rtol=0)
+    assert rep_m["heldout_ppl_end"] == pytest.approx(rep_a["heldout_ppl_end"], rel=1e-6)
+
+
+def test_resume_matches_uninterrupted(corpus, monkeypatch, tmp_path):
+    tok = _tokenizer()
+    rec = _recipe(corpus, steps=8, checkpoint_every=2, lora_dropout=0.1)  # dropout: the RNG must resume too
+    a, rep_a = FT.finetune(_hybrid(), tok, rec, state_dir=tmp_path / "a", **QUIET)
+
+    real_save = FT._save_state
+
+    def save_then_die(path, state):
+        real_save(path, state)
+        if state["step"] == 4 and not getattr(save_then_die, "fired", False):
+            save_then_die.fired = True
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(FT, "_save_state", save_then_die)
+    b = _hybrid()
+    with pytest.raises((KeyboardInterrupt, FT.TrainingInterrupted)):
+        FT.finetune(b, tok, rec, state_dir=tmp_path / "b", **QUIET)
+    _plain(b)  # an interrupted run leaves the model without adapter layers
+    monkeypatch.setattr(FT, "_save_state", real_save)
+    logs = []
+    c, rep_c = FT.finetune(_hybrid(), tok, rec, state_dir=tmp_path / "b", resume=True, progress=False,
+                           log=logs.append)
+    assert any("resumed at step 4/8" in m for m in logs)
+    assert rep_c["steps"] == 8 and rep_c["tokens"] == rep_a["tokens"]
+    assert [h["loss"] for h in rep_c["history"]] == pytest.approx([h["loss"] for h in rep_a["history"]], rel=1e-5)
+    assert rep_c["heldout_ppl_start"] == rep_a["heldout_ppl_start"]
+    for (k, pa), pc in zip(a.state_dict().items(), c.state_dict().values()):
+        assert torch.allclose(pa, pc, atol=1e-6), k
+
+
+def test_ctrl_c_mid_step_saves_and_resumes_exactly(corpus, tmp_path):
+    """Ctrl-C inside a step (after some dropout draws) saves the last completed step, RNG included."""
+    tok = _tokenizer()
+    rec = _recipe(corpus, steps=16, checkpoint_every=100, grad_accum=2, lora_dropout=0.1)  # 8 optimizer steps
+    a, _ = FT.finetune(_hybrid(), tok, rec, **QUIET)
+    b = _hybrid()
+    calls = {"n": 0}
+
+    def ctrl_c(module, args, output):  # the 12th training forward: second micro-batch of step 5
+        if module.training:
+            calls["n"] += 1
+            if calls["n"] == 12:
+                raise KeyboardInterrupt
+        return output
+
+    handle = b.lm_head.register_forward_hook(ctrl_c)
+    with pytest.raises(FT.TrainingInterrupted, match="interrupted at step 5/8") as e:
+        FT.finetune(b, tok, rec, state_dir=tmp_path, **QUIET)
+    assert e.value.exit_code == 130
+    handle.remove()
+    _plain(b)
+    assert torch.load(tmp_path / "finetune-state.pt", weights_only=False)["step"] == 5
+    c, rep = FT.finetune(_hybrid(), tok, rec, state_dir=tmp_path, resume=True, **QUIET)
+    assert rep["steps"] == 8
+    for (k, pa), pc in zip(a.state_dict().items(), c.state_dict().values()):
+        assert torch.allclose(pa, pc, atol=1e-6), k
+
+
+def test_fingerprint_mismatch_refuses(corpus, tmp_path):
+    tok = _tokenizer()
+    rec = _recipe(corpus, steps=2, checkpoint_every=1)
+    FT.finetune(_hybrid(), tok, rec, state_dir=tmp_path, **QUIET)
+    assert (tmp_path / "finetune-state.pt").is_file()
+    for other, kw in [(_recipe(corpus, steps=2, checkpoint_every=1, seed=1), {}),
+                      (_recipe(corpus, steps=2, checkpoint_every=1, lora_r=4), {}),
+                      (rec, {"loss": "kl"}), (rec, {"tokens": 64 * 2 * 3})]:
+        model = _hybrid()
+        with pytest.raises(FT.TrainingError, match="fingerprint") as e:
+            FT.finetune(model, tok, other, state_dir=tmp_path, resume=True, **QUIET, **kw)
+        assert "\n" not in str(e.value)
+        assert not any("lora" in n for n, _ in model.named_parameters())  # refused before any change
+    # checkpoint_every is not part of the fingerprint
+    _, rep = FT.finetune(_hybrid(), tok, _recipe(corpus, steps=2, checkpoint_every=5), state_dir=tmp_path,
+                         resume=True, **QUIET)
+    assert rep["steps"] == 2
+
+
+def test_non_finite_loss_names_step_and_keeps_checkpoint(corpus, tmp_path):
+    hybrid = _hybrid()
+    calls = {"n": 0}
+
+    def poison(module, args, output):  # training forwards only; the 4th one (step 3) goes NaN
+        if module.training:
+            calls["n"] += 1
+            if calls["n"] == 4:
+                return output * float("nan")
+        return output
+
+    handle = hybrid.lm_head.register_forward_hook(poison)
+    with pytest.raises(FT.TrainingError, match=r"non-finite loss at step 3"):
+        FT.finetune(hybrid, _tokenizer(), _recipe(corpus, steps=8, checkpoint_every=2), state_dir=tmp_path,
+                    **QUIET)
+    handle.remove()
+    state = torch.load(tmp_path / "finetune-state.pt", weights_only=False)
+    assert state["step"] == 2
+    _plain(hybrid)
+
+
+def test_budget_smaller_than_one_step(corpus):
+    with pytest.raises(FT.TrainingError, match="smaller than one optimizer step"):
+        FT.finetune(_hybrid(), _tokenizer(), _recipe(corpus, steps=3, grad_accum=4), **QUIET)
+
+
+def test_all_softmax_model_is_skipped(corpus):
+    hybrid = _hybrid(ratio="0:1")
+    assert not hybrid.config.linear_layers
+    out, rep = FT.finetune(hybrid, _tokenizer(), _recipe(corpus), **QUIET)
+    assert "skipped" in rep and out is hybrid
