@@ -69,7 +69,11 @@ def convert(
     recipe: str = typer.Option("lolcats", "--recipe", help="Recipe name (see `linearize recipes`) or YAML path."),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a recipe field: section.field=value (repeatable)."),
     no_train: bool = typer.Option(False, "--no-train", help="Surgery only: write the untrained hybrid."),
-    tokens: Optional[str] = typer.Option(None, "--tokens", help="Attention-transfer token budget, e.g. 256K, 20M (default: the recipe's)."),
+    tokens: Optional[str] = typer.Option(None, "--tokens", help="Training tokens, split evenly across the stages, e.g. 40M (default: the recipe's)."),
+    distill_tokens: Optional[str] = typer.Option(None, "--distill-tokens", help="Attention-transfer tokens (overrides the split)."),
+    finetune_tokens: Optional[str] = typer.Option(None, "--finetune-tokens", help="LoRA tokens (overrides the split)."),
+    no_finetune: bool = typer.Option(False, "--no-finetune", help="Stop after attention transfer (no LoRA stage)."),
+    loss: Optional[str] = typer.Option(None, "--loss", help="LoRA loss: xent (next token) or kl (to the original); default: the recipe's."),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run from its last checkpoint."),
     out: Optional[Path] = typer.Option(None, "-o", "--output", help="Output directory (default: MODEL-LAYOUT-RECIPE)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
@@ -81,6 +85,7 @@ def convert(
 
     path = run(spec, ratio=ratio, softmax_layers=softmax_layers, recipe=recipe, overrides=_overrides(set_),
                train=not no_train, out=out, overwrite=overwrite, dtype=dtype, device=device, tokens=tokens,
+               distill_tokens=distill_tokens, finetune_tokens=finetune_tokens, finetune=not no_finetune, loss=loss,
                resume=resume, log=lambda m: console.print(m, highlight=False))
     console.print(f"wrote {path}")
 
@@ -97,10 +102,32 @@ def distill(
     device: Optional[str] = typer.Option(None, "--device"),
 ):
     """(Re)run attention transfer (stage 1) on a hybrid checkpoint."""
-    from .pipeline import distill_checkpoint
+    from .pipeline import rerun_stage
 
-    p = distill_checkpoint(path, out=out, overrides=_overrides(set_), tokens=tokens, resume=resume, dtype=dtype,
-                           device=device, log=lambda m: console.print(m, highlight=False))
+    p = rerun_stage("distill", path, out=out, overrides=_overrides(set_), tokens=tokens, resume=resume, dtype=dtype,
+                    device=device, log=lambda m: console.print(m, highlight=False))
+    console.print(f"wrote {p}")
+
+
+@app.command()
+@user_errors
+def finetune(
+    path: str = typer.Argument(..., help="A hybrid checkpoint directory (from `linearize convert`)."),
+    tokens: Optional[str] = typer.Option(None, "--tokens", help="Token budget, e.g. 256K, 20M (default: the recipe's)."),
+    loss: Optional[str] = typer.Option(None, "--loss", help="xent (next token) or kl (to the original attention)."),
+    set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a recipe field: section.field=value (repeatable)."),
+    adapter_only: bool = typer.Option(False, "--adapter-only", help="Write only the LoRA adapter (default PATH-adapter)."),
+    out: Optional[Path] = typer.Option(None, "-o", "--output", help="Write here instead of updating PATH in place."),
+    resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run from its last checkpoint."),
+    dtype: Optional[str] = typer.Option(None, "--dtype"),
+    device: Optional[str] = typer.Option(None, "--device"),
+):
+    """(Re)run the LoRA stage (stage 2) on a hybrid checkpoint; adapters are merged before saving."""
+    from .pipeline import rerun_stage
+
+    p = rerun_stage("finetune", path, out=out, overrides=_overrides(set_), tokens=tokens, loss=loss,
+                    adapter_only=adapter_only, resume=resume, dtype=dtype, device=device,
+                    log=lambda m: console.print(m, highlight=False))
     console.print(f"wrote {p}")
 
 

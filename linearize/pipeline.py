@@ -27,8 +27,9 @@ def default_output_name(spec: str, ratio: str | None, softmax_layers: str | None
 def convert(spec: str, *, ratio: str | None = "3:1", softmax_layers: str | None = None, recipe: str = "lolcats",
             overrides: dict[str, Any] | None = None, train: bool = True, out: Path | None = None,
             overwrite: bool = False, dtype: str | None = None, device: str | None = None,
-            tokens: str | int | None = None, resume: bool = False,
-            log: Callable[[str], None] = print) -> Path:
+            tokens: str | int | None = None, distill_tokens: str | int | None = None,
+            finetune_tokens: str | int | None = None, finetune: bool = True, loss: str | None = None,
+            resume: bool = False, log: Callable[[str], None] = print) -> Path:
     """Convert ``spec`` into a hybrid checkpoint at ``out``; returns the path.
 
     Everything the user can get wrong is checked before the model is loaded, so a bad call
@@ -41,8 +42,9 @@ def convert(spec: str, *, ratio: str | None = "3:1", softmax_layers: str | None 
         parse_ratio(ratio or "3:1")
     if dtype is not None:
         resolve_dtype(dtype, device or "cpu")
-    if tokens is not None and parse_tokens(tokens) <= 0:
-        raise LinearizeError(f"--tokens {tokens!r}: must be > 0")
+    distill_tokens, finetune_tokens = split_tokens(tokens, distill_tokens, finetune_tokens, finetune)
+    if loss is not None and loss not in ("xent", "kl"):
+        raise LinearizeError(f"--loss {loss!r}: expected xent or kl")
     resolved = resolve(spec)
     from transformers import AutoConfig
 
@@ -61,7 +63,10 @@ def convert(spec: str, *, ratio: str | None = "3:1", softmax_layers: str | None 
     t_load = time.time() - t0
     reports = {}
     if train:
-        reports["distill"] = run_distill(hybrid, tokenizer, rec, out, tokens=tokens, resume=resume, log=log)
+        reports["distill"] = run_distill(hybrid, tokenizer, rec, out, tokens=distill_tokens, resume=resume, log=log)
+        if finetune:
+            hybrid, reports["finetune"] = run_finetune(hybrid, tokenizer, rec, out, tokens=finetune_tokens, loss=loss,
+                                                       resume=resume, log=log)
     path = save_checkpoint(
         hybrid, tokenizer, out, base=resolved.name, recipe=rec, overwrite=overwrite, reports=reports,
         resolved={"ratio": ratio if softmax_layers is None else None, "softmax_layers": softmax_layers,
@@ -72,6 +77,33 @@ def convert(spec: str, *, ratio: str | None = "3:1", softmax_layers: str | None 
 
     shutil.rmtree(state_dir_for(out), ignore_errors=True)
     return path
+
+
+def split_tokens(tokens, distill_tokens, finetune_tokens, finetune: bool = True):
+    """Per-stage budgets: ``--tokens`` splits evenly across the stages that run (LoLCATs: 20M + 20M);
+    ``--distill-tokens`` / ``--finetune-tokens`` set one stage; None keeps the recipe's."""
+    for name, v in (("--tokens", tokens), ("--distill-tokens", distill_tokens), ("--finetune-tokens", finetune_tokens)):
+        if v is not None:
+            parse_tokens(v)  # one-line error for a bad budget
+    if tokens is not None:
+        total = parse_tokens(tokens)
+        share = total // 2 if finetune else total
+        distill_tokens = distill_tokens if distill_tokens is not None else share
+        finetune_tokens = finetune_tokens if finetune_tokens is not None else total - share
+    return distill_tokens, finetune_tokens
+
+
+def run_finetune(model, tokenizer, rec, out: Path, *, tokens=None, loss=None, resume: bool = False,
+                 adapter_only_dir: Path | None = None, log: Callable[[str], None] = print):
+    """The LoRA stage with its state beside ``out``; returns ``(model, report)``."""
+    from .finetune import finetune
+
+    model, report = finetune(model, tokenizer, rec, state_dir=state_dir_for(out), resume=resume, tokens=tokens,
+                             loss=loss, adapter_only_dir=adapter_only_dir, log=log)
+    if "heldout_ppl_end" in report:
+        log(f"finetune: held-out ppl {report['heldout_ppl_start']:.2f} -> {report['heldout_ppl_end']:.2f} "
+            f"(teacher {report['heldout_ppl_teacher']:.2f}), {report['tokens']:,} tokens in {report['train_seconds']}s")
+    return model, report
 
 
 def state_dir_for(out: Path) -> Path:
@@ -98,31 +130,44 @@ def run_distill(model, tokenizer, rec, out: Path, *, tokens=None, resume: bool =
     return report
 
 
-def distill_checkpoint(path: str, *, out: Path | None = None, overrides: dict[str, Any] | None = None,
-                       tokens=None, resume: bool = False, dtype: str | None = None, device: str | None = None,
-                       log: Callable[[str], None] = print) -> Path:
-    """(Re)run attention transfer on a hybrid checkpoint; write to ``out`` (default: in place)."""
+def rerun_stage(stage: str, path: str, *, out: Path | None = None, overrides: dict[str, Any] | None = None,
+                tokens=None, loss: str | None = None, adapter_only: bool = False, resume: bool = False,
+                dtype: str | None = None, device: str | None = None, log: Callable[[str], None] = print) -> Path:
+    """(Re)run ``"distill"`` or ``"finetune"`` on a hybrid checkpoint; write to ``out`` (default: in place).
+
+    With ``adapter_only`` (finetune), only the LoRA adapter is written, to ``out`` (default ``PATH-adapter``).
+    """
+    import json
+    import shutil
+
     from .sources import is_hybrid_dir, local_dir
 
-    src = local_dir(path)
+    src = Path(local_dir(path))
     if not is_hybrid_dir(src):
         raise LinearizeError(f"{path}: not a linearize hybrid checkpoint; use `linearize convert {path}` first")
     rec = recipes.load(str(src / "linearize_recipe.yaml"), overrides)
-    if tokens is not None and parse_tokens(tokens) <= 0:
-        raise LinearizeError(f"--tokens {tokens!r}: must be > 0")
-    out = Path(out) if out is not None else Path(src)
-    in_place = out.resolve() == Path(src).resolve()
+    if tokens is not None:
+        parse_tokens(tokens)
+    if loss is not None and loss not in ("xent", "kl"):
+        raise LinearizeError(f"--loss {loss!r}: expected xent or kl")
+    if adapter_only:
+        out = Path(out) if out is not None else src.with_name(src.name + "-adapter")
+    else:
+        out = Path(out) if out is not None else src
+    in_place = out.resolve() == src.resolve()
     if not in_place:
         check_output_dir(out, overwrite=False)
-    import json
-
     model, tokenizer = load_model(str(src), dtype=dtype, device=device)
-    report = run_distill(model, tokenizer, rec, out, tokens=tokens, resume=resume, log=log)
-    prev = json.loads((Path(src) / "report.json").read_text()).get("stages", {}) if (Path(src) / "report.json").is_file() else {}
-    base = json.loads((Path(src) / "report.json").read_text()).get("base_model", path) if prev is not None else path
-    path_out = save_checkpoint(model, tokenizer, out, base=base, recipe=rec, overwrite=in_place,
-                               reports={**prev, "distill": report})
-    import shutil
-
+    if stage == "distill":
+        report = run_distill(model, tokenizer, rec, out, tokens=tokens, resume=resume, log=log)
+    else:
+        model, report = run_finetune(model, tokenizer, rec, out, tokens=tokens, loss=loss, resume=resume,
+                                     adapter_only_dir=out if adapter_only else None, log=log)
+    if adapter_only:
+        shutil.rmtree(state_dir_for(out), ignore_errors=True)
+        return out
+    summary = json.loads((src / "report.json").read_text()) if (src / "report.json").is_file() else {}
+    path_out = save_checkpoint(model, tokenizer, out, base=summary.get("base_model", path), recipe=rec,
+                               overwrite=in_place, reports={**summary.get("stages", {}), stage: report})
     shutil.rmtree(state_dir_for(out), ignore_errors=True)
     return path_out

@@ -134,14 +134,23 @@ def test_bad_token_budget(tmp_path, embedded_dir):
     assert not (tmp_path / "OUT").exists()
 
 
-def test_short_distill_end_to_end(tmp_path, embedded_dir):
+def test_short_all_stages_end_to_end(tmp_path, embedded_dir):
     out = tmp_path / "OUT"
-    res = run_cli("convert", "smollm2-135m", "--ratio", "3:1", "--tokens", "256", "--set", "distill.seq_len=64",
-                  "--set", "distill.batch_size=2", "--set", "distill.eval_seqs=2", "-o", str(out))
+    small = []
+    for stage in ("distill", "finetune"):
+        small += ["--set", f"{stage}.seq_len=64", "--set", f"{stage}.batch_size=2", "--set", f"{stage}.eval_seqs=2"]
+    res = run_cli("convert", "smollm2-135m", "--ratio", "3:1", "--tokens", "512", *small, "-o", str(out))
     assert res.returncode == 0, res.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
-    d = report["stages"]["distill"]
+    d, f = report["stages"]["distill"], report["stages"]["finetune"]
     assert d["steps"] == 2 and d["tokens"] == 256 and len(d["per_layer"]) == 23
+    assert f["steps"] == 2 and f["tokens"] == 256 and f["merged"]
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert not any("lora" in k for k in index["weight_map"])  # adapters merged: no peft needed to load
+    res = run_cli("finetune", str(out), "--adapter-only", "--tokens", "256", "--loss", "kl", *small[6:])
+    assert res.returncode == 0, res.stderr[-3000:]
+    adapter = tmp_path / "OUT-adapter"
+    assert (adapter / "adapter_config.json").is_file() and (adapter / "adapter_model.safetensors").is_file()
     assert not (tmp_path / ".OUT.state").exists()
     res = run_cli("generate", str(out), "Hi", "--max-new-tokens", "3")
     assert res.returncode == 0, res.stderr[-2000:]

@@ -41,7 +41,7 @@ def _args(ws, out, *extra):
     return [sys.executable, "-m", "linearize.cli", "convert", str(ws / "tiny"), "--ratio", "1:0",
             "--set", "attention.window=8", "--set", f"distill.data={ws / 'corpus.txt'}", "--set", "distill.seq_len=32",
             "--set", "distill.batch_size=2", "--set", "distill.eval_seqs=2", "--set", "distill.checkpoint_every=5",
-            "--tokens", str(32 * 2 * 150), "-o", str(out), *extra]
+            "--tokens", str(32 * 2 * 150), "--no-finetune", "-o", str(out), *extra]
 
 
 def _env(ws):
