@@ -213,6 +213,10 @@ def load_model(spec: str, *, dtype=None, device=None):
 
     r = resolve(spec)
     path = local_dir(r)
+    if is_hybrid_dir(path):
+        from .checkpoint import verify_checkpoint
+
+        verify_checkpoint(path)  # a missing or truncated shard fails here, naming the file
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = resolve_dtype(dtype, device)
     try:

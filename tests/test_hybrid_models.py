@@ -127,6 +127,10 @@ def test_checkpoint_round_trip(tmp_path, family):
     shard.write_bytes(shard.read_bytes()[:-10])
     with pytest.raises(OutputError, match=shards[0]):
         verify_checkpoint(out)
+    from linearize.sources import load_model
+
+    with pytest.raises(OutputError, match="truncated or edited"):
+        load_model(str(out), device="cpu")
 
 
 def test_trust_remote_code_in_fresh_process(tmp_path):
