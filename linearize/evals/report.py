@@ -155,7 +155,8 @@ def recall_plot(curves: dict[str, dict], path: Path, title: str) -> Path:
     """Accuracy vs number of pairs (log2 x axis), one line per model."""
     _, plt = _matplotlib()
     fig, ax = plt.subplots(figsize=(6, 3.6), dpi=130)
-    styles = {"model": dict(color="#1565c0", marker="o"), "original": dict(color="#757575", marker="s", linestyle="--")}
+    styles = {"model": dict(color="#1565c0", marker="o", zorder=3),
+              "original": dict(color="#9e9e9e", marker="s", linestyle="--", linewidth=2.5, markersize=8, zorder=2)}
     allx: set[int] = set()
     for label, by in curves.items():
         xs = sorted(int(k) for k in by)

@@ -26,7 +26,6 @@ Headline score: decode tokens/s at the largest length and the first batch size.
 
 from __future__ import annotations
 
-import os
 import resource
 import statistics
 import time
