@@ -44,6 +44,30 @@ def _feature_map_names() -> list[str]:
     return sorted(FEATURE_MAPS)
 
 
+def _training_fields(lr: float) -> dict[str, Field]:
+    """Data, budget and optimizer fields shared by the training stages."""
+    return {
+        "data": Field(str, "wiki", "a data spec: wiki, a .txt/.jsonl file or folder, hf:NAME[:CONFIG][:SPLIT]"),
+        "tokens": Field((str, int), "2M", "a token budget > 0 such as 256K, 20M, 1B", _positive_tokens),
+        "seq_len": Field(int, 512, "an integer in [16, 65536]", lambda v: 16 <= v <= 65536),
+        "batch_size": Field(int, 4, "an integer in [1, 4096]", lambda v: 1 <= v <= 4096),
+        "grad_accum": Field(int, 1, "an integer in [1, 1024]", lambda v: 1 <= v <= 1024),
+        "lr": Field(float, lr, "a number in (0, 1]", lambda v: 0.0 < v <= 1.0),
+        "weight_decay": Field(float, 0.0, "a number in [0, 1]", lambda v: 0.0 <= v <= 1.0),
+        "warmup_steps": Field(int, 10, "an integer in [0, 100000]", lambda v: 0 <= v <= 100000),
+        "min_lr_ratio": Field(float, 0.1, "a number in [0, 1]", lambda v: 0.0 <= v <= 1.0),
+    }
+
+
+def _run_fields() -> dict[str, Field]:
+    """Evaluation, checkpointing and seed fields shared by the training stages."""
+    return {
+        "eval_seqs": Field(int, 8, "an integer in [1, 4096]", lambda v: 1 <= v <= 4096),
+        "checkpoint_every": Field(int, 50, "an integer in [1, 1000000] (optimizer steps)", lambda v: 1 <= v <= 1_000_000),
+        "seed": Field(int, 0, "an integer >= 0", lambda v: v >= 0),
+    }
+
+
 #: section -> field -> Field. Adding a field is one line here plus a comment in each recipe.
 SCHEMA: dict[str, dict[str, Field]] = {
     "": {
@@ -59,32 +83,14 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "eps": Field(float, 1e-6, "a number in (0, 0.1]", lambda v: 0.0 < v <= 0.1),
     },
     "distill": {
-        "data": Field(str, "wiki", "a data spec: wiki, a .txt/.jsonl file or folder, hf:NAME[:CONFIG][:SPLIT]"),
-        "tokens": Field((str, int), "2M", "a token budget > 0 such as 256K, 20M, 1B", _positive_tokens),
-        "seq_len": Field(int, 512, "an integer in [16, 65536]", lambda v: 16 <= v <= 65536),
-        "batch_size": Field(int, 4, "an integer in [1, 4096]", lambda v: 1 <= v <= 4096),
-        "grad_accum": Field(int, 1, "an integer in [1, 1024]", lambda v: 1 <= v <= 1024),
-        "lr": Field(float, 1e-2, "a number in (0, 1]", lambda v: 0.0 < v <= 1.0),
-        "weight_decay": Field(float, 0.0, "a number in [0, 1]", lambda v: 0.0 <= v <= 1.0),
-        "warmup_steps": Field(int, 10, "an integer in [0, 100000]", lambda v: 0 <= v <= 100000),
-        "min_lr_ratio": Field(float, 0.1, "a number in [0, 1]", lambda v: 0.0 <= v <= 1.0),
+        **_training_fields(lr=1e-2),
         "mse_weight": Field(float, 1.0, "a number in [0, 1000]", lambda v: 0.0 <= v <= 1000.0),
         "xent_weight": Field(float, 0.0, "a number in [0, 1000] (0 = off)", lambda v: 0.0 <= v <= 1000.0),
         "xent_rows": Field(int, 64, "an integer in [1, 4096]", lambda v: 1 <= v <= 4096),
-        "eval_seqs": Field(int, 8, "an integer in [1, 4096]", lambda v: 1 <= v <= 4096),
-        "checkpoint_every": Field(int, 50, "an integer in [1, 1000000] (optimizer steps)", lambda v: 1 <= v <= 1_000_000),
-        "seed": Field(int, 0, "an integer >= 0", lambda v: v >= 0),
+        **_run_fields(),
     },
     "finetune": {
-        "data": Field(str, "wiki", "a data spec: wiki, a .txt/.jsonl file or folder, hf:NAME[:CONFIG][:SPLIT]"),
-        "tokens": Field((str, int), "2M", "a token budget > 0 such as 256K, 20M, 1B", _positive_tokens),
-        "seq_len": Field(int, 512, "an integer in [16, 65536]", lambda v: 16 <= v <= 65536),
-        "batch_size": Field(int, 4, "an integer in [1, 4096]", lambda v: 1 <= v <= 4096),
-        "grad_accum": Field(int, 1, "an integer in [1, 1024]", lambda v: 1 <= v <= 1024),
-        "lr": Field(float, 1e-4, "a number in (0, 1]", lambda v: 0.0 < v <= 1.0),
-        "weight_decay": Field(float, 0.0, "a number in [0, 1]", lambda v: 0.0 <= v <= 1.0),
-        "warmup_steps": Field(int, 10, "an integer in [0, 100000]", lambda v: 0 <= v <= 100000),
-        "min_lr_ratio": Field(float, 0.1, "a number in [0, 1]", lambda v: 0.0 <= v <= 1.0),
+        **_training_fields(lr=1e-4),
         "lora_r": Field(int, 8, "an integer in [1, 1024]", lambda v: 1 <= v <= 1024),
         "lora_alpha": Field(float, 16.0, "a number in (0, 4096]", lambda v: 0 < v <= 4096),
         "lora_dropout": Field(float, 0.0, "a number in [0, 1)", lambda v: 0.0 <= v < 1.0),
@@ -93,9 +99,7 @@ SCHEMA: dict[str, dict[str, Field]] = {
                          lambda v: bool(v) and all(t in ("q_proj", "k_proj", "v_proj", "o_proj") for t in v)),
         "loss": Field(str, "xent", "xent (next-token cross-entropy) or kl (KL to the teacher's logits)",
                       lambda v: v in ("xent", "kl")),
-        "eval_seqs": Field(int, 8, "an integer in [1, 4096]", lambda v: 1 <= v <= 4096),
-        "checkpoint_every": Field(int, 50, "an integer in [1, 1000000] (optimizer steps)", lambda v: 1 <= v <= 1_000_000),
-        "seed": Field(int, 0, "an integer >= 0", lambda v: v >= 0),
+        **_run_fields(),
     },
 }
 
