@@ -222,7 +222,9 @@ def load_model(spec: str, *, dtype=None, device=None):
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as e:  # a checkpoint without tokenizer files
-        raise SpecError(f"{spec}: could not load a tokenizer from {path} ({type(e).__name__}: {e})") from None
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise SpecError(f"{spec}: could not load a tokenizer from {path} (tokenizer files missing or unreadable: "
+                        f"{type(e).__name__}: {first})") from None
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except ValueError as e:

@@ -102,3 +102,19 @@ def test_resume_refuses_other_settings(workspace, uninterrupted):
     res = subprocess.run(args, capture_output=True, text=True, env=_env(workspace), timeout=600)
     assert res.returncode != 0 and "fingerprint" in res.stderr and "Traceback" not in res.stderr
     assert not out.exists()
+
+
+def test_model_without_tokenizer_is_one_line(workspace, tmp_path):
+    import shutil
+
+    bare = tmp_path / "bare"
+    shutil.copytree(workspace / "tiny", bare)
+    for p in bare.iterdir():
+        if p.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            p.unlink()
+    out = tmp_path / "OUT"
+    res = subprocess.run([sys.executable, "-m", "linearize.cli", "convert", str(bare), "--no-train", "-o", str(out)],
+                         capture_output=True, text=True, env=_env(workspace), timeout=300)
+    assert res.returncode == 2 and "tokenizer" in res.stderr and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert len([ln for ln in res.stderr.splitlines() if ln.strip()]) == 1
+    assert not out.exists()
