@@ -83,6 +83,22 @@ def launch(kernel, grid, *args, **kw):
         return kernel[grid](*args, **{**kw, "num_stages": 1})
 
 
+def plan_segments(cfg: dict, N: int, progs: int, device: torch.device) -> tuple[int, int]:
+    """Split each sequence of ``N`` chunks into segments so ``progs`` programs fill the GPU.
+
+    Returns ``(segments, chunks_per_segment)``; one segment off CUDA or when there are enough programs.
+    """
+    nseg = 1
+    if cfg.get("force_segments"):
+        nseg = min(N, int(cfg["force_segments"]))
+    elif device.type == "cuda":
+        target = cfg["fwd_waves"] * num_sms(device)
+        if progs < target and N >= 4:
+            nseg = min(N // 2, triton.cdiv(int(target), progs))
+    seg_chunks = triton.cdiv(N, nseg)
+    return triton.cdiv(N, seg_chunks), seg_chunks
+
+
 def fwd_blocks(cfg: dict, BK: int, V: int, dtype: torch.dtype):
     """(BV, num_stages) of a forward kernel: fp32 tiles are twice as large, wide K needs a narrower BV."""
     BV = min(cfg["fwd_bv"], pow2(V), max(16, 16384 // BK))

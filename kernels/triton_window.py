@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import fwd_blocks, launch, mm, new_empty, num_sms, pow2, prec, scan_states
+from .triton_common import fwd_blocks, launch, mm, new_empty, plan_segments, pow2, prec, scan_states
 
 NEG_INF = tl.constexpr(float("-inf"))
 
@@ -289,15 +289,7 @@ def _fwd(q, k, fq, fk, v, wf, W, scale, eps, S0, z0, store_stats):
     NVB = triton.cdiv(V, BV)
     N = triton.cdiv(T, BT)
     progs = B * H * NVB
-    nseg = 1
-    if CONFIG.get("force_segments"):
-        nseg = min(N, int(CONFIG["force_segments"]))
-    elif dev.type == "cuda":
-        target = CONFIG["fwd_waves"] * num_sms(dev)
-        if progs < target and N >= 4:
-            nseg = min(N // 2, triton.cdiv(int(target), progs))
-    seg_chunks = triton.cdiv(N, nseg)
-    nseg = triton.cdiv(N, seg_chunks)
+    nseg, seg_chunks = plan_segments(CONFIG, N, progs, dev)
     f32 = torch.float32
     o = new_empty((B, T, H, V), dtype=v.dtype, device=dev)
     ms = new_empty((B, T, H), dtype=f32, device=dev) if store_stats else None
