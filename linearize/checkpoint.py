@@ -11,10 +11,12 @@ complete, so an interrupted run never leaves a directory that looks finished. La
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import json
 import os
 import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -35,6 +37,24 @@ from linearize.modeling import LinearizeConfig, LinearizeForCausalLM  # noqa: F4
 '''
 
 
+def check_writable(out: Path) -> None:
+    """Fail in one line unless ``out`` can be created: its nearest existing ancestor must be a directory
+    in which a file can be made (probed for real: permission bits lie to root, read-only mounts do not).
+    The probe file is removed at once; nothing else is written."""
+    out = Path(out)
+    probe = out.resolve().parent
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise OutputError(f"output {out}: {probe} is not a directory")
+    try:
+        fd, name = tempfile.mkstemp(prefix=".linearize-probe-", dir=probe)
+    except OSError as e:
+        raise OutputError(f"output {out}: {probe} is not writable ({e.strerror})") from None
+    os.close(fd)
+    os.unlink(name)
+
+
 def check_output_dir(out: Path, overwrite: bool) -> None:
     """Refuse an existing output unless ``overwrite``; check the parent is writable. Writes nothing."""
     out = Path(out)
@@ -42,18 +62,43 @@ def check_output_dir(out: Path, overwrite: bool) -> None:
         raise OutputError(f"output {out} already exists (pass --overwrite to replace it)")
     if out.exists() and not out.is_dir():
         raise OutputError(f"output {out} exists and is not a directory")
-    parent = out.resolve().parent
-    probe = parent
-    while not probe.exists():
-        probe = probe.parent
-    if not os.access(probe, os.W_OK):
-        raise OutputError(f"output {out}: {probe} is not writable")
+    check_writable(out)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def recover_output(out: Path) -> None:
+    """Clean up after a run that was killed while writing ``out`` (only leftovers of dead processes).
+
+    ``.NAME.tmp-PID`` (a half-written checkpoint) is removed. ``.NAME.old-PID`` is the previous
+    complete ``out``, moved aside just before the new one was renamed into place: it is put back when
+    the kill came between the two renames (``out`` missing), removed otherwise."""
+    out = Path(out)
+    if not out.parent.is_dir():
+        return
+    for p in sorted(out.parent.glob(f".{glob.escape(out.name)}.*-*")):
+        kind, _, pid = p.name[len(out.name) + 2:].rpartition("-")
+        if kind not in ("tmp", "old") or not pid.isdigit() or _pid_alive(int(pid)):
+            continue
+        if kind == "old" and not out.exists():
+            os.replace(p, out)
+        else:
+            shutil.rmtree(p, ignore_errors=True)
 
 
 @contextlib.contextmanager
 def atomic_dir(out: Path, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary directory that becomes ``out`` only if the block completes."""
     out = Path(out)
+    recover_output(out)
     check_output_dir(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
@@ -132,15 +177,18 @@ def verify_checkpoint(directory: Path, hashes: bool = False) -> None:
         raise OutputError(f"{directory}: missing {INDEX_NAME} (not a complete linearize checkpoint)")
     try:
         index = json.loads(index_path.read_text())
-    except ValueError:
-        raise OutputError(f"{index_path}: not valid JSON") from None
-    for name, meta in index.get("metadata", {}).get("shards", {}).items():
+        shards = index.get("metadata", {}).get("shards") or {n: {} for n in set(index["weight_map"].values())}
+        shards = {str(n): dict(meta) for n, meta in shards.items()}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise OutputError(f"{index_path}: not a valid shard index (edited or corrupt)") from None
+    for name, meta in sorted(shards.items()):
         p = directory / name
         if not p.is_file():
             raise OutputError(f"{p}: shard missing")
-        if p.stat().st_size != meta["size"]:
-            raise OutputError(f"{p}: size {p.stat().st_size} != {meta['size']} in the index (truncated or edited)")
-        if hashes and sha256_file(p) != meta["sha256"]:
+        size = meta.get("size")
+        if size is not None and p.stat().st_size != size:
+            raise OutputError(f"{p}: size {p.stat().st_size} != {size} in the index (truncated or edited)")
+        if hashes and meta.get("sha256") and sha256_file(p) != meta["sha256"]:
             raise OutputError(f"{p}: sha256 does not match the index (edited or corrupt)")
 
 
@@ -183,6 +231,10 @@ def model_card(model, *, base: str, recipe_name: str, reports: dict[str, Any]) -
         lines.append("Surgery only: the linear layers are untrained (run `linearize distill`).")
     for stage, rep in reports.items():
         lines.append(f"- **{stage}**: " + ", ".join(f"{k}={v}" for k, v in rep.items() if not isinstance(v, (dict, list))))
+    if "select" in reports:  # --select auto: the per-layer scores behind the layout
+        from .select import scores_markdown
+
+        lines += ["", *scores_markdown(reports["select"])]
     return "\n".join(lines) + "\n"
 
 
@@ -230,4 +282,8 @@ def _report_md(summary: dict[str, Any]) -> str:
         lines += [f"## {stage}", "", "| metric | value |", "|---|---|"]
         lines += [f"| {k} | {v} |" for k, v in rep.items() if not isinstance(v, (dict, list))]
         lines.append("")
+        if stage == "select":  # --select auto: the per-layer scores
+            from .select import scores_markdown
+
+            lines += scores_markdown(rep)
     return "\n".join(lines) + "\n"

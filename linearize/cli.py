@@ -28,7 +28,9 @@ err_console = Console(stderr=True)
 
 def fail(message: str, code: int = 2) -> None:
     """Print one line on stderr and exit non-zero."""
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    from rich.markup import escape
+
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -44,11 +46,17 @@ def user_errors(fn: Callable) -> Callable:
         except KeyboardInterrupt:
             err_console.print("interrupted")
             raise typer.Exit(130)
-        except MemoryError:
-            fail("out of host memory: try a smaller --dtype (bfloat16) or a smaller model", 3)
-        except Exception as e:  # CUDA OOM has no common base class before torch 2.5
-            if type(e).__name__ == "OutOfMemoryError":
-                fail("out of GPU memory: try --dtype bfloat16, a smaller batch or --device cpu", 3)
+        except Exception as e:
+            import errno
+
+            from .guards import is_oom, oom_error
+
+            if is_oom(e):  # CUDA, MemoryError or the CPU allocator: stage, layer, batch from the traceback
+                fail(str(oom_error(e)), 3)
+            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+                fail(f"{e.filename or 'output'}: {e.strerror} (disk full); free some space or write elsewhere (-o)")
+            if isinstance(e, OSError) and e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+                fail(f"{e.filename or 'file'}: {e.strerror}")
             raise
 
     return wrapper
@@ -64,8 +72,10 @@ def _overrides(sets: Optional[List[str]]) -> dict:
 @user_errors
 def convert(
     spec: str = typer.Argument("smollm2-135m", help="Model: alias, local dir, .gguf file or hub id."),
-    ratio: str = typer.Option("3:1", "--ratio", help="A:B = A linear layers per B softmax layers, repeating."),
-    softmax_layers: Optional[str] = typer.Option(None, "--softmax-layers", help="Explicit softmax layers, e.g. 3,7,11 (overrides --ratio)."),
+    ratio: Optional[str] = typer.Option(None, "--ratio", help="A:B = A linear layers per B softmax layers, repeating (default 3:1); with --select auto only the count is kept."),
+    softmax_layers: Optional[str] = typer.Option(None, "--softmax-layers", help="Explicit softmax layers, e.g. 3,7,11 (overrides --ratio and --select)."),
+    select: str = typer.Option("interleave", "--select", help="interleave (the --ratio pattern) or auto (probe every layer, keep the ones that matter most as softmax)."),
+    kv_budget: Optional[str] = typer.Option(None, "--kv-budget", help="With --select auto: BYTES@LENGTH, e.g. 2GB@32K: keep the most softmax layers whose KV cache + linear state at LENGTH tokens (batch 1) fits BYTES."),
     recipe: str = typer.Option("lolcats", "--recipe", help="Recipe name (see `linearize recipes`) or YAML path."),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a recipe field: section.field=value (repeatable)."),
     no_train: bool = typer.Option(False, "--no-train", help="Surgery only: write the untrained hybrid."),
@@ -83,7 +93,8 @@ def convert(
     """Convert a model into a linear-attention hybrid checkpoint."""
     from .pipeline import convert as run
 
-    path = run(spec, ratio=ratio, softmax_layers=softmax_layers, recipe=recipe, overrides=_overrides(set_),
+    path = run(spec, ratio=ratio, softmax_layers=softmax_layers, select=select, kv_budget=kv_budget, recipe=recipe,
+               overrides=_overrides(set_),
                train=not no_train, out=out, overwrite=overwrite, dtype=dtype, device=device, tokens=tokens,
                distill_tokens=distill_tokens, finetune_tokens=finetune_tokens, finetune=not no_finetune, loss=loss,
                resume=resume, log=lambda m: console.print(m, highlight=False))
@@ -237,6 +248,33 @@ def bench_kernels_cmd(
     rows = bench_kernels(out, lengths=parse_lengths(lengths), tokens=tokens, heads=heads, dim=dim, window=window,
                          hedgehog_dim=hedgehog_dim, decode_batch=decode_batch, check=check, progress=log)
     print_table(rows)
+
+
+@bench_app.command("model")
+@user_errors
+def bench_model_cmd(
+    spec: str = typer.Argument(..., help="Hybrid checkpoint dir, or a model spec converted on the fly (surgery only, untrained)."),
+    against: Optional[str] = typer.Option(None, "--against", help="The original (default: SPEC itself, or the base model a hybrid names)."),
+    random_weights: bool = typer.Option(False, "--random-weights", help="Random weights from a shipped config (alias, e.g. llama-3-8b) or a config.json path: nothing downloaded."),
+    ratio: str = typer.Option("3:1", "--ratio", help="A:B layout of the on-the-fly conversion."),
+    recipe: str = typer.Option("lolcats", "--recipe", help="Recipe of the on-the-fly conversion (name or YAML path)."),
+    lengths: str = typer.Option("4K,32K,128K", "--lengths", help="Context lengths T."),
+    batch: str = typer.Option("1,8", "--batch", help="Batch sizes B."),
+    decode_steps: int = typer.Option(64, "--decode-steps", help="Timed single-token decode steps per row."),
+    sdpa: str = typer.Option("flash,cudnn", "--sdpa", help="SDPA backends to try (the fastest is kept): flash, cudnn, efficient, math."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="bfloat16 | float16 | float32 (default: bfloat16 on GPU, float32 on CPU)."),
+    device: Optional[str] = typer.Option(None, "--device", help="cuda | cuda:N | cpu (default: cuda when available)."),
+    out: Optional[Path] = typer.Option(None, "-o", "--output", help="Output directory for bench_model.json (default: bench-model-NAME)."),
+):
+    """Hybrid vs original: prefill and decode tokens/s, peak memory, cache + state bytes (JSON + table)."""
+    from .benchmodel import RESULT_FILE, bench_model, print_result
+
+    out = out or Path(f"bench-model-{Path(spec).stem if spec.endswith('.json') else spec.rstrip('/').split('/')[-1]}")
+    result = bench_model(spec, against=against, random_weights=random_weights, ratio=ratio, recipe=recipe,
+                         lengths=lengths, batches=batch, decode_steps=decode_steps, dtype=dtype, device=device,
+                         sdpa=sdpa, out_dir=out, log=lambda m: err_console.print(m, highlight=False, soft_wrap=True))
+    print_result(result)
+    console.print(f"wrote {out / RESULT_FILE}", highlight=False)
 
 
 @app.command("recipes")

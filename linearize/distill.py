@@ -8,7 +8,8 @@ with large outputs do not dominate. Only feature maps and window mixing logits t
 
 Long runs checkpoint every ``checkpoint_every`` optimizer steps into a state directory beside the
 output; ``resume=True`` continues from it only when the fingerprint (model, recipe, data, seed)
-matches. A non-finite loss stops the run naming the layer and step, keeping the last checkpoint.
+matches. A non-finite or exploding loss stops the run naming the layer and step, keeping the last checkpoint;
+running out of memory saves the state first, like Ctrl-C (:mod:`linearize.guards`).
 """
 
 from __future__ import annotations
@@ -25,17 +26,8 @@ from typing import Any, Callable
 import torch
 
 from .data import heldout_sequences, num_batches, packed_batches, parse_tokens
-from .errors import LinearizeError
-
-
-class TrainingError(LinearizeError):
-    """A training run that cannot continue (non-finite loss, fingerprint mismatch)."""
-
-
-class TrainingInterrupted(LinearizeError):
-    """Ctrl-C during training: a resumable checkpoint was saved."""
-
-    exit_code = 130
+from .errors import TrainingError, TrainingInterrupted
+from .guards import LossGuard, is_oom
 
 
 def trainable_parameters(model) -> list[torch.nn.Parameter]:
@@ -170,6 +162,8 @@ def distill(model, tokenizer, recipe, *, state_dir: Path | None = None, resume: 
 
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
+    guard = LossGuard("distill", cfg, ckpt=ckpt, layers=[m.layer_idx for m in model.linear_modules()],
+                      dtype=next(model.parameters()).dtype)
     bar = Progress(TextColumn("distill"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
                    TextColumn("{task.fields[info]}"), TimeRemainingColumn(), disable=not progress, transient=False)
     try:
@@ -183,11 +177,7 @@ def distill(model, tokenizer, recipe, *, state_dir: Path | None = None, resume: 
                     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_autocast):
                         model(input_ids=batch, use_cache=False)
                     losses = layer_losses(model, cfg["mse_weight"], cfg["xent_weight"])
-                    bad = [i for i, l in enumerate(losses) if not torch.isfinite(l)]
-                    if bad:
-                        layer = model.linear_modules()[bad[0]].layer_idx
-                        raise TrainingError(f"distill: non-finite loss in layer {layer} at step {run['step']}; the "
-                                            f"last good checkpoint is kept ({ckpt or 'none'}); try a lower distill.lr")
+                    guard.check(losses, run["step"])  # NaN/Inf or exploding: stop before the update
                     (torch.stack(losses).mean() / accum).backward()
                     lv = torch.stack([l.detach() for l in losses]).float().cpu()
                     per_layer = lv if per_layer is None else per_layer + lv
@@ -213,6 +203,10 @@ def distill(model, tokenizer, recipe, *, state_dir: Path | None = None, resume: 
         save()  # parameters and optimizer as of the last completed step
         raise TrainingInterrupted(f"distill interrupted at step {run['step']}/{total_steps}; checkpoint saved in "
                                   f"{ckpt.parent}; run the same command with --resume to continue") from None
+    except Exception as e:  # out of memory: save like Ctrl-C, then one line (anything else propagates)
+        if not is_oom(e):
+            raise
+        raise guard.out_of_memory(e, step=run["step"], total=total_steps, save=save, optimizer=opt) from None
     finally:
         for m in model.linear_modules():
             m.xent_rows = 0

@@ -25,3 +25,19 @@ class OutputError(LinearizeError):
 
 class UnsupportedModelError(LinearizeError):
     """An architecture this tool cannot convert."""
+
+
+class TrainingError(LinearizeError):
+    """A training run that cannot continue (non-finite or exploding loss, fingerprint mismatch)."""
+
+
+class TrainingInterrupted(LinearizeError):
+    """Ctrl-C during training: a resumable checkpoint was saved."""
+
+    exit_code = 130
+
+
+class ResourceError(LinearizeError):
+    """Out of memory (GPU or host): the message names where and what to change."""
+
+    exit_code = 3

@@ -285,6 +285,9 @@ def finetune(model, tokenizer, recipe, *, state_dir: Path | None = None, resume:
 
         from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
+        from .guards import LossGuard, is_oom
+
+        guard = LossGuard("finetune", cfg, ckpt=ckpt, dtype=next(model.parameters()).dtype)
         bar = Progress(TextColumn("finetune"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
                        TextColumn("{task.fields[info]}"), TimeRemainingColumn(), disable=not progress,
                        transient=False)
@@ -304,9 +307,7 @@ def finetune(model, tokenizer, recipe, *, state_dir: Path | None = None, resume:
                                 s_logits = peft_model(input_ids=batch, use_cache=False).logits
                                 micro = _kl(t_logits, s_logits)
                                 del t_logits, s_logits
-                        if not torch.isfinite(micro):
-                            raise TrainingError(f"finetune: non-finite loss at step {run['step']}; the last good "
-                                                f"checkpoint is kept ({ckpt or 'none'}); try a lower finetune.lr")
+                        guard.check(micro, run["step"])  # NaN/Inf or exploding: stop before the update
                         (micro / accum).backward()
                         step_loss += micro.detach().float().item() / accum
                         run["tokens_seen"] += batch.numel()
@@ -332,6 +333,10 @@ def finetune(model, tokenizer, recipe, *, state_dir: Path | None = None, resume:
             save()  # adapters and optimizer as of the last completed step
             raise TrainingInterrupted(f"finetune interrupted at step {run['step']}/{total_steps}; checkpoint saved "
                                       f"in {ckpt.parent}; run the same command with --resume to continue") from None
+        except Exception as e:  # out of memory: save like Ctrl-C, then one line (anything else propagates)
+            if not is_oom(e):
+                raise
+            raise guard.out_of_memory(e, step=run["step"], total=total_steps, save=save, optimizer=opt) from None
         step, tokens_seen, tokens_this_run, history = (run["step"], run["tokens_seen"], run["tokens_this_run"],
                                                        run["history"])
         train_seconds = time.time() - t_train

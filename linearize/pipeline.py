@@ -12,19 +12,30 @@ from typing import Any, Callable
 from . import recipe as recipes
 from .checkpoint import check_output_dir, save_checkpoint
 from .data import parse_tokens
-from .errors import LinearizeError
-from .select import describe_layout, parse_layer_list, parse_ratio, select_layout
-from .sources import load_model, resolve, resolve_dtype
+from .errors import LinearizeError, SelectionError
+from .select import (check_select, describe_layout, layout_from_ratio, parse_layer_list, parse_ratio, select_layout,
+                     softmax_indices)
+from .sources import check_device, load_model, resolve, resolve_dtype
+
+#: the most the ``--select auto`` probe may take of a conversion's tokens (issue 7)
+PROBE_MAX_SHARE = 0.25
 
 
-def default_output_name(spec: str, ratio: str | None, softmax_layers: str | None, recipe_name: str) -> str:
-    """``smollm2-135m-3to1-lolcats`` style names for ``-o``'s default."""
+def default_output_name(spec: str, ratio: str | None, softmax_layers: str | None, recipe_name: str, *,
+                        select: str = "interleave", kv_budget: str | None = None) -> str:
+    """``smollm2-135m-3to1-lolcats`` style names for ``-o``'s default (``-3to1-auto-`` with ``--select auto``,
+    ``-kv2GB-32K-auto-`` with ``--kv-budget 2GB@32K``)."""
     name = resolve(spec).name
-    layout = f"{ratio.replace(':', 'to')}" if softmax_layers is None else "custom"
-    return f"{name}-{layout}-{recipe_name}"
+    if softmax_layers is not None:
+        return f"{name}-custom-{recipe_name}"
+    if select == "auto":
+        count = f"kv{kv_budget.replace('@', '-')}" if kv_budget else (ratio or "3:1").replace(":", "to")
+        return f"{name}-{count}-auto-{recipe_name}"
+    return f"{name}-{(ratio or '3:1').replace(':', 'to')}-{recipe_name}"
 
 
-def convert(spec: str, *, ratio: str | None = "3:1", softmax_layers: str | None = None, recipe: str = "lolcats",
+def convert(spec: str, *, ratio: str | None = None, softmax_layers: str | None = None, select: str = "interleave",
+            kv_budget: str | None = None, recipe: str = "lolcats",
             overrides: dict[str, Any] | None = None, train: bool = True, out: Path | None = None,
             overwrite: bool = False, dtype: str | None = None, device: str | None = None,
             tokens: str | int | None = None, distill_tokens: str | int | None = None,
@@ -32,44 +43,78 @@ def convert(spec: str, *, ratio: str | None = "3:1", softmax_layers: str | None 
             resume: bool = False, log: Callable[[str], None] = print) -> Path:
     """Convert ``spec`` into a hybrid checkpoint at ``out``; returns the path.
 
-    Everything the user can get wrong is checked before the model is loaded, so a bad call
-    writes nothing.
+    ``ratio`` (default 3:1) gives the interleave pattern, or with ``select="auto"`` only the number of
+    softmax layers; ``kv_budget`` (``BYTES@LENGTH``, auto only) gives that number from a cache budget
+    instead. ``softmax_layers`` overrides both. Everything the user can get wrong is checked before the
+    model is loaded, so a bad call writes nothing.
     """
     rec = recipes.load(recipe, overrides)
+    mode = check_select(select, kv_budget=kv_budget, ratio_given=ratio is not None)
+    ratio_given, ratio = ratio is not None, ratio or "3:1"
     if softmax_layers is not None:
         parse_layer_list(softmax_layers)
     else:
-        parse_ratio(ratio or "3:1")
+        parse_ratio(ratio)
+    auto = mode == "auto" and softmax_layers is None
+    if mode == "auto" and softmax_layers is not None:
+        log("select: --softmax-layers overrides --select auto (no probe)")
+    if auto:
+        from .probe import score_weights
+
+        score_weights(rec)  # all weights 0: one line
     if dtype is not None:
         resolve_dtype(dtype, device or "cpu")
     distill_tokens, finetune_tokens = split_tokens(tokens, distill_tokens, finetune_tokens, finetune)
     if loss is not None and loss not in ("xent", "kl"):
         raise LinearizeError(f"--loss {loss!r}: expected xent or kl")
+    check_device(device)
+    if train:  # window vs seq_len, budgets vs one step, data specs
+        recipes.check_training(rec, {"distill": distill_tokens, **({"finetune": finetune_tokens} if finetune else {})})
     resolved = resolve(spec)
-    from transformers import AutoConfig
-
     from .sources import local_dir
+    from .surgery import load_base_config
 
-    base_config = AutoConfig.from_pretrained(local_dir(resolved))
-    layer_types = select_layout(base_config.num_hidden_layers, ratio=ratio, softmax_layers=softmax_layers)
-    out = Path(out or default_output_name(spec, ratio or "3:1", softmax_layers, rec.name))
+    base_config = load_base_config(spec, local_dir(resolved))  # encoder-only, no attention, ...: one line
+    plan = None
+    if auto:
+        plan = plan_auto(base_config, rec, ratio=ratio, kv_budget=kv_budget, dtype=dtype, device=device, train=train,
+                         finetune=finetune, distill_tokens=distill_tokens, finetune_tokens=finetune_tokens)
+        layer_types = None
+    else:
+        layer_types = select_layout(base_config.num_hidden_layers, ratio=ratio, softmax_layers=softmax_layers)
+    out = Path(out or default_output_name(spec, ratio, softmax_layers, rec.name, select=mode if softmax_layers is None
+                                          else "interleave", kv_budget=kv_budget))
     check_output_dir(out, overwrite)
     t0 = time.time()
     model, tokenizer = load_model(spec, dtype=dtype, device=device)
+    reports = {}
+    probe = None
+    if plan is not None:
+        log(f"select: auto, {plan['count']} softmax layers of {base_config.num_hidden_layers} (from {plan['count_from']})")
+        layer_types, probe = run_auto_select(model, tokenizer, rec, plan, log=log)
     log(f"layers: {describe_layout(layer_types)}")
     from .surgery import linearize_model
 
     hybrid = linearize_model(model, layer_types, rec)
+    if plan is not None:
+        reports["select"] = auto_report(hybrid, rec, plan, probe, train=train, log=log)
+        if probe is not None and train:
+            distill_tokens = plan["stage1_tokens"] - probe.tokens  # the probe's tokens are part of stage 1
     t_load = time.time() - t0
-    reports = {}
     if train:
         reports["distill"] = run_distill(hybrid, tokenizer, rec, out, tokens=distill_tokens, resume=resume, log=log)
         if finetune:
             hybrid, reports["finetune"] = run_finetune(hybrid, tokenizer, rec, out, tokens=finetune_tokens, loss=loss,
                                                        resume=resume, log=log)
+        if probe is not None:  # the share as run: probe / (probe + stage 1 + stage 2)
+            sel = reports["select"]
+            sel["total_tokens"] = probe.tokens + sum(int(reports[s].get("tokens", 0)) for s in ("distill", "finetune")
+                                                     if s in reports)
+            sel["probe_share_of_total_tokens"] = round(probe.tokens / max(1, sel["total_tokens"]), 4)
     path = save_checkpoint(
         hybrid, tokenizer, out, base=resolved.name, recipe=rec, overwrite=overwrite, reports=reports,
-        resolved={"ratio": ratio if softmax_layers is None else None, "softmax_layers": softmax_layers,
+        resolved={"ratio": ratio if softmax_layers is None and kv_budget is None else None,
+                  "softmax_layers": softmax_layers, "select": mode, "kv_budget": kv_budget,
                   "layer_types": layer_types, "dtype": str(next(hybrid.parameters()).dtype).replace("torch.", ""),
                   "load_and_surgery_seconds": round(t_load, 2)},
     )
@@ -77,6 +122,82 @@ def convert(spec: str, *, ratio: str | None = "3:1", softmax_layers: str | None 
 
     shutil.rmtree(state_dir_for(out), ignore_errors=True)
     return path
+
+
+def plan_auto(base_config, rec, *, ratio: str, kv_budget: str | None, dtype, device, train: bool, finetune: bool,
+              distill_tokens, finetune_tokens) -> dict[str, Any]:
+    """How many softmax layers ``--select auto`` keeps and what its probe costs; one-line errors for a budget
+    that cannot work. Nothing is loaded."""
+    import torch
+
+    from .probe import plan_probe_tokens
+    from .select import softmax_count_for_budget, softmax_count_from_ratio
+
+    n = base_config.num_hidden_layers
+    plan: dict[str, Any] = {"ratio": ratio, "kv_budget": None, "kv_detail": None,
+                            "interleave": softmax_indices(layout_from_ratio(ratio, n))}
+    if kv_budget is not None:
+        dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        dtype_bytes = torch.empty((), dtype=resolve_dtype(dtype, dev)).element_size()
+        plan["count"], plan["kv_detail"] = softmax_count_for_budget(base_config, rec["attention"], kv_budget, dtype_bytes)
+        plan["count_from"] = f"--kv-budget {kv_budget}"
+        plan["kv_budget"] = kv_budget
+    else:
+        plan["count"] = softmax_count_from_ratio(ratio, n)
+        plan["count_from"] = f"--ratio {ratio}"
+    d = rec["distill"]
+    stage1 = parse_tokens(distill_tokens if distill_tokens is not None else d["tokens"])
+    stage2 = parse_tokens(finetune_tokens if finetune_tokens is not None else rec["finetune"]["tokens"]) if finetune else 0
+    probe_tokens = plan_probe_tokens(rec, stage1)
+    plan.update(stage1_tokens=stage1, probe_tokens=probe_tokens, total_tokens=stage1 + stage2 if train else None)
+    if train and 0 < plan["count"] < n:
+        batch = d["seq_len"] * d["batch_size"]
+        if stage1 - probe_tokens < batch:
+            raise SelectionError(f"--select auto: the stage-1 budget of {stage1:,} tokens leaves "
+                                 f"{stage1 - probe_tokens:,} after the probe's {probe_tokens:,}, less than one batch "
+                                 f"({batch:,}); raise --tokens / --distill-tokens")
+        share = probe_tokens / (stage1 + stage2)
+        if share > PROBE_MAX_SHARE:
+            raise SelectionError(f"--select auto: the probe's {probe_tokens:,} tokens (at least one step of "
+                                 f"distill.seq_len x batch_size x grad_accum) would be {share:.0%} of the "
+                                 f"conversion's {stage1 + stage2:,} tokens (limit {PROBE_MAX_SHARE:.0%}); raise "
+                                 f"--tokens or lower select.probe_fraction")
+    return plan
+
+
+def run_auto_select(model, tokenizer, rec, plan: dict[str, Any], *, log: Callable[[str], None] = print):
+    """Probe (or read the cached probe) and choose the softmax layers; ``(layer_types, probe result or None)``."""
+    from .probe import run_probe, score_weights
+    from .select import choose_softmax_layers, layout_from_softmax_layers
+
+    n, count = model.config.num_hidden_layers, plan["count"]
+    if count in (0, n):
+        log(f"select: {count} of {n} layers softmax leaves nothing to choose; probe skipped")
+        return layout_from_softmax_layers(list(range(count)), n), None
+    probe = run_probe(model, tokenizer, rec, probe_tokens=plan["probe_tokens"], log=log)
+    scores = probe.scores(score_weights(rec))
+    softmax = choose_softmax_layers(scores, count)
+    top = sorted(range(n), key=lambda i: (-scores[i], i))[: min(n, count + 3)]
+    log(f"select: keeps softmax layers {','.join(map(str, softmax))} (interleave would keep "
+        f"{','.join(map(str, plan['interleave']))}); top scores " + ", ".join(f"L{i} {scores[i]:.3f}" for i in top))
+    return layout_from_softmax_layers(softmax, n), probe
+
+
+def auto_report(hybrid, rec, plan: dict[str, Any], probe, *, train: bool, log: Callable[[str], None] = print) -> dict:
+    """The ``select`` stage report; with training, the linear layers start from the probe's trained maps."""
+    from .probe import apply_feature_maps, select_report
+
+    softmax = softmax_indices(hybrid.config.layer_types)
+    if probe is None:
+        return {"method": "auto", "softmax_count": len(softmax), "count_from": plan["count_from"],
+                "softmax_layers": ",".join(map(str, softmax)), "probe": "skipped (nothing to choose)",
+                **({"kv_budget": plan["kv_detail"]} if plan["kv_detail"] else {})}
+    initialized = []
+    if train and probe.maps:
+        initialized = apply_feature_maps(hybrid, probe.maps)
+        log(f"probe: {len(initialized)} linear layers start from the probe's trained feature maps")
+    return select_report(probe, rec, softmax, count_from=plan["count_from"], interleave=plan["interleave"],
+                         total_tokens=plan["total_tokens"], kv_budget=plan["kv_detail"], initialized=initialized)
 
 
 def split_tokens(tokens, distill_tokens, finetune_tokens, finetune: bool = True):
@@ -150,13 +271,15 @@ def rerun_stage(stage: str, path: str, *, out: Path | None = None, overrides: di
         parse_tokens(tokens)
     if loss is not None and loss not in ("xent", "kl"):
         raise LinearizeError(f"--loss {loss!r}: expected xent or kl")
+    check_device(device)
+    window = (json.loads((src / "config.json").read_text()).get("linear_attention") or {}).get("window")
+    recipes.check_training(rec, {stage: tokens}, window=window)  # the model's window, not the recipe text's
     if adapter_only:
         out = Path(out) if out is not None else src.with_name(src.name + "-adapter")
     else:
         out = Path(out) if out is not None else src
     in_place = out.resolve() == src.resolve()
-    if not in_place:
-        check_output_dir(out, overwrite=False)
+    check_output_dir(out, overwrite=in_place)  # in place: the parent must still take the new directory
     model, tokenizer = load_model(str(src), dtype=dtype, device=device)
     if stage == "distill":
         report = run_distill(model, tokenizer, rec, out, tokens=tokens, resume=resume, log=log)

@@ -101,6 +101,17 @@ SCHEMA: dict[str, dict[str, Field]] = {
                       lambda v: v in ("xent", "kl")),
         **_run_fields(),
     },
+    "select": {  # --select auto: the probe (linearize/probe.py)
+        "probe_fraction": Field(float, 0.1, "a number in (0, 0.25] (share of the stage-1 token budget)",
+                                lambda v: 0.0 < v <= 0.25),
+        "mse_weight": Field(float, 1.0, "a number in [0, 1000]", lambda v: 0.0 <= v <= 1000.0),
+        "loss_weight": Field(float, 1.0, "a number in [0, 1000]", lambda v: 0.0 <= v <= 1000.0),
+        "retrieval_weight": Field(float, 1.0, "a number in [0, 1000] (0 = no retrieval probe)",
+                                  lambda v: 0.0 <= v <= 1000.0),
+        "retrieval_length": Field(int, 2048, "an integer in [64, 1048576] (tokens)", lambda v: 64 <= v <= 1048576),
+        "retrieval_prompts": Field(int, 4, "an integer in [1, 256]", lambda v: 1 <= v <= 256),
+        "seed": Field(int, 1, "an integer >= 0", lambda v: v >= 0),
+    },
 }
 
 #: keys that carry metadata written by linearize itself (ignored on load)
@@ -136,6 +147,8 @@ class Recipe:
         raw = self.to_dict()
         for key, value in overrides.items():
             section, _, name = key.rpartition(".")
+            if section in SCHEMA:  # a bad override is named as the user wrote it, not as the recipe file's
+                _check(section, name, value, "--set: ")
             target = raw.setdefault(section, {}) if section else raw
             if not isinstance(target, dict):
                 raise RecipeError(f"recipe override {key}: {section!r} is not a section")
@@ -172,16 +185,24 @@ def find(name_or_path: str) -> Path:
 def load(name_or_path: str = "lolcats", overrides: dict[str, Any] | None = None) -> Recipe:
     """Load, merge overrides and validate a recipe."""
     path = find(name_or_path)
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise RecipeError(f"recipe {path}: not UTF-8 text (byte {e.start})") from None
+    except OSError as e:
+        raise RecipeError(f"recipe {path}: cannot read it ({e.strerror})") from None
     try:
         raw = yaml.safe_load(text) or {}
+        lines = _line_map(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
-        raise RecipeError(f"recipe {path}{where}: invalid YAML ({getattr(e, 'problem', e)})") from None
+        problem = " ".join(str(getattr(e, "problem", None) or e).split())
+        raise RecipeError(f"recipe {path}{where}: invalid YAML ({problem})") from None
     if not isinstance(raw, dict):
-        raise RecipeError(f"recipe {path}: expected a mapping at the top level")
-    recipe = validate(raw, source=str(path))
+        raise RecipeError(f"recipe {path} line {lines.get('', 1)}: expected a mapping of sections and fields at the "
+                          f"top level, got {type(raw).__name__} {_short(raw)}")
+    recipe = validate(raw, source=str(path), lines=lines)
     recipe.source_text = text
     return recipe.with_overrides(overrides) if overrides else recipe
 
@@ -198,24 +219,82 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), parsed
 
 
-def validate(raw: dict[str, Any], *, source: str = "") -> Recipe:
-    """Check every field against :data:`SCHEMA`; fill defaults."""
-    where = f"recipe {source}: " if source else "recipe: "
+def validate(raw: dict[str, Any], *, source: str = "", lines: dict[str, int] | None = None) -> Recipe:
+    """Check every field against :data:`SCHEMA`; fill defaults. ``lines`` (``"section.field"`` -> line
+    number in the source file) puts the line into error messages."""
+    lines = lines or {}
+
+    def where(key: str = "") -> str:
+        line = lines.get(key)
+        return f"recipe {source}{f' line {line}' if line else ''}: " if source else "recipe: "
+
     values: dict[str, dict[str, Any]] = {s: {k: copy.deepcopy(f.default) for k, f in fs.items()} for s, fs in SCHEMA.items()}
     for key, val in raw.items():
+        key = str(key)
         if key in METADATA_KEYS:
             continue
         if key in SCHEMA and key:
             if not isinstance(val, dict):
-                raise RecipeError(f"{where}{key} must be a mapping of fields, got {val!r}")
+                raise RecipeError(f"{where(key)}{key} must be a mapping of fields, got {_short(val)}")
             for fname, fval in val.items():
-                values[key][fname] = _check(key, fname, fval, where)
+                values[key][str(fname)] = _check(key, str(fname), fval, where(f"{key}.{fname}"))
         elif key in SCHEMA[""]:
-            values[""][key] = _check("", key, val, where)
+            values[""][key] = _check("", key, val, where(key))
         else:
             allowed = sorted([k for k in SCHEMA if k] + list(SCHEMA[""]))
-            raise RecipeError(f"{where}unknown field {key!r}; allowed: {', '.join(allowed)}")
+            raise RecipeError(f"{where(key)}unknown field {key!r}; allowed: {', '.join(allowed)}")
     return Recipe(values=values, source=source)
+
+
+def _line_map(text: str) -> dict[str, int]:
+    """``{"": first line, "section": line, "section.field": line}`` for a YAML recipe text (1-based)."""
+    node = yaml.compose(text, Loader=yaml.SafeLoader)
+    if node is None:
+        return {}
+    out = {"": node.start_mark.line + 1}
+    if isinstance(node, yaml.MappingNode):
+        for k, v in node.value:
+            key = str(k.value)
+            out[key] = k.start_mark.line + 1
+            if isinstance(v, yaml.MappingNode):
+                for k2, _ in v.value:
+                    out[f"{key}.{k2.value}"] = k2.start_mark.line + 1
+    return out
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = " ".join(repr(value).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def check_training(recipe: Recipe, stages: dict[str, Any], *, window: int | None = None) -> None:
+    """Combinations that only matter when ``stages`` train (checked before any model is loaded).
+
+    ``stages`` maps ``"distill"`` / ``"finetune"`` to that stage's token budget (None = the recipe's);
+    ``window`` is the model's sliding window when it differs from the recipe's (a hybrid checkpoint).
+    Refuses a window that covers the whole training sequence (the linear part would never see a
+    token), a budget smaller than one batch (distill) or one optimizer step (finetune), and a data
+    spec that does not resolve.
+    """
+    from .data import parse_spec, parse_tokens
+
+    win = recipe["attention"]["window"] if window is None else window
+    for stage, tokens in stages.items():
+        cfg = recipe[stage]
+        seq = cfg["seq_len"]
+        if win and win >= seq:
+            raise RecipeError(f"attention.window = {win} is not shorter than {stage}.seq_len = {seq}: the window "
+                              f"would cover every training sequence, so the linear part would never see a token; "
+                              f"use --set {stage}.seq_len={max(2 * win, 64)} or a smaller window")
+        budget = parse_tokens(tokens if tokens is not None else cfg["tokens"])
+        accum = cfg["grad_accum"] if stage == "finetune" else 1  # distill runs at least one (partial) step
+        need = cfg["batch_size"] * seq * accum
+        if budget < need:
+            what = "one optimizer step" if stage == "finetune" else "one batch"
+            parts = f"batch_size {cfg['batch_size']} x seq_len {seq}" + (f" x grad_accum {accum}" if accum > 1 else "")
+            raise RecipeError(f"{stage}: {budget:,} tokens is smaller than {what} ({parts} = {need:,} tokens); raise "
+                              f"the token budget or lower {stage}.batch_size / {stage}.seq_len")
+        parse_spec(cfg["data"])
 
 
 def _check(section: str, name: str, value: Any, where: str) -> Any:

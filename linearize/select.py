@@ -1,15 +1,27 @@
-"""Which layers stay softmax: `--ratio A:B` or an explicit `--softmax-layers` list.
+"""Which layers stay softmax: `--ratio A:B`, an explicit `--softmax-layers` list, or `--select auto`.
 
 The result is a `layer_types` list in the transformers convention used by Qwen3-Next:
 ``"linear_attention"`` or ``"full_attention"`` per decoder layer.
+
+``--select interleave`` (the default) places the softmax layers by the repeating ``--ratio`` pattern.
+``--select auto`` keeps the same *number* of softmax layers (or, with ``--kv-budget BYTES@LENGTH``, the
+most that fit a cache budget) but chooses *which* layers from measured scores: see
+:mod:`linearize.probe` for the probe and :func:`choose_softmax_layers` for the choice.
 """
 
 from __future__ import annotations
+
+import re
+from types import SimpleNamespace
+from typing import Any
 
 from .errors import SelectionError
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
+
+#: ``--select`` values
+SELECT_MODES = ("interleave", "auto")
 
 
 def parse_ratio(ratio: str) -> tuple[int, int]:
@@ -85,3 +97,123 @@ def describe_layout(layer_types: list[str]) -> str:
 
 def softmax_indices(layer_types: list[str]) -> list[int]:
     return [i for i, t in enumerate(layer_types) if t == FULL]
+
+
+# ----------------------------------------------------------------------------------------------
+# --select auto: how many softmax layers, and which
+
+
+def check_select(select: str | None, *, kv_budget: str | None = None, ratio_given: bool = False) -> str:
+    """Validate ``--select`` and its combination with ``--kv-budget`` / ``--ratio``; return the mode."""
+    mode = "interleave" if select is None else str(select).strip().lower()
+    if mode not in SELECT_MODES:
+        raise SelectionError(f"--select {select!r}: expected one of {', '.join(SELECT_MODES)}")
+    if kv_budget is not None:
+        if mode != "auto":
+            raise SelectionError(f"--kv-budget {kv_budget}: needs --select auto (interleave takes its count from --ratio)")
+        if ratio_given:
+            raise SelectionError(f"--kv-budget {kv_budget} and --ratio both set the number of softmax layers; pass one")
+        parse_kv_budget(kv_budget)
+    return mode
+
+
+def softmax_count_from_ratio(ratio: str, num_layers: int) -> int:
+    """How many softmax layers the interleave pattern of ``ratio`` keeps (``3:1`` on 30 layers: 7)."""
+    return layout_from_ratio(ratio, num_layers).count(FULL)
+
+
+_BYTE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+               "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_BYTES_RE = re.compile(r"^([0-9]*\.?[0-9]+)\s*([a-z]*)$")
+
+
+def parse_kv_budget(text: str) -> tuple[int, int]:
+    """Parse ``BYTES@LENGTH`` (``2GB@32K``, ``512MiB@4096``) into ``(bytes, tokens)``.
+
+    BYTES: a number with an optional unit, B, KB/MB/GB/TB (powers of 1000) or KiB/MiB/GiB/TiB (powers of
+    1024), case-insensitive. LENGTH: context tokens like ``--lengths``: ``32K`` = 32768, ``1M`` = 1048576.
+    """
+    from .evals.common import parse_count
+
+    example = "expected BYTES@LENGTH, e.g. 2GB@32K or 512MiB@4096"
+    raw = str(text).strip()
+    if raw.count("@") != 1:
+        raise SelectionError(f"--kv-budget {text!r}: {example}")
+    b, length = (x.strip() for x in raw.split("@"))
+    m = _BYTES_RE.match(b.lower())
+    if not m or m.group(2) not in _BYTE_UNITS:
+        raise SelectionError(f"--kv-budget {text!r}: {b!r} is not a byte size (units B, KB, MB, GB, TB, KiB, MiB, "
+                             f"GiB, TiB); {example}")
+    n_bytes = int(float(m.group(1)) * _BYTE_UNITS[m.group(2)])
+    if n_bytes <= 0:
+        raise SelectionError(f"--kv-budget {text!r}: the byte budget must be positive")
+    try:
+        tokens = parse_count(length, what="length")
+    except ValueError:
+        raise SelectionError(f"--kv-budget {text!r}: {length!r} is not a context length (e.g. 4096, 32K); "
+                             f"{example}") from None
+    return n_bytes, tokens
+
+
+def _bytes_config(base_config: Any, layer_types: list[str], attention: dict) -> SimpleNamespace:
+    """The fields :func:`linearize.surgery.cache_bytes` reads, for a hypothetical hybrid of ``base_config``."""
+    heads = base_config.num_attention_heads
+    return SimpleNamespace(
+        model_type="linearize", num_hidden_layers=base_config.num_hidden_layers, num_attention_heads=heads,
+        num_key_value_heads=getattr(base_config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(base_config, "head_dim", None) or base_config.hidden_size // heads,
+        hidden_size=base_config.hidden_size, layer_types=layer_types, linear_attention=dict(attention))
+
+
+def softmax_count_for_budget(base_config: Any, attention: dict, budget: str, dtype_bytes: int) -> tuple[int, dict]:
+    """The most softmax layers whose KV cache at LENGTH tokens (batch 1, ``dtype_bytes`` per element) plus
+    the linear layers' state (fp32 S, z and the window ring) fits BYTES; ``(count, detail)``.
+
+    Raises :class:`SelectionError` when not even the cheapest layout fits.
+    """
+    from .surgery import cache_bytes
+
+    n_bytes, length = parse_kv_budget(budget)
+    n = base_config.num_hidden_layers
+    need = []
+    for k in range(n + 1):  # bytes do not depend on where the softmax layers sit, only on how many
+        types = [FULL] * k + [LINEAR] * (n - k)
+        need.append(cache_bytes(_bytes_config(base_config, types, attention), length, 1, dtype_bytes)["hybrid"])
+    fits = [k for k in range(n + 1) if need[k] <= n_bytes]
+    if not fits:
+        raise SelectionError(
+            f"--kv-budget {budget}: {n_bytes:,} bytes is smaller than the all-linear state at {length} tokens "
+            f"({need[0]:,} bytes for {n} linear layers); raise BYTES or lower LENGTH")
+    k = max(fits)
+    detail = {"budget_bytes": n_bytes, "length": length, "dtype_bytes": dtype_bytes, "softmax_count": k,
+              "bytes_used": need[k], "kv_bytes_per_softmax_layer": need[n] // n,
+              "state_bytes_per_linear_layer": need[0] // n,
+              "all_linear_bytes": need[0], "all_softmax_bytes": need[n]}
+    return k, detail
+
+
+def choose_softmax_layers(scores: list[float], count: int) -> list[int]:
+    """The ``count`` layers with the highest scores (ties: the lower index), sorted."""
+    if not 0 <= count <= len(scores):
+        raise SelectionError(f"cannot keep {count} softmax layers of {len(scores)}")
+    order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
+    return sorted(order[:count])
+
+
+def scores_markdown(report: dict) -> list[str]:
+    """Markdown lines for a ``select`` stage report: the per-layer scores, softmax layers marked."""
+    rows = report.get("scores") or []
+    if not rows:
+        return []
+    lines = ["### Layer scores (`--select auto`)", "",
+             f"score = {report['scoring']['formula']}; weights {report['scoring']['weights']}", "",
+             "| layer | kept | attention MSE | loss increase | retrieval loss increase | score | rank |",
+             "|---|---|---|---|---|---|---|"]
+
+    def f(x):
+        return "-" if x is None else f"{x:.4g}"
+
+    for r in rows:
+        lines.append(f"| {r['layer']} | {'softmax' if r['softmax'] else 'linear'} | {f(r['mse'])} | "
+                     f"{f(r['loss_delta'])} | {f(r.get('retrieval_delta'))} | {f(r['score'])} | {r['rank']} |")
+    return lines + [""]

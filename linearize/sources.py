@@ -185,10 +185,16 @@ def gguf_to_hf_dir(gguf: Path) -> Path:
 
 
 def local_dir(spec: str | ResolvedSpec) -> Path:
-    """A local HF directory for the spec (GGUF specs are converted and cached)."""
+    """A local HF directory for the spec (GGUF specs are converted and cached). A hybrid checkpoint's
+    shards are checked against its index (sizes) first: a missing or truncated shard fails here,
+    naming the file, for every command (info, generate, eval, distill, finetune)."""
     r = resolve(spec) if isinstance(spec, str) else spec
     if r.kind == "gguf":
         return gguf_to_hf_dir(r.gguf_file)
+    if is_hybrid_dir(r.path):
+        from .checkpoint import verify_checkpoint
+
+        verify_checkpoint(r.path)
     return r.path
 
 
@@ -212,11 +218,8 @@ def load_model(spec: str, *, dtype=None, device=None):
     from . import modeling  # noqa: F401  (registers the Auto classes)
 
     r = resolve(spec)
-    path = local_dir(r)
-    if is_hybrid_dir(path):
-        from .checkpoint import verify_checkpoint
-
-        verify_checkpoint(path)  # a missing or truncated shard fails here, naming the file
+    path = local_dir(r)  # a missing or truncated shard of a hybrid fails here, naming the file
+    check_device(device)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = resolve_dtype(dtype, device)
     try:
@@ -226,13 +229,48 @@ def load_model(spec: str, *, dtype=None, device=None):
         raise SpecError(f"{spec}: could not load a tokenizer from {path} (tokenizer files missing or unreadable: "
                         f"{type(e).__name__}: {first})") from None
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    except ValueError as e:
-        raise SpecError(f"{spec}: cannot load as a causal LM ({str(e).splitlines()[0]})") from None
+        # memory-lean: on CUDA the safetensors shards stream straight onto the GPU (no full CPU copy first)
+        onto = {} if device.type != "cuda" else {"device_map": {"": f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"}}
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **onto)
+    except Exception as e:  # noqa: BLE001 - a corrupt file or an unloadable model is one line, never a traceback
+        from .guards import is_oom
+
+        bad_files = isinstance(e, (ValueError, OSError, KeyError)) or type(e).__name__ == "SafetensorError"
+        if is_oom(e) or not bad_files:
+            raise
+        if is_hybrid_dir(path):
+            from .checkpoint import verify_checkpoint
+
+            verify_checkpoint(path, hashes=True)  # an edited shard (same size) is named by its sha256
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise SpecError(f"{spec}: cannot load as a causal LM ({type(e).__name__}: {first})") from None
     model.to(device)
     model.eval()
     model.linearize_source = r
     return model, tokenizer
+
+
+def check_device(device) -> None:
+    """One line for a ``--device`` that cannot work (unknown type, no CUDA, no such GPU); None is fine."""
+    if device is None:
+        return
+    import torch
+
+    try:
+        d = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise SpecError(f"--device {device!r}: expected cpu, cuda or cuda:N") from None
+    if d.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise SpecError(f"--device {device}: no CUDA GPU is visible; use --device cpu")
+        if d.index is not None and d.index >= n:
+            raise SpecError(f"--device {device}: only {n} CUDA GPU(s) visible (cuda:0..cuda:{n - 1})")
+    elif d.type == "mps":
+        if not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+            raise SpecError(f"--device {device}: MPS is not available on this machine; use --device cpu")
+    elif d.type != "cpu":
+        raise SpecError(f"--device {device!r}: expected cpu, cuda or cuda:N")
 
 
 def resolve_dtype(dtype, device):

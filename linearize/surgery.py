@@ -2,25 +2,79 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers import PreTrainedModel
 
-from .attention import arch_spec
+from .attention import ARCHITECTURES, arch_spec
 from .errors import UnsupportedModelError
 from .modeling import LinearizeConfig, LinearizeForCausalLM
 from .recipe import Recipe
 
 
+#: model types that are not causal decoder LMs, by family (data, not branches): the reason in the message
+NOT_CAUSAL_DECODERS: dict[str, str] = {
+    **dict.fromkeys(["bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "deberta", "deberta-v2",
+                     "camembert", "modernbert", "mpnet", "ernie", "nomic_bert", "longformer", "big_bird",
+                     "xlm-roberta-xl", "data2vec-text", "esm"],
+                    "an encoder-only model (bidirectional attention, no causal LM to linearize)"),
+    **dict.fromkeys(["mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm"],
+                    "a model without softmax attention (state-space / recurrent layers)"),
+}
+
+
+def check_config_supported(config, spec: str | None = None) -> str:
+    """The base ``model_type`` of a config, or a one-line :class:`UnsupportedModelError` (no weights needed)."""
+    name = f"{spec}: " if spec else ""
+    mt = getattr(config, "model_type", None) or "unknown"
+    supported = ", ".join(sorted(ARCHITECTURES))
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(f"{name}{mt} is an encoder-decoder model; linearize converts causal decoder LMs "
+                                    f"({supported})")
+    if mt == "linearize":
+        raise UnsupportedModelError(f"{name}this model is already a linearize hybrid; convert its base model instead")
+    if mt in NOT_CAUSAL_DECODERS:
+        raise UnsupportedModelError(f"{name}{mt} is {NOT_CAUSAL_DECODERS[mt]}; linearize converts causal decoder LMs "
+                                    f"({supported})")
+    if mt not in ARCHITECTURES:
+        archs = ", ".join(getattr(config, "architectures", None) or []) or "no architectures listed"
+        raise UnsupportedModelError(f"{name}model type {mt!r} ({archs}) is not supported (supported: {supported})")
+    for attr in ("num_hidden_layers", "num_attention_heads", "hidden_size"):
+        if not isinstance(getattr(config, attr, None), int):
+            raise UnsupportedModelError(f"{name}{mt} config has no {attr}: not a standard attention model")
+    return mt
+
+
+def load_base_config(spec: str, path) -> Any:
+    """Read ``path/config.json`` (one line on failure) and check it is a supported architecture."""
+    from transformers import AutoConfig
+
+    from . import modeling  # noqa: F401  (registers the hybrid, so a hybrid is named as one)
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (ValueError, OSError, KeyError, TypeError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0].split(". ")[0][:200]
+        raise UnsupportedModelError(f"{spec}: cannot read its config.json ({first})") from None
+    check_config_supported(config, spec)
+    return config
+
+
 def check_supported(model: PreTrainedModel) -> str:
     """The base ``model_type``, or a one-line error for encoder-only / non-standard models."""
     cfg = model.config
-    if getattr(cfg, "is_encoder_decoder", False):
-        raise UnsupportedModelError(f"{cfg.model_type}: encoder-decoder models are not supported (causal LMs only)")
-    if cfg.model_type == "linearize":
-        raise UnsupportedModelError("this model is already a linearize hybrid; convert its base model instead")
-    arch_spec(cfg.model_type)
+    check_config_supported(cfg)
+    spec = arch_spec(cfg.model_type)
     if not hasattr(model, "model") or not hasattr(model.model, "layers"):
         raise UnsupportedModelError(f"{cfg.model_type}: no decoder layer stack at model.model.layers")
+    for i, layer in enumerate(model.model.layers):  # every layer must hold the standard attention projections
+        attn = getattr(layer, spec.attention, None)
+        missing = [p for p in spec.projections if not isinstance(getattr(attn, p, None), torch.nn.Linear)]
+        if attn is None or missing:
+            what = spec.attention if attn is None else f"{spec.attention}.{missing[0]}"
+            raise UnsupportedModelError(f"{cfg.model_type}: layer {i} has no standard attention ({what} missing or "
+                                        f"not a Linear); cannot linearize it")
     return cfg.model_type
 
 

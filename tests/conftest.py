@@ -17,6 +17,20 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
 
 
+def char_tokenizer(alphabet: str = "abcdefghijklmnopqrstuvwxyz .,", lowercase: bool = False):
+    """A one-character-per-token fast tokenizer (``[UNK]`` for anything else, ``.`` ends a sequence)."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    vocab["[UNK]"] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    if lowercase:
+        tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token=".")
+
+
 def tiny_model(family: str, layers: int = 4, seed: int = 0):
     """A 2-4 layer, hidden-64 random causal LM of ``family`` (GQA: 4 heads, 2 KV heads, head_dim 16)."""
     import transformers

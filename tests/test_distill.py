@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import char_tokenizer, tiny_model
 from linearize import distill as D
 from linearize import recipe as R
 from linearize.select import select_layout
@@ -11,14 +11,7 @@ from linearize.surgery import linearize_model
 
 
 def _tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {c: i for i, c in enumerate("abcdefghijklmnopqrstuvwxyz .,")}
-    vocab["[UNK]"] = len(vocab)
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token=".")
+    return char_tokenizer()
 
 
 @pytest.fixture()

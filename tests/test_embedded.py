@@ -139,7 +139,9 @@ def test_short_all_stages_end_to_end(tmp_path, embedded_dir):
     small = []
     for stage in ("distill", "finetune"):
         small += ["--set", f"{stage}.seq_len=64", "--set", f"{stage}.batch_size=2", "--set", f"{stage}.eval_seqs=2"]
-    res = run_cli("convert", "smollm2-135m", "--ratio", "3:1", "--tokens", "512", *small, "-o", str(out))
+    # window 32: the recipe's 64 would cover the whole 64-token training sequence (refused)
+    res = run_cli("convert", "smollm2-135m", "--ratio", "3:1", "--tokens", "512", *small, "--set", "attention.window=32",
+                  "-o", str(out))
     assert res.returncode == 0, res.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     d, f = report["stages"]["distill"], report["stages"]["finetune"]

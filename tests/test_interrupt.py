@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import tiny_model
+from conftest import char_tokenizer, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -18,15 +18,8 @@ def workspace(tmp_path_factory):
     """A tiny local model directory (with tokenizer) and a text corpus."""
     import random
 
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     root = tmp_path_factory.mktemp("ws")
-    vocab = {c: i for i, c in enumerate("abcdefghijklmnopqrstuvwxyz .,")}
-    vocab["[UNK]"] = len(vocab)
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token=".")
+    tokenizer = char_tokenizer()
     model = tiny_model("llama", layers=2)
     model.resize_token_embeddings(64)
     model.save_pretrained(root / "tiny")

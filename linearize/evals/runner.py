@@ -239,6 +239,9 @@ def run_eval(
         raise EvalError(f"output directory {out_dir} already exists: pass overwrite=True (--overwrite) to replace it")
     if out_dir.exists() and not out_dir.is_dir():
         raise EvalError(f"output path {out_dir} exists and is not a directory")
+    from linearize.checkpoint import check_writable  # noqa: PLC0415
+
+    check_writable(out_dir)  # a read-only or file parent fails here, before any model is loaded
     for s_ in (spec, against):  # local checkpoints: check before loading anything
         if s_:
             _check_limit(s_, _peek_max_positions(s_), cfg, specs)
@@ -274,7 +277,15 @@ def run_eval(
                 for ts in specs:
                     ui.start(f"{ROLE_NAME[role]} · {ts.label}", ts.module.count(cfg, ts.args))
                     t0 = time.time()
-                    rows = ts.module.run(handle, cfg, ts.args, ui, shared)
+                    try:
+                        rows = ts.module.run(handle, cfg, ts.args, ui, shared)
+                    except Exception as e:  # out of memory: one line naming task, model, layer and batch
+                        from linearize.guards import is_oom, oom_error  # noqa: PLC0415
+
+                        if not is_oom(e):
+                            raise
+                        raise oom_error(e, "eval", where=f"in task {ts.label} on the {ROLE_NAME[role]} ({s})",
+                                        advice="try shorter --lengths, --dtype bfloat16 or --device cpu") from None
                     summ = ts.module.summarize(rows, cfg)
                     summ["seconds"] = round(time.time() - t0, 2)
                     if ts.arg:

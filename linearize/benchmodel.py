@@ -1,0 +1,892 @@
+"""Whole-model benchmark: ``linearize bench model``, a hybrid against its original, end to end.
+
+For every context length ``T`` and batch size ``B`` each model gets one row:
+
+* **prefill**: one forward over ``B x T`` random token ids with ``use_cache=True`` (logits of the
+  last position only, as ``generate`` does), producing the cache. One untimed warm-up (kernel
+  compilation, autotuning), then timed runs until about a second has been measured (at most 5, the
+  median is kept); on CUDA once per SDPA backend (``--sdpa``, default flash and cuDNN through
+  ``torch.nn.attention.sdpa_kernel``) and the fastest is kept and named in the row.
+* **decode**: single-token steps at context ``T`` on the cache from the prefill. Softmax layers keep
+  their prefill KV tensors in place and every step writes position ``T - 1`` (so each step attends
+  to exactly ``T`` keys, the cost of a decode step at context ``T``, and nothing is reallocated);
+  linear layers advance their recurrent state in place. On CUDA one step is captured in a CUDA
+  graph and replayed ``--decode-steps`` times (``decode_mode: "cuda-graph"``); if capture fails the
+  same step runs eagerly and the row says why (``decode_mode: "eager"``, ``decode_note``).
+* **peak memory**: ``torch.cuda.max_memory_allocated`` over the row (weights included; reset per
+  row); ``n/a`` on CPU.
+* **cache bytes**: the sum of the tensors held by the cache after the prefill (KV of softmax layers,
+  ``(S, z)`` and window rings of linear layers), beside the closed form of
+  :func:`linearize.surgery.cache_bytes`.
+
+Out of memory in a row is recorded as ``"oom"`` and the run goes on (larger rows that cannot fit
+either are skipped). ``--random-weights`` builds the models from a published config shipped in
+``linearize/model_configs/`` (or any ``config.json``): instantiated on the meta device, materialized
+directly on the target device and initialized there in place, so no weights are downloaded and no
+CPU copy is made.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import gc
+import inspect
+import json
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .errors import LinearizeError, SpecError
+
+#: the published configs shipped as package data; the file name is the alias in ``sources.ALIASES``
+CONFIG_DIR = Path(__file__).resolve().parent / "model_configs"
+
+#: ``--sdpa`` names -> ``torch.nn.attention.SDPBackend`` member names
+SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
+                 "math": "MATH"}
+
+RESULT_FILE = "bench_model.json"
+
+#: the issue-8 targets, checked when the rows they need exist: (what, metric, T, batch, bound)
+TARGETS = (
+    ("prefill tokens/s at 32K >= 1.8x the original", "prefill_speedup", 32768, 1, (">=", 1.8)),
+    ("prefill tokens/s at 128K >= 3x the original", "prefill_speedup", 131072, 1, (">=", 3.0)),
+    ("decode tokens/s at 32K, batch 8 >= 2.5x the original", "decode_speedup", 32768, 8, (">=", 2.5)),
+    ("cache+state bytes at 128K <= 30% of the original", "cache_ratio", 131072, 1, ("<=", 0.30)),
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# configs and random models
+
+
+def shipped_configs() -> dict[str, Path]:
+    """Alias -> shipped config file (``linearize/model_configs/ALIAS.json``)."""
+    return {p.stem: p for p in sorted(CONFIG_DIR.glob("*.json"))}
+
+
+def config_source(spec: str) -> tuple[Path, str]:
+    """The config file a ``--random-weights`` spec names, and a short name for it.
+
+    ``spec`` is an alias with a shipped config (``llama-3-8b``), the hub id such an alias stands for
+    (``meta-llama/Meta-Llama-3-8B``, through ``sources.ALIASES``), a ``config.json`` path, or a directory
+    holding one (a hybrid checkpoint's config works too).
+    """
+    from .sources import ALIASES
+
+    p = Path(spec).expanduser()
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise SpecError(f"{spec}: directory has no config.json")
+        return p / "config.json", p.resolve().name
+    if p.suffix == ".json":
+        if not p.is_file():
+            raise SpecError(f"{spec}: config file not found")
+        return p, p.stem if p.stem != "config" else p.resolve().parent.name
+    configs = shipped_configs()
+    alias = spec if spec in ALIASES else {hub: a for a, hub in ALIASES.items()}.get(spec, spec)
+    if alias not in configs:
+        raise SpecError(f"--random-weights {spec!r}: no shipped config for it (shipped: {', '.join(configs)}); "
+                        f"pass the path of a config.json instead")
+    return configs[alias], alias
+
+
+def load_config(spec: str):
+    """``(config, name)`` for a ``--random-weights`` spec (see :func:`config_source`)."""
+    from transformers import AutoConfig
+
+    from . import modeling  # noqa: F401  (registers the linearize model type)
+
+    path, name = config_source(spec)
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise SpecError(f"{path}: not a readable JSON config ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("model_type"), str):
+        raise SpecError(f"{path}: no model_type (not a Hugging Face config.json)")
+    model_type = raw.pop("model_type")
+    try:
+        config = AutoConfig.for_model(model_type, **raw)
+    except (ValueError, KeyError, TypeError) as e:
+        raise SpecError(f"{path}: cannot build a config of model_type {model_type!r} "
+                        f"({type(e).__name__}: {str(e).splitlines()[0][:160]})") from None
+    return config, name
+
+
+@torch.no_grad()
+def materialize_random_(model: torch.nn.Module, device, *, seed: int = 0) -> torch.nn.Module:
+    """Allocate a meta-device model on ``device`` and initialize it there, in place.
+
+    Norm weights are 1, biases 0, every other parameter ``N(0, initializer_range)``; non-persistent
+    buffers (rotary inverse frequencies, which were never computed on meta) are rebuilt by
+    re-creating their modules. Raises if a buffer is left that cannot be recomputed.
+    """
+    device = torch.device(device)
+    model.to_empty(device=device)
+    std = float(getattr(model.config, "initializer_range", None) or 0.02)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    done: set[int] = set()
+    for module in model.modules():
+        is_norm = "norm" in type(module).__name__.lower()
+        for name, p in module.named_parameters(recurse=False):
+            if id(p) in done:
+                continue
+            done.add(id(p))
+            if is_norm:
+                p.fill_(1.0 if name == "weight" else 0.0)
+            elif name == "bias":
+                p.zero_()
+            else:
+                p.normal_(0.0, std, generator=gen)
+    rebuilt: set[int] = set()
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child).__name__.endswith("RotaryEmbedding"):
+                fresh = type(child)(config=child.config).to(device)
+                setattr(parent, name, fresh)
+                rebuilt.add(id(fresh))
+    for mname, module in model.named_modules():
+        if id(module) not in rebuilt and any(b is not None for b in module._buffers.values()):
+            raise RuntimeError(f"random init: cannot initialize the buffers of {mname or 'the model'} "
+                               f"({type(module).__name__}) created on the meta device")
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+    return model
+
+
+def random_model(config, *, dtype: torch.dtype, device, seed: int = 0):
+    """A causal LM of ``config`` with random weights, built on meta and materialized on ``device``."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    materialize_random_(model, device, seed=seed)
+    return model.eval()
+
+
+# ---------------------------------------------------------------------------------------------
+# small helpers
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _now(dev: torch.device) -> float:
+    _sync(dev)
+    return time.perf_counter()
+
+
+def _is_oom(e: BaseException) -> bool:
+    return isinstance(e, (torch.cuda.OutOfMemoryError, MemoryError)) or "out of memory" in str(e).lower()
+
+
+def _first_line(e: BaseException, n: int = 200) -> str:
+    text = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {text[:n]}"
+
+
+def _free(dev: torch.device) -> None:
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _sdpa(name: str | None):
+    """``sdpa_kernel`` restricted to one backend (``None``: PyTorch's own choice)."""
+    import contextlib
+
+    if name is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[name]))
+
+
+def _forward_params(model) -> set[str]:
+    fn = getattr(model, "_base_forward", None) or type(model).forward
+    return set(inspect.signature(inspect.unwrap(fn)).parameters)
+
+
+def _cache_kwargs(model, cache) -> dict:
+    params = set(inspect.signature(inspect.unwrap(type(model).forward)).parameters)
+    return {"cache": cache} if "cache" in params else {"past_key_values": cache}
+
+
+def new_cache(model):
+    """An empty generation cache for ``model`` (a HybridCache for hybrids)."""
+    if hasattr(model, "new_cache"):
+        return model.new_cache()
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
+def cache_nbytes(cache) -> int:
+    """Bytes held by the tensors of a cache (each tensor counted once)."""
+    total, seen = 0, set()
+    for layer in cache.layers:
+        tensors = [getattr(layer, "keys", None), getattr(layer, "values", None)]
+        state = getattr(layer, "state", None)
+        if state is not None:
+            tensors.extend(state)
+        for t in tensors:
+            if torch.is_tensor(t) and t.numel() and id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+    return total
+
+
+def _fixed_slot_layer_class():
+    from transformers.cache_utils import CacheLayerMixin
+
+    class FixedSlotKVLayer(CacheLayerMixin):
+        """A softmax layer's prefill KV used in place for decode timing: every step writes slot
+        ``T - 1`` and attends to all ``T`` slots (fixed shapes and addresses: CUDA-graph safe)."""
+
+        is_sliding = False
+        is_compileable = False  # keeps transformers' "no mask needed for one query" shortcut
+
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor, slot: torch.Tensor):
+            super().__init__()
+            self.keys, self.values, self.slot = keys, values, slot
+            self.device = keys.device
+            self.is_initialized = True
+
+        def lazy_initialization(self, key_states=None, value_states=None) -> None:
+            pass
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            self.keys.index_copy_(2, self.slot, key_states)
+            self.values.index_copy_(2, self.slot, value_states)
+            return self.keys, self.values
+
+        def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
+            return self.keys.shape[2], 0
+
+        def get_seq_length(self, *args) -> int:
+            return self.keys.shape[2] - 1
+
+        def get_max_length(self) -> int:
+            return self.keys.shape[2]
+
+        def reset(self) -> None:
+            self.keys.zero_()
+            self.values.zero_()
+
+        def reorder_cache(self, beam_idx) -> None:
+            raise NotImplementedError("the decode-timing cache does not support beam search")
+
+        def offload(self):  # stays on the device: its addresses are captured in a CUDA graph
+            pass
+
+        def prefetch(self):
+            pass
+
+    return FixedSlotKVLayer
+
+
+def decode_cache(cache, seq_len: int):
+    """The prefill cache rearranged for fixed-shape decode steps at position ``seq_len - 1``.
+
+    Softmax layers wrap their prefill KV tensors (no copy); linear-attention layers are kept as they
+    are (their state is updated in place). Returns a cache of the same family (HybridCache for hybrids).
+    """
+    from transformers.cache_utils import Cache, DynamicLayer
+
+    from .cache import HybridCache, LinearStateLayer
+
+    layer_cls = _fixed_slot_layer_class()
+    layers = []
+    for i, layer in enumerate(cache.layers):
+        if isinstance(layer, LinearStateLayer):
+            layers.append(layer)
+        elif type(layer) is DynamicLayer and torch.is_tensor(layer.keys) and layer.keys.shape[2] == seq_len:
+            slot = torch.tensor([seq_len - 1], dtype=torch.long, device=layer.keys.device)
+            layers.append(layer_cls(layer.keys, layer.values, slot))
+        else:
+            raise RuntimeError(f"decode timing needs full-attention KV of {seq_len} tokens in every softmax layer; "
+                               f"layer {i} holds a {type(layer).__name__}")
+    if isinstance(cache, HybridCache):
+        out = HybridCache(cache.layer_types)
+        out.layers = layers
+        return out
+    return Cache(layers=layers)
+
+
+# ---------------------------------------------------------------------------------------------
+# timing
+
+
+@dataclass
+class Timing:
+    """How long to measure: until ``min_time`` seconds or ``max_reps`` runs (median kept)."""
+
+    min_time: float = 1.0
+    max_reps: int = 5
+    warmup_steps: int = 3
+
+
+@torch.no_grad()
+def prefill(model, ids: torch.Tensor):
+    """One forward over ``ids`` with a fresh cache; returns the filled cache."""
+    cache = new_cache(model)
+    model(input_ids=ids, use_cache=True, logits_to_keep=1, **_cache_kwargs(model, cache))
+    return cache
+
+
+def _try_backends(backends: list[str | None], run: Callable[[str | None], Any]) -> tuple[str | None, dict, dict]:
+    """Run ``run(backend)`` for each backend; a backend that fails (other than out of memory) is recorded
+    and skipped; if all fail, PyTorch's own choice (``None``) is tried last."""
+    results, errors = {}, {}
+    for be in backends:
+        try:
+            results[be] = run(be)
+        except Exception as e:  # noqa: BLE001 - a backend that cannot run this shape
+            if _is_oom(e):
+                raise
+            errors[be] = _first_line(e)
+    if not results and None not in backends:
+        try:
+            results[None] = run(None)
+        except Exception as e:  # noqa: BLE001
+            if _is_oom(e):
+                raise
+            errors["default"] = _first_line(e)
+    if not results:
+        raise RuntimeError("no SDPA backend could run: " + "; ".join(f"{k}: {v}" for k, v in errors.items()))
+    return results, errors
+
+
+def _prefill_phase(model, ids, backends, dev, timing: Timing, holder: dict) -> dict:
+    warmed = []
+
+    def run(be):
+        with _sdpa(be):
+            if not warmed:  # compile / autotune kernels for this shape once
+                holder["cache"] = None
+                holder["cache"] = prefill(model, ids)
+                warmed.append(be)
+            times = []
+            while True:
+                holder["cache"] = None
+                t0 = _now(dev)
+                holder["cache"] = prefill(model, ids)
+                times.append(_now(dev) - t0)
+                if len(times) >= timing.max_reps or sum(times) >= timing.min_time:
+                    break
+            return statistics.median(times)
+
+    results, errors = _try_backends(backends, run)
+    best = min(results, key=results.get)
+    if holder["cache"] is None:  # the last backend tried failed after an earlier one succeeded
+        with _sdpa(best):
+            holder["cache"] = prefill(model, ids)
+    B, T = ids.shape
+    return {"prefill_s": round(results[best], 6), "prefill_tok_s": round(B * T / results[best], 2),
+            "prefill_sdpa": best or "default",
+            "prefill_sdpa_s": {(k or "default"): round(v, 6) for k, v in results.items()} | errors}
+
+
+def _time_steps(step: Callable[[], Any], steps: int, dev: torch.device, timing: Timing) -> tuple[float, str, str | None]:
+    """Seconds per decode step: a captured CUDA graph replayed ``steps`` times, or eager steps.
+
+    An error in the warm-up (e.g. an SDPA backend that cannot run this shape) propagates; an error in the
+    capture falls back to eager steps with a note saying why.
+    """
+    if dev.type != "cuda":
+        for _ in range(timing.warmup_steps):
+            step()
+        t0 = _now(dev)
+        for _ in range(steps):
+            step()
+        return (_now(dev) - t0) / steps, "eager", "CPU: eager steps (CUDA graphs need a GPU)"
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):  # warm-up off the default stream, as capture requires (compilation, allocator)
+        for _ in range(timing.warmup_steps):
+            step()
+    torch.cuda.current_stream(dev).wait_stream(side)
+    _sync(dev)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            step()
+        graph.replay()
+        t0 = _now(dev)
+        for _ in range(steps):
+            graph.replay()
+        return (_now(dev) - t0) / steps, "cuda-graph", None
+    except Exception as e:  # noqa: BLE001 - fall back to eager steps, say why
+        if _is_oom(e):
+            raise
+        note = f"CUDA graph capture failed ({_first_line(e, 160)}); eager steps"
+    finally:
+        del graph
+    _sync(dev)
+    step()
+    t0 = _now(dev)
+    for _ in range(steps):
+        step()
+    return (_now(dev) - t0) / steps, "eager", note
+
+
+@torch.no_grad()
+def _decode_phase(model, cache, T, B, steps, backends, dev, timing: Timing, gen) -> dict:
+    dcache = decode_cache(cache, T)
+    vocab = int(model.config.vocab_size)
+    ids = torch.randint(0, vocab, (B, 1), generator=gen).to(dev)
+    kwargs = dict(input_ids=ids, position_ids=torch.full((B, 1), T - 1, dtype=torch.long, device=dev),
+                  use_cache=True, logits_to_keep=1, **_cache_kwargs(model, dcache))
+    if "cache_position" in _forward_params(model):  # older transformers take explicit cache positions
+        kwargs["cache_position"] = torch.tensor([T - 1], dtype=torch.long, device=dev)
+
+    def step():
+        return model(**kwargs).logits
+
+    modes: dict[str | None, tuple[str, str | None]] = {}
+
+    def run(be):
+        with _sdpa(be):
+            s, mode, note = _time_steps(step, steps, dev, timing)
+        modes[be] = (mode, note)
+        return s
+
+    results, errors = _try_backends(backends, run)
+    best = min(results, key=results.get)
+    mode, note = modes[best]
+    row = {"decode_s_per_step": round(results[best], 7), "decode_tok_s": round(B / results[best], 2),
+           "decode_mode": mode, "decode_sdpa": best or "default",
+           "decode_sdpa_s": {(k or "default"): round(v, 7) for k, v in results.items()} | errors}
+    if note:
+        row["decode_note"] = note
+    return row
+
+
+def bench_row(model, kind: str, T: int, B: int, *, steps: int, backends: list[str | None], dev: torch.device,
+              timing: Timing, seed: int = 0) -> dict:
+    """One (model, T, B) row: prefill, decode, peak memory, cache bytes. Out of memory is recorded."""
+    from .surgery import cache_bytes
+
+    row: dict[str, Any] = {"model": kind, "T": T, "B": B, "status": "ok"}
+    _free(dev)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+        row["allocated_before_bytes"] = torch.cuda.memory_allocated(dev)  # weights + anything resident
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + T * 17 + B)
+    holder: dict[str, Any] = {"cache": None}
+    phase = "prefill"
+    try:
+        ids = torch.randint(0, int(model.config.vocab_size), (B, T), generator=gen).to(dev)
+        row.update(_prefill_phase(model, ids, backends, dev, timing, holder))
+        del ids
+        row["cache_bytes"] = cache_nbytes(holder["cache"])
+        p = next(model.parameters())
+        row["cache_bytes_formula"] = cache_bytes(model.config, T, B, p.element_size())[
+            "hybrid" if getattr(model.config, "model_type", "") == "linearize" else "original"]
+        phase = "decode"
+        row.update(_decode_phase(model, holder["cache"], T, B, steps, backends, dev, timing, gen))
+    except Exception as e:  # noqa: BLE001 - one row's failure must not end the run
+        if _is_oom(e):
+            row["status"] = "oom"
+            row["oom_phase"] = phase
+            if phase == "prefill":
+                row["prefill_tok_s"] = "oom"
+            row["decode_tok_s"] = "oom"
+        else:
+            row["status"] = "error"
+            row["error"] = f"{phase}: {_first_line(e, 300)}"
+    holder["cache"] = None
+    if dev.type == "cuda":
+        row["peak_bytes"] = "oom" if row["status"] == "oom" else torch.cuda.max_memory_allocated(dev)
+    else:
+        row["peak_bytes"] = "n/a"
+    _free(dev)
+    return row
+
+
+# ---------------------------------------------------------------------------------------------
+# what is compared with what
+
+
+@dataclass
+class Pair:
+    """How to build the original and the hybrid (the hybrid may be made in place from the original)."""
+
+    original_name: str
+    hybrid_name: str
+    build_original: Callable[[], Any]
+    build_hybrid: Callable[[Any], Any]  # receives the original (or None once it was freed)
+    hybrid_from_original: bool
+    layer_types: list[str] | None
+    notes: list[str] = field(default_factory=list)
+    layout_from_checkpoint: bool = False  # layout and layer settings come from a hybrid's config, not --ratio/--recipe
+
+
+def _surgery(model, layer_types, attention: dict):
+    from .surgery import linearize_model
+
+    return linearize_model(model, layer_types, {"attention": dict(attention)})
+
+
+def _raise_positions(config, max_len: int, notes: list[str], name: str) -> None:
+    cur = getattr(config, "max_position_embeddings", None)
+    if cur is not None and cur < max_len:
+        config.max_position_embeddings = max_len
+        notes.append(f"{name}: max_position_embeddings raised from {cur} to {max_len} for the longest length")
+
+
+def plan_pair(spec: str, *, against: str | None, random_weights: bool, ratio: str, recipe, dtype, device,
+              max_len: int) -> Pair:
+    """Resolve what to compare without loading any weights (every user error surfaces here)."""
+    from .attention import arch_spec
+    from .select import select_layout
+
+    if random_weights:
+        cfg, name = load_config(spec)
+        notes: list[str] = []
+        if cfg.model_type == "linearize":
+            base_cfg, layer_types, attention = cfg.base_config(), list(cfg.layer_types), dict(cfg.linear_attention)
+            notes.append(f"layout and linear-attention settings from {name}'s config")
+        else:
+            base_cfg, attention = cfg, dict(recipe["attention"])
+            layer_types = select_layout(cfg.num_hidden_layers, ratio=ratio)
+        arch_spec(base_cfg.model_type)
+        _raise_positions(base_cfg, max_len, notes, name)
+        if against is not None:
+            orig_cfg, orig_name = load_config(against)
+            if orig_cfg.model_type == "linearize":
+                raise SpecError(f"--against {against!r}: that is a hybrid; give the softmax original")
+            _raise_positions(orig_cfg, max_len, notes, orig_name)
+        else:
+            orig_cfg, orig_name = base_cfg, name
+        reuse = against is None
+        return Pair(
+            original_name=f"{orig_name} (random weights)", hybrid_name=f"{name} hybrid (random weights, untrained)",
+            build_original=lambda: random_model(orig_cfg, dtype=dtype, device=device),
+            build_hybrid=lambda orig: _surgery(orig if reuse else random_model(base_cfg, dtype=dtype, device=device, seed=1),
+                                               layer_types, attention),
+            hybrid_from_original=reuse, layer_types=layer_types, notes=notes,
+            layout_from_checkpoint=cfg.model_type == "linearize")
+
+    from transformers import AutoConfig
+
+    from .sources import is_hybrid_dir, load_model, local_dir, resolve
+
+    r = resolve(spec)
+    path = local_dir(r)
+    if is_hybrid_dir(path):
+        base = against
+        if base is None:
+            try:
+                base = json.loads((Path(path) / "report.json").read_text())["base_model"]
+            except (OSError, ValueError, KeyError):
+                raise SpecError(f"{spec}: the checkpoint does not name its base model (report.json); "
+                                f"pass --against SPEC") from None
+        try:
+            resolve(base)
+        except SpecError as e:
+            raise SpecError(f"{spec}: its original {base!r} cannot be loaded ({e}); pass --against SPEC") from None
+        layer_types = list(AutoConfig.from_pretrained(path).layer_types)
+        return Pair(original_name=base, hybrid_name=r.name,
+                    build_original=lambda: load_model(base, dtype=dtype, device=device)[0],
+                    build_hybrid=lambda orig: load_model(str(path), dtype=dtype, device=device)[0],
+                    hybrid_from_original=False, layer_types=layer_types, layout_from_checkpoint=True)
+    cfg = AutoConfig.from_pretrained(path)
+    if getattr(cfg, "model_type", None) == "linearize":
+        raise SpecError(f"{spec}: a hybrid config without a checkpoint")
+    arch_spec(cfg.model_type)
+    layer_types = select_layout(cfg.num_hidden_layers, ratio=ratio)
+    attention = dict(recipe["attention"])
+    if against is not None:
+        resolve(against)
+    reuse = against is None
+    orig_spec = spec if reuse else against
+    return Pair(original_name=resolve(orig_spec).name, hybrid_name=f"{r.name} hybrid (surgery only, untrained)",
+                build_original=lambda: load_model(orig_spec, dtype=dtype, device=device)[0],
+                build_hybrid=lambda orig: _surgery(orig if reuse else load_model(spec, dtype=dtype, device=device)[0],
+                                                   layer_types, attention),
+                hybrid_from_original=reuse, layer_types=layer_types)
+
+
+# ---------------------------------------------------------------------------------------------
+# the run
+
+
+def parse_sdpa(value: str) -> list[str]:
+    """``"flash,cudnn"`` -> ``["flash", "cudnn"]``; names from :data:`SDPA_BACKENDS`."""
+    names = [v.strip() for v in str(value).split(",") if v.strip()]
+    bad = [n for n in names if n not in SDPA_BACKENDS]
+    if not names or bad:
+        raise LinearizeError(f"--sdpa {value!r}: expected a comma list of {', '.join(SDPA_BACKENDS)}")
+    return list(dict.fromkeys(names))
+
+
+def _versions() -> dict[str, str]:
+    import transformers
+
+    from . import __version__
+
+    out = {"linearize": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+           "python": platform.python_version()}
+    try:
+        import triton
+
+        out["triton"] = triton.__version__
+    except Exception:  # noqa: BLE001 - triton is optional off Linux
+        out["triton"] = "absent"
+    if torch.cuda.is_available():
+        out["gpu"] = torch.cuda.get_device_name()
+        out["cuda"] = str(torch.version.cuda)
+    return out
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """Hybrid / original per (T, B): speed-ups (> 1 = hybrid faster) and memory fractions."""
+    by = {(r["model"], r["T"], r["B"]): r for r in rows}
+    keys = sorted({(r["T"], r["B"]) for r in rows})
+    out = []
+
+    def frac(h, o, key):
+        a, b = h.get(key), o.get(key)
+        if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b:
+            return float(f"{a / b:.5g}")
+        return None
+
+    for T, B in keys:
+        h, o = by.get(("hybrid", T, B)), by.get(("original", T, B))
+        if h is None or o is None:
+            continue
+        out.append({"T": T, "B": B,
+                    "prefill_speedup": frac(h, o, "prefill_tok_s"),
+                    "decode_speedup": frac(h, o, "decode_tok_s"),
+                    "cache_ratio": frac(h, o, "cache_bytes"),
+                    "peak_ratio": frac(h, o, "peak_bytes"),
+                    "original": o["status"], "hybrid": h["status"]})
+    return out
+
+
+def check_targets(rat: list[dict]) -> list[dict]:
+    """The issue-8 targets that the measured rows can answer (``met`` is None when a side has no number)."""
+    by = {(r["T"], r["B"]): r for r in rat}
+    out = []
+    for what, metric, T, B, (op, bound) in TARGETS:
+        r = by.get((T, B))
+        if r is None:
+            continue
+        v = r.get(metric)
+        met = None if v is None else (v >= bound if op == ">=" else v <= bound)
+        out.append({"target": what, "T": T, "B": B, "metric": metric, "value": v, "met": met})
+    return out
+
+
+def _write(path: Path, result: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    tmp.replace(path)
+
+
+def _dominated(T: int, B: int, failed: list[tuple[int, int]]) -> bool:
+    return any(T >= t and B >= b for t, b in failed)
+
+
+def bench_model(spec: str, *, against: str | None = None, random_weights: bool = False, ratio: str = "3:1",
+                recipe: str = "lolcats", lengths: Any = "4K,32K,128K", batches: Any = "1,8", decode_steps: int = 64,
+                dtype: str | None = None, device: str | None = None, sdpa: str = "flash,cudnn",
+                out_dir: Path | str = "bench-model", timing: Timing | None = None,
+                log: Callable[[str], None] = print) -> dict:
+    """Benchmark the hybrid against the original; write ``out_dir/bench_model.json``; return the result.
+
+    ``spec`` is a hybrid checkpoint directory (compared with ``against`` or the base model it names), or
+    a model spec converted on the fly with surgery only (``ratio``, ``recipe``), compared with
+    ``against`` or itself. With ``random_weights`` the models come from a shipped config (alias) or a
+    ``config.json`` path. See the module docstring for what each number means.
+    """
+    from . import recipe as recipes
+    from .evals.common import parse_batch_sizes, parse_lengths
+    from .select import describe_layout, parse_ratio
+    from .sources import resolve_dtype
+
+    Ts, Bs = parse_lengths(lengths), parse_batch_sizes(batches)
+    if int(decode_steps) < 1:
+        raise LinearizeError(f"--decode-steps {decode_steps}: must be at least 1")
+    try:
+        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError:
+        raise LinearizeError(f"--device {device!r}: expected cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise LinearizeError(f"--device {device}: no CUDA GPU is visible (use --device cpu)")
+    if dev.type not in ("cuda", "cpu"):
+        raise LinearizeError(f"--device {device!r}: expected cpu, cuda or cuda:N")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    dt = resolve_dtype(dtype, dev)
+    sdpa_names = parse_sdpa(sdpa)
+    backends: list[str | None] = list(sdpa_names) if dev.type == "cuda" else [None]
+    parse_ratio(ratio)
+    rec = recipes.load(recipe)
+    timing = timing or (Timing() if dev.type == "cuda" else Timing(min_time=0.0, max_reps=1, warmup_steps=1))
+    pair = plan_pair(spec, against=against, random_weights=random_weights, ratio=ratio, recipe=rec, dtype=dt,
+                     device=dev, max_len=max(Ts))
+    out_dir = Path(out_dir)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / (RESULT_FILE + ".tmp")
+        probe.write_text("")
+    except OSError as e:
+        raise LinearizeError(f"-o {out_dir}: cannot write there ({e.strerror or e})") from None
+    out_path = out_dir / RESULT_FILE
+
+    meta = {"date": _dt.datetime.now().isoformat(timespec="seconds"), **_versions(),
+            "spec": spec, "against": against, "random_weights": random_weights,
+            "original": pair.original_name, "hybrid": pair.hybrid_name,
+            "ratio": None if pair.layout_from_checkpoint else ratio,
+            "recipe": None if pair.layout_from_checkpoint else rec.name,
+            "layout": describe_layout(pair.layer_types) if pair.layer_types else None,
+            "layer_types": pair.layer_types, "dtype": str(dt).replace("torch.", ""), "device": str(dev),
+            "lengths": Ts, "batches": Bs, "decode_steps": int(decode_steps),
+            "sdpa_candidates": [b or "default" for b in backends],
+            "timing": {"prefill_min_seconds": timing.min_time, "prefill_max_reps": timing.max_reps,
+                       "decode_warmup_steps": timing.warmup_steps},
+            "method": {
+                "prefill": "one forward over B x T random ids, use_cache=True, logits of the last position; one warm-up, "
+                           "median of timed runs; per SDPA backend, the fastest kept",
+                "decode": "single-token steps at context T (softmax layers write position T-1 of their prefill KV, "
+                          "attending to T keys; linear layers advance their state in place); CUDA graph replays "
+                          "where capture works, else eager",
+                "peak_bytes": "torch.cuda.max_memory_allocated over the row, weights included; n/a on CPU",
+                "cache_bytes": "sum of the tensors in the cache after the prefill",
+            },
+            "notes": list(pair.notes)}
+    result = {"meta": meta, "rows": [], "ratios": [], "targets": []}
+    _write(out_path, result)
+
+    def run_model(model, kind: str) -> None:
+        model.eval()
+        params = sum(p.numel() for p in model.parameters())
+        meta[f"{kind}_parameters"] = params
+        meta[f"{kind}_attn_implementation"] = getattr(model.config, "_attn_implementation", None)
+        failed: list[tuple[int, int]] = []
+        for T in Ts:
+            for B in Bs:
+                if _dominated(T, B, failed):
+                    row = {"model": kind, "T": T, "B": B, "status": "oom", "prefill_tok_s": "oom",
+                           "decode_tok_s": "oom", "peak_bytes": "oom", "note": "skipped: a smaller row ran out of memory"}
+                else:
+                    t0 = time.time()
+                    row = bench_row(model, kind, T, B, steps=int(decode_steps), backends=backends, dev=dev,
+                                    timing=timing)
+                    row["wall_s"] = round(time.time() - t0, 2)
+                    if row["status"] == "oom" and row.get("oom_phase") == "prefill":
+                        failed.append((T, B))
+                result["rows"].append(row)
+                result["ratios"] = ratios(result["rows"])
+                result["targets"] = check_targets(result["ratios"])
+                _write(out_path, result)
+                log(_row_line(row))
+
+    t0 = time.time()
+    original = pair.build_original()
+    log(f"original: {pair.original_name}, {sum(p.numel() for p in original.parameters()):,} parameters, "
+        f"built in {time.time() - t0:.1f}s")
+    run_model(original, "original")
+    if not pair.hybrid_from_original:
+        original = None
+        _free(dev)
+    t0 = time.time()
+    hybrid = pair.build_hybrid(original)
+    original = None
+    log(f"hybrid: {pair.hybrid_name}, {meta['layout'] or ''} built in {time.time() - t0:.1f}s")
+    run_model(hybrid, "hybrid")
+    hybrid = None
+    _free(dev)
+    meta["finished"] = _dt.datetime.now().isoformat(timespec="seconds")
+    _write(out_path, result)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# printing
+
+
+def human_bytes(n) -> str:
+    """``1536`` -> ``"1.5 KiB"``; non-numbers pass through."""
+    if not isinstance(n, (int, float)):
+        return str(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024:
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} PiB"
+
+
+def _fmt(v, spec: str = ",.0f") -> str:
+    return format(v, spec) if isinstance(v, (int, float)) else ("" if v is None else str(v))
+
+
+def _row_line(r: dict) -> str:
+    if r["status"] == "error":
+        return f"{r['model']} T={r['T']} B={r['B']}: error {r.get('error', '')}"
+    return (f"{r['model']} T={r['T']} B={r['B']}: prefill {_fmt(r.get('prefill_tok_s'))} tok/s "
+            f"({r.get('prefill_sdpa', '-')}), decode {_fmt(r.get('decode_tok_s'))} tok/s "
+            f"({r.get('decode_mode', '-')}, {r.get('decode_sdpa', '-')}), peak {human_bytes(r.get('peak_bytes'))}, "
+            f"cache {human_bytes(r.get('cache_bytes'))}" + (f" [{r['note']}]" if r.get("note") else ""))
+
+
+def print_result(result: dict, console=None) -> None:
+    """The hybrid-vs-original table (and the issue-8 targets the rows answer) with rich."""
+    from rich.console import Console
+    from rich.table import Table
+
+    if console is None:
+        import sys
+
+        # a captured (non-terminal) stdout would otherwise get 80 columns and truncate the 14-column table
+        console = Console() if sys.stdout.isatty() else Console(width=200)
+    con = console
+    meta = result["meta"]
+    con.print(f"{meta['hybrid']} vs {meta['original']} | {meta.get('layout') or ''} | {meta['dtype']} on "
+              f"{meta.get('gpu', meta['device'])} | torch {meta['torch']}, transformers {meta['transformers']}",
+              highlight=False)
+    by = {(r["model"], r["T"], r["B"]): r for r in result["rows"]}
+    rat = {(r["T"], r["B"]): r for r in result["ratios"]}
+    t = Table(title="bench model: hybrid vs original (x = hybrid / original)")
+    for col in ("T", "B", "prefill tok/s orig", "hybrid", "x", "decode tok/s orig", "hybrid", "x",
+                "cache orig", "hybrid", "x", "peak orig", "hybrid", "x"):
+        t.add_column(col, justify="right")
+    for T, B in sorted({(r["T"], r["B"]) for r in result["rows"]}):
+        o, h, x = by.get(("original", T, B), {}), by.get(("hybrid", T, B), {}), rat.get((T, B), {})
+
+        def val(r, k):
+            v = r.get(k)
+            return _fmt(v) if isinstance(v, (int, float)) or r.get("status") != "error" else "error"
+
+        def xr(k, spec=".2f"):
+            return _fmt(x.get(k), spec)
+
+        t.add_row(str(T), str(B), val(o, "prefill_tok_s"), val(h, "prefill_tok_s"), xr("prefill_speedup"),
+                  val(o, "decode_tok_s"), val(h, "decode_tok_s"), xr("decode_speedup"),
+                  human_bytes(o.get("cache_bytes", "")), human_bytes(h.get("cache_bytes", "")), xr("cache_ratio", ".1%"),
+                  human_bytes(o.get("peak_bytes", "")), human_bytes(h.get("peak_bytes", "")), xr("peak_ratio", ".1%"))
+    con.print(t)
+    modes = sorted({(r["model"], r.get("decode_mode"), r.get("decode_sdpa"), r.get("prefill_sdpa"))
+                    for r in result["rows"] if r.get("status") == "ok"}, key=str)
+    for model, dmode, dsdpa, psdpa in modes:
+        con.print(f"  {model}: prefill SDPA {psdpa}; decode {dmode} (SDPA {dsdpa})", highlight=False)
+    notes: dict[str, list[str]] = {}
+    for r in result["rows"]:
+        text = r.get("error") or r.get("decode_note") or r.get("note")
+        if text:
+            notes.setdefault(text, []).append(f"{r['model']} T={r['T']} B={r['B']}")
+    for text, where in notes.items():
+        con.print(f"  {text}: {', '.join(where)}", highlight=False)
+    for tg in result.get("targets", []):
+        mark = {True: "met", False: "NOT met", None: "n/a"}[tg["met"]]
+        con.print(f"  target: {tg['target']}: {_fmt(tg['value'], '.3f') or 'n/a'} ({mark})", highlight=False)

@@ -1,0 +1,441 @@
+"""The probe behind ``--select auto``: measure how much each layer suffers from linear attention.
+
+1. Every layer is linearized with the recipe (the loaded model is wrapped in place; its original
+   attention modules are put back afterwards, so the same model then goes through the real surgery).
+2. A short attention transfer trains all layers at once with the stage-1 machinery
+   (:func:`linearize.distill.distill`: the teacher output flows on, so layers are independent and one
+   pass trains every one of them) on ``select.probe_fraction`` of the stage-1 token budget, with the
+   data order of ``select.seed``.
+3. Three measurements per layer ``i``, on held-out data:
+
+   - ``mse_i``: the held-out normalized attention-output MSE ``|o_lin - o_soft|² / |o_soft|²`` after the
+     probe's transfer (as in the stage-1 report);
+   - ``loss_i = max(0, L_i - L_0)``: the held-out next-token loss (nats/token, ``distill.eval_seqs`` rows
+     of ``distill.seq_len``) when *only* layer ``i`` runs linear attention and every other layer runs
+     its original softmax attention (attention modes are switched; no model copies), minus the
+     original model's loss ``L_0``;
+   - ``retrieval_i = max(0, R_i - R_0)``: the same on the answer tokens of ``select.retrieval_prompts``
+     passkey prompts of ``select.retrieval_length`` tokens (the key is hidden at evenly spaced depths;
+     the loss is taken on the key's tokens after "The pass key is").
+
+4. Each measurement becomes a share over layers and the score is their weighted mean::
+
+       score_i = sum_t w_t * x_t(i) / sum_j x_t(j)  /  sum_t w_t      t in {mse, loss, retrieval}
+
+   with ``w_t`` = ``select.mse_weight``, ``select.loss_weight``, ``select.retrieval_weight`` (a term
+   with weight 0 is not measured; negative values, i.e. noise, count as 0; a term that is 0 for every
+   layer drops out of both sums). Every term is scale-free and the scores sum to 1 over layers.
+   The caller keeps as softmax the N layers with the highest scores
+   (:func:`linearize.select.choose_softmax_layers`).
+
+The trained feature maps (and window mixing logits) of the probe are returned too, so the real
+conversion's linear layers start from them: the probe's tokens count as part of stage 1.
+
+Results are cached under ``cache_root()/probes/KEY.json`` (plus ``KEY.safetensors`` with the trained
+maps). KEY hashes what decides the measurements: the model weights' identity (resolved directory,
+config.json hash, weight file names, sizes and mtimes), the recipe's ``attention`` section, its
+``distill`` section (but for tokens, seed and checkpointing), the ``select`` fields that change a
+measurement (not the score weights: scores are recomputed from cached measurements), the probe's
+token budget, the data (spec + file sizes/mtimes) and tokenizer, dtype, device type and this module's
+version. The same inputs never probe twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from .errors import SelectionError
+from .select import LINEAR
+
+#: bump when a measurement changes meaning (invalidates cached probes)
+PROBE_VERSION = 2  # 2: retrieval prompts use seeds disjoint from `linearize eval`'s
+# passkey seeds of `eval` are small integers (0, 1, ...); the probe's prompts live far from them so that a layout
+# is never chosen on the very prompts it is later evaluated on
+RETRIEVAL_SEED_OFFSET = 1_000_000
+TERMS = ("mse", "loss", "retrieval")
+SCORE_FORMULA = ("sum_t w_t * x_t(i) / sum_j x_t(j) / sum_t w_t over t in {mse: held-out attention MSE after the "
+                 "probe, loss: held-out loss increase with only layer i linear, retrieval: passkey answer-loss "
+                 "increase with only layer i linear}")
+
+
+@dataclass
+class ProbeResult:
+    """What the probe measured; ``scores()`` combines the measurements with the recipe's weights."""
+
+    num_layers: int
+    measurements: dict[str, list[float] | None]  # term -> per-layer value (None: not measured)
+    baseline: dict[str, float | None]  # the original model's held-out and retrieval loss
+    tokens: int  # attention-transfer tokens
+    eval_tokens: int  # forward-only tokens spent on scoring
+    seconds: float
+    key: str | None = None
+    cache_path: Path | None = None
+    cached: bool = False
+    maps: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def scores(self, weights: dict[str, float]) -> list[float]:
+        return combine_scores(self.measurements, weights)
+
+
+def score_weights(recipe) -> dict[str, float]:
+    """``{term: weight}`` from the recipe's ``select`` section; one line if every weight is 0."""
+    sel = recipe["select"]
+    w = {t: float(sel[f"{t}_weight"]) for t in TERMS}
+    if not any(v > 0 for v in w.values()):
+        raise SelectionError("recipe select: mse_weight, loss_weight and retrieval_weight are all 0; "
+                             "set at least one > 0")
+    return w
+
+
+def combine_scores(measurements: dict[str, list[float] | None], weights: dict[str, float]) -> list[float]:
+    """``score_i = sum_t w_t x_t(i) / sum_j x_t(j) / sum_t w_t`` (see the module docstring).
+
+    Negative values (noise: linearizing a layer that happens to lower the loss) count as 0; a
+    non-finite value counts as twice the largest finite one of its term; a term that is 0 for every layer
+    drops out (its weight too), so the scores sum to 1 unless every term is 0.
+    """
+    present = {t: v for t, v in measurements.items() if v is not None and weights.get(t, 0.0) > 0}
+    if not present:
+        raise SelectionError("no probe measurement has a weight > 0 (select.*_weight)")
+    n = len(next(iter(present.values())))
+    total = [0.0] * n
+    wsum = 0.0
+    for t, values in present.items():
+        finite = [v for v in values if math.isfinite(v)]
+        worst = 2.0 * max(finite + [0.0]) or 1.0
+        x = [max(0.0, v) if math.isfinite(v) else worst for v in values]
+        s = sum(x)
+        if s > 0:  # a term that hurts no layer carries no information (and no weight)
+            wsum += weights[t]
+            for i in range(n):
+                total[i] += weights[t] * x[i] / s
+    return [v / wsum for v in total] if wsum > 0 else total
+
+
+def plan_probe_tokens(recipe, stage1_tokens: int) -> int:
+    """The probe's attention-transfer budget: ``select.probe_fraction`` of the stage-1 budget, rounded
+    down to whole optimizer steps of ``distill`` (seq_len x batch_size x grad_accum), at least one step."""
+    d = recipe["distill"]
+    step = d["seq_len"] * d["batch_size"] * d["grad_accum"]
+    steps = max(1, int(recipe["select"]["probe_fraction"] * stage1_tokens) // step)
+    return steps * step
+
+
+# ----------------------------------------------------------------------------------------------
+# identity and cache
+
+
+def weights_identity(path: Path) -> dict[str, Any]:
+    """What identifies a model directory's weights without reading them: path, config hash, weight files'
+    names, sizes and mtimes."""
+    path = Path(path).resolve()
+    cfg = path / "config.json"
+    files = sorted(p for p in path.iterdir()
+                   if p.is_file() and p.suffix in (".safetensors", ".bin", ".pt", ".pth", ".gguf"))
+    return {"path": str(path),
+            "config_sha256": hashlib.sha256(cfg.read_bytes()).hexdigest() if cfg.is_file() else None,
+            "files": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]}
+
+
+def _model_identity(model) -> dict[str, Any] | None:
+    source = getattr(model, "linearize_source", None)  # set by sources.load_model
+    if source is None:
+        return None
+    from .sources import local_dir
+
+    return weights_identity(local_dir(source))
+
+
+def cache_key(model, tokenizer, recipe, probe_tokens: int) -> tuple[str | None, dict[str, Any]]:
+    """``(KEY, inputs)``; KEY is None when the model has no on-disk identity (not loaded from a spec)."""
+    from . import __version__
+    from .data import _source_fingerprint, _tokenizer_fingerprint, parse_spec
+
+    identity = _model_identity(model)
+    data = recipe["distill"]["data"]
+    src = parse_spec(data)
+    sel = recipe["select"]
+    weights = score_weights(recipe)
+    param = next(model.parameters())
+    inputs = {
+        "probe_version": PROBE_VERSION, "linearize": __version__, "model": identity,
+        "dtype": str(param.dtype).replace("torch.", ""), "device": param.device.type,
+        "attention": dict(recipe["attention"]),
+        "distill": {k: v for k, v in recipe["distill"].items() if k not in ("tokens", "seed", "checkpoint_every")},
+        "select": {k: v for k, v in sel.items() if not k.endswith("_weight") and k != "probe_fraction"},
+        "measured": [t for t in TERMS if weights[t] > 0 or t == "mse"],
+        "probe_tokens": probe_tokens,
+        "data": {"spec": data, **(_source_fingerprint(src) if src.cacheable else {})},
+        "tokenizer": _tokenizer_fingerprint(tokenizer),
+    }
+    if identity is None:
+        return None, inputs
+    blob = json.dumps(inputs, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:20], inputs
+
+
+def probes_dir() -> Path:
+    from .sources import cache_root
+
+    return cache_root() / "probes"
+
+
+def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _save(result: ProbeResult, inputs: dict[str, Any]) -> None:
+    from safetensors.torch import save_file
+
+    base = probes_dir() / result.key
+    if result.maps:  # the maps first: the JSON's presence means the entry is complete
+        _atomic_write(base.with_suffix(".safetensors"), lambda p: save_file(result.maps, str(p)))
+    doc = {"key": result.key, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "num_layers": result.num_layers,
+           "measurements": result.measurements, "baseline": result.baseline, "tokens": result.tokens,
+           "eval_tokens": result.eval_tokens, "seconds": result.seconds, "maps": bool(result.maps), "inputs": inputs}
+    _atomic_write(base.with_suffix(".json"), lambda p: p.write_text(json.dumps(doc, indent=1, default=str) + "\n"))
+    result.cache_path = base.with_suffix(".json")
+
+
+def _load(key: str) -> ProbeResult | None:
+    from safetensors.torch import load_file
+
+    path = probes_dir() / f"{key}.json"
+    if not path.is_file():
+        return None
+    doc = json.loads(path.read_text())
+    maps = load_file(str(path.with_suffix(".safetensors"))) if doc["maps"] else {}
+    return ProbeResult(num_layers=doc["num_layers"], measurements=doc["measurements"], baseline=doc["baseline"],
+                       tokens=doc["tokens"], eval_tokens=doc["eval_tokens"], seconds=doc["seconds"], key=key,
+                       cache_path=path, cached=True, maps=maps)
+
+
+# ----------------------------------------------------------------------------------------------
+# measurement
+
+
+@contextlib.contextmanager
+def all_linear(model, recipe):
+    """Yield a hybrid of ``model`` with every layer linear; restore ``model``'s own attention modules
+    (and its parameters' ``requires_grad``) on exit, so ``model`` can be converted again."""
+    from .attention import arch_spec
+    from .surgery import check_supported, linearize_model
+
+    check_supported(model)
+    attr = arch_spec(model.config.model_type).attention
+    layers = list(model.model.layers)
+    originals = [getattr(layer, attr) for layer in layers]
+    grads = [(p, p.requires_grad) for p in model.parameters()]
+    try:
+        yield linearize_model(model, [LINEAR] * len(layers), recipe)
+    finally:
+        for layer, orig in zip(layers, originals):
+            setattr(layer, attr, orig)
+        for p, g in grads:
+            p.requires_grad_(g)
+
+
+def _only_linear(hybrid, layer: int | None) -> None:
+    """Layer ``layer`` runs linear attention, every other layer its original softmax attention."""
+    for m in hybrid.linear_modules():
+        m.mode = "linear" if m.layer_idx == layer else "softmax"
+
+
+@torch.no_grad()
+def _heldout_loss(model, ids: torch.Tensor, batch_size: int = 4) -> float:
+    """Mean next-token cross-entropy (nats/token) over ``ids [N, T]``."""
+    total, count = 0.0, 0
+    for i in range(0, ids.shape[0], batch_size):
+        batch = ids[i : i + batch_size].to(model.device)
+        logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()  # [B, T-1, V]
+        total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1),
+                                 reduction="sum").item()
+        count += batch[:, 1:].numel()
+    return total / count
+
+
+def retrieval_samples(tokenizer, recipe, max_positions: int | None) -> list[tuple[list[int], list[int]]]:
+    """``(prompt ids, answer ids)`` passkey pairs: the prompt ends in "The pass key is", the answer is the key."""
+    from .evals import passkey
+    from .evals.common import EvalConfig, EvalError, parse_depths
+    from .evals.prompts import PieceEncoder
+
+    sel = recipe["select"]
+    length = sel["retrieval_length"]
+    if max_positions:
+        length = min(length, max_positions - 16)
+    cfg = EvalConfig(lengths=[length], depths=parse_depths(sel["retrieval_prompts"]),
+                     seeds=[RETRIEVAL_SEED_OFFSET + sel["seed"]])
+    chat = bool(getattr(tokenizer, "chat_template", None))
+    try:
+        samples = passkey.build_prompts(tokenizer, chat, cfg)
+    except EvalError as e:
+        raise SelectionError(f"select.retrieval_length {length}: {e} (raise it, or set select.retrieval_weight=0)") from None
+    enc = PieceEncoder(tokenizer)
+    return [(s["ids"], enc.encode_one(" " + s["row"]["expected"][0])) for s in samples]
+
+
+@torch.no_grad()
+def _retrieval_loss(model, samples: list[tuple[list[int], list[int]]]) -> float:
+    """Mean cross-entropy on the answer tokens, each prompt followed by its answer."""
+    total, count = 0.0, 0
+    for prompt, answer in samples:
+        ids = torch.tensor([prompt + answer], device=model.device)
+        n = len(answer)
+        logits = model(input_ids=ids, use_cache=False, logits_to_keep=n + 1).logits[0, :-1].float()  # [n, V]
+        total += F.cross_entropy(logits, ids[0, -n:], reduction="sum").item()
+        count += n
+    return total / count
+
+
+def _trained_state(hybrid) -> dict[str, torch.Tensor]:
+    """``{"LAYER.param": tensor}`` of what stage 1 trains: learnable feature maps and window logits (fp32, CPU)."""
+    out = {}
+    for m in hybrid.linear_modules():
+        for name, p in m.named_parameters():
+            fm = name.split(".", 1)[0]
+            if (fm in ("feature_map_q", "feature_map_k") and getattr(m, fm).learnable) or name == "window_logit":
+                out[f"{m.layer_idx}.{name}"] = p.detach().float().cpu().contiguous()
+    return out
+
+
+def apply_feature_maps(hybrid, maps: dict[str, torch.Tensor]) -> list[int]:
+    """Start ``hybrid``'s linear layers from the probe's trained maps; return the layers initialized.
+
+    The values stay fp32, as stage 1 trains them."""
+    done = []
+    for m in hybrid.linear_modules():
+        params = dict(m.named_parameters())
+        prefix = f"{m.layer_idx}."
+        hit = False
+        for key, value in maps.items():
+            if key.startswith(prefix) and key[len(prefix):] in params:
+                p = params[key[len(prefix):]]
+                if p.shape != value.shape:
+                    raise SelectionError(f"probe maps do not fit layer {m.layer_idx} ({key}: {tuple(value.shape)} "
+                                         f"vs {tuple(p.shape)}); remove {probes_dir()} and convert again")
+                p.data = value.to(device=p.device, dtype=torch.float32).clone()
+                hit = True
+        if hit:
+            done.append(m.layer_idx)
+    return done
+
+
+def _measure(model, tokenizer, recipe, probe_tokens: int, *, progress: bool, log: Callable[[str], None]) -> ProbeResult:
+    from .data import heldout_sequences
+    from .distill import distill, evaluate_layers
+
+    sel, d = recipe["select"], recipe["distill"]
+    weights = score_weights(recipe)
+    t0 = time.time()
+    n = model.config.num_hidden_layers
+    torch.manual_seed(sel["seed"])
+    with all_linear(model, recipe) as hybrid:
+        log(f"probe: all {n} layers linear, attention transfer on {probe_tokens:,} tokens (seed {sel['seed']})")
+        rep = distill(hybrid, tokenizer, recipe.with_overrides({"distill.seed": sel["seed"]}), state_dir=None,
+                      tokens=probe_tokens, progress=progress, log=log)
+        heldout = heldout_sequences(tokenizer, d["data"], seq_len=d["seq_len"], n_seqs=d["eval_seqs"])
+        eval_tokens = heldout.numel() * (2 if "per_layer" in rep else 1)
+        if "per_layer" in rep:
+            mse = [r["normalized_end"] for r in rep["per_layer"]]
+        else:
+            mse = evaluate_layers(hybrid, heldout)["normalized_mse"]
+        hybrid.eval()
+        measurements: dict[str, list[float] | None] = {"mse": mse, "loss": None, "retrieval": None}
+        baseline: dict[str, float | None] = {"heldout_loss": None, "retrieval_loss": None}
+        samples = []
+        if weights["retrieval"] > 0:
+            samples = retrieval_samples(tokenizer, recipe, getattr(model.config, "max_position_embeddings", None))
+        passes = [("loss", "heldout_loss", lambda: _heldout_loss(hybrid, heldout), heldout.numel()),
+                  ("retrieval", "retrieval_loss", lambda: _retrieval_loss(hybrid, samples),
+                   sum(len(p) + len(a) for p, a in samples))]
+        for term, base_name, fn, tokens in passes:
+            if weights[term] <= 0:
+                continue
+            log(f"probe: {term} with one linear layer at a time ({n + 1} passes of {tokens:,} tokens)")
+            _only_linear(hybrid, None)
+            base = fn()
+            baseline[base_name] = base
+            values = []
+            for i in range(n):
+                _only_linear(hybrid, i)
+                values.append(fn() - base)
+            measurements[term] = values
+            eval_tokens += (n + 1) * tokens
+        hybrid.set_attention_mode("linear")
+        maps = _trained_state(hybrid)
+    return ProbeResult(num_layers=n, measurements=measurements, baseline=baseline, tokens=int(rep.get("tokens", 0)),
+                       eval_tokens=int(eval_tokens), seconds=round(time.time() - t0, 1), maps=maps)
+
+
+def run_probe(model, tokenizer, recipe, *, probe_tokens: int, use_cache: bool = True, progress: bool = True,
+              log: Callable[[str], None] = print) -> ProbeResult:
+    """Probe every layer of ``model`` (a loaded base causal LM, left as it was) or return the cached result."""
+    key, inputs = cache_key(model, tokenizer, recipe, probe_tokens)
+    if use_cache and key is not None:
+        try:
+            cached = _load(key)
+        except Exception as e:  # noqa: BLE001 - a damaged entry is measured again
+            log(f"probe: cache entry {key} is unreadable ({type(e).__name__}); probing again")
+            cached = None
+        if cached is not None:
+            log(f"probe: cached {cached.cache_path} ({cached.tokens:,} tokens, {cached.seconds}s when measured); "
+                f"not probing again")
+            return cached
+    elif key is None:
+        log("probe: not cached (the model was not loaded from a spec, so its weights have no identity on disk)")
+    result = _measure(model, tokenizer, recipe, probe_tokens, progress=progress, log=log)
+    result.key = key
+    if use_cache and key is not None:
+        _save(result, inputs)
+        log(f"probe: {result.tokens:,} tokens + {result.eval_tokens:,} scoring tokens in {result.seconds}s; "
+            f"cached as {result.cache_path}")
+    return result
+
+
+def select_report(result: ProbeResult, recipe, softmax: list[int], *, count_from: str,
+                  interleave: list[int] | None = None, total_tokens: int | None = None,
+                  kv_budget: dict | None = None, initialized: list[int] | None = None) -> dict[str, Any]:
+    """The ``select`` stage report: scores, chosen layout and the probe's cost."""
+    weights = score_weights(recipe)
+    scores = result.scores(weights)
+    order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
+    rank = {i: r + 1 for r, i in enumerate(order)}
+    rows = []
+    for i in range(result.num_layers):
+        m = {t: (result.measurements[t][i] if result.measurements.get(t) is not None else None) for t in TERMS}
+        rows.append({"layer": i, "softmax": i in softmax, "mse": m["mse"], "loss_delta": m["loss"],
+                     "retrieval_delta": m["retrieval"], "score": scores[i], "rank": rank[i]})
+    report = {
+        "method": "auto", "softmax_count": len(softmax), "count_from": count_from,
+        "softmax_layers": ",".join(map(str, softmax)),
+        "interleave_softmax_layers": ",".join(map(str, interleave)) if interleave is not None else None,
+        "probe_tokens": result.tokens, "probe_eval_tokens": result.eval_tokens, "probe_seconds": result.seconds,
+        "total_tokens": total_tokens,
+        "probe_share_of_total_tokens": (round(result.tokens / total_tokens, 4) if total_tokens else None),
+        "probe_cached": result.cached, "probe_cache_key": result.key,
+        "probe_initialized_layers": len(initialized or []),
+        "baseline_heldout_loss": result.baseline.get("heldout_loss"),
+        "baseline_retrieval_loss": result.baseline.get("retrieval_loss"),
+        "scoring": {"formula": SCORE_FORMULA, "weights": weights}, "scores": rows,
+    }
+    if kv_budget is not None:
+        report["kv_budget"] = kv_budget
+    return report

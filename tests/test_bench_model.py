@@ -1,0 +1,224 @@
+"""`linearize bench model`: hybrid vs original on CPU with a tiny config, the shipped published configs,
+random materialization, the fixed-slot decode cache and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import resource
+
+import pytest
+import torch
+
+from conftest import run_cli
+from linearize import benchmodel as bm
+
+TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256,
+        "max_position_embeddings": 128, "tie_word_embeddings": True, "rms_norm_eps": 1e-5, "rope_theta": 10000.0}
+
+#: published parameter counts of the shipped configs
+PUBLISHED = {"llama-3-8b": 8_030_261_248, "llama-3.2-1b": 1_235_814_400, "mistral-7b": 7_248_023_552,
+             "qwen2.5-7b": 7_615_616_512, "qwen3-8b": 8_190_735_360}
+
+
+@pytest.fixture(autouse=True)
+def one_thread(monkeypatch):
+    """Tiny models on a shared 2-core machine: one thread avoids OpenMP contention (seconds per matmul)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # for the CLI subprocess
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture()
+def tiny_config(tmp_path):
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps(TINY))
+    return path
+
+
+def test_cli_tiny_config_on_cpu(tiny_config, tmp_path):
+    out = tmp_path / "bench"
+    r = run_cli("bench", "model", str(tiny_config), "--random-weights", "--device", "cpu", "--lengths", "64,256",
+                "--batch", "1", "--decode-steps", "4", "-o", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads((out / "bench_model.json").read_text())
+    assert res["meta"]["layout"].endswith("(3 linear, 1 softmax)") and res["meta"]["device"] == "cpu"
+    assert res["meta"]["finished"]
+    rows = {(x["model"], x["T"]): x for x in res["rows"]}
+    assert set(rows) == {(m, t) for m in ("original", "hybrid") for t in (64, 256)}
+    for x in rows.values():
+        assert x["status"] == "ok", x
+        assert x["prefill_tok_s"] > 0 and x["decode_tok_s"] > 0
+        assert x["decode_mode"] == "eager" and "CPU" in x["decode_note"]
+        assert x["peak_bytes"] == "n/a"
+        # measured cache == the closed form of surgery.cache_bytes (plus each window's 8-byte step counter)
+        assert 0 <= x["cache_bytes"] - x["cache_bytes_formula"] <= 8 * 3
+    # the hybrid's state is fixed-size: bigger than 64 tokens of KV, smaller than 256
+    assert rows["hybrid", 64]["cache_bytes"] > rows["original", 64]["cache_bytes"]
+    assert rows["hybrid", 256]["cache_bytes"] < rows["original", 256]["cache_bytes"]
+    assert rows["original", 256]["cache_bytes"] == 4 * rows["original", 64]["cache_bytes"]
+    for q in res["ratios"]:
+        h, o = rows["hybrid", q["T"]], rows["original", q["T"]]
+        assert q["prefill_speedup"] == pytest.approx(h["prefill_tok_s"] / o["prefill_tok_s"], rel=1e-3)
+        assert q["decode_speedup"] == pytest.approx(h["decode_tok_s"] / o["decode_tok_s"], rel=1e-3)
+        assert q["cache_ratio"] == pytest.approx(h["cache_bytes"] / o["cache_bytes"], rel=1e-3)
+        assert q["peak_ratio"] is None
+    assert "bench model: hybrid vs original" in r.stdout and "wrote" in r.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["no-such-model", "--random-weights"], "no shipped config"),
+    (["llama-3-8b", "--random-weights", "--lengths", "4K,x"], "bad length"),
+])
+def test_bad_inputs_one_line_exit_2(tmp_path, args, message):
+    from typer.testing import CliRunner
+
+    from linearize.cli import app
+
+    out = tmp_path / "never"
+    r = CliRunner().invoke(app, ["bench", "model", *args, "--device", "cpu", "-o", str(out)])
+    assert r.exit_code == 2, (r.stdout, r.stderr)
+    lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in r.stderr
+    assert not out.exists()
+
+
+def test_llama3_8b_config_on_meta_has_the_published_shape():
+    from transformers import AutoModelForCausalLM
+
+    peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    cfg, name = bm.load_config("llama-3-8b")
+    assert name == "llama-3-8b"
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
+            cfg.intermediate_size, cfg.vocab_size) == (4096, 32, 32, 8, 14336, 128256)
+    assert cfg.rope_parameters["rope_theta"] == 500000.0 and cfg.max_position_embeddings >= 131072
+    assert not cfg.tie_word_embeddings
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    assert sum(p.numel() for p in model.parameters()) == PUBLISHED["llama-3-8b"]
+    assert all(p.is_meta for p in model.parameters())
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_before) / 1024
+    assert grown_mib < 1024, f"building on meta raised peak RSS by {grown_mib:.0f} MiB (16 GiB if materialized)"
+
+
+@pytest.mark.parametrize("alias", sorted(PUBLISHED))
+def test_shipped_configs_are_aliases_with_published_sizes(alias):
+    from transformers import AutoModelForCausalLM
+
+    from linearize.sources import ALIASES
+
+    assert set(bm.shipped_configs()) == set(PUBLISHED)
+    assert alias in ALIASES
+    assert bm.config_source(ALIASES[alias])[1] == alias  # the hub id resolves through the alias table
+    cfg, _ = bm.load_config(alias)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    assert sum(p.numel() for p in model.parameters()) == PUBLISHED[alias]
+
+
+def test_random_materialization_on_device():
+    cfg, _ = bm.load_config(_write_tiny())
+    model = bm.random_model(cfg, dtype=torch.float32, device="cpu")
+    assert not any(p.is_meta for p in model.parameters()) and not any(b.is_meta for b in model.buffers())
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied embeddings stay tied
+    assert torch.equal(model.model.norm.weight, torch.ones(64))
+    assert 0.015 < model.model.layers[0].mlp.up_proj.weight.std().item() < 0.025
+    from transformers import AutoModelForCausalLM
+
+    fresh = AutoModelForCausalLM.from_config(cfg)
+    assert torch.equal(model.model.rotary_emb.inv_freq, fresh.model.rotary_emb.inv_freq)
+
+
+def _write_tiny():
+    import tempfile
+    from pathlib import Path
+
+    path = Path(tempfile.mkdtemp()) / "tiny.json"
+    path.write_text(json.dumps(TINY))
+    return str(path)
+
+
+@torch.no_grad()
+def test_decode_cache_steps_in_place_at_position_t_minus_1():
+    cfg, _ = bm.load_config(_write_tiny())
+    model = bm.random_model(cfg, dtype=torch.float32, device="cpu")
+    T = 33
+    ids = torch.randint(0, 256, (2, T), generator=torch.Generator().manual_seed(0))
+    full = model(input_ids=ids).logits[:, -1]
+    cache = bm.prefill(model, ids)
+    assert bm.cache_nbytes(cache) == 4 * 2 * (2 * 2 * T * 16 * 4)  # layers x (K, V) x [B, Hk, T, D] fp32
+    dcache = bm.decode_cache(cache, T)
+    ptr = dcache.layers[0].keys.data_ptr()
+    kw = dict(input_ids=ids[:, -1:], position_ids=torch.full((2, 1), T - 1), use_cache=True, logits_to_keep=1,
+              **bm._cache_kwargs(model, dcache))
+    for _ in range(3):  # re-decoding the last token at its own position reproduces the full forward
+        step = model(**kw).logits[:, -1]
+        torch.testing.assert_close(step, full, rtol=1e-4, atol=1e-4)
+    assert dcache.layers[0].keys.data_ptr() == ptr and dcache.layers[0].keys.shape[2] == T
+
+    from linearize import recipe as recipes
+
+    hybrid = bm._surgery(model, ["linear_attention"] * 3 + ["full_attention"], recipes.load("lolcats")["attention"])
+    cache = bm.prefill(hybrid, ids)
+    dcache = bm.decode_cache(cache, T)
+    window_state = dcache.layers[0].state
+    assert int(window_state.seen) == T
+    kw = dict(input_ids=ids[:, -1:], position_ids=torch.full((2, 1), T - 1), use_cache=True, logits_to_keep=1,
+              **bm._cache_kwargs(hybrid, dcache))
+    out = hybrid(**kw).logits
+    assert out.shape == (2, 1, 256) and torch.isfinite(out).all()
+    assert int(window_state.seen) == T + 1  # the linear layers advanced their state in place
+
+
+#: aten ops that read a tensor back to the host (or have data-dependent shapes): each breaks CUDA-graph capture
+HOST_SYNC_OPS = {"_local_scalar_dense", "item", "nonzero", "masked_select", "unique", "_unique2", "equal", "is_nonzero"}
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("kind", ["original", "hybrid"])
+def test_decode_step_is_graph_capturable(kind, monkeypatch):
+    """What the CUDA-graph capture on the GPU needs, checked on CPU: the decode step reads nothing back to the
+    host, and SDPA runs without a mask (so flash / cuDNN are eligible)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from linearize import recipe as recipes
+
+    cfg, _ = bm.load_config(_write_tiny())
+    model = bm.random_model(cfg, dtype=torch.float32, device="cpu")
+    if kind == "hybrid":
+        model = bm._surgery(model, ["linear_attention"] * 3 + ["full_attention"], recipes.load("lolcats")["attention"])
+    T = 40
+    ids = torch.randint(0, 256, (2, T), generator=torch.Generator().manual_seed(1))
+    dcache = bm.decode_cache(bm.prefill(model, ids), T)
+    kw = dict(input_ids=ids[:, -1:], position_ids=torch.full((2, 1), T - 1), use_cache=True, logits_to_keep=1,
+              **bm._cache_kwargs(model, dcache))
+    model(**kw)
+    sdpa_masks = []
+    real_sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        sdpa_masks.append(kwargs.get("attn_mask", args[3] if len(args) > 3 else None))
+        return real_sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+
+    class Ops(TorchDispatchMode):
+        seen: set = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Ops.seen.add(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    with Ops():
+        model(**kw)
+    assert not (Ops.seen & HOST_SYNC_OPS), Ops.seen & HOST_SYNC_OPS
+    assert sdpa_masks and all(m is None for m in sdpa_masks)
+    assert len(sdpa_masks) == (1 if kind == "hybrid" else 4)
+
+
+def test_parse_sdpa():
+    assert bm.parse_sdpa("flash, cudnn") == ["flash", "cudnn"]
+    with pytest.raises(bm.LinearizeError, match="--sdpa"):
+        bm.parse_sdpa("flash,fast")

@@ -1,0 +1,269 @@
+"""`--select auto`: parsing and validation, kv-budget arithmetic, the probe on a tiny model (scores,
+determinism, cache), and `convert --select auto` through the CLI."""
+
+import json
+import random
+
+import pytest
+import torch
+
+from conftest import char_tokenizer, run_cli, tiny_model
+from linearize import pipeline
+from linearize import probe as P
+from linearize import recipe as R
+from linearize.errors import LinearizeError, SelectionError
+from linearize.select import (FULL, check_select, choose_softmax_layers, parse_kv_budget, softmax_count_for_budget,
+                              softmax_count_from_ratio)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: more threads only add OpenMP barriers on a shared CPU
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory):
+    """A tiny 4-layer llama directory with a character tokenizer (digits included, for passkeys) and a corpus."""
+    root = tmp_path_factory.mktemp("auto")
+    tokenizer = char_tokenizer("abcdefghijklmnopqrstuvwxyz0123456789 .,?", lowercase=True)
+    model = tiny_model("llama", layers=4)
+    model.resize_token_embeddings(64)
+    model.save_pretrained(root / "tiny")
+    tokenizer.save_pretrained(root / "tiny")
+    rng = random.Random(0)
+    words = ["alpha", "beta", "gamma", "delta", "river", "stone", "light", "north"]
+    (root / "corpus.txt").write_text("\n\n".join(" ".join(rng.choice(words) for _ in range(60)) for _ in range(300)))
+    return root
+
+
+def _overrides(ws, **extra):
+    over = {"attention.window": 8, "distill.data": str(ws / "corpus.txt"), "distill.seq_len": 64,
+            "distill.batch_size": 2, "distill.eval_seqs": 2, "select.retrieval_length": 400,
+            "select.retrieval_prompts": 2}
+    over.update(extra)
+    return over
+
+
+# ----------------------------------------------------------------------------------------------- parsing
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("2GB@32K", (2 * 10**9, 32768)), ("512MiB@4096", (512 * 2**20, 4096)), ("1.5gb@1k", (1_500_000_000, 1024)),
+    ("100 KB @ 2K", (100_000, 2048)), ("123456@100", (123456, 100)), ("1TiB@1M", (2**40, 2**20)),
+])
+def test_parse_kv_budget(text, expected):
+    assert parse_kv_budget(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["2GB", "2GB@", "@32K", "2XB@32K", "0GB@1K", "2GB@-1", "2GB@32K@1", "abc@1K",
+                                 "2GB@0", "2GB@1.3"])
+def test_bad_kv_budget_is_one_line(bad):
+    with pytest.raises(SelectionError, match="--kv-budget") as e:
+        parse_kv_budget(bad)
+    assert "\n" not in str(e.value)
+
+
+def test_select_combinations():
+    assert check_select(None) == "interleave" and check_select("AUTO") == "auto"
+    assert check_select("auto", kv_budget="2GB@32K") == "auto"
+    with pytest.raises(SelectionError, match="--select 'best'"):
+        check_select("best")
+    with pytest.raises(SelectionError, match="needs --select auto"):
+        check_select("interleave", kv_budget="2GB@32K")
+    with pytest.raises(SelectionError, match="pass one"):
+        check_select("auto", kv_budget="2GB@32K", ratio_given=True)
+    with pytest.raises(SelectionError, match="--kv-budget"):
+        check_select("auto", kv_budget="lots")
+    assert softmax_count_from_ratio("3:1", 30) == 7 and softmax_count_from_ratio("1:1", 4) == 2
+
+
+def test_kv_budget_arithmetic():
+    """Tiny llama (4 layers, 2 KV heads, head_dim 16), lolcats with window 8, fp32, 1K tokens, by hand:
+    KV per softmax layer = 2 (k, v) x 2 heads x 1024 x 16 x 4 B = 262,144; hedgehog features F = 16, so a linear
+    layer holds S, z = 2 x (16 x 16 + 16) x 4 B = 2,176 plus the ring 2 x 8 x (16 + 16 + 16) x 4 B = 3,072."""
+    cfg = tiny_model("llama", layers=4).config
+    att = R.load("lolcats", {"attention.window": 8})["attention"]
+    kv, lin = 262_144, 2_176 + 3_072
+    two = 2 * kv + 2 * lin
+    count, detail = softmax_count_for_budget(cfg, att, f"{two}B@1K", 4)
+    assert count == 2 and detail["bytes_used"] == two
+    assert detail["kv_bytes_per_softmax_layer"] == kv and detail["state_bytes_per_linear_layer"] == lin
+    assert softmax_count_for_budget(cfg, att, f"{two - 1}B@1K", 4)[0] == 1
+    assert softmax_count_for_budget(cfg, att, "1GB@1K", 4)[0] == 4
+    assert softmax_count_for_budget(cfg, att, f"{4 * lin}B@1K", 4)[0] == 0
+    assert softmax_count_for_budget(cfg, att, f"{kv + 3 * lin}B@1K", 2)[0] == 2  # bf16 KV halves: two fit
+    with pytest.raises(SelectionError, match="smaller than the all-linear state"):
+        softmax_count_for_budget(cfg, att, f"{4 * lin - 1}B@1K", 4)
+
+
+def test_combine_scores_and_choice():
+    m = {"mse": [1.0, 1.0, 2.0], "loss": [0.0, -1.0, 3.0], "retrieval": None}
+    s = P.combine_scores(m, {"mse": 1.0, "loss": 1.0, "retrieval": 1.0})
+    assert s == pytest.approx([0.125, 0.125, 0.75])  # shares (.25 .25 .5) and (0 0 1), equal weights
+    assert P.combine_scores(m, {"mse": 1.0, "loss": 0.0, "retrieval": 0.0}) == pytest.approx([0.25, 0.25, 0.5])
+    m["loss"] = [0.0, -1.0, -3.0]  # hurts no layer: drops out with its weight
+    assert P.combine_scores(m, {"mse": 1.0, "loss": 5.0}) == pytest.approx([0.25, 0.25, 0.5])
+    assert P.combine_scores({"mse": [1.0, float("nan")]}, {"mse": 1.0}) == pytest.approx([1 / 3, 2 / 3])
+    assert choose_softmax_layers([0.1, 0.5, 0.2, 0.5], 2) == [1, 3]
+    assert choose_softmax_layers([0.3, 0.3, 0.3], 1) == [0]  # ties: the lower index
+    with pytest.raises(SelectionError, match="all 0"):
+        P.score_weights(R.load("lolcats", {"select.mse_weight": 0, "select.loss_weight": 0,
+                                           "select.retrieval_weight": 0}))
+    with pytest.raises(LinearizeError, match="select.probe_fraction"):
+        R.load("lolcats", {"select.probe_fraction": 0.5})
+
+
+def test_plan_probe_tokens():
+    rec = R.load("lolcats", {"distill.seq_len": 64, "distill.batch_size": 2, "distill.grad_accum": 2})
+    assert P.plan_probe_tokens(rec, 10_000) == 768  # 10% = 1000 -> whole steps of 256
+    assert P.plan_probe_tokens(rec, 100) == 256  # at least one step
+
+
+# ------------------------------------------------------------------------------------------- library errors
+
+
+BAD_CONVERT = [
+    (dict(select="best"), "--select"),
+    (dict(kv_budget="2GB@32K"), "needs --select auto"),
+    (dict(select="auto", ratio="3:1", kv_budget="2GB@32K"), "pass one"),
+    (dict(select="auto", kv_budget="2 lots@32K"), "not a byte size"),
+    (dict(select="auto", kv_budget="2GB@soon"), "not a context length"),
+    (dict(select="auto", kv_budget="1KB@1K"), "smaller than the all-linear state"),
+    (dict(select="auto", overrides={"select.mse_weight": 0, "select.loss_weight": 0, "select.retrieval_weight": 0}),
+     "all 0"),
+    (dict(select="auto", ratio="1:1", tokens="128", finetune=False), "less than one batch"),  # all of it: the probe
+    (dict(select="auto", ratio="1:1", tokens="384", finetune=False), "limit 25%"),  # one 128-token step = 33%
+]
+
+
+@pytest.mark.parametrize("kwargs,needle", BAD_CONVERT, ids=[n for _, n in BAD_CONVERT])
+def test_bad_select_writes_nothing(ws, tmp_path, monkeypatch, kwargs, needle):
+    monkeypatch.setenv("LINEARIZE_CACHE", str(tmp_path / "cache"))
+    kwargs = {**kwargs, "overrides": {**_overrides(ws), **kwargs.get("overrides", {})}}
+    loaded = []
+    monkeypatch.setattr(pipeline, "load_model", lambda *a, **k: loaded.append(1))
+    with pytest.raises(LinearizeError, match=needle) as e:
+        pipeline.convert(str(ws / "tiny"), out=tmp_path / "OUT", log=lambda m: None, **kwargs)
+    assert "\n" not in str(e.value) and not loaded and not list(tmp_path.iterdir())
+
+
+# ------------------------------------------------------------------------------------------------ the probe
+
+
+def _load(ws):
+    from linearize.sources import load_model
+
+    return load_model(str(ws / "tiny"), device="cpu")
+
+
+def test_probe_deterministic_cached_and_leaves_model_intact(ws, tmp_path, monkeypatch):
+    rec = R.load("lolcats", _overrides(ws))
+    model, tok = _load(ws)
+    ids = torch.randint(0, 60, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = model(ids).logits
+    monkeypatch.setenv("LINEARIZE_CACHE", str(tmp_path / "a"))
+    logs = []
+    a = P.run_probe(model, tok, rec, probe_tokens=512, progress=False, log=logs.append)
+    assert not a.cached and a.tokens == 512 and a.eval_tokens > 0 and a.key
+    for term in P.TERMS:
+        assert len(a.measurements[term]) == 4 and all(isinstance(v, float) for v in a.measurements[term])
+    assert a.baseline["heldout_loss"] > 0 and a.baseline["retrieval_loss"] > 0
+    scores = a.scores(P.score_weights(rec))
+    assert len(scores) == 4 and sum(scores) == pytest.approx(1.0)
+    assert sorted(a.maps) == sorted(f"{i}.{n}" for i in range(4) for n in
+                                    ("feature_map_q.weight", "feature_map_k.weight", "window_logit"))
+    assert (tmp_path / "a" / "probes" / f"{a.key}.json").is_file()
+    with torch.no_grad():  # the base model is back to its own attention: same logits
+        assert torch.equal(model(ids).logits, before)
+
+    monkeypatch.setenv("LINEARIZE_CACHE", str(tmp_path / "b"))  # a fresh cache: measured again, same numbers
+    b = P.run_probe(model, tok, rec, probe_tokens=512, progress=False, log=lambda m: None)
+    assert not b.cached and b.key == a.key and b.measurements == a.measurements
+    assert all(torch.equal(a.maps[k], b.maps[k]) for k in a.maps)
+
+    monkeypatch.setenv("LINEARIZE_CACHE", str(tmp_path / "a"))
+    monkeypatch.setattr(P, "_measure", lambda *a, **k: pytest.fail("probed again despite the cache"))
+    logs.clear()
+    c = P.run_probe(model, tok, rec, probe_tokens=512, progress=False, log=logs.append)
+    assert c.cached and c.measurements == a.measurements and all(torch.equal(a.maps[k], c.maps[k]) for k in a.maps)
+    assert any(m.startswith("probe: cached") for m in logs)
+    reweighted = R.load("lolcats", _overrides(ws, **{"select.loss_weight": 3.0}))  # weights are not measurements
+    assert P.cache_key(model, tok, reweighted, 512)[0] == a.key
+    for other in ({"select.seed": 2}, {"attention.window": 4}, {"select.retrieval_length": 300}):
+        assert P.cache_key(model, tok, R.load("lolcats", _overrides(ws, **other)), 512)[0] != a.key
+    assert P.cache_key(model, tok, rec, 640)[0] != a.key
+
+
+def test_probe_keeps_the_layer_linear_attention_cannot_imitate(ws):
+    """Sharpen layer 2's attention (q, k x 8): the probe must rank it first."""
+    model, tok = _load(ws)
+    with torch.no_grad():
+        att = model.model.layers[2].self_attn
+        for proj, factor in (("q_proj", 8), ("k_proj", 8), ("v_proj", 4), ("o_proj", 4)):
+            getattr(att, proj).weight.mul_(factor)
+    model.linearize_source = None  # edited in memory: no identity on disk, so not cached
+    rec = R.load("lolcats", _overrides(ws))
+    logs = []
+    res = P.run_probe(model, tok, rec, probe_tokens=512, progress=False, log=logs.append)
+    assert res.key is None and any("not cached" in m for m in logs)
+    assert choose_softmax_layers(res.scores(P.score_weights(rec)), 1) == [2]
+
+
+# ---------------------------------------------------------------------------------------------------- CLI
+
+
+def _convert(ws, out, *extra):
+    sets = []
+    for k, v in _overrides(ws, **{"distill.seq_len": 32, "finetune.seq_len": 32, "finetune.batch_size": 2,
+                                  "finetune.eval_seqs": 2, "finetune.data": str(ws / "corpus.txt")}).items():
+        sets += ["--set", f"{k}={v}"]
+    return run_cli("convert", str(ws / "tiny"), "--select", "auto", *sets, "-o", str(out), *extra)
+
+
+def test_convert_select_auto_cli(ws, tmp_path, monkeypatch):
+    monkeypatch.setenv("LINEARIZE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    res = _convert(ws, tmp_path / "A", "--ratio", "1:1", "--tokens", "2560")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "select: keeps softmax layers" in res.stdout and "probe: cached" not in res.stdout
+    cfg = json.loads((tmp_path / "A" / "config.json").read_text())
+    assert cfg["layer_types"].count(FULL) == 2
+    report = json.loads((tmp_path / "A" / "report.json").read_text())["stages"]
+    sel = report["select"]
+    kept = [i for i, t in enumerate(cfg["layer_types"]) if t == FULL]
+    assert sel["method"] == "auto" and sel["softmax_layers"] == ",".join(map(str, kept))
+    assert [r["layer"] for r in sel["scores"]] == [0, 1, 2, 3]
+    assert [r["layer"] for r in sel["scores"] if r["softmax"]] == kept
+    assert {r["rank"] for r in sel["scores"] if r["softmax"]} == {1, 2}
+    # the probe's 128 tokens (10% of the 1,280-token stage 1, whole steps of 32 x 2) come out of stage 1
+    assert sel["probe_tokens"] == 128 and report["distill"]["tokens"] == 1280 - 128
+    assert sel["total_tokens"] == 128 + report["distill"]["tokens"] + report["finetune"]["tokens"] == 2560
+    assert sel["probe_share_of_total_tokens"] == 0.05 and sel["probe_initialized_layers"] == 2
+    for doc in ("README.md", "report.md"):
+        text = (tmp_path / "A" / doc).read_text()
+        assert "Layer scores (`--select auto`)" in text and "| 3 |" in text, doc
+
+    # the same inputs again, the count now from a KV budget (fp32 on CPU: 2 softmax layers fit exactly)
+    budget = 2 * 262_144 + 2 * (2_176 + 3_072)
+    res = _convert(ws, tmp_path / "B", "--kv-budget", f"{budget}B@1K", "--tokens", "2560")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "probe: cached" in res.stdout and "attention transfer on" not in res.stdout
+    assert json.loads((tmp_path / "B" / "config.json").read_text())["layer_types"] == cfg["layer_types"]
+    sel_b = json.loads((tmp_path / "B" / "report.json").read_text())["stages"]["select"]
+    assert sel_b["probe_cached"] and sel_b["scores"] == sel["scores"] and sel_b["kv_budget"]["bytes_used"] == budget
+    from safetensors.torch import load_file
+
+    wa, wb = (load_file(str(tmp_path / d / "model-00001-of-00001.safetensors")) for d in ("A", "B"))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)  # cached = fresh, bit for bit
+
+
+def test_convert_kv_budget_too_small_cli(ws, tmp_path, monkeypatch):
+    monkeypatch.setenv("LINEARIZE_CACHE", str(tmp_path / "cache"))
+    res = run_cli("convert", str(ws / "tiny"), "--select", "auto", "--kv-budget", "1KB@1K", "-o", str(tmp_path / "O"))
+    lines = [ln for ln in res.stderr.strip().splitlines() if ln.strip()]
+    assert res.returncode == 2 and len(lines) == 1 and "all-linear state" in lines[0], res.stderr
+    assert not (tmp_path / "O").exists() and not (tmp_path / "cache").exists()
