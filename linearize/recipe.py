@@ -116,6 +116,7 @@ SCHEMA: dict[str, dict[str, Field]] = {
 
 #: keys that carry metadata written by linearize itself (ignored on load)
 METADATA_KEYS = {"resolved"}
+RESOLVED_MARKER = "\n# --- written by linearize: the values actually used ---\n"
 
 
 @dataclass
@@ -203,8 +204,12 @@ def load(name_or_path: str = "lolcats", overrides: dict[str, Any] | None = None)
         raise RecipeError(f"recipe {path} line {lines.get('', 1)}: expected a mapping of sections and fields at the "
                           f"top level, got {type(raw).__name__} {_short(raw)}")
     recipe = validate(raw, source=str(path), lines=lines)
-    recipe.source_text = text
-    return recipe.with_overrides(overrides) if overrides else recipe
+    # a checkpoint's copy ends in a ``resolved:`` block: rerunning a stage starts from the values as run
+    # (the conversion's --set overrides), and the file text stays the recipe's own
+    recipe.source_text = text.split(RESOLVED_MARKER, 1)[0]
+    resolved = raw.get("resolved") if isinstance(raw.get("resolved"), dict) else {}
+    merged = {**(resolved.get("overrides") or {}), **(overrides or {})}
+    return recipe.with_overrides(merged) if merged else recipe
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -330,4 +335,4 @@ def resolved_yaml(recipe: Recipe, extra: dict[str, Any]) -> str:
     if text and not text.endswith("\n"):
         text += "\n"
     block = {"resolved": {"recipe": recipe.to_dict(), "overrides": recipe.overrides, **extra}}
-    return text + "\n# --- written by linearize: the values actually used ---\n" + yaml.safe_dump(block, sort_keys=False)
+    return text + RESOLVED_MARKER + yaml.safe_dump(block, sort_keys=False)

@@ -73,3 +73,19 @@ def test_resolved_yaml_keeps_source_bytes():
     data = yaml.safe_load(text)
     assert data["resolved"]["recipe"]["attention"]["window"] == 16
     assert R.validate(data)["attention"]["window"] == 0  # the original fields, metadata ignored
+
+
+def test_checkpoint_recipe_copy_reloads_with_the_values_as_run(tmp_path):
+    """A stage rerun on a checkpoint starts from the conversion's --set values; new overrides win; saving
+    again keeps the recipe's own text once (no stacked resolved blocks)."""
+    shipped = R.load("lolcats")
+    r = R.load("lolcats", {"distill.seq_len": 256, "finetune.lr": 3e-4})
+    copy = tmp_path / "linearize_recipe.yaml"
+    copy.write_text(R.resolved_yaml(r, {"base_model": "m"}))
+    again = R.load(str(copy), {"finetune.lr": 1e-5})
+    assert again["distill"]["seq_len"] == 256 and again["finetune"]["lr"] == 1e-5
+    assert again["finetune"]["seq_len"] == shipped["finetune"]["seq_len"]
+    assert again.source_text == shipped.source_text
+    copy.write_text(R.resolved_yaml(again, {"base_model": "m"}))
+    assert copy.read_text().count(R.RESOLVED_MARKER) == 1
+    assert R.load(str(copy))["finetune"]["lr"] == 1e-5
