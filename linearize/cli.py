@@ -19,7 +19,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-bench_app = typer.Typer(help="Benchmarks (GPU): kernels against fla and SDPA.", no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmarks: kernels (vs fla and SDPA), model speed vs the original, training throughput.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 
 console = Console()
@@ -62,6 +62,14 @@ def user_errors(fn: Callable) -> Callable:
     return wrapper
 
 
+def _log(message: str) -> None:
+    """A progress line on stdout; under torchrun only rank 0 prints."""
+    from .distributed import is_main
+
+    if is_main():
+        console.print(message, highlight=False)
+
+
 def _overrides(sets: Optional[List[str]]) -> dict:
     from .recipe import parse_override
 
@@ -97,8 +105,8 @@ def convert(
                overrides=_overrides(set_),
                train=not no_train, out=out, overwrite=overwrite, dtype=dtype, device=device, tokens=tokens,
                distill_tokens=distill_tokens, finetune_tokens=finetune_tokens, finetune=not no_finetune, loss=loss,
-               resume=resume, log=lambda m: console.print(m, highlight=False))
-    console.print(f"wrote {path}")
+               resume=resume, log=_log)
+    _log(f"wrote {path}")
 
 
 @app.command()
@@ -116,8 +124,8 @@ def distill(
     from .pipeline import rerun_stage
 
     p = rerun_stage("distill", path, out=out, overrides=_overrides(set_), tokens=tokens, resume=resume, dtype=dtype,
-                    device=device, log=lambda m: console.print(m, highlight=False))
-    console.print(f"wrote {p}")
+                    device=device, log=_log)
+    _log(f"wrote {p}")
 
 
 @app.command()
@@ -138,8 +146,8 @@ def finetune(
 
     p = rerun_stage("finetune", path, out=out, overrides=_overrides(set_), tokens=tokens, loss=loss,
                     adapter_only=adapter_only, resume=resume, dtype=dtype, device=device,
-                    log=lambda m: console.print(m, highlight=False))
-    console.print(f"wrote {p}")
+                    log=_log)
+    _log(f"wrote {p}")
 
 
 @app.command()
@@ -277,6 +285,35 @@ def bench_model_cmd(
     console.print(f"wrote {out / RESULT_FILE}", highlight=False)
 
 
+@bench_app.command("train")
+@user_errors
+def bench_train_cmd(
+    spec: str = typer.Argument(..., help="Model spec, or with --random-weights a shipped config alias (llama-3-8b) or config.json path."),
+    random_weights: bool = typer.Option(False, "--random-weights", help="Random weights from a shipped config: nothing downloaded."),
+    ratio: str = typer.Option("3:1", "--ratio", help="A:B layout of the conversion."),
+    recipe: str = typer.Option("lolcats", "--recipe", help="Recipe (name or YAML path): layers, data, losses."),
+    stages: str = typer.Option("distill,finetune", "--stages", help="Stages to time: distill, finetune."),
+    seq_len: int = typer.Option(2048, "--seq-len", help="Tokens per sequence."),
+    batch: int = typer.Option(4, "--batch", help="Sequences per step."),
+    steps: int = typer.Option(10, "--steps", help="Timed steps per stage."),
+    warmup_steps: int = typer.Option(2, "--warmup-steps", help="Untimed steps first (compilation, autotuning)."),
+    tokens: Optional[str] = typer.Option(None, "--tokens", help="Conversion budget to project, split evenly (default: the recipe's)."),
+    tokenizer: str = typer.Option("smollm2-135m", "--tokenizer", help="Tokenizer for --random-weights (its ids must fit the vocabulary)."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="bfloat16 | float16 | float32 (default: bfloat16 on GPU, float32 on CPU)."),
+    device: Optional[str] = typer.Option(None, "--device", help="cuda | cuda:N | cpu (default: cuda when available)."),
+    out: Path = typer.Option(Path("bench-train"), "-o", "--output", help="Output directory for bench_train.json."),
+):
+    """Training throughput of each conversion stage and the projected time of a whole conversion."""
+    from .benchtrain import RESULT_FILE, bench_train, print_result
+
+    result = bench_train(spec, random_weights=random_weights, ratio=ratio, recipe=recipe, stages=stages,
+                         seq_len=seq_len, batch=batch, steps=steps, warmup=warmup_steps, tokens=tokens,
+                         tokenizer=tokenizer, dtype=dtype, device=device, out_dir=out,
+                         log=lambda m: err_console.print(m, highlight=False, soft_wrap=True))
+    print_result(result, console)
+    console.print(f"wrote {out / RESULT_FILE}", highlight=False)
+
+
 @app.command("recipes")
 @user_errors
 def recipes_cmd(name: Optional[str] = typer.Argument(None, help="Show this recipe's YAML instead of the list.")):
@@ -306,8 +343,35 @@ def main() -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    app()
+    sys.exit(run_app())
 
+
+def _kind(e: BaseException, name: str) -> bool:
+    """Whether ``e`` is a click exception called ``name`` (click itself or the copy newer typer vendors)."""
+    return any(c.__name__ == name for c in type(e).__mro__)
+
+
+def run_app(args: Optional[List[str]] = None) -> int:
+    """Run the CLI; a usage error (unknown option, bad value, missing argument) is one line, exit 2."""
+    from rich.markup import escape
+
+    try:
+        code = app(args=args, standalone_mode=False)
+    except Exception as e:  # click's exceptions, matched by name (see _kind)
+        if _kind(e, "NoArgsIsHelpError"):
+            e.show()  # a bare command prints its help
+            return e.exit_code
+        if _kind(e, "UsageError"):
+            ctx = getattr(e, "ctx", None)
+            where = " ".join(["linearize", *ctx.command_path.split()[1:]]) if ctx is not None else "linearize"
+            err_console.print(f"[bold red]error:[/] {escape(e.format_message())} (see `{where} --help`)",
+                              highlight=False, soft_wrap=True)
+            return 2
+        if _kind(e, "Abort"):
+            err_console.print("interrupted")
+            return 130
+        raise
+    return code if isinstance(code, int) else 0
 
 if __name__ == "__main__":
     main()

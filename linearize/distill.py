@@ -14,6 +14,7 @@ running out of memory saves the state first, like Ctrl-C (:mod:`linearize.guards
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
@@ -25,6 +26,7 @@ from typing import Any, Callable
 
 import torch
 
+from . import distributed as dist
 from .data import heldout_sequences, num_batches, packed_batches, parse_tokens
 from .errors import TrainingError, TrainingInterrupted
 from .guards import LossGuard, is_oom
@@ -46,14 +48,20 @@ def trainable_parameters(model) -> list[torch.nn.Parameter]:
     return params
 
 
-def layer_losses(model, mse_weight: float = 1.0, xent_weight: float = 0.0) -> list[torch.Tensor]:
+def layer_losses(model, mse_weight: float = 1.0, xent_weight: float = 0.0,
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[torch.Tensor]:
     """Per-layer loss of the last ``distill``-mode forward, in layer order: ``mse_weight`` x normalized MSE
-    of the outputs + ``xent_weight`` x Hedgehog's attention-weight cross-entropy."""
+    of the outputs + ``xent_weight`` x Hedgehog's attention-weight cross-entropy. ``reduce`` (data parallel:
+    the mean over ranks) makes the normalizers those of the global batch, so the mean of the ranks' losses
+    is the single-process loss."""
+    pairs = [(student.float(), teacher.float())
+             for student, teacher in (m.distill_pair for m in model.linear_modules())]
+    norms = [t.pow(2).mean() for _, t in pairs]
+    if reduce is not None:
+        norms = list(reduce(torch.stack(norms)))
     out = []
-    for m in model.linear_modules():
-        student, teacher = m.distill_pair
-        s, t = student.float(), teacher.float()
-        loss = mse_weight * (s - t).pow(2).mean() / t.pow(2).mean().clamp_min(1e-12)
+    for m, (s, t), norm in zip(model.linear_modules(), pairs, norms):
+        loss = mse_weight * (s - t).pow(2).mean() / norm.clamp_min(1e-12)
         if xent_weight > 0 and m.distill_xent is not None:
             loss = loss + xent_weight * m.distill_xent
         out.append(loss)
@@ -118,6 +126,7 @@ def distill(model, tokenizer, recipe, *, state_dir: Path | None = None, resume: 
         log("distill: the recipe's layers have nothing to learn (fixed feature map, no window); skipped")
         return {"skipped": "nothing to train"}
     device = model.device
+    dist.check_batch("distill", bsz)
     master = [p for p in params]
     for p in master:  # train in fp32 even when the model is bf16
         if p.dtype != torch.float32:
@@ -151,12 +160,14 @@ def distill(model, tokenizer, recipe, *, state_dir: Path | None = None, resume: 
     for m in model.linear_modules():
         m.xent_rows = cfg["xent_rows"] if cfg["xent_weight"] > 0 else 0
     model.train()
+    ddp = dist.wrap(model, device)  # data parallel: averages the trainable gradients over ranks
+    reduce = dist.all_reduce_mean if dist.world_size() > 1 else None
     history: list[dict[str, float]] = []
     run = {"step": step, "tokens_seen": step * accum * bsz * seq_len, "tokens_this_run": 0}
     t_train = time.time()
 
     def save() -> None:
-        if ckpt is not None:
+        if ckpt is not None and dist.is_main():
             _save_state(ckpt, {"fingerprint": fp, "step": run["step"], "params": [p.detach().cpu() for p in master],
                                "optimizer": opt.state_dict(), "scheduler": sched.state_dict()})
 
@@ -165,22 +176,26 @@ def distill(model, tokenizer, recipe, *, state_dir: Path | None = None, resume: 
     guard = LossGuard("distill", cfg, ckpt=ckpt, layers=[m.layer_idx for m in model.linear_modules()],
                       dtype=next(model.parameters()).dtype)
     bar = Progress(TextColumn("distill"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
-                   TextColumn("{task.fields[info]}"), TimeRemainingColumn(), disable=not progress, transient=False)
+                   TextColumn("{task.fields[info]}"), TimeRemainingColumn(), disable=not (progress and dist.is_main()),
+                   transient=False)
     try:
         with bar:
             task = bar.add_task("distill", total=total_steps, completed=step, info="")
             while run["step"] < total_steps:
                 opt.zero_grad(set_to_none=True)
                 per_layer = None
-                for _ in range(accum):
-                    batch = next(batches).to(device)
-                    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_autocast):
-                        model(input_ids=batch, use_cache=False)
-                    losses = layer_losses(model, cfg["mse_weight"], cfg["xent_weight"])
-                    guard.check(losses, run["step"])  # NaN/Inf or exploding: stop before the update
-                    (torch.stack(losses).mean() / accum).backward()
-                    lv = torch.stack([l.detach() for l in losses]).float().cpu()
-                    per_layer = lv if per_layer is None else per_layer + lv
+                for i in range(accum):
+                    batch = next(batches)  # the global micro-batch; this rank trains on its rows
+                    sync = ddp.no_sync() if i < accum - 1 and ddp is not model else contextlib.nullcontext()
+                    with sync:
+                        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_autocast):
+                            ddp(input_ids=dist.shard(batch).to(device), use_cache=False)
+                        losses = layer_losses(model, cfg["mse_weight"], cfg["xent_weight"], reduce=reduce)
+                        lv = torch.stack([l.detach() for l in losses]).float()
+                        lv = dist.all_reduce_mean(lv) if reduce is not None else lv  # the global batch's loss
+                        guard.check(lv if reduce is not None else losses, run["step"])  # NaN/Inf, exploding: stop
+                        (torch.stack(losses).mean() / accum).backward()
+                    per_layer = lv.cpu() if per_layer is None else per_layer + lv.cpu()
                     run["tokens_seen"] += batch.numel()
                     run["tokens_this_run"] += batch.numel()
                 torch.nn.utils.clip_grad_norm_(master, 1.0)
@@ -210,6 +225,7 @@ def distill(model, tokenizer, recipe, *, state_dir: Path | None = None, resume: 
     finally:
         for m in model.linear_modules():
             m.xent_rows = 0
+        del ddp
     step, tokens_seen, tokens_this_run = run["step"], run["tokens_seen"], run["tokens_this_run"]
     model.eval()
     train_seconds = time.time() - t_train
@@ -218,6 +234,7 @@ def distill(model, tokenizer, recipe, *, state_dir: Path | None = None, resume: 
     ratios = [b / max(a, 1e-30) for a, b in zip(after["mse"], before["mse"])]
     report = {
         "tokens": tokens_seen, "steps": step, "seq_len": seq_len, "batch_size": bsz, "grad_accum": accum,
+        "world_size": dist.world_size(),  # torchrun processes sharing each step's global batch
         "train_seconds": round(train_seconds, 1), "total_seconds": round(time.time() - t_start, 1),
         "tokens_per_second": round(tokens_this_run / max(train_seconds, 1e-9), 1),
         "heldout_mse_start_mean": sum(before["mse"]) / len(layers),

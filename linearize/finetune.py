@@ -39,6 +39,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from . import distributed as dist
 from .attention import arch_spec
 from .data import heldout_sequences, num_batches, packed_batches, parse_tokens
 from .distill import TrainingError, TrainingInterrupted, _lr_lambda, _save_state
@@ -199,6 +200,7 @@ def finetune(model, tokenizer, recipe, *, state_dir: Path | None = None, resume:
         raise TrainingError(f"finetune: --tokens {budget:,} is smaller than one optimizer step (batch_size {bsz} x "
                             f"seq_len {seq_len} x grad_accum {accum} = {bsz * seq_len * accum:,} tokens)")
     device = model.device
+    dist.check_batch("finetune", bsz)
     t_start = time.time()
     # data first: a bad spec or a too-small split fails before the model is touched
     heldout = heldout_sequences(tokenizer, cfg["data"], seq_len=seq_len, n_seqs=cfg["eval_seqs"])
@@ -272,13 +274,14 @@ def finetune(model, tokenizer, recipe, *, state_dir: Path | None = None, resume:
         batches = itertools.islice(batches, step * accum, total_steps * accum)
         model.set_attention_mode("linear")
         peft_model.train()
+        ddp = dist.wrap(peft_model, device)  # data parallel: averages the adapters' gradients over ranks
         run = {"step": step, "tokens_seen": step * accum * bsz * seq_len, "tokens_this_run": 0,
                "rng": _rng_state(device), "history": history}
         t_train = time.time()
 
         def save() -> None:
             """Adapters, optimizer, schedule and RNG as of the last completed step."""
-            if ckpt is not None:
+            if ckpt is not None and dist.is_main():
                 _save_state(ckpt, {"fingerprint": fp, "step": run["step"], "adapter": _adapter_state(peft_model),
                                    "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                                    "rng": run["rng"], "history": run["history"], "before": before})
@@ -289,29 +292,33 @@ def finetune(model, tokenizer, recipe, *, state_dir: Path | None = None, resume:
 
         guard = LossGuard("finetune", cfg, ckpt=ckpt, dtype=next(model.parameters()).dtype)
         bar = Progress(TextColumn("finetune"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
-                       TextColumn("{task.fields[info]}"), TimeRemainingColumn(), disable=not progress,
-                       transient=False)
+                       TextColumn("{task.fields[info]}"), TimeRemainingColumn(),
+                       disable=not (progress and dist.is_main()), transient=False)
         try:
             with bar:
                 task = bar.add_task("finetune", total=total_steps, completed=step, info="")
                 while run["step"] < total_steps:
                     opt.zero_grad(set_to_none=True)
                     step_loss = 0.0
-                    for _ in range(accum):
-                        batch = next(batches).to(device)  # [B, T]
-                        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_autocast):
-                            if loss_kind == "xent":
-                                micro = peft_model(input_ids=batch, labels=batch, use_cache=False).loss
-                            else:
-                                t_logits = _teacher_logits(peft_model, model, batch)  # [B, T, V], no grad
-                                s_logits = peft_model(input_ids=batch, use_cache=False).logits
-                                micro = _kl(t_logits, s_logits)
-                                del t_logits, s_logits
-                        guard.check(micro, run["step"])  # NaN/Inf or exploding: stop before the update
-                        (micro / accum).backward()
-                        step_loss += micro.detach().float().item() / accum
-                        run["tokens_seen"] += batch.numel()
-                        run["tokens_this_run"] += batch.numel()
+                    for i in range(accum):
+                        full = next(batches)  # the global micro-batch [B, T]; this rank trains on its rows
+                        batch = dist.shard(full).to(device)
+                        sync = ddp.no_sync() if i < accum - 1 and ddp is not peft_model else contextlib.nullcontext()
+                        with sync:
+                            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_autocast):
+                                if loss_kind == "xent":
+                                    micro = ddp(input_ids=batch, labels=batch, use_cache=False).loss
+                                else:
+                                    t_logits = _teacher_logits(peft_model, model, batch)  # [B, T, V], no grad
+                                    s_logits = ddp(input_ids=batch, use_cache=False).logits
+                                    micro = _kl(t_logits, s_logits)
+                                    del t_logits, s_logits
+                            global_micro = dist.all_reduce_mean(micro.detach())  # the global batch's loss
+                            guard.check(global_micro, run["step"])  # NaN/Inf or exploding: stop before the update
+                            (micro / accum).backward()
+                        step_loss += global_micro.float().item() / accum
+                        run["tokens_seen"] += full.numel()
+                        run["tokens_this_run"] += full.numel()
                     grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
                     if not torch.isfinite(grad_norm):
                         raise TrainingError(f"finetune: non-finite gradient at step {run['step']}; the last good "
@@ -337,13 +344,16 @@ def finetune(model, tokenizer, recipe, *, state_dir: Path | None = None, resume:
             if not is_oom(e):
                 raise
             raise guard.out_of_memory(e, step=run["step"], total=total_steps, save=save, optimizer=opt) from None
+        del ddp
         step, tokens_seen, tokens_this_run, history = (run["step"], run["tokens_seen"], run["tokens_this_run"],
                                                        run["history"])
         train_seconds = time.time() - t_train
         after = evaluate(peft_model, model, heldout, eval_bsz)
         adapter_path = None
         if adapter_only_dir is not None:
-            adapter_path = _save_adapter_atomic(peft_model, Path(adapter_only_dir))
+            adapter_path = Path(adapter_only_dir)
+            if dist.is_main():  # every rank holds the same adapter; rank 0 writes it
+                _save_adapter_atomic(peft_model, adapter_path)
             base = peft_model.unload()
         else:
             base = peft_model.merge_and_unload()
@@ -365,6 +375,7 @@ def finetune(model, tokenizer, recipe, *, state_dir: Path | None = None, resume:
         raise TrainingError("finetune: merging the adapters changed the model's parameter names or dtypes")
     report = {
         "loss": loss_kind, "tokens": tokens_seen, "steps": step, "seq_len": seq_len, "batch_size": bsz,
+        "world_size": dist.world_size(),  # torchrun processes sharing each step's global batch
         "grad_accum": accum,
         "lora": {"r": cfg["lora_r"], "alpha": cfg["lora_alpha"], "dropout": cfg["lora_dropout"],
                  "targets": list(cfg["targets"]), "layers": layers, "target_modules": target_regex,

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from . import distributed as dist
 from . import recipe as recipes
 from .checkpoint import check_output_dir, save_checkpoint
 from .data import parse_tokens
@@ -85,6 +86,7 @@ def convert(spec: str, *, ratio: str | None = None, softmax_layers: str | None =
     out = Path(out or default_output_name(spec, ratio, softmax_layers, rec.name, select=mode if softmax_layers is None
                                           else "interleave", kv_budget=kv_budget))
     check_output_dir(out, overwrite)
+    device = dist.init(device)  # torchrun: join the process group; this rank's device
     t0 = time.time()
     model, tokenizer = load_model(spec, dtype=dtype, device=device)
     reports = {}
@@ -92,6 +94,7 @@ def convert(spec: str, *, ratio: str | None = None, softmax_layers: str | None =
     if plan is not None:
         log(f"select: auto, {plan['count']} softmax layers of {base_config.num_hidden_layers} (from {plan['count_from']})")
         layer_types, probe = run_auto_select(model, tokenizer, rec, plan, log=log)
+        layer_types = dist.broadcast_object(layer_types)  # torchrun: every rank takes rank 0's choice
     log(f"layers: {describe_layout(layer_types)}")
     from .surgery import linearize_model
 
@@ -111,17 +114,19 @@ def convert(spec: str, *, ratio: str | None = None, softmax_layers: str | None =
             sel["total_tokens"] = probe.tokens + sum(int(reports[s].get("tokens", 0)) for s in ("distill", "finetune")
                                                      if s in reports)
             sel["probe_share_of_total_tokens"] = round(probe.tokens / max(1, sel["total_tokens"]), 4)
-    path = save_checkpoint(
-        hybrid, tokenizer, out, base=resolved.name, recipe=rec, overwrite=overwrite, reports=reports,
-        resolved={"ratio": ratio if softmax_layers is None and kv_budget is None else None,
-                  "softmax_layers": softmax_layers, "select": mode, "kv_budget": kv_budget,
-                  "layer_types": layer_types, "dtype": str(next(hybrid.parameters()).dtype).replace("torch.", ""),
-                  "load_and_surgery_seconds": round(t_load, 2)},
-    )
-    import shutil
+    if dist.is_main():  # torchrun: every rank holds the same weights; rank 0 writes, the others wait
+        dtype_name = str(next(hybrid.parameters()).dtype).replace("torch.", "")
+        save_checkpoint(
+            hybrid, tokenizer, out, base=resolved.name, recipe=rec, overwrite=overwrite, reports=reports,
+            resolved={"ratio": ratio if softmax_layers is None and kv_budget is None else None,
+                      "softmax_layers": softmax_layers, "select": mode, "kv_budget": kv_budget,
+                      "layer_types": layer_types, "dtype": dtype_name, "load_and_surgery_seconds": round(t_load, 2)},
+        )
+        import shutil
 
-    shutil.rmtree(state_dir_for(out), ignore_errors=True)
-    return path
+        shutil.rmtree(state_dir_for(out), ignore_errors=True)
+    dist.barrier()
+    return out
 
 
 def plan_auto(base_config, rec, *, ratio: str, kv_budget: str | None, dtype, device, train: bool, finetune: bool,
@@ -239,7 +244,7 @@ def run_distill(model, tokenizer, rec, out: Path, *, tokens=None, resume: bool =
     from .distill import distill
 
     sdir = state_dir_for(out)
-    if sdir.exists() and not resume:
+    if sdir.exists() and not resume and dist.is_main():
         import shutil
 
         shutil.rmtree(sdir)
@@ -280,17 +285,18 @@ def rerun_stage(stage: str, path: str, *, out: Path | None = None, overrides: di
         out = Path(out) if out is not None else src
     in_place = out.resolve() == src.resolve()
     check_output_dir(out, overwrite=in_place)  # in place: the parent must still take the new directory
+    device = dist.init(device)  # torchrun: join the process group; this rank's device
     model, tokenizer = load_model(str(src), dtype=dtype, device=device)
     if stage == "distill":
         report = run_distill(model, tokenizer, rec, out, tokens=tokens, resume=resume, log=log)
     else:
         model, report = run_finetune(model, tokenizer, rec, out, tokens=tokens, loss=loss, resume=resume,
                                      adapter_only_dir=out if adapter_only else None, log=log)
-    if adapter_only:
+    if dist.is_main():  # torchrun: every rank holds the same weights; rank 0 writes, the others wait
+        if not adapter_only:
+            summary = json.loads((src / "report.json").read_text()) if (src / "report.json").is_file() else {}
+            save_checkpoint(model, tokenizer, out, base=summary.get("base_model", path), recipe=rec,
+                            overwrite=in_place, reports={**summary.get("stages", {}), stage: report})
         shutil.rmtree(state_dir_for(out), ignore_errors=True)
-        return out
-    summary = json.loads((src / "report.json").read_text()) if (src / "report.json").is_file() else {}
-    path_out = save_checkpoint(model, tokenizer, out, base=summary.get("base_model", path), recipe=rec,
-                               overwrite=in_place, reports={**summary.get("stages", {}), stage: report})
-    shutil.rmtree(state_dir_for(out), ignore_errors=True)
-    return path_out
+    dist.barrier()
+    return out

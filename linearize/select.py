@@ -44,7 +44,11 @@ def layout_from_ratio(ratio: str, num_layers: int) -> list[str]:
     """Repeat A linear then B softmax layers. ``3:1`` on 30 layers keeps 3,7,...,27 softmax."""
     a, b = parse_ratio(ratio)
     period = a + b
-    return [LINEAR if (i % period) < a else FULL for i in range(num_layers)]
+    layout = [LINEAR if (i % period) < a else FULL for i in range(num_layers)]
+    if b > 0 and FULL not in layout:
+        raise SelectionError(f"--ratio {ratio}: the model has {num_layers} layers and the pattern starts with {a} "
+                             f"linear ones, so none would stay softmax; use a smaller A, or 1:0 for all-linear")
+    return layout
 
 
 def parse_layer_list(spec: str) -> list[int]:

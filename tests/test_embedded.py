@@ -172,3 +172,14 @@ def test_generate_command_streams(converted):
     res = run_cli("generate", str(converted), "Name a colour.", "--max-new-tokens", "4")
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["convert", "--bogus"], "No such option: --bogus"),
+    (["generate", "smollm2-135m", "hi", "--max-new-tokens", "-1"], "'--max-new-tokens'"),
+    (["distill"], "Missing argument"),
+])
+def test_usage_errors_are_one_line(args, needle):
+    res = run_cli(*args)
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.returncode == 2 and len(lines) == 1 and needle in lines[0] and "--help" in lines[0], res.stderr

@@ -106,7 +106,8 @@ def test_model_without_tokenizer_is_one_line(workspace, tmp_path):
         if p.name.startswith(("tokenizer", "special_tokens", "chat_template")):
             p.unlink()
     out = tmp_path / "OUT"
-    res = subprocess.run([sys.executable, "-m", "linearize.cli", "convert", str(bare), "--no-train", "-o", str(out)],
+    res = subprocess.run([sys.executable, "-m", "linearize.cli", "convert", str(bare), "--ratio", "1:0", "--no-train",
+                          "-o", str(out)],
                          capture_output=True, text=True, env=_env(workspace), timeout=300)
     assert res.returncode == 2 and "tokenizer" in res.stderr and "Traceback" not in res.stderr, res.stderr[-2000:]
     assert len([ln for ln in res.stderr.splitlines() if ln.strip()]) == 1

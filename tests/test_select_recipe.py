@@ -89,3 +89,9 @@ def test_checkpoint_recipe_copy_reloads_with_the_values_as_run(tmp_path):
     copy.write_text(R.resolved_yaml(again, {"base_model": "m"}))
     assert copy.read_text().count(R.RESOLVED_MARKER) == 1
     assert R.load(str(copy))["finetune"]["lr"] == 1e-5
+
+
+def test_ratio_that_leaves_no_softmax_layer_is_refused():
+    with pytest.raises(SelectionError, match="none would stay softmax"):
+        layout_from_ratio("30:1", 30)
+    assert layout_from_ratio("29:1", 30)[-1] == FULL and layout_from_ratio("1:0", 30) == [LINEAR] * 30

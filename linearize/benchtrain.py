@@ -1,0 +1,202 @@
+"""`linearize bench train`: how fast each conversion stage trains, and what a whole conversion would cost.
+
+The model is built as `bench model` builds it (a shipped published config with ``--random-weights``: nothing
+downloaded; or any model spec), converted with surgery only, and each stage's own training loop
+(:func:`linearize.distill.distill`, :func:`linearize.finetune.finetune`) runs first ``warmup`` steps (Triton
+compilation, autotuning, allocator growth) and then ``steps`` timed steps of ``batch x seq_len`` tokens on the
+recipe's data. With random weights the text is tokenized by ``tokenizer`` (default: the embedded SmolLM2
+tokenizer, whose ids fit any larger vocabulary): which tokens flow does not change the speed.
+
+Per stage the result holds tokens/s and seconds per step of the timed run (its own training time, without the
+held-out evaluation around it), the peak GPU memory, and from them the projected wall time of a conversion
+with ``tokens`` split evenly across the stages (or the recipe's budgets): the number issue 8 asks for
+(a 40M-token conversion of an 8B model in at most one hour of one H200).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .data import parse_tokens
+from .errors import LinearizeError, ResourceError, SpecError
+
+RESULT_FILE = "bench_train.json"
+STAGES = ("distill", "finetune")
+#: issue 8's conversion target: 40M tokens (20M + 20M) within one hour of one GPU
+TARGET_TOKENS, TARGET_SECONDS = 40_000_000, 3600.0
+
+
+def parse_stages(value: str) -> list[str]:
+    """``"distill,finetune"`` -> ``["distill", "finetune"]`` in pipeline order."""
+    names = [v.strip() for v in str(value).split(",") if v.strip()]
+    bad = [n for n in names if n not in STAGES]
+    if not names or bad:
+        raise LinearizeError(f"--stages {value!r}: expected a comma list of {', '.join(STAGES)}")
+    return [s for s in STAGES if s in names]
+
+
+def _positive(name: str, value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise LinearizeError(f"{name} {value!r}: expected a whole number >= 1")
+    return value
+
+
+def _build(spec: str, *, random_weights: bool, tokenizer: str, dtype, device):
+    """``(model, tokenizer, name)``; random weights come with ``tokenizer``'s tokenizer."""
+    from .sources import load_model
+
+    if not random_weights:
+        model, tok = load_model(spec, dtype=dtype, device=device)
+        return model, tok, model.linearize_source.name
+    from transformers import AutoTokenizer
+
+    from .benchmodel import load_config, random_model
+    from .sources import local_dir, resolve
+
+    config, name = load_config(spec)
+    if config.model_type == "linearize":
+        raise SpecError(f"{spec}: a hybrid config; bench train needs the original model's config")
+    tok = AutoTokenizer.from_pretrained(local_dir(resolve(tokenizer)))
+    if len(tok) > config.vocab_size:
+        raise SpecError(f"--tokenizer {tokenizer}: its {len(tok):,} tokens do not fit {name}'s vocabulary of "
+                        f"{config.vocab_size:,}; pass a tokenizer with at most that many")
+    return random_model(config, dtype=dtype, device=device), tok, f"{name} (random weights)"
+
+
+def _stage_recipe(rec, stage: str, *, seq_len: int, batch: int, tokens: int):
+    return rec.with_overrides({f"{stage}.seq_len": seq_len, f"{stage}.batch_size": batch,
+                               f"{stage}.grad_accum": 1, f"{stage}.tokens": tokens, f"{stage}.eval_seqs": 1,
+                               f"{stage}.checkpoint_every": 1_000_000, f"{stage}.warmup_steps": 0})
+
+
+def _run_stage(model, tok, rec, stage: str, tokens: int, quiet: Callable[[str], None]) -> tuple[Any, dict]:
+    if stage == "distill":
+        from .distill import distill
+
+        return model, distill(model, tok, rec, state_dir=None, tokens=tokens, progress=False, log=quiet)
+    from .finetune import finetune
+
+    return finetune(model, tok, rec, state_dir=None, tokens=tokens, progress=False, log=quiet)
+
+
+def bench_train(spec: str, *, random_weights: bool = False, ratio: str = "3:1", recipe: str = "lolcats",
+                stages: str = "distill,finetune", seq_len: int = 2048, batch: int = 4, steps: int = 10,
+                warmup: int = 2, tokens: str | int | None = None, tokenizer: str = "smollm2-135m",
+                dtype: str | None = None, device: str | None = None, out_dir: Path | str = "bench-train",
+                log: Callable[[str], None] = print) -> dict:
+    """Time ``steps`` training steps of each stage after ``warmup`` steps; write ``out_dir/bench_train.json``."""
+    from . import recipe as recipes
+    from .benchmodel import _versions
+    from .checkpoint import check_output_dir
+    from .select import describe_layout, select_layout
+    from .sources import check_device, resolve_dtype
+    from .surgery import linearize_model
+
+    names = parse_stages(stages)
+    seq_len, batch, steps = _positive("--seq-len", seq_len), _positive("--batch", batch), _positive("--steps", steps)
+    warmup = _positive("--warmup-steps", warmup)
+    total = parse_tokens(tokens) if tokens is not None else None
+    rec = recipes.load(recipe)
+    check_device(device)
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dt = resolve_dtype(dtype, dev)
+    out_dir = Path(out_dir)
+    check_output_dir(out_dir, overwrite=True)
+    model, tok, name = _build(spec, random_weights=random_weights, tokenizer=tokenizer, dtype=dt, device=dev)
+    layer_types = select_layout(model.config.num_hidden_layers, ratio=ratio)
+    hybrid = linearize_model(model, layer_types, rec)
+    n = sum(p.numel() for p in hybrid.parameters())
+    size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+    log(f"{name}: {describe_layout(layer_types)}, {size} parameters, {str(dt).replace('torch.', '')} on {dev}")
+    result: dict[str, Any] = {
+        "model": name, "recipe": rec.name, "layout": describe_layout(layer_types), "device": str(dev),
+        "dtype": str(dt).replace("torch.", ""), "seq_len": seq_len, "batch": batch, "steps": steps,
+        "warmup_steps": warmup, "versions": _versions(), "date": time.strftime("%Y-%m-%d"), "stages": {},
+    }
+    step_tokens = seq_len * batch
+    quiet = lambda m: None  # noqa: E731 - the stages' own progress lines would drown the table
+    for stage in names:
+        row: dict[str, Any] = {"status": "ok"}
+        try:
+            srec = _stage_recipe(rec, stage, seq_len=seq_len, batch=batch, tokens=warmup * step_tokens)
+            hybrid, _ = _run_stage(hybrid, tok, srec, stage, warmup * step_tokens, quiet)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+                torch.cuda.reset_peak_memory_stats(dev)
+            srec = _stage_recipe(rec, stage, seq_len=seq_len, batch=batch, tokens=steps * step_tokens)
+            hybrid, rep = _run_stage(hybrid, tok, srec, stage, steps * step_tokens, quiet)
+            tps = float(rep["tokens_per_second"])  # from the unrounded training time of the timed run
+            row.update({"tokens": int(rep["tokens"]), "train_seconds": rep["train_seconds"],
+                        "tokens_per_second": tps, "seconds_per_step": round(step_tokens / max(tps, 1e-9), 4)})
+            if dev.type == "cuda":
+                row["peak_gib"] = round(torch.cuda.max_memory_allocated(dev) / 2**30, 2)
+            if stage == "finetune":
+                row["loss"] = rep.get("loss")
+        except ResourceError as e:
+            row = {"status": "oom", "note": str(e)}
+        result["stages"][stage] = row
+        log(f"{stage}: " + (f"{row['tokens_per_second']:,.0f} tokens/s ({row['seconds_per_step']} s/step"
+                            + (f", peak {row['peak_gib']} GiB" if "peak_gib" in row else "") + ")"
+                            if row["status"] == "ok" else row["note"]))
+        _write_result(out_dir, result)
+    result["projection"] = project(result["stages"], rec, total)
+    _write_result(out_dir, result)
+    return result
+
+
+def project(rows: dict[str, dict], rec, total: int | None) -> dict:
+    """Projected seconds of a conversion: each stage's budget over its measured tokens/s."""
+    if total is not None:
+        budgets = {"distill": total // 2, "finetune": total - total // 2}
+    else:
+        budgets = {s: parse_tokens(rec[s]["tokens"]) for s in STAGES}
+    out: dict[str, Any] = {"budgets": budgets}
+    if all(rows.get(s, {}).get("status") == "ok" for s in STAGES):
+        secs = {s: budgets[s] / rows[s]["tokens_per_second"] for s in STAGES}
+        out["seconds"] = {s: round(v, 1) for s, v in secs.items()}
+        out["total_seconds"] = round(sum(secs.values()), 1)
+        if sum(budgets.values()) == TARGET_TOKENS:
+            out["target"] = {"what": "a 40M-token conversion in <= 1 hour of one GPU",
+                             "met": out["total_seconds"] <= TARGET_SECONDS}
+    return out
+
+
+def _write_result(out_dir: Path, result: dict) -> None:
+    """Rewritten after every stage, so a run cut short keeps what it measured."""
+    from .benchmodel import _write
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _write(out_dir / RESULT_FILE, result)
+
+
+def print_result(result: dict, console=None) -> None:
+    """A table of the stages and the projected conversion time."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    table = Table(title=f"bench train: {result['model']} | {result['layout']} | {result['dtype']} on "
+                        f"{result['versions'].get('gpu', result['device'])} | batch {result['batch']} x "
+                        f"{result['seq_len']}")
+    for col in ("stage", "tokens/s", "s/step", "peak GiB", "projected"):
+        table.add_column(col, justify="right" if col != "stage" else "left")
+    proj = result.get("projection", {})
+    for stage, row in result["stages"].items():
+        if row["status"] != "ok":
+            table.add_row(stage, "oom", "", "", "")
+            continue
+        p = proj.get("seconds", {}).get(stage)
+        table.add_row(stage, f"{row['tokens_per_second']:,.0f}", f"{row['seconds_per_step']:.3f}",
+                      str(row.get("peak_gib", "n/a")),
+                      f"{proj['budgets'][stage] / 1e6:g}M tokens: {p / 60:.1f} min" if p else "")
+    console.print(table)
+    if "total_seconds" in proj:
+        line = f"projected conversion: {sum(proj['budgets'].values()) / 1e6:g}M tokens in {proj['total_seconds'] / 60:.1f} min"
+        if "target" in proj:
+            line += f" ({'meets' if proj['target']['met'] else 'misses'} the 1-hour target)"
+        console.print(line, highlight=False)
+

@@ -1,0 +1,134 @@
+"""Data-parallel training under ``torchrun``: process-group setup and the few helpers the stages use.
+
+``torchrun --nproc_per_node N -m linearize.cli convert ...`` starts N processes with ``WORLD_SIZE``,
+``RANK`` and ``LOCAL_RANK`` set. :func:`init` (called by the pipeline just before the model is loaded)
+joins them into one process group -- NCCL with each rank on ``cuda:LOCAL_RANK``, gloo on the CPU --
+and the training stages then shard every micro-batch's rows across ranks (:func:`shard`), average
+gradients with :class:`torch.nn.parallel.DistributedDataParallel` and log global means
+(:func:`all_reduce_mean`). The global batch and the number of steps are those of the single-process
+run, so N ranks reach the same losses at about N times the throughput. Rank 0 alone writes files
+and prints (:func:`is_main`). Without torchrun every helper is a no-op and nothing changes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+
+import torch
+
+__all__ = ["enabled", "init", "world_size", "rank", "is_main", "barrier", "shard", "all_reduce_mean",
+           "broadcast_object", "check_batch", "wrap", "destroy"]
+
+
+def enabled() -> bool:
+    """True when started by torchrun with more than one process."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ and "LOCAL_RANK" in os.environ
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1")) if enabled() else 1
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0")) if enabled() else 0
+
+
+def is_main() -> bool:
+    """Rank 0, or the only process: the one that prints and writes."""
+    return rank() == 0
+
+
+def _ready() -> bool:
+    return enabled() and torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def init(device: str | None = None) -> str | None:
+    """Join the torchrun process group (once) and return this rank's device; without torchrun, ``device``.
+
+    On CUDA (the default when a GPU is visible, or ``--device cuda``) each rank takes ``cuda:LOCAL_RANK``
+    and the NCCL backend; on the CPU the gloo backend.
+    """
+    if not enabled():
+        return device
+    dist = torch.distributed
+    local = int(os.environ["LOCAL_RANK"])
+    cuda = (device is None and torch.cuda.is_available()) or (device is not None and device.startswith("cuda"))
+    if cuda:
+        device = f"cuda:{local}"
+        torch.cuda.set_device(local)
+    else:
+        device = device or "cpu"
+    if not dist.is_initialized():
+        if cuda:
+            dist.init_process_group("nccl", device_id=torch.device(device))
+        else:
+            dist.init_process_group("gloo")
+        atexit.register(destroy)
+    return device
+
+
+def destroy() -> None:
+    """Leave the process group (registered at exit by :func:`init`)."""
+    if _ready():
+        torch.distributed.destroy_process_group()
+
+
+def barrier() -> None:
+    """Wait for every rank (no-op without torchrun)."""
+    if _ready():
+        torch.distributed.barrier()
+
+
+def shard(batch: torch.Tensor) -> torch.Tensor:
+    """This rank's contiguous share of a global micro-batch's rows (``[B, T] -> [B / N, T]``)."""
+    n = world_size()
+    if n == 1:
+        return batch
+    rows = batch.shape[0] // n  # divisibility is checked by the stages before training
+    return batch[rank() * rows: (rank() + 1) * rows]
+
+
+def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
+    """The mean of ``t`` over ranks (a new, detached tensor); ``t`` itself without torchrun."""
+    if not _ready():
+        return t
+    out = t.detach().clone()
+    torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.SUM)
+    return out / world_size()
+
+
+def check_batch(stage: str, batch_size: int) -> None:
+    """One line when the global micro-batch cannot be split evenly over the ranks."""
+    n = world_size()
+    if batch_size % n:
+        from .errors import TrainingError
+
+        raise TrainingError(f"{stage}.batch_size {batch_size} cannot be split over {n} torchrun processes; use a "
+                            f"multiple of {n} (--set {stage}.batch_size=...): every step's global batch is sharded "
+                            f"by rows")
+
+
+def wrap(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """``module`` in :class:`~torch.nn.parallel.DistributedDataParallel` (gradients averaged over ranks
+    after each backward outside ``no_sync``); ``module`` itself without torchrun. Only parameters that
+    require grad are reduced; DDP's initial broadcast makes every rank start from rank 0's weights."""
+    if not _ready():
+        return module
+    from torch.nn.parallel import DistributedDataParallel
+
+    import inspect
+
+    # the buffers (rotary tables) are the same everywhere: no per-forward broadcast
+    params = inspect.signature(DistributedDataParallel).parameters
+    quiet = {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
+    return DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None, **quiet)
+
+
+def broadcast_object(obj):
+    """Rank 0's ``obj`` on every rank (a picklable value, e.g. a layer layout); ``obj`` without torchrun."""
+    if not _ready():
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]

@@ -1,0 +1,72 @@
+"""`linearize bench train`: both stages timed on a tiny random config on CPU, the projection, bad inputs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import run_cli
+from linearize import benchtrain as bt
+
+# the embedded tokenizer (49,152 tokens) must fit the vocabulary of a --random-weights model
+TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 49152,
+        "max_position_embeddings": 1024, "tie_word_embeddings": True, "rms_norm_eps": 1e-5, "rope_theta": 10000.0}
+
+
+@pytest.fixture()
+def tiny(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps(TINY))
+    return path
+
+
+def test_both_stages_timed_and_projected(tiny, tmp_path, embedded_dir):
+    out = tmp_path / "bt"
+    r = run_cli("bench", "train", str(tiny), "--random-weights", "--device", "cpu", "--seq-len", "128", "--batch", "2",
+                "--steps", "3", "--warmup-steps", "1", "--tokens", "40M", "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    res = json.loads((out / bt.RESULT_FILE).read_text())
+    assert res["layout"].startswith("LLLS") and res["seq_len"] == 128 and res["batch"] == 2
+    for stage in ("distill", "finetune"):
+        row = res["stages"][stage]
+        assert row["status"] == "ok" and row["tokens"] == 3 * 2 * 128 and row["tokens_per_second"] > 0
+        assert row["seconds_per_step"] == pytest.approx(256 / row["tokens_per_second"], rel=1e-3)
+    proj = res["projection"]
+    assert proj["budgets"] == {"distill": 20_000_000, "finetune": 20_000_000}
+    want = sum(proj["budgets"][s] / res["stages"][s]["tokens_per_second"] for s in ("distill", "finetune"))
+    assert proj["total_seconds"] == pytest.approx(want, rel=1e-3)
+    assert proj["target"]["met"] == (proj["total_seconds"] <= 3600)
+    assert "projected conversion: 40M tokens" in r.stdout
+
+
+def test_projection_uses_the_recipe_budgets_without_tokens():
+    from linearize import recipe as R
+
+    rows = {"distill": {"status": "ok", "tokens_per_second": 1000.0},
+            "finetune": {"status": "ok", "tokens_per_second": 500.0}}
+    rec = R.load("lolcats", {"distill.tokens": "1M", "finetune.tokens": "2M"})
+    proj = bt.project(rows, rec, None)
+    assert proj["seconds"] == {"distill": 1000.0, "finetune": 4000.0} and "target" not in proj
+    assert "seconds" not in bt.project({"distill": rows["distill"]}, rec, 40_000_000)  # a stage missing: no total
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--stages", "distill,bogus"], "--stages"),
+    (["--steps", "0"], "--steps 0"),
+    (["--tokenizer", "smollm2-135m", "--seq-len", "-1"], "--seq-len"),
+])
+def test_bad_input_is_one_line(tiny, tmp_path, args, needle):
+    r = run_cli("bench", "train", str(tiny), "--random-weights", "--device", "cpu", *args, "-o", str(tmp_path / "bt"))
+    assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr
+    assert len([ln for ln in r.stderr.splitlines() if ln.strip()]) == 1
+    assert not (tmp_path / "bt").exists()
+
+
+def test_vocabulary_too_small_for_the_tokenizer(tmp_path, embedded_dir):
+    path = tmp_path / "small_vocab.json"
+    path.write_text(json.dumps({**TINY, "vocab_size": 256}))
+    r = run_cli("bench", "train", str(path), "--random-weights", "--device", "cpu", "-o", str(tmp_path / "bt"))
+    assert r.returncode == 2 and "do not fit" in r.stderr and "Traceback" not in r.stderr
