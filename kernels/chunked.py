@@ -64,7 +64,7 @@ def linear_attention_chunked(
 ) -> Tuple[torch.Tensor, Optional[State]]:
     """Chunked causal linear attention (same contract as the reference)."""
     B, T, H, K = q.shape
-    Hk, V = k.shape[2], v.shape[-1]
+    Hk = k.shape[2]
     G = H // Hk
     C = chunk_size
     N = max(1, math.ceil(T / C))
@@ -124,7 +124,7 @@ def window_linear_attention_chunked(
     before chunk ``n-P`` come from the carried linear state.
     """
     B, T, H, D = q.shape
-    Hk, Kf, V = k.shape[2], fk.shape[-1], v.shape[-1]
+    Hk = k.shape[2]
     G = H // Hk
     W = int(window)
     if scale is None:

@@ -20,7 +20,7 @@ from transformers.cache_utils import Cache
 
 from .attention import LinearAttention, arch_spec
 from .cache import HybridCache
-from .select import FULL, LINEAR
+from .select import LINEAR
 
 #: base-config fields that belong to the hybrid and must not be passed to the base config class
 _OWN_FIELDS = ("base_model_type", "layer_types", "linear_attention", "base_layer_types", "linearize_version")

@@ -51,7 +51,7 @@ def convert(spec: str, *, ratio: str | None = None, softmax_layers: str | None =
     """
     rec = recipes.load(recipe, overrides)
     mode = check_select(select, kv_budget=kv_budget, ratio_given=ratio is not None)
-    ratio_given, ratio = ratio is not None, ratio or "3:1"
+    ratio = ratio or "3:1"
     if softmax_layers is not None:
         parse_layer_list(softmax_layers)
     else:
@@ -208,7 +208,7 @@ def auto_report(hybrid, rec, plan: dict[str, Any], probe, *, train: bool, log: C
 def split_tokens(tokens, distill_tokens, finetune_tokens, finetune: bool = True):
     """Per-stage budgets: ``--tokens`` splits evenly across the stages that run (LoLCATs: 20M + 20M);
     ``--distill-tokens`` / ``--finetune-tokens`` set one stage; None keeps the recipe's."""
-    for name, v in (("--tokens", tokens), ("--distill-tokens", distill_tokens), ("--finetune-tokens", finetune_tokens)):
+    for v in (tokens, distill_tokens, finetune_tokens):
         if v is not None:
             parse_tokens(v)  # one-line error for a bad budget
     if tokens is not None:

@@ -380,7 +380,7 @@ def _loader(models):
 def test_run_eval_side_by_side(tmp_path, tiny, tok):
     out = tmp_path / "report"
     loader = _loader({"tiny": (tiny, tok), "orig": (tiny, tok)})
-    summary = run_eval("tiny", "niah:single-filler+multikey,passkey,ppl:512,recall:4+8,agreement:8,speed:4", against="orig",
+    run_eval("tiny", "niah:single-filler+multikey,passkey,ppl:512,recall:4+8,agreement:8,speed:4", against="orig",
                        out_dir=out, lengths="256,512", depths=3, seeds=1, max_new_tokens=6, loader=loader,
                        progress=False)
     assert [c[0] for c in loader.calls] == ["orig", "tiny"]  # the original first, one model at a time
