@@ -192,6 +192,29 @@ def verify_checkpoint(directory: Path, hashes: bool = False) -> None:
             raise OutputError(f"{p}: sha256 does not match the index (edited or corrupt)")
 
 
+def stage_summary(reports: dict[str, Any]) -> list[str]:
+    """A markdown table of the training stages: tokens, time, throughput and what each stage reached."""
+    rows = []
+    for stage, rep in reports.items():
+        if stage not in ("distill", "finetune") or "tokens" not in rep:
+            continue
+        if stage == "distill" and "heldout_mse_end_mean" in rep:
+            result = (f"held-out attention MSE {rep['heldout_mse_start_mean']:.4g} → {rep['heldout_mse_end_mean']:.4g} "
+                      f"({rep['heldout_mse_reduction_mean']:.1f}× per layer)")
+        elif stage == "finetune" and "heldout_ppl_end" in rep:
+            ratio = rep["heldout_ppl_end"] / rep["heldout_ppl_teacher"]
+            result = (f"held-out ppl {rep['heldout_ppl_start']:.2f} → {rep['heldout_ppl_end']:.2f}, teacher "
+                      f"{rep['heldout_ppl_teacher']:.2f} ({ratio:.3f}×); loss {rep.get('loss')}")
+        else:
+            result = ""
+        rows.append(f"| {stage} | {rep['tokens']:,} | {rep.get('train_seconds', '')} s | "
+                    f"{rep.get('tokens_per_second', 0):,.0f} | {result} |")
+    if not rows:
+        return []
+    return ["| stage | tokens | training time | tokens/s | result |", "|---|---:|---:|---:|---|", *rows, "",
+            "Every field of each stage's report:", ""]
+
+
 def model_card(model, *, base: str, recipe_name: str, reports: dict[str, Any]) -> str:
     """The checkpoint's README.md: metadata front matter, layer map, how to load, scores."""
     from . import __version__
@@ -229,6 +252,7 @@ def model_card(model, *, base: str, recipe_name: str, reports: dict[str, Any]) -
     ]
     if not reports:
         lines.append("Surgery only: the linear layers are untrained (run `linearize distill`).")
+    lines += stage_summary(reports)
     for stage, rep in reports.items():
         lines.append(f"- **{stage}**: " + ", ".join(f"{k}={v}" for k, v in rep.items() if not isinstance(v, (dict, list))))
     if "select" in reports:  # --select auto: the per-layer scores behind the layout

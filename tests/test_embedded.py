@@ -149,6 +149,8 @@ def test_short_all_stages_end_to_end(tmp_path, embedded_dir):
     assert f["steps"] == 2 and f["tokens"] == 256 and f["merged"]
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert not any("lora" in k for k in index["weight_map"])  # adapters merged: no peft needed to load
+    card = (out / "README.md").read_text()  # the model card summarizes both stages: tokens, time, quality
+    assert "| distill | 256 |" in card and "| finetune | 256 |" in card and "teacher" in card
     res = run_cli("finetune", str(out), "--adapter-only", "--tokens", "256", "--loss", "kl", *small[6:])
     assert res.returncode == 0, res.stderr[-3000:]
     adapter = tmp_path / "OUT-adapter"
