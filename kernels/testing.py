@@ -88,18 +88,22 @@ TOL = {torch.float32: 2e-5, torch.bfloat16: 1e-2}
 # generic checks: a path vs the float64 reference, outputs, final state and all gradients
 
 
+def _backward_random(o, S, z, seed):
+    """Backpropagate seeded float64 random cotangents of the output and the final state."""
+    g = torch.Generator().manual_seed(seed)
+    do = torch.randn(o.shape, generator=g, dtype=F64).to(o.device)
+    dS = torch.randn(S.shape, generator=g, dtype=F64).to(o.device)
+    dz = torch.randn(z.shape, generator=g, dtype=F64).to(o.device)
+    ((o.double() * do).sum() + (S.double() * dS).sum() + (z.double() * dz).sum()).backward()
+
+
 def run_linear(backend, inp, *, normalize=True, dtype=None, seed=1):
     x = leaves(inp, dtype=dtype)
     o, (S, z) = linear_attention(
         x["q"], x["k"], x["v"], normalize=normalize, initial_state=x.get("initial_state"),
         output_final_state=True, backend=backend,
     )
-    g = torch.Generator().manual_seed(seed)
-    do = torch.randn(o.shape, generator=g, dtype=F64).to(o.device)
-    dS = torch.randn(S.shape, generator=g, dtype=F64).to(o.device)
-    dz = torch.randn(z.shape, generator=g, dtype=F64).to(o.device)
-    loss = (o.double() * do).sum() + (S.double() * dS).sum() + (z.double() * dz).sum()
-    loss.backward()
+    _backward_random(o, S, z, seed)
     return o, (S, z), grads(x)
 
 
@@ -134,12 +138,7 @@ def run_window(backend, inp, *, window, dtype=None, seed=1):
         x["q"], x["k"], x["fq"], x["fk"], x["v"], x["window_factor"], window=window,
         initial_state=x.get("initial_state"), output_final_state=True, backend=backend,
     )
-    g = torch.Generator().manual_seed(seed)
-    do = torch.randn(o.shape, generator=g, dtype=F64).to(o.device)
-    dS = torch.randn(S.shape, generator=g, dtype=F64).to(o.device)
-    dz = torch.randn(z.shape, generator=g, dtype=F64).to(o.device)
-    loss = (o.double() * do).sum() + (S.double() * dS).sum() + (z.double() * dz).sum()
-    loss.backward()
+    _backward_random(o, S, z, seed)
     return o, (S, z), grads(x)
 
 

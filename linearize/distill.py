@@ -28,8 +28,8 @@ import torch
 
 from . import distributed as dist
 from .data import heldout_sequences, num_batches, packed_batches, parse_tokens
-from .errors import TrainingError, TrainingInterrupted
-from .guards import LossGuard, is_oom
+from .errors import TrainingError, TrainingInterrupted  # noqa: F401 - re-exported for callers
+from .guards import LossGuard
 
 
 def trainable_parameters(model) -> list[torch.nn.Parameter]:
@@ -179,7 +179,7 @@ def distill(model, tokenizer, recipe, *, state_dir: Path | None = None, resume: 
                    TextColumn("{task.fields[info]}"), TimeRemainingColumn(), disable=not (progress and dist.is_main()),
                    transient=False)
     try:
-        with bar:
+        with guard.stops(run, total_steps, save, opt), bar:
             task = bar.add_task("distill", total=total_steps, completed=step, info="")
             while run["step"] < total_steps:
                 opt.zero_grad(set_to_none=True)
@@ -212,16 +212,6 @@ def distill(model, tokenizer, recipe, *, state_dir: Path | None = None, resume: 
                            f"L{history[-1]['worst_layer']} {per_layer[worst]:.4f}  {rate:,.0f} tok/s")
                 if run["step"] % cfg["checkpoint_every"] == 0 or run["step"] == total_steps:
                     save()
-    except KeyboardInterrupt:
-        if ckpt is None:
-            raise
-        save()  # parameters and optimizer as of the last completed step
-        raise TrainingInterrupted(f"distill interrupted at step {run['step']}/{total_steps}; checkpoint saved in "
-                                  f"{ckpt.parent}; run the same command with --resume to continue") from None
-    except Exception as e:  # out of memory: save like Ctrl-C, then one line (anything else propagates)
-        if not is_oom(e):
-            raise
-        raise guard.out_of_memory(e, step=run["step"], total=total_steps, save=save, optimizer=opt) from None
     finally:
         for m in model.linear_modules():
             m.xent_rows = 0

@@ -288,62 +288,51 @@ def finetune(model, tokenizer, recipe, *, state_dir: Path | None = None, resume:
 
         from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-        from .guards import LossGuard, is_oom
+        from .guards import LossGuard
 
         guard = LossGuard("finetune", cfg, ckpt=ckpt, dtype=next(model.parameters()).dtype)
         bar = Progress(TextColumn("finetune"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
                        TextColumn("{task.fields[info]}"), TimeRemainingColumn(),
                        disable=not (progress and dist.is_main()), transient=False)
-        try:
-            with bar:
-                task = bar.add_task("finetune", total=total_steps, completed=step, info="")
-                while run["step"] < total_steps:
-                    opt.zero_grad(set_to_none=True)
-                    step_loss = 0.0
-                    for i in range(accum):
-                        full = next(batches)  # the global micro-batch [B, T]; this rank trains on its rows
-                        batch = dist.shard(full).to(device)
-                        sync = ddp.no_sync() if i < accum - 1 and ddp is not peft_model else contextlib.nullcontext()
-                        with sync:
-                            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_autocast):
-                                if loss_kind == "xent":
-                                    micro = ddp(input_ids=batch, labels=batch, use_cache=False).loss
-                                else:
-                                    t_logits = _teacher_logits(peft_model, model, batch)  # [B, T, V], no grad
-                                    s_logits = ddp(input_ids=batch, use_cache=False).logits
-                                    micro = _kl(t_logits, s_logits)
-                                    del t_logits, s_logits
-                            global_micro = dist.all_reduce_mean(micro.detach())  # the global batch's loss
-                            guard.check(global_micro, run["step"])  # NaN/Inf or exploding: stop before the update
-                            (micro / accum).backward()
-                        step_loss += global_micro.float().item() / accum
-                        run["tokens_seen"] += full.numel()
-                        run["tokens_this_run"] += full.numel()
-                    grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
-                    if not torch.isfinite(grad_norm):
-                        raise TrainingError(f"finetune: non-finite gradient at step {run['step']}; the last good "
-                                            f"checkpoint is kept ({ckpt or 'none'}); try a lower finetune.lr")
-                    lr = sched.get_last_lr()[0]
-                    opt.step()
-                    sched.step()
-                    run["step"] += 1
-                    run["rng"] = _rng_state(device)  # a step boundary: what a resumed run starts from
-                    run["history"] = (run["history"] + [{"step": run["step"], "loss": step_loss, "lr": lr}])[-200:]
-                    rate = run["tokens_this_run"] / max(1e-9, time.time() - t_train)
-                    bar.update(task, completed=run["step"],
-                               info=f"{loss_kind} {step_loss:.4f}  lr {lr:.2e}  {rate:,.0f} tok/s")
-                    if run["step"] % cfg["checkpoint_every"] == 0 or run["step"] == total_steps:
-                        save()
-        except KeyboardInterrupt:
-            if ckpt is None:
-                raise
-            save()  # adapters and optimizer as of the last completed step
-            raise TrainingInterrupted(f"finetune interrupted at step {run['step']}/{total_steps}; checkpoint saved "
-                                      f"in {ckpt.parent}; run the same command with --resume to continue") from None
-        except Exception as e:  # out of memory: save like Ctrl-C, then one line (anything else propagates)
-            if not is_oom(e):
-                raise
-            raise guard.out_of_memory(e, step=run["step"], total=total_steps, save=save, optimizer=opt) from None
+        with guard.stops(run, total_steps, save, opt), bar:
+            task = bar.add_task("finetune", total=total_steps, completed=step, info="")
+            while run["step"] < total_steps:
+                opt.zero_grad(set_to_none=True)
+                step_loss = 0.0
+                for i in range(accum):
+                    full = next(batches)  # the global micro-batch [B, T]; this rank trains on its rows
+                    batch = dist.shard(full).to(device)
+                    sync = ddp.no_sync() if i < accum - 1 and ddp is not peft_model else contextlib.nullcontext()
+                    with sync:
+                        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_autocast):
+                            if loss_kind == "xent":
+                                micro = ddp(input_ids=batch, labels=batch, use_cache=False).loss
+                            else:
+                                t_logits = _teacher_logits(peft_model, model, batch)  # [B, T, V], no grad
+                                s_logits = ddp(input_ids=batch, use_cache=False).logits
+                                micro = _kl(t_logits, s_logits)
+                                del t_logits, s_logits
+                        global_micro = dist.all_reduce_mean(micro.detach())  # the global batch's loss
+                        guard.check(global_micro, run["step"])  # NaN/Inf or exploding: stop before the update
+                        (micro / accum).backward()
+                    step_loss += global_micro.float().item() / accum
+                    run["tokens_seen"] += full.numel()
+                    run["tokens_this_run"] += full.numel()
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+                if not torch.isfinite(grad_norm):
+                    raise TrainingError(f"finetune: non-finite gradient at step {run['step']}; the last good "
+                                        f"checkpoint is kept ({ckpt or 'none'}); try a lower finetune.lr")
+                lr = sched.get_last_lr()[0]
+                opt.step()
+                sched.step()
+                run["step"] += 1
+                run["rng"] = _rng_state(device)  # a step boundary: what a resumed run starts from
+                run["history"] = (run["history"] + [{"step": run["step"], "loss": step_loss, "lr": lr}])[-200:]
+                rate = run["tokens_this_run"] / max(1e-9, time.time() - t_train)
+                bar.update(task, completed=run["step"],
+                           info=f"{loss_kind} {step_loss:.4f}  lr {lr:.2e}  {rate:,.0f} tok/s")
+                if run["step"] % cfg["checkpoint_every"] == 0 or run["step"] == total_steps:
+                    save()
         del ddp
         step, tokens_seen, tokens_this_run, history = (run["step"], run["tokens_seen"], run["tokens_this_run"],
                                                        run["history"])

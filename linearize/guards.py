@@ -22,15 +22,16 @@ check off (a run whose loss legitimately jumps, e.g. a data set that switches do
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from .errors import ResourceError, TrainingError
+from .errors import ResourceError, TrainingError, TrainingInterrupted
 
 #: a micro-batch loss above this multiple of its running mean stops the run
 MAX_LOSS_RATIO = 100.0
@@ -213,6 +214,26 @@ class LossGuard:
         return f"start over with a lower learning rate, e.g. {tip}"
 
     # -- out of memory ---------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def stops(self, run: dict[str, Any], total: int, save: Callable[[], None],
+              optimizer: torch.optim.Optimizer | None = None) -> Iterator[None]:
+        """Around a training loop (``run["step"]`` = optimizer steps completed): Ctrl-C saves the state and
+        ends in a one-line note on how to resume; out of memory saves it too (:meth:`out_of_memory`);
+        anything else propagates."""
+        try:
+            yield
+        except KeyboardInterrupt:
+            if self.ckpt is None:
+                raise
+            save()  # trainable parameters and optimizer as of the last completed step
+            raise TrainingInterrupted(f"{self.stage} interrupted at step {run['step']}/{total}; checkpoint saved "
+                                      f"in {Path(self.ckpt).parent}; run the same command with --resume to "
+                                      f"continue") from None
+        except Exception as e:  # noqa: BLE001 - only out of memory is turned into a message
+            if not is_oom(e):
+                raise
+            raise self.out_of_memory(e, step=run["step"], total=total, save=save, optimizer=optimizer) from None
 
     def out_of_memory(self, exc: BaseException, *, step: int, total: int, save: Callable[[], None] | None = None,
                       optimizer: torch.optim.Optimizer | None = None) -> ResourceError:

@@ -60,3 +60,17 @@ def run_cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     """Run ``linearize ARGS`` in a fresh interpreter; capture output."""
     return subprocess.run([sys.executable, "-m", "linearize.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, "COLUMNS": "200"})
+
+
+def tiny_workspace(root: Path, tokenizer, layers: int) -> Path:
+    """``root/tiny``: a tiny llama (vocab 64) with ``tokenizer``; ``root/corpus.txt``: 300 short documents."""
+    import random
+
+    model = tiny_model("llama", layers=layers)
+    model.resize_token_embeddings(64)
+    model.save_pretrained(root / "tiny")
+    tokenizer.save_pretrained(root / "tiny")
+    rng = random.Random(0)
+    words = ["alpha", "beta", "gamma", "delta", "river", "stone", "light", "north"]
+    (root / "corpus.txt").write_text("\n\n".join(" ".join(rng.choice(words) for _ in range(60)) for _ in range(300)))
+    return root

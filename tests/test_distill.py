@@ -14,6 +14,20 @@ def _tokenizer():
     return char_tokenizer()
 
 
+def interrupt_after_save(monkeypatch, module, step: int):
+    """Make ``module._save_state`` raise KeyboardInterrupt once, right after saving ``step``; returns the real one."""
+    real_save = module._save_state
+
+    def save_then_die(path, state):
+        real_save(path, state)
+        if state["step"] == step and not getattr(save_then_die, "fired", False):
+            save_then_die.fired = True
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(module, "_save_state", save_then_die)
+    return real_save
+
+
 @pytest.fixture()
 def corpus(tmp_path):
     import random
@@ -59,15 +73,7 @@ def test_resume_matches_uninterrupted(corpus, monkeypatch, tmp_path):
     D.distill(a, tok, rec, state_dir=tmp_path / "a", progress=False, log=lambda m: None)
 
     b = _hybrid()
-    real_save = D._save_state
-
-    def save_then_die(path, state):
-        real_save(path, state)
-        if state["step"] == 4 and not getattr(save_then_die, "fired", False):
-            save_then_die.fired = True
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(D, "_save_state", save_then_die)
+    real_save = interrupt_after_save(monkeypatch, D, step=4)
     with pytest.raises((KeyboardInterrupt, D.TrainingInterrupted)):
         D.distill(b, tok, rec, state_dir=tmp_path / "b", progress=False, log=lambda m: None)
     monkeypatch.setattr(D, "_save_state", real_save)

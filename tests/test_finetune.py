@@ -14,7 +14,7 @@ from linearize import recipe as R
 from linearize.modeling import LinearizeForCausalLM
 from linearize.select import select_layout
 from linearize.surgery import linearize_model
-from test_distill import _tokenizer, corpus  # noqa: F401 - the corpus fixture is used by name
+from test_distill import _tokenizer, corpus, interrupt_after_save  # noqa: F401 - the corpus fixture is used by name
 
 QUIET = dict(progress=False, log=lambda m: None)
 
@@ -162,15 +162,7 @@ def test_resume_matches_uninterrupted(corpus, monkeypatch, tmp_path):
     rec = _recipe(corpus, steps=8, checkpoint_every=2, lora_dropout=0.1)  # dropout: the RNG must resume too
     a, rep_a = FT.finetune(_hybrid(), tok, rec, state_dir=tmp_path / "a", **QUIET)
 
-    real_save = FT._save_state
-
-    def save_then_die(path, state):
-        real_save(path, state)
-        if state["step"] == 4 and not getattr(save_then_die, "fired", False):
-            save_then_die.fired = True
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(FT, "_save_state", save_then_die)
+    real_save = interrupt_after_save(monkeypatch, FT, step=4)
     b = _hybrid()
     with pytest.raises((KeyboardInterrupt, FT.TrainingInterrupted)):
         FT.finetune(b, tok, rec, state_dir=tmp_path / "b", **QUIET)

@@ -10,24 +10,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import char_tokenizer, tiny_model
+from conftest import char_tokenizer, tiny_workspace
 
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
     """A tiny local model directory (with tokenizer) and a text corpus."""
-    import random
-
-    root = tmp_path_factory.mktemp("ws")
-    tokenizer = char_tokenizer()
-    model = tiny_model("llama", layers=2)
-    model.resize_token_embeddings(64)
-    model.save_pretrained(root / "tiny")
-    tokenizer.save_pretrained(root / "tiny")
-    rng = random.Random(0)
-    words = ["alpha", "beta", "gamma", "delta", "river", "stone", "light", "north"]
-    (root / "corpus.txt").write_text("\n\n".join(" ".join(rng.choice(words) for _ in range(60)) for _ in range(300)))
-    return root
+    return tiny_workspace(tmp_path_factory.mktemp("ws"), char_tokenizer(), layers=2)
 
 
 def _args(ws, out, *extra):

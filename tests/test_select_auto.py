@@ -2,12 +2,11 @@
 determinism, cache), and `convert --select auto` through the CLI."""
 
 import json
-import random
 
 import pytest
 import torch
 
-from conftest import char_tokenizer, run_cli, tiny_model
+from conftest import char_tokenizer, run_cli, tiny_model, tiny_workspace
 from linearize import pipeline
 from linearize import probe as P
 from linearize import recipe as R
@@ -27,16 +26,8 @@ def _one_thread():
 @pytest.fixture(scope="module")
 def ws(tmp_path_factory):
     """A tiny 4-layer llama directory with a character tokenizer (digits included, for passkeys) and a corpus."""
-    root = tmp_path_factory.mktemp("auto")
     tokenizer = char_tokenizer("abcdefghijklmnopqrstuvwxyz0123456789 .,?", lowercase=True)
-    model = tiny_model("llama", layers=4)
-    model.resize_token_embeddings(64)
-    model.save_pretrained(root / "tiny")
-    tokenizer.save_pretrained(root / "tiny")
-    rng = random.Random(0)
-    words = ["alpha", "beta", "gamma", "delta", "river", "stone", "light", "north"]
-    (root / "corpus.txt").write_text("\n\n".join(" ".join(rng.choice(words) for _ in range(60)) for _ in range(300)))
-    return root
+    return tiny_workspace(tmp_path_factory.mktemp("auto"), tokenizer, layers=4)
 
 
 def _overrides(ws, **extra):
