@@ -92,9 +92,10 @@ def plan_segments(cfg: dict, N: int, progs: int, device: torch.device) -> tuple[
     if cfg.get("force_segments"):
         nseg = min(N, int(cfg["force_segments"]))
     elif device.type == "cuda":
-        target = cfg["fwd_waves"] * num_sms(device)
-        if progs < target and N >= 4:
-            nseg = min(N // 2, triton.cdiv(int(target), progs))
+        sms = num_sms(device)
+        # split only when the grid leaves most SMs idle; then aim for fwd_waves programs per SM
+        if progs < cfg["split_below_waves"] * sms and N >= 4:
+            nseg = min(N // 2, triton.cdiv(int(cfg["fwd_waves"] * sms), progs))
     seg_chunks = triton.cdiv(N, nseg)
     return triton.cdiv(N, seg_chunks), seg_chunks
 
@@ -179,6 +180,36 @@ def _scan_kernel(
         if DO_Z:
             if pv == 0:
                 tl.store(FIN_Z + (bh.to(tl.int64) * NSEG + seg) * K + ok, accz, mask=mk)
+
+
+@triton.jit
+def _row_stats_kernel(DO, O, DEN, INVD, DD, R, V: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr):
+    # rows of do, o [R, V] (any dtype) and den [R] fp32 -> invd = 1/den, dd = -(do.o)/den  [R] fp32
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    mr = rows < R
+    ov = tl.arange(0, BV)
+    m = mr[:, None] & (ov[None, :] < V)
+    do = tl.load(DO + rows[:, None] * V + ov[None, :], mask=m, other=0.0).to(tl.float32)
+    o = tl.load(O + rows[:, None] * V + ov[None, :], mask=m, other=0.0).to(tl.float32)
+    den = tl.load(DEN + rows, mask=mr, other=1.0)
+    invd = 1.0 / den
+    tl.store(INVD + rows, invd, mask=mr)
+    tl.store(DD + rows, -tl.sum(do * o, 1) * invd, mask=mr)
+
+
+def row_stats(do: torch.Tensor, o: torch.Tensor, den: torch.Tensor):
+    """``(1/den, -(do.o)/den)`` per row, fp32 ``[B,T,H]``, in one pass over ``do`` and ``o`` ``[B,T,H,V]``.
+
+    (The PyTorch expression would materialise fp32 copies of both, ~6x the bytes.)
+    """
+    V = o.shape[-1]
+    R = o.numel() // V
+    invd = torch.empty(den.shape, dtype=torch.float32, device=o.device)
+    dd = torch.empty(den.shape, dtype=torch.float32, device=o.device)
+    BV = pow2(V)
+    BR = max(1, min(64, 8192 // BV))
+    _row_stats_kernel[(triton.cdiv(R, BR),)](do, o, den, invd, dd, R, V=V, BV=BV, BR=BR, num_warps=4)
+    return invd, dd
 
 
 def scan_states(

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import fwd_blocks, launch, mm, new_empty, plan_segments, pow2, prec, scan_states
+from .triton_common import fwd_blocks, launch, mm, new_empty, plan_segments, pow2, prec, row_stats, scan_states
 
 BT_DEFAULT = 64
 
@@ -232,12 +232,40 @@ CONFIG = {  # picked by linearize.bench.tune_kernels on an H200 (triton 3.6), se
     "fwd_bv": 128,  # value block of the forward kernel (capped so the [K, BV] state fits)
     "fwd_warps": 8,
     "fwd_stages": 3,
-    "fwd_waves": 2.0,  # aim for this many programs per SM before splitting into segments
+    "split_below_waves": 0.5,  # cut sequences into segments only below this many programs per SM ...
+    "fwd_waves": 4.0,  # ... and then into enough segments for this many (H200 sweep, 2026-11-30)
     "bwd_bk": 128,
     "bwd_bv": 128,
     "bwd_warps": 4,
     "scan_warps": 4,
 }
+
+
+def _segment_starts(x, y, heads, init, nseg, seg_chunks, BT, *, reverse=False, a=None, u=None):
+    """State entering each segment: ``init`` plus the sum over the segments before it (after it when
+    ``reverse``) of ``(a x)^T y`` and ``sum u x``. Returns ``(S [B,heads,NSEG,K,V], z [B,heads,NSEG,K])``
+    fp32, or ``(None, None)`` for one segment and no ``init``; ``init = (S, z or None)``."""
+    f32 = torch.float32
+    S0, z0 = init if init is not None else (None, None)
+    if nseg == 1:
+        if S0 is None:
+            return None, None
+        if z0 is None:
+            z0 = torch.zeros(S0.shape[:-1], device=S0.device, dtype=f32)
+        return S0.to(f32).contiguous().unsqueeze(2), z0.to(f32).contiguous().unsqueeze(2)
+    _, _, part, partz = scan_states(x, y, heads=heads, a=a, u=u, per_chunk=False, store_final=True, do_z=True,
+                                    segments=nseg, seg_chunks=seg_chunks, BT=BT, num_warps=CONFIG["scan_warps"])
+    if reverse:  # exclusive: the segments after each one
+        seg_S = part.flip(2).cumsum(2).flip(2) - part
+        seg_z = partz.flip(2).cumsum(2).flip(2) - partz
+    else:
+        seg_S = torch.cumsum(part, 2) - part
+        seg_z = torch.cumsum(partz, 2) - partz
+    if S0 is not None:
+        seg_S += S0.to(f32).unsqueeze(2)
+    if z0 is not None:
+        seg_z += z0.to(f32).unsqueeze(2)
+    return seg_S.contiguous(), seg_z.contiguous()
 
 
 def _fwd(q, k, v, S0, z0, normalize, eps, want_final, store_den):
@@ -254,19 +282,7 @@ def _fwd(q, k, v, S0, z0, normalize, eps, want_final, store_den):
     o = new_empty((B, T, H, V), dtype=v.dtype, device=dev)
     den = new_empty((B, T, H), dtype=torch.float32, device=dev) if (store_den and normalize) else None
     f32 = torch.float32
-    seg_S = seg_z = None
-    if nseg > 1:
-        _, _, part, partz = scan_states(k, v, heads=HK, per_chunk=False, store_final=True, do_z=True,
-                                        segments=nseg, seg_chunks=seg_chunks, BT=BT,
-                                        num_warps=CONFIG["scan_warps"])
-        seg_S = torch.cumsum(part, 2) - part  # exclusive over segments
-        seg_z = torch.cumsum(partz, 2) - partz
-        if S0 is not None:
-            seg_S += S0.to(f32).unsqueeze(2)
-            seg_z += z0.to(f32).unsqueeze(2)
-    elif S0 is not None:
-        seg_S = S0.to(f32).contiguous().unsqueeze(2)
-        seg_z = z0.to(f32).contiguous().unsqueeze(2)
+    seg_S, seg_z = _segment_starts(k, v, HK, (S0, z0) if S0 is not None else None, nseg, seg_chunks, BT)
     fin_S = new_empty((B, HK, K, V), dtype=f32, device=dev) if want_final else None
     fin_z = new_empty((B, HK, K), dtype=f32, device=dev) if want_final else None
     dummy = o
@@ -293,12 +309,9 @@ def _bwd(q, k, v, o, den, S0, z0, do, dS_f, dz_f, normalize, need_state_grads):
     f32 = torch.float32
     N = triton.cdiv(T, BT)
     do = do.contiguous()
+    invd = dd = None
     if normalize:
-        invd = (1.0 / den).contiguous()
-        dd = -(do.to(f32) * o.to(f32)).sum(-1) * invd  # [B,T,H]
-        dd = dd.contiguous()
-    else:
-        invd = dd = None
+        invd, dd = row_stats(do, o, den)
     # forward-direction exclusive states (for dq)
     init_f = None
     if S0 is not None:

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import fwd_blocks, launch, mm, new_empty, plan_segments, pow2, prec, scan_states
+from .triton_common import fwd_blocks, launch, mm, new_empty, plan_segments, pow2, prec, row_stats, scan_states
 
 NEG_INF = tl.constexpr(float("-inf"))
 
@@ -261,7 +261,8 @@ CONFIG = {  # picked by linearize.bench.tune_kernels on an H200 (triton 3.6), se
     "fwd_bv": 128,
     "fwd_warps": 8,
     "fwd_stages": 2,
-    "fwd_waves": 2.0,
+    "split_below_waves": 0.5,
+    "fwd_waves": 4.0,
     "bwd_warps": 4,
     "scan_warps": 4,
 }
@@ -338,8 +339,7 @@ def _bwd(q, k, fq, fk, v, wf, o, ms, den, W, scale, S0, z0, do, dS_f, dz_f, need
     f32 = torch.float32
     N = triton.cdiv(T, BT)
     do = do.contiguous()
-    invd = (1.0 / den).contiguous()
-    dD = (-(do.to(f32) * o.to(f32)).sum(-1) * invd).contiguous()
+    invd, dD = row_stats(do, o, den)
     cw = (1.0 - wf.to(f32)).view(1, 1, H) * torch.exp(-ms)  # (1-w) e^{-m}  [B,T,H]
     init_f = (S0, z0) if S0 is not None else None
     st, stz, _, _ = scan_states(fk, v, heads=HK, do_z=True, init=init_f, BT=BT, num_warps=CONFIG["scan_warps"])
