@@ -92,7 +92,8 @@ def fingerprint(model, recipe, data: str, seed: int, tokens: int) -> str:
     cfg = model.config
     blob = json.dumps({"base": getattr(cfg, "_name_or_path", ""), "layers": cfg.layer_types,
                        "attention": cfg.linear_attention, "distill": {k: v for k, v in recipe["distill"].items()
-                                                                    if k != "checkpoint_every"},
+                                                                    if k != "checkpoint_every"
+                                                                    and not (k == "copy_fraction" and v == 0)},
                        "data": data, "seed": seed, "tokens": tokens}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -153,8 +154,9 @@ def distill(model, tokenizer, recipe, *, state_dir: Path | None = None, resume: 
         step = state["step"]
         log(f"distill: resumed at step {step}/{total_steps} from {ckpt}")
     use_autocast = device.type == "cuda"
+    # copy augmentation of batch i depends only on (seed, i): skipping the consumed batches keeps a resume exact
     batches = packed_batches(tokenizer, cfg["data"], seq_len=seq_len, tokens=budget, batch_size=bsz,
-                             seed=cfg["seed"])
+                             seed=cfg["seed"], copy_fraction=cfg["copy_fraction"])
     batches = itertools.islice(batches, step * accum, total_steps * accum)
     model.set_attention_mode("distill")
     for m in model.linear_modules():
@@ -224,6 +226,7 @@ def distill(model, tokenizer, recipe, *, state_dir: Path | None = None, resume: 
     ratios = [b / max(a, 1e-30) for a, b in zip(after["mse"], before["mse"])]
     report = {
         "tokens": tokens_seen, "steps": step, "seq_len": seq_len, "batch_size": bsz, "grad_accum": accum,
+        "copy_fraction": cfg["copy_fraction"],  # share of training rows with a long-range copy (0 = off)
         "world_size": dist.world_size(),  # torchrun processes sharing each step's global batch
         "train_seconds": round(train_seconds, 1), "total_seconds": round(time.time() - t_start, 1),
         "tokens_per_second": round(tokens_this_run / max(train_seconds, 1e-9), 1),

@@ -66,7 +66,8 @@ def fingerprint(model, recipe, data: str, seed: int, tokens: int, loss: str) -> 
     cfg = model.config
     blob = json.dumps({"base": getattr(cfg, "_name_or_path", ""), "layers": cfg.layer_types,
                        "attention": cfg.linear_attention,
-                       "finetune": {k: v for k, v in recipe["finetune"].items() if k != "checkpoint_every"},
+                       "finetune": {k: v for k, v in recipe["finetune"].items()
+                                    if k != "checkpoint_every" and not (k == "copy_fraction" and v == 0)},
                        "data": data, "seed": seed, "tokens": tokens, "loss": loss}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -204,8 +205,9 @@ def finetune(model, tokenizer, recipe, *, state_dir: Path | None = None, resume:
     t_start = time.time()
     # data first: a bad spec or a too-small split fails before the model is touched
     heldout = heldout_sequences(tokenizer, cfg["data"], seq_len=seq_len, n_seqs=cfg["eval_seqs"])
+    # copy augmentation of batch i depends only on (seed, i), so the resume's islice below stays exact
     batches = packed_batches(tokenizer, cfg["data"], seq_len=seq_len, tokens=budget, batch_size=bsz,
-                             seed=cfg["seed"])
+                             seed=cfg["seed"], copy_fraction=cfg["copy_fraction"])
 
     names_before = [n for n, _ in model.named_parameters()]
     dtypes_before = {n: p.dtype for n, p in model.named_parameters()}
@@ -366,6 +368,7 @@ def finetune(model, tokenizer, recipe, *, state_dir: Path | None = None, resume:
         "loss": loss_kind, "tokens": tokens_seen, "steps": step, "seq_len": seq_len, "batch_size": bsz,
         "world_size": dist.world_size(),  # torchrun processes sharing each step's global batch
         "grad_accum": accum,
+        "copy_fraction": cfg["copy_fraction"],  # share of training rows with a long-range copy (0 = off)
         "lora": {"r": cfg["lora_r"], "alpha": cfg["lora_alpha"], "dropout": cfg["lora_dropout"],
                  "targets": list(cfg["targets"]), "layers": layers, "target_modules": target_regex,
                  "trainable_params": n_trainable},

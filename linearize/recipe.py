@@ -52,6 +52,8 @@ def _training_fields(lr: float) -> dict[str, Field]:
         "seq_len": Field(int, 512, "an integer in [16, 65536]", lambda v: 16 <= v <= 65536),
         "batch_size": Field(int, 4, "an integer in [1, 4096]", lambda v: 1 <= v <= 4096),
         "grad_accum": Field(int, 1, "an integer in [1, 1024]", lambda v: 1 <= v <= 1024),
+        # share of training rows given a long-range exact copy (linearize.data.copy_augment); held-out rows never
+        "copy_fraction": Field(float, 0.0, "a number in [0, 1] (0 = off)", lambda v: 0.0 <= v <= 1.0),
         "lr": Field(float, lr, "a number in (0, 1]", lambda v: 0.0 < v <= 1.0),
         "weight_decay": Field(float, 0.0, "a number in [0, 1]", lambda v: 0.0 <= v <= 1.0),
         "warmup_steps": Field(int, 10, "an integer in [0, 100000]", lambda v: 0 <= v <= 100000),
