@@ -119,7 +119,7 @@ def _scan_kernel(
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     G: tl.constexpr, STRIDE: tl.constexpr, REVERSE: tl.constexpr,
     HAS_A: tl.constexpr, HAS_U: tl.constexpr, DO_Z: tl.constexpr, HAS_INIT: tl.constexpr,
-    STORE_STATES: tl.constexpr, STORE_FINAL: tl.constexpr, PREC: tl.constexpr,
+    STORE_STATES: tl.constexpr, STORE_FINAL: tl.constexpr, INIT_PER_SEG: tl.constexpr, PREC: tl.constexpr,
 ):
     pk = tl.program_id(0)
     pv = tl.program_id(1)
@@ -136,10 +136,13 @@ def _scan_kernel(
     acc = tl.zeros([BK, BV], dtype=tl.float32)
     accz = tl.zeros([BK], dtype=tl.float32)
     if HAS_INIT:
-        sp = INIT_S + bh.to(tl.int64) * K * V
-        acc += tl.load(sp + ok[:, None] * V + ov[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
+        if INIT_PER_SEG:  # each segment starts from its own state [B,HS,NSEG,...]
+            ib = bh.to(tl.int64) * NSEG + seg
+        else:
+            ib = bh.to(tl.int64)
+        acc += tl.load(INIT_S + ib * K * V + ok[:, None] * V + ov[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
         if DO_Z:
-            accz += tl.load(INIT_Z + bh.to(tl.int64) * K + ok, mask=mk, other=0.0)
+            accz += tl.load(INIT_Z + ib * K + ok, mask=mk, other=0.0)
     N = tl.cdiv(T, BT)
     c0 = tl.maximum(seg * SEG_CHUNKS - SEG_OFF, 0)
     c1 = tl.minimum((seg + 1) * SEG_CHUNKS - SEG_OFF, N)
@@ -220,13 +223,14 @@ def scan_states(
     a: torch.Tensor = None,  # [B, T, HXY] fp32 row scale of the outer product
     u: torch.Tensor = None,  # [B, T, HXY] fp32 row weights of the z sum
     do_z: bool = True,
-    init=None,  # (S [B,HS,K,V] fp32, z [B,HS,K] fp32 or None)
+    init=None,  # (S [B,HS,K,V] fp32, z [B,HS,K] fp32 or None); [B,HS,NSEG,...] with init_per_segment
     reverse: bool = False,
     per_chunk: bool = True,  # store exclusive per-chunk states
     store_final: bool = False,
     segments: int = 1,
     seg_chunks: int = 0,
     seg_off: int = 0,
+    init_per_segment: bool = False,
     BT: int = 64,
     BK: int = 64,
     BV: int = 64,
@@ -263,7 +267,69 @@ def scan_states(
         T, heads, N, segments, seg_chunks, seg_off,
         K=K, V=V, BK=BK, BV=BV, BT=BT, G=G, STRIDE=1, REVERSE=reverse,
         HAS_A=a is not None, HAS_U=u is not None, DO_Z=do_z,
-        HAS_INIT=has_init, STORE_STATES=per_chunk, STORE_FINAL=store_final, PREC=prec(x.dtype),
+        HAS_INIT=has_init, STORE_STATES=per_chunk, STORE_FINAL=store_final, INIT_PER_SEG=init_per_segment,
+        PREC=prec(x.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
     return st, stz, fin, finz
+
+
+def segment_starts(x, y, heads, init, nseg, seg_chunks, BT, *, reverse=False, a=None, u=None, scan_warps=4):
+    """State entering each segment: ``init`` plus the sum over the segments before it (after it when
+    ``reverse``) of ``(a x)^T y`` and ``sum u x``. Returns ``(S [B,heads,NSEG,K,V], z [B,heads,NSEG,K])``
+    fp32, or ``(None, None)`` for one segment and no ``init``; ``init = (S, z or None)``."""
+    f32 = torch.float32
+    S0, z0 = init if init is not None else (None, None)
+    if nseg == 1:
+        if S0 is None:
+            return None, None
+        if z0 is None:
+            z0 = torch.zeros(S0.shape[:-1], device=S0.device, dtype=f32)
+        return S0.to(f32).contiguous().unsqueeze(2), z0.to(f32).contiguous().unsqueeze(2)
+    _, _, part, partz = scan_states(x, y, heads=heads, a=a, u=u, per_chunk=False, store_final=True, do_z=True,
+                                    segments=nseg, seg_chunks=seg_chunks, BT=BT, num_warps=scan_warps)
+    if reverse:  # exclusive: the segments after each one
+        seg_S = part.flip(2).cumsum(2).flip(2) - part
+        seg_z = partz.flip(2).cumsum(2).flip(2) - partz
+    else:
+        seg_S = torch.cumsum(part, 2) - part
+        seg_z = torch.cumsum(partz, 2) - partz
+    if S0 is not None:
+        seg_S += S0.to(f32).unsqueeze(2)
+    if z0 is not None:
+        seg_z += z0.to(f32).unsqueeze(2)
+    return seg_S.contiguous(), seg_z.contiguous()
+
+
+def chunk_states(x, y, *, heads, cfg, a=None, u=None, do_z=True, init=None, reverse=False, store_final=False,
+                 BT=64):
+    """Exclusive per-chunk states for a backward pass: ``(states [B,HS,N,K,V], zstates [B,HS,N,K] or None,
+    total [B,HS,K,V] or None, ztotal [B,HS,K] or None)``, ``total`` = ``init`` + the whole sequence
+    (requested with ``store_final``).
+
+    One program walks all chunks of its ``[64, 64]`` state block. When those programs would leave most of
+    the GPU idle (``cfg["scan_split_below_waves"]`` programs per SM; long sequences at small batch), the walk is
+    cut into segments: their sums in parallel, an exclusive prefix over segments, then every segment writes
+    its chunks' states from its own starting state (``cfg["scan_waves"]`` programs per SM).
+    """
+    B, T, _, K = x.shape
+    V = y.shape[-1]
+    N = triton.cdiv(T, BT)
+    progs = triton.cdiv(K, min(64, pow2(K))) * triton.cdiv(V, min(64, pow2(V))) * B * heads
+    plan = {"split_below_waves": cfg["scan_split_below_waves"], "fwd_waves": cfg["scan_waves"],
+            "force_segments": cfg.get("force_segments")}
+    nseg, seg_chunks = plan_segments(plan, N, progs, x.device)
+    warps = cfg["scan_warps"]
+    if nseg == 1:
+        st, stz, fin, finz = scan_states(x, y, heads=heads, a=a, u=u, do_z=do_z, init=init, reverse=reverse,
+                                         store_final=store_final, BT=BT, num_warps=warps)
+        return st, stz, (fin[:, :, 0] if store_final else None), (finz[:, :, 0] if store_final and do_z else None)
+    seg_S, seg_z = segment_starts(x, y, heads, init, nseg, seg_chunks, BT, reverse=reverse, a=a, u=u,
+                                  scan_warps=warps)
+    st, stz, fin, finz = scan_states(x, y, heads=heads, a=a, u=u, do_z=do_z, init=(seg_S, seg_z if do_z else None),
+                                     reverse=reverse, store_final=store_final, segments=nseg, seg_chunks=seg_chunks,
+                                     init_per_segment=True, BT=BT, num_warps=warps)
+    if not store_final:
+        return st, stz, None, None
+    last = 0 if reverse else nseg - 1  # the segment whose walk ends at the sequence's far end
+    return st, stz, fin[:, :, last], (finz[:, :, last] if do_z else None)

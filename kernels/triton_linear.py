@@ -22,7 +22,18 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import fwd_blocks, launch, mm, new_empty, plan_segments, pow2, prec, row_stats, scan_states
+from .triton_common import (
+    chunk_states,
+    fwd_blocks,
+    launch,
+    mm,
+    new_empty,
+    plan_segments,
+    pow2,
+    prec,
+    row_stats,
+    segment_starts,
+)
 
 BT_DEFAULT = 64
 
@@ -238,34 +249,11 @@ CONFIG = {  # picked by linearize.bench.tune_kernels on an H200 (triton 3.6), se
     "bwd_bv": 128,
     "bwd_warps": 4,
     "scan_warps": 4,
+    # backward state scans: cut into segments below this many programs per SM (0 = never: not yet measured
+    # on a GPU), then aim for scan_waves programs per SM
+    "scan_split_below_waves": 0.0,
+    "scan_waves": 8.0,
 }
-
-
-def _segment_starts(x, y, heads, init, nseg, seg_chunks, BT, *, reverse=False, a=None, u=None):
-    """State entering each segment: ``init`` plus the sum over the segments before it (after it when
-    ``reverse``) of ``(a x)^T y`` and ``sum u x``. Returns ``(S [B,heads,NSEG,K,V], z [B,heads,NSEG,K])``
-    fp32, or ``(None, None)`` for one segment and no ``init``; ``init = (S, z or None)``."""
-    f32 = torch.float32
-    S0, z0 = init if init is not None else (None, None)
-    if nseg == 1:
-        if S0 is None:
-            return None, None
-        if z0 is None:
-            z0 = torch.zeros(S0.shape[:-1], device=S0.device, dtype=f32)
-        return S0.to(f32).contiguous().unsqueeze(2), z0.to(f32).contiguous().unsqueeze(2)
-    _, _, part, partz = scan_states(x, y, heads=heads, a=a, u=u, per_chunk=False, store_final=True, do_z=True,
-                                    segments=nseg, seg_chunks=seg_chunks, BT=BT, num_warps=CONFIG["scan_warps"])
-    if reverse:  # exclusive: the segments after each one
-        seg_S = part.flip(2).cumsum(2).flip(2) - part
-        seg_z = partz.flip(2).cumsum(2).flip(2) - partz
-    else:
-        seg_S = torch.cumsum(part, 2) - part
-        seg_z = torch.cumsum(partz, 2) - partz
-    if S0 is not None:
-        seg_S += S0.to(f32).unsqueeze(2)
-    if z0 is not None:
-        seg_z += z0.to(f32).unsqueeze(2)
-    return seg_S.contiguous(), seg_z.contiguous()
 
 
 def _fwd(q, k, v, S0, z0, normalize, eps, want_final, store_den):
@@ -282,7 +270,8 @@ def _fwd(q, k, v, S0, z0, normalize, eps, want_final, store_den):
     o = new_empty((B, T, H, V), dtype=v.dtype, device=dev)
     den = new_empty((B, T, H), dtype=torch.float32, device=dev) if (store_den and normalize) else None
     f32 = torch.float32
-    seg_S, seg_z = _segment_starts(k, v, HK, (S0, z0) if S0 is not None else None, nseg, seg_chunks, BT)
+    seg_S, seg_z = segment_starts(k, v, HK, (S0, z0) if S0 is not None else None, nseg, seg_chunks, BT,
+                                  scan_warps=CONFIG["scan_warps"])
     fin_S = new_empty((B, HK, K, V), dtype=f32, device=dev) if want_final else None
     fin_z = new_empty((B, HK, K), dtype=f32, device=dev) if want_final else None
     dummy = o
@@ -316,8 +305,7 @@ def _bwd(q, k, v, o, den, S0, z0, do, dS_f, dz_f, normalize, need_state_grads):
     init_f = None
     if S0 is not None:
         init_f = (S0.to(f32).contiguous(), z0.to(f32).contiguous())
-    st, stz, _, _ = scan_states(k, v, heads=HK, do_z=normalize, init=init_f,
-                                BT=BT, num_warps=CONFIG["scan_warps"])
+    st, stz, _, _ = chunk_states(k, v, heads=HK, cfg=CONFIG, do_z=normalize, init=init_f, BT=BT)
     # reverse exclusive states sum_{t in later chunks} q_t^T dn_t (+ dS_f), summed over the group
     init_r = None
     if dS_f is not None or (normalize and dz_f is not None):
@@ -326,8 +314,8 @@ def _bwd(q, k, v, o, den, S0, z0, do, dS_f, dz_f, normalize, need_state_grads):
         if normalize:
             zr = dz_f.to(f32).contiguous() if dz_f is not None else torch.zeros(B, HK, K, device=dev, dtype=f32)
         init_r = (Sr, zr)
-    rs, rz, fin, finz = scan_states(q, do, heads=HK, a=invd, u=dd, do_z=normalize, init=init_r, reverse=True,
-                                    store_final=need_state_grads, BT=BT, num_warps=CONFIG["scan_warps"])
+    rs, rz, fin, finz = chunk_states(q, do, heads=HK, cfg=CONFIG, a=invd, u=dd, do_z=normalize, init=init_r,
+                                     reverse=True, store_final=need_state_grads, BT=BT)
     BK = min(CONFIG["bwd_bk"], pow2(K))
     BV = min(CONFIG["bwd_bv"], pow2(V))
     if q.dtype == torch.float32:  # fp32 tiles are twice as large
@@ -355,9 +343,9 @@ def _bwd(q, k, v, o, den, S0, z0, do, dS_f, dz_f, normalize, need_state_grads):
         dk = (dk.to(f32) + dz_f.to(f32).unsqueeze(1)).to(k.dtype)
     dS0 = dz0 = None
     if need_state_grads:
-        dS0 = fin[:, :, 0]
+        dS0 = fin
         if normalize:
-            dz0 = finz[:, :, 0]
+            dz0 = finz
         else:
             dz0 = dz_f.to(f32).clone() if dz_f is not None else torch.zeros(B, HK, K, device=dev, dtype=f32)
     return dq, dk, dv, dS0, dz0

@@ -21,7 +21,18 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import fwd_blocks, launch, mm, new_empty, plan_segments, pow2, prec, row_stats, scan_states
+from .triton_common import (
+    chunk_states,
+    fwd_blocks,
+    launch,
+    mm,
+    new_empty,
+    plan_segments,
+    pow2,
+    prec,
+    row_stats,
+    scan_states,
+)
 
 NEG_INF = tl.constexpr(float("-inf"))
 
@@ -265,6 +276,8 @@ CONFIG = {  # picked by linearize.bench.tune_kernels on an H200 (triton 3.6), se
     "fwd_waves": 4.0,
     "bwd_warps": 4,
     "scan_warps": 4,
+    "scan_split_below_waves": 0.0,  # as in triton_linear.CONFIG (not yet measured on a GPU)
+    "scan_waves": 8.0,
 }
 
 
@@ -342,10 +355,9 @@ def _bwd(q, k, fq, fk, v, wf, o, ms, den, W, scale, S0, z0, do, dS_f, dz_f, need
     invd, dD = row_stats(do, o, den)
     cw = (1.0 - wf.to(f32)).view(1, 1, H) * torch.exp(-ms)  # (1-w) e^{-m}  [B,T,H]
     init_f = (S0, z0) if S0 is not None else None
-    st, stz, _, _ = scan_states(fk, v, heads=HK, do_z=True, init=init_f, BT=BT, num_warps=CONFIG["scan_warps"])
-    rs, rz, fin, finz = scan_states(fq, do, heads=HK, a=(cw * invd).contiguous(), u=(cw * dD).contiguous(),
-                                    do_z=True, reverse=True, store_final=need_state, BT=BT,
-                                    num_warps=CONFIG["scan_warps"])
+    st, stz, _, _ = chunk_states(fk, v, heads=HK, cfg=CONFIG, do_z=True, init=init_f, BT=BT)
+    rs, rz, fin, finz = chunk_states(fq, do, heads=HK, cfg=CONFIG, a=(cw * invd).contiguous(), u=(cw * dD).contiguous(),
+                                     do_z=True, reverse=True, store_final=need_state, BT=BT)
     BD, BK = pow2(D), pow2(K)
     BV = min(64, pow2(V))
     NVB = triton.cdiv(V, BV)
@@ -380,7 +392,7 @@ def _bwd(q, k, fq, fk, v, wf, o, ms, den, W, scale, S0, z0, do, dS_f, dz_f, need
         dfk, dv = dfk32.to(fk.dtype), dv32.to(v.dtype)
     dS0 = dz0 = None
     if need_state:
-        dS0, dz0 = fin[:, :, 0], finz[:, :, 0]
+        dS0, dz0 = fin, finz
         if dS_f is not None:
             dS0 = dS0 + dS_f
         if dz_f is not None:
