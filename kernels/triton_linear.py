@@ -46,8 +46,11 @@ def _la_fwd_kernel(
     T, H, HK, NSEG, SEG_CHUNKS, eps,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     NORMALIZE: tl.constexpr, HAS_SEG: tl.constexpr, STORE_FINAL: tl.constexpr,
-    STORE_DEN: tl.constexpr, PREC: tl.constexpr,
+    STORE_DEN: tl.constexpr, NORM_MMA: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
 ):
+    # NORM_MMA: the normaliser's reductions (rowsum(A), q.z, the column sums of k that update z) run as
+    # tensor-core products against a [BT, 16] block of ones, with z carried as a [BK, 16] block whose
+    # columns are all equal (hi + lo 16-bit split of z for q.z when SPLIT), instead of lane reductions
     pv = tl.program_id(0)
     pbh = tl.program_id(1)
     ps = tl.program_id(2)
@@ -71,6 +74,9 @@ def _la_fwd_kernel(
     c1 = tl.minimum(c0 + SEG_CHUNKS, N)
     ar = tl.arange(0, BT)
     causal = ar[:, None] >= ar[None, :]
+    if NORM_MMA:
+        Z16 = tl.zeros([BK, 16], dtype=tl.float32) + z[:, None]  # [BK, 16], every column = z
+        ones = tl.full([BT, 16], 1.0, dtype=Vp.dtype.element_ty)
     for i in range(c0, c1):
         ot = i * BT + ar
         mt = ot < T
@@ -84,14 +90,26 @@ def _la_fwd_kernel(
         o = mm(A, v, PREC)
         o += mm(q, S.to(q.dtype), PREC)
         if NORMALIZE:
-            d = tl.sum(A.to(tl.float32), 1) + tl.sum(q.to(tl.float32) * z[None, :], 1) + eps
+            if NORM_MMA:
+                Z_hi = Z16.to(q.dtype)
+                d16 = mm(A, ones, PREC) + mm(q, Z_hi, PREC)  # [BT, 16], every column = rowsum(A) + q.z
+                if SPLIT:
+                    d16 += mm(q, (Z16 - Z_hi.to(tl.float32)).to(q.dtype), PREC)
+                d = tl.max(d16, 1) + eps
+            else:
+                d = tl.sum(A.to(tl.float32), 1) + tl.sum(q.to(tl.float32) * z[None, :], 1) + eps
             o = o / d[:, None]
             if STORE_DEN:
                 if pv == 0:
                     tl.store(DEN + qrow, d, mask=mt)
         tl.store(O + qrow[:, None] * V + ov[None, :], o.to(O.dtype.element_ty), mask=mt[:, None] & mv[None, :])
         S += mm(tl.trans(k), v, PREC)
-        z += tl.sum(k.to(tl.float32), 0)
+        if NORM_MMA:
+            Z16 += mm(tl.trans(k), ones.to(k.dtype), PREC)
+        else:
+            z += tl.sum(k.to(tl.float32), 0)
+    if NORM_MMA:
+        z = tl.max(Z16, 1)
     if STORE_FINAL:
         if ps == NSEG - 1:
             if h % G == 0:
@@ -245,6 +263,7 @@ CONFIG = {  # picked by linearize.bench.tune_kernels on an H200 (triton 3.6), se
     "fwd_stages": 3,
     "split_below_waves": 0.5,  # cut sequences into segments only below this many programs per SM ...
     "fwd_waves": 4.0,  # ... and then into enough segments for this many (H200 sweep, 2026-11-30)
+    "fwd_norm_mma": False,  # normaliser reductions as tensor-core products (not yet measured on a GPU)
     "bwd_bk": 128,
     "bwd_bv": 128,
     "bwd_warps": 4,
@@ -283,7 +302,8 @@ def _fwd(q, k, v, S0, z0, normalize, eps, want_final, store_den):
         fin_S if want_final else dummy, fin_z if want_final else dummy,
         T, H, HK, nseg, seg_chunks, eps,
         K=K, V=V, BK=BK, BV=BV, BT=BT, NORMALIZE=normalize, HAS_SEG=seg_S is not None,
-        STORE_FINAL=want_final, STORE_DEN=den is not None, PREC=prec(q.dtype),
+        STORE_FINAL=want_final, STORE_DEN=den is not None, NORM_MMA=CONFIG["fwd_norm_mma"],
+        SPLIT=q.dtype != torch.float32, PREC=prec(q.dtype),
         num_warps=CONFIG["fwd_warps"], num_stages=stages,
     )
     return o, den, fin_S, fin_z

@@ -208,7 +208,8 @@ def tune_kernels(heads: int = 32, dim: int = 128, progress: Optional[Callable[[s
     for name, fn in (("lin_fwd", lin_fwd), ("lin_fb", lin_fb), ("win_fwd", win_fwd)):
         for key in data:
             _bench_ref[(name, key)] = _bench(lambda: fn(*data[key]), 10, 40)
-    sweep("lin_fwd", tlin, {"split_below_waves": [0.5, 2.0], "fwd_waves": [2.0, 4.0]}, lin_fwd)
+    sweep("lin_fwd", tlin, {"fwd_norm_mma": [True]}, lin_fwd)
+    sweep("lin_fwd", tlin, {"split_below_waves": [0.5, 2.0], "fwd_waves": [2.0, 4.0, 8.0]}, lin_fwd)
     sweep("lin_fb", tlin, {"bwd_bk": [64, 128], "bwd_warps": [4, 8]}, lin_fb)
     sweep("lin_fb", tlin, {"scan_split_below_waves": [2.0, 8.0], "scan_waves": [4.0, 8.0, 16.0]}, lin_fb)
     sweep("win_fwd", twin, {"split_below_waves": [0.5, 2.0], "fwd_waves": [2.0, 4.0]}, win_fwd)

@@ -61,6 +61,18 @@ def test_linear_triton_vs_reference(shape, dtype, normalize):
     check_linear("triton", *shape, dtype, normalize=normalize, state=shape[1] % 2 == 1, device=DEV)
 
 
+@pytest.mark.parametrize("normalize", [True, False], ids=["norm", "num"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_linear_triton_normaliser_as_products(dtype, normalize, monkeypatch):
+    """The forward variant whose normaliser reductions are tensor-core products (CONFIG fwd_norm_mma)."""
+    from linearize.kernels import triton_linear
+
+    monkeypatch.setitem(triton_linear.CONFIG, "fwd_norm_mma", True)
+    check_linear("triton", 2, 65, 4, 2, 16, 32, dtype, normalize=normalize, state=True, device=DEV)
+    monkeypatch.setitem(triton_linear.CONFIG, "force_segments", 3)
+    check_linear("triton", 1, 300, 2, 1, 32, 16, dtype, normalize=normalize, state=True, device=DEV)
+
+
 WIN_SHAPES = [
     # B, T, H, Hk, D, K, V, W
     (1, 1, 2, 2, 16, 16, 16, 64),
