@@ -45,8 +45,11 @@ def _win_fwd_kernel(
     T, H, HK, NSEG, SEG_CHUNKS, W, scale, eps,
     D: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-    HAS_LIN_CUR: tl.constexpr, HAS_SEG: tl.constexpr, STORE_STATS: tl.constexpr, PREC: tl.constexpr,
+    HAS_LIN_CUR: tl.constexpr, HAS_SEG: tl.constexpr, STORE_STATS: tl.constexpr, NORM_MMA: tl.constexpr,
+    SPLIT: tl.constexpr, PREC: tl.constexpr,
 ):
+    # NORM_MMA: the denominator's row sums, fq.z and the z update as tensor-core products against a
+    # [BT, 16] block of ones, z carried as a [BK, 16] block of equal columns (as in the linear kernel)
     pv = tl.program_id(0)
     pbh = tl.program_id(1)
     ps = tl.program_id(2)
@@ -71,6 +74,9 @@ def _win_fwd_kernel(
     ar = tl.arange(0, BT)
     diff_c = ar[:, None] - ar[None, :]  # i - j inside the chunk
     diff_p = diff_c + BT  # i - j against the previous chunk
+    if NORM_MMA:
+        Z16 = tl.zeros([BK, 16], dtype=tl.float32) + z[:, None]  # [BK, 16], every column = z
+        ones = tl.full([BT, 16], 1.0, dtype=Vp.dtype.element_ty)
     for i in range(c0, c1):
         ot = i * BT + ar
         mt = ot < T
@@ -106,7 +112,15 @@ def _win_fwd_kernel(
         P_p = P_p.to(vp.dtype)
         num = mm(P_c, vc, PREC) + mm(P_p, vp, PREC)
         num += c[:, None] * mm(fq, S.to(fq.dtype), PREC)
-        den = tl.sum(P_c.to(tl.float32), 1) + tl.sum(P_p.to(tl.float32), 1) + c * tl.sum(fq.to(tl.float32) * z[None, :], 1) + eps * em
+        if NORM_MMA:
+            Z_hi = Z16.to(fq.dtype)
+            fz16 = mm(fq, Z_hi, PREC)  # [BT, 16], every column = fq.z
+            if SPLIT:
+                fz16 += mm(fq, (Z16 - Z_hi.to(tl.float32)).to(fq.dtype), PREC)
+            den = tl.max(mm(P_c, ones, PREC) + mm(P_p, ones, PREC), 1) + c * tl.max(fz16, 1) + eps * em
+        else:
+            den = (tl.sum(P_c.to(tl.float32), 1) + tl.sum(P_p.to(tl.float32), 1)
+                   + c * tl.sum(fq.to(tl.float32) * z[None, :], 1) + eps * em)
         o = num / den[:, None]
         tl.store(O + qrow[:, None] * V + ov[None, :], o.to(O.dtype.element_ty), mask=mt[:, None] & mv[None, :])
         if STORE_STATS:
@@ -115,7 +129,10 @@ def _win_fwd_kernel(
                 tl.store(DEN + qrow, den, mask=mt)
         # lagged state: add the previous chunk (its tokens are older than every window of chunk i+1)
         S += mm(tl.trans(fkp), vp, PREC)
-        z += tl.sum(fkp.to(tl.float32), 0)
+        if NORM_MMA:
+            Z16 += mm(tl.trans(fkp), ones.to(fkp.dtype), PREC)
+        else:
+            z += tl.sum(fkp.to(tl.float32), 0)
 
 
 @triton.jit
@@ -274,6 +291,7 @@ CONFIG = {  # picked by linearize.bench.tune_kernels on an H200 (triton 3.6), se
     "fwd_stages": 2,
     "split_below_waves": 0.5,
     "fwd_waves": 4.0,
+    "fwd_norm_mma": False,  # as in triton_linear.CONFIG (not yet measured on a GPU)
     "bwd_warps": 4,
     "scan_warps": 4,
     "scan_split_below_waves": 0.0,  # as in triton_linear.CONFIG (not yet measured on a GPU)
@@ -327,7 +345,8 @@ def _fwd(q, k, fq, fk, v, wf, W, scale, eps, S0, z0, store_stats):
         seg_S if seg_S is not None else dummy, seg_z if seg_z is not None else dummy,
         T, H, HK, nseg, seg_chunks, W, scale, eps,
         D=D, K=K, V=V, BD=BD, BK=BK, BV=BV, BT=BT, HAS_LIN_CUR=W < BT, HAS_SEG=seg_S is not None,
-        STORE_STATS=store_stats, PREC=prec(q.dtype),
+        STORE_STATS=store_stats, NORM_MMA=CONFIG["fwd_norm_mma"], SPLIT=q.dtype != torch.float32,
+        PREC=prec(q.dtype),
         num_warps=CONFIG["fwd_warps"], num_stages=stages,
     )
     return o, ms, den

@@ -212,7 +212,8 @@ def tune_kernels(heads: int = 32, dim: int = 128, progress: Optional[Callable[[s
     sweep("lin_fwd", tlin, {"split_below_waves": [0.5, 2.0], "fwd_waves": [2.0, 4.0, 8.0]}, lin_fwd)
     sweep("lin_fb", tlin, {"bwd_bk": [64, 128], "bwd_warps": [4, 8]}, lin_fb)
     sweep("lin_fb", tlin, {"scan_split_below_waves": [2.0, 8.0], "scan_waves": [4.0, 8.0, 16.0]}, lin_fb)
-    sweep("win_fwd", twin, {"split_below_waves": [0.5, 2.0], "fwd_waves": [2.0, 4.0]}, win_fwd)
+    sweep("win_fwd", twin, {"fwd_norm_mma": [True]}, win_fwd)
+    sweep("win_fwd", twin, {"split_below_waves": [0.5, 2.0], "fwd_waves": [2.0, 4.0, 8.0]}, win_fwd)
     say(f"tuned: linear {tlin.CONFIG} window {twin.CONFIG}")
     return {"linear": dict(tlin.CONFIG), "window": dict(twin.CONFIG)}
 

@@ -83,6 +83,16 @@ WIN_SHAPES = [
 ]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_window_triton_normaliser_as_products(dtype, monkeypatch):
+    """The window forward variant whose denominator reductions are tensor-core products (fwd_norm_mma)."""
+    from linearize.kernels import triton_window
+
+    monkeypatch.setitem(triton_window.CONFIG, "fwd_norm_mma", True)
+    check_window("triton", 1, 150, 4, 2, 16, 16, 16, 16, dtype, state=True, device=DEV)
+    check_window("triton", 2, 130, 2, 1, 32, 16, 32, 64, dtype, state=True, device=DEV)
+
+
 @pytest.mark.parametrize("shape", WIN_SHAPES, ids=lambda s: "B{}T{}H{}Hk{}D{}K{}V{}W{}".format(*s))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_window_triton_vs_reference(shape, dtype):
