@@ -170,6 +170,14 @@ def info(spec: str = typer.Argument(..., help="Model spec or hybrid checkpoint d
     console.print(table)
 
 
+_MAX_MEMORY_HELP = ("Run a model that does not fit one device, onloading layer by layer: DEV=SIZE,... with DEV N, "
+                    "cuda:N or cpu and SIZE like 40GiB, 512MB, 1.5GB (e.g. 0=40GiB,cpu=100GiB). Whole decoder layers "
+                    "fill the listed devices in order, the rest stay on disk; an offloaded layer's weights move to the "
+                    "first listed GPU (else the CPU) just for its forward. Excludes --device.")
+_OFFLOAD_DIR_HELP = ("With --max-memory: where weights offloaded to disk may be written (a private folder, removed at "
+                     "exit; default: under the linearize cache).")
+
+
 def _human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024:
@@ -187,11 +195,17 @@ def generate(
     chat: bool = typer.Option(True, "--chat/--raw", help="Apply the tokenizer's chat template when it has one."),
     dtype: Optional[str] = typer.Option(None, "--dtype"),
     device: Optional[str] = typer.Option(None, "--device"),
+    max_memory: Optional[str] = typer.Option(None, "--max-memory", help=_MAX_MEMORY_HELP),
+    offload_dir: Optional[Path] = typer.Option(None, "--offload-dir", help=_OFFLOAD_DIR_HELP),
 ):
     """Generate text (greedy), streaming tokens as they come."""
     from .generation import stream_generate
+    from .sources import check_placement
 
-    for piece in stream_generate(spec, prompt, max_new_tokens=max_new_tokens, chat=chat, dtype=dtype, device=device):
+    mm = check_placement(device, max_memory, offload_dir)  # a bad value is one line before anything loads
+    for piece in stream_generate(spec, prompt, max_new_tokens=max_new_tokens, chat=chat, dtype=dtype, device=device,
+                                 max_memory=mm, offload_dir=offload_dir,
+                                 log=lambda m: err_console.print(m, highlight=False, soft_wrap=True, markup=False)):
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -201,7 +215,7 @@ def generate(
 @user_errors
 def eval_cmd(
     spec: str = typer.Argument(..., help="Model spec or hybrid checkpoint directory to evaluate."),
-    task: str = typer.Option(..., "--task", help="niah,passkey,ppl,recall,agreement,speed,lm-eval:TASKS (comma-separated)."),
+    task: str = typer.Option(..., "--task", help="niah,passkey,copy,ppl,recall,agreement,speed,lm-eval:TASKS (comma-separated)."),
     against: Optional[str] = typer.Option(None, "--against", help="The original model, evaluated on identical prompts."),
     out: Optional[Path] = typer.Option(None, "-o", "--output", help="Report directory (default: eval-MODEL)."),
     lengths: str = typer.Option("1K,2K,4K", "--lengths", help="Context lengths in the model's tokens, e.g. 1K,2K,4K,8K."),
@@ -214,6 +228,8 @@ def eval_cmd(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing report directory."),
     dtype: Optional[str] = typer.Option(None, "--dtype"),
     device: Optional[str] = typer.Option(None, "--device"),
+    max_memory: Optional[str] = typer.Option(None, "--max-memory", help=_MAX_MEMORY_HELP + " Applies to --against too."),
+    offload_dir: Optional[Path] = typer.Option(None, "--offload-dir", help=_OFFLOAD_DIR_HELP),
 ):
     """Evaluate recall, quality and speed, side by side with the original."""
     from .evals.runner import run_eval
@@ -222,7 +238,7 @@ def eval_cmd(
     out = out or Path(f"eval-{resolve(spec).name}")
     run_eval(spec, task, against=against, out_dir=out, lengths=lengths, depths=depths, seeds=seeds,
              chat_template=chat_template, data=data, batch_sizes=batch, max_new_tokens=max_new_tokens,
-             device=device, dtype=dtype, overwrite=overwrite)
+             device=device, dtype=dtype, max_memory=max_memory, offload_dir=offload_dir, overwrite=overwrite)
     console.print(f"wrote {out}")
 
 

@@ -7,7 +7,7 @@ from typing import Iterator
 
 import torch
 
-from .sources import load_model
+from .sources import input_device, load_model, placement
 
 
 def build_inputs(tokenizer, prompt: str, chat: bool) -> torch.Tensor:
@@ -20,12 +20,16 @@ def build_inputs(tokenizer, prompt: str, chat: bool) -> torch.Tensor:
 
 
 def stream_generate(spec: str, prompt: str, *, max_new_tokens: int = 64, chat: bool = True, dtype=None,
-                    device=None) -> Iterator[str]:
-    """Yield decoded text pieces as the model generates them (greedy)."""
+                    device=None, max_memory=None, offload_dir=None, log=None) -> Iterator[str]:
+    """Yield decoded text pieces as the model generates them (greedy). ``max_memory``/``offload_dir``:
+    layer-wise onloading for a model that does not fit (see :func:`~linearize.sources.load_model`); ``log``
+    then gets one line saying where the layers went."""
     from transformers import TextIteratorStreamer
 
-    model, tokenizer = load_model(spec, dtype=dtype, device=device)
-    ids = build_inputs(tokenizer, prompt, chat).to(model.device)
+    model, tokenizer = load_model(spec, dtype=dtype, device=device, max_memory=max_memory, offload_dir=offload_dir)
+    if max_memory is not None and log is not None:
+        log(f"placement: {placement(model)}")
+    ids = build_inputs(tokenizer, prompt, chat).to(input_device(model))  # not model.device: meta when offloaded
     streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                   do_sample=False, streamer=streamer, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)

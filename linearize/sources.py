@@ -10,10 +10,12 @@ A spec is, in the order tried:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -206,21 +208,34 @@ def is_hybrid_dir(path: Path) -> bool:
         return False
 
 
-def load_model(spec: str, *, dtype=None, device=None):
+def load_model(spec: str, *, dtype=None, device=None, max_memory=None, offload_dir=None):
     """Load ``(model, tokenizer)`` for any spec; hybrids load as :class:`LinearizeForCausalLM`.
 
     ``dtype`` is a torch dtype or a name (``"float32"``, ``"bfloat16"``, ``"auto"``); default float32 on
     CPU and bfloat16 on CUDA. ``device`` defaults to CUDA when available.
+
+    ``max_memory`` (accelerate's dict, ``{0: "40GiB", "cpu": "100GiB"}``, or the CLI spelling
+    ``"0=40GiB,cpu=100GiB"``, see :func:`parse_max_memory`) loads for a model that does not fit:
+    ``device_map="auto"`` places whole decoder layers (``_no_split_modules``) on the listed GPUs, then
+    in CPU memory, then on disk; accelerate moves an offloaded layer's weights onto the execution
+    device just for its forward. Weights that have to be re-saved for disk go to a private folder in
+    ``offload_dir`` (default: under :func:`cache_root`), removed when the model is freed or at exit.
+    Inputs go to :func:`input_device`, not ``model.device``. Excludes ``device``.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from . import modeling  # noqa: F401  (registers the Auto classes)
 
+    max_memory = check_placement(device, max_memory, offload_dir)  # option errors before any work
     r = resolve(spec)
     path = local_dir(r)  # a missing or truncated shard of a hybrid fails here, naming the file
-    check_device(device)
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if max_memory is None:
+        check_device(device)
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    else:  # the default dtype follows where the layers run: the first listed GPU, else the CPU
+        gpus = sorted(k for k in max_memory if isinstance(k, int))
+        device = torch.device("cuda", gpus[0]) if gpus else torch.device("cpu")
     dtype = resolve_dtype(dtype, device)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -228,11 +243,20 @@ def load_model(spec: str, *, dtype=None, device=None):
         first = (str(e).strip().splitlines() or [""])[0][:200]
         raise SpecError(f"{spec}: could not load a tokenizer from {path} (tokenizer files missing or unreadable: "
                         f"{type(e).__name__}: {first})") from None
+    folder = None
     try:
-        # memory-lean: on CUDA the safetensors shards stream straight onto the GPU (no full CPU copy first)
-        onto = {} if device.type != "cuda" else {"device_map": {"": f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"}}
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **onto)
+        if max_memory is not None:
+            # layer-wise onloading: accelerate places whole decoder layers (the model's _no_split_modules)
+            folder = _offload_folder(offload_dir)
+            onto = {"device_map": "auto", "max_memory": dict(max_memory), "offload_folder": str(folder)}
+        else:
+            # memory-lean: on CUDA the safetensors shards stream straight onto the GPU (no full CPU copy first)
+            onto = {} if device.type != "cuda" else {"device_map": {"": f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"}}
+        with _quiet_accelerate():  # its "parameters are on the meta device" note: see placement() instead
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **onto)
     except Exception as e:  # noqa: BLE001 - a corrupt file or an unloadable model is one line, never a traceback
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
         from .guards import is_oom
 
         bad_files = isinstance(e, (ValueError, OSError, KeyError)) or type(e).__name__ == "SafetensorError"
@@ -244,10 +268,183 @@ def load_model(spec: str, *, dtype=None, device=None):
             verify_checkpoint(path, hashes=True)  # an edited shard (same size) is named by its sha256
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise SpecError(f"{spec}: cannot load as a causal LM ({type(e).__name__}: {first})") from None
-    model.to(device)
+    if max_memory is None:
+        model.to(device)
+    else:
+        _track_offload(model, folder)
     model.eval()
     model.linearize_source = r
     return model, tokenizer
+
+
+# ----------------------------------------------------------------------------------- offloading
+
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE_RE = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)$")
+_MM_FORM = "expected DEV=SIZE[,DEV=SIZE...] with DEV cpu, cuda:N or N and SIZE like 40GiB, 512MB, 1.5GB"
+
+
+def parse_size(text) -> int:
+    """``"40GiB"`` -> bytes; ``KB/MB/GB/TB`` are powers of 1000, ``KiB/MiB/GiB/TiB`` of 1024 (any case), a bare
+    number is bytes. Raises :class:`SpecError`."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text < 0:
+            raise SpecError(f"bad size {text!r}: must not be negative")
+        return text
+    m = _SIZE_RE.match(str(text).strip().lower())
+    if not m or m.group(2) not in _SIZE_UNITS:
+        raise SpecError(f"bad size {text!r}: expected a number with a unit: 512MB, 1.5GB, 40GiB (or bytes)")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2)])
+
+
+def _memory_key(dev, visible: int):
+    """``cpu`` -> ``"cpu"``; ``N``, ``cuda`` (= 0) or ``cuda:N`` -> ``N`` (checked against the visible GPUs)."""
+    d = str(dev).strip().lower()
+    if d == "cpu":
+        return "cpu"
+    if d == "disk":
+        raise SpecError("--max-memory disk=...: disk needs no budget (what fits nowhere else goes to --offload-dir)")
+    idx = d[5:] if d.startswith("cuda:") else ("0" if d == "cuda" else d)
+    if isinstance(dev, bool) or not idx.isdigit():
+        raise SpecError(f"--max-memory: unknown device {dev!r} (expected cpu, cuda:N or N)")
+    n = int(idx)
+    if visible == 0:
+        raise SpecError(f"--max-memory {dev}: no CUDA GPU is visible; give cpu=SIZE only")
+    if n >= visible:
+        raise SpecError(f"--max-memory {dev}: only {visible} CUDA GPU(s) visible (0..{visible - 1})")
+    return n
+
+
+def parse_max_memory(value) -> dict:
+    """accelerate's ``max_memory`` from ``"0=40GiB,cpu=100GiB"`` (the CLI's ``--max-memory``) or a dict
+    ``{0: "40GiB", "cpu": "100GiB"}``: GPU indices and ``"cpu"`` -> bytes (GPUs first). Only the listed
+    devices are used; what fits none of them goes to disk. Raises :class:`SpecError` (one line)."""
+    import torch
+
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if isinstance(value, dict):
+        items = list(value.items())
+    else:
+        text = str(value).strip()
+        items = []
+        for part in (p.strip() for p in text.split(",")):
+            dev, sep, size = part.partition("=")
+            if not part or not sep or not dev.strip() or not size.strip():
+                raise SpecError(f"--max-memory {text!r}: {_MM_FORM}")
+            items.append((dev.strip(), size.strip()))
+    if not items:
+        raise SpecError(f"--max-memory {value!r}: {_MM_FORM}")
+    out: dict = {}
+    for dev, size in items:
+        key = _memory_key(dev, visible)
+        if key in out:
+            raise SpecError(f"--max-memory: {'cpu' if key == 'cpu' else f'GPU {key}'} is given twice")
+        try:
+            out[key] = parse_size(size)
+        except SpecError as e:
+            raise SpecError(f"--max-memory {dev}={size}: {e}") from None
+    return {**{k: out[k] for k in sorted(k for k in out if k != "cpu")}, **({"cpu": out["cpu"]} if "cpu" in out else {})}
+
+
+def check_placement(device, max_memory, offload_dir):
+    """Validate ``--device``/``--max-memory``/``--offload-dir`` together; return the parsed ``max_memory``
+    (or None). One line for a bad combination or value."""
+    if max_memory is None:
+        if offload_dir is not None:
+            raise SpecError("--offload-dir needs --max-memory (e.g. --max-memory cpu=16GiB): without it the whole "
+                            "model is loaded onto one device")
+        return None
+    if device is not None:
+        raise SpecError("--device and --max-memory exclude each other: --max-memory names the devices the layers "
+                        "may use (e.g. --max-memory 0=40GiB,cpu=100GiB)")
+    parsed = parse_max_memory(max_memory)
+    if offload_dir is not None and Path(offload_dir).expanduser().exists() and not Path(offload_dir).expanduser().is_dir():
+        raise SpecError(f"--offload-dir {offload_dir}: exists and is not a directory")
+    return parsed
+
+
+def _offload_folder(offload_dir) -> Path:
+    """A fresh private folder for weights re-saved for disk offload: inside ``offload_dir``, or under
+    the linearize cache root when none is given."""
+    import tempfile
+
+    base = Path(offload_dir).expanduser() if offload_dir is not None else cache_root() / "offload"
+    base.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f"linearize-offload-{os.getpid()}-", dir=base))
+
+
+@contextlib.contextmanager
+def _quiet_accelerate():
+    """Silence accelerate's dispatch warnings while loading (errors still show)."""
+    import logging
+
+    log = logging.getLogger("accelerate.big_modeling")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def _track_offload(model, folder: Path | None) -> None:
+    """Remove ``folder`` now when nothing went to disk, else when ``model`` is freed (or at exit); quiet transformers' device-type warning in
+    generate for a dispatched model whose first weights are offloaded (``model.device`` is ``meta``)."""
+    import warnings
+    import weakref
+
+    where = set((getattr(model, "hf_device_map", None) or {}).values())
+    if folder is not None and "disk" not in where:  # everything fit in memory: no disk folder needed
+        shutil.rmtree(folder, ignore_errors=True)
+    elif folder is not None:
+        weakref.finalize(model, shutil.rmtree, str(folder), True)
+    if len(where) > 1 or "disk" in where:
+        warnings.filterwarnings("ignore", message=r"You are calling \.generate\(\) with the `input_ids` being on a device type",
+                                category=UserWarning)
+
+
+def input_device(model):
+    """Where a model's inputs go. A model dispatched by accelerate (``--max-memory``) has a root hook that sends
+    every input to its execution device (the main device, where the embedding's inputs start): that one;
+    ``model.device`` can be ``meta`` there when the first weights are offloaded. Otherwise the input embedding's
+    device (the first parameter's for a model without one)."""
+    import torch
+
+    dev = getattr(getattr(model, "_hf_hook", None), "execution_device", None)
+    if dev is not None:
+        return torch.device("cuda", dev) if isinstance(dev, int) else torch.device(dev)
+    try:
+        weight = model.get_input_embeddings().weight
+        if weight.device.type != "meta":
+            return weight.device
+    except (AttributeError, NotImplementedError):
+        pass
+    for p in model.parameters():
+        if p.device.type != "meta":
+            return p.device
+    return torch.device("cpu")
+
+
+def placement(model) -> str:
+    """Where a model runs, in one line: ``cuda:0``, or for a dispatched model
+    ``cuda:0 + offload (cpu, disk): decoder layers 20 on cuda:0, 8 on cpu, 4 on disk``."""
+    dev = str(input_device(model))
+    dmap = getattr(model, "hf_device_map", None) or {}
+    name = lambda d: f"cuda:{d}" if isinstance(d, int) else str(d)  # noqa: E731
+    if len({name(v) for v in dmap.values()}) <= 1 and "disk" not in dmap.values():
+        return dev
+    off = sorted(w for w in set(dmap.values()) if w in ("cpu", "disk") and w != dev)
+    no_split = set(getattr(model, "_no_split_modules", None) or ())
+    counts: dict[str, int] = {}
+    for n, m in model.named_modules():
+        if type(m).__name__ in no_split:
+            keys = [k for k in dmap if k == "" or n == k or n.startswith(k + ".")]
+            if keys:
+                d = name(dmap[max(keys, key=len)])
+                counts[d] = counts.get(d, 0) + 1
+    layers = ", ".join(f"{c} on {d}" for d, c in counts.items())
+    return dev + (f" + offload ({', '.join(off)})" if off else "") + (f": decoder layers {layers}" if layers else "")
 
 
 def check_device(device) -> None:

@@ -204,10 +204,11 @@ class ModelHandle:
 
     @property
     def device(self) -> torch.device:
-        try:
-            return next(self.model.parameters()).device
-        except StopIteration:  # pragma: no cover
-            return torch.device("cpu")
+        """Where inputs go: the embedding's device, or for a model dispatched by accelerate (``--max-memory``)
+        its execution device (``next(parameters()).device`` is ``meta`` for offloaded weights)."""
+        from linearize.sources import input_device  # noqa: PLC0415
+
+        return input_device(self.model)
 
     @property
     def max_positions(self) -> int | None:

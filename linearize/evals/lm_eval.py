@@ -63,6 +63,8 @@ def run(handle: ModelHandle, cfg: EvalConfig, args: dict, progress: Progress, sh
     lm_eval, hf = require_lm_eval()
     try:
         lm = hf.HFLM(pretrained=handle.model, tokenizer=handle.tokenizer, batch_size=cfg.gen_batch_size or 1)
+        if hasattr(lm, "_device"):  # HFLM takes model.device, which is meta when accelerate offloaded the first weights
+            lm._device = handle.device
         res = lm_eval.simple_evaluate(model=lm, tasks=list(args["tasks"]), limit=args["limit"],
                                       apply_chat_template=cfg.chat_template is True, log_samples=False)
     except EvalError:

@@ -12,10 +12,11 @@ import math
 from pathlib import Path
 from typing import Any
 
+from . import copyspan
 from .common import format_length
 
 ROLE_LABEL = {"model": "model", "against": "original", "diff": "difference"}
-TASK_ORDER = ("niah", "passkey", "ppl", "recall", "agreement", "speed", "lm-eval")
+TASK_ORDER = ("niah", "passkey", "copy", "ppl", "recall", "agreement", "speed", "lm-eval")
 
 
 # ----------------------------------------------------------------------------- numbers
@@ -255,7 +256,10 @@ def render_markdown(summary: dict, images: dict[str, dict[str, str]]) -> str:
     for t in [t for t in TASK_ORDER if t in m_all]:
         m, a, d = m_all[t], a_all.get(t), d_all.get(t)
         L += [f"## {t}", ""]
-        if t in ("niah", "passkey"):
+        if t in ("niah", "passkey", "copy"):
+            if t == "copy":
+                L += [f"Share of the {m.get('span')}-token copied span (after its {copyspan.CUE}-token cue) predicted "
+                      "exactly; depth = where the source span sits (0% = the start of the sequence, the farthest copy).", ""]
             imgs = images.get(t, {})
             if imgs:
                 L.append(" ".join(f"![{ROLE_LABEL[r]}]({p})" for r, p in imgs.items()))
@@ -374,7 +378,7 @@ def write_report(out_dir: Path, summary: dict) -> list[Path]:
     m_all = summary["tasks"]
     ag = summary.get("against")
     d_all = summary.get("difference") or {}
-    for t in ("niah", "passkey"):
+    for t in ("niah", "passkey", "copy"):
         if t not in m_all or not m_all[t].get("grid"):
             continue
         imgs: dict[str, str] = {}

@@ -15,18 +15,18 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Sequence
 
-from . import agreement, lm_eval, niah, passkey, ppl, recall, speed
+from . import agreement, copyspan, lm_eval, niah, passkey, ppl, recall, speed
 from .common import (EvalConfig, EvalError, ModelHandle, Progress, format_length, parse_batch_sizes, parse_depths,
                      parse_lengths, parse_seeds)
 from .report import summary_table, task_difference, write_report
 
 TASKS: dict[str, ModuleType] = {
-    "niah": niah, "passkey": passkey, "ppl": ppl, "recall": recall,
+    "niah": niah, "passkey": passkey, "copy": copyspan, "ppl": ppl, "recall": recall,
     "agreement": agreement, "speed": speed, "lm-eval": lm_eval,
 }
 ALIASES = {"perplexity": "ppl", "lm_eval": "lm-eval", "lmeval": "lm-eval", "mqar": "recall"}
-LENGTH_TASKS = ("niah", "passkey", "ppl", "agreement", "speed")
-ALLOWED = "niah[:VARIANTS], passkey, ppl[:TOKENS], recall[:PAIRS], agreement[:TOKENS], speed[:DECODE_TOKENS], lm-eval:TASKS"
+LENGTH_TASKS = ("niah", "passkey", "copy", "ppl", "agreement", "speed")
+ALLOWED = "niah[:VARIANTS], passkey, copy[:SPAN], ppl[:TOKENS], recall[:PAIRS], agreement[:TOKENS], speed[:DECODE_TOKENS], lm-eval:TASKS"
 
 
 @dataclass
@@ -158,7 +158,7 @@ def _peek_max_positions(spec: str) -> int | None:
 
 
 def _row_key(r: dict) -> tuple | None:
-    if r["task"] in ("niah", "passkey"):
+    if r["task"] in ("niah", "passkey", "copy"):
         return (r["task"], r.get("variant"), r["seed"], r["length"], r["depth"])
     if r["task"] == "recall":
         return (r["task"], r["pairs"], r["seed"])
@@ -193,6 +193,8 @@ def run_eval(
     max_new_tokens: int | None = None,
     device: Any = None,
     dtype: Any = None,
+    max_memory: Any = None,
+    offload_dir: str | Path | None = None,
     loader: Callable | None = None,
     progress: bool = True,
     overwrite: bool = False,
@@ -203,11 +205,11 @@ def run_eval(
 
     Args:
         spec: the model to evaluate: an alias (``smollm2-135m``), checkpoint dir, .gguf or hub id.
-        tasks: ``"niah,passkey,ppl,recall,agreement,speed,lm-eval:TASKS"`` (string or list);
+        tasks: ``"niah,passkey,copy,ppl,recall,agreement,speed,lm-eval:TASKS"`` (string or list);
             task arguments after ``:``, e.g. ``niah:single-filler+multikey``, ``recall:8+16+32``.
         against: the original model to compare with, evaluated first on the same prompts.
         out_dir: report directory; written atomically (``NAME.tmp-XXXX`` renamed at the end).
-        lengths: context lengths in tokens, ``"1K,2K,4K"`` or ints (niah, passkey, ppl, agreement, speed).
+        lengths: context lengths in tokens, ``"1K,2K,4K"`` or ints (niah, passkey, copy, ppl, agreement, speed).
         depths: needle depths, a count (``11`` -> 0, 10%, ..., 100%) or fractions ``"0,0.5,1"``.
         seeds: a count (``2`` -> seeds 0, 1) or explicit seeds; samples per grid cell.
         chat_template: None = use it when the tokenizer has one; True = require it; False = plain text.
@@ -215,6 +217,9 @@ def run_eval(
         batch_sizes: batch sizes for the speed task, ``"1,8"``.
         max_new_tokens: override every generation task's own small default.
         device, dtype: passed to the loader.
+        max_memory, offload_dir: layer-wise onloading for models that do not fit (``{0: "40GiB", "cpu": "100GiB"}``
+            or ``"0=40GiB,cpu=100GiB"``; see ``linearize.sources.load_model``), for both models; passed to the
+            loader only when given.
         loader: ``loader(spec, dtype=, device=) -> (model, tokenizer)``; default ``linearize.sources.load_model``.
         progress: rich progress bars and the summary table on the terminal (stderr).
         overwrite: replace an existing ``out_dir``.
@@ -229,6 +234,11 @@ def run_eval(
     if gen_batch_size is not None and (isinstance(gen_batch_size, bool) or not isinstance(gen_batch_size, int)
                                        or gen_batch_size <= 0):
         raise EvalError(f"bad gen_batch_size {gen_batch_size!r}: expected a positive integer (or None for automatic)")
+    placement: dict = {}
+    if max_memory is not None or offload_dir is not None:  # bad values fail here, before any model is loaded
+        from linearize.sources import check_placement  # noqa: PLC0415
+
+        placement = {"max_memory": check_placement(device, max_memory, offload_dir), "offload_dir": offload_dir}
     cfg = EvalConfig(lengths=parse_lengths(lengths), depths=parse_depths(depths), seeds=parse_seeds(seeds),
                      chat_template=chat_template, data=data, batch_sizes=parse_batch_sizes(batch_sizes),
                      max_new_tokens=max_new_tokens, gen_batch_size=gen_batch_size)
@@ -264,13 +274,15 @@ def run_eval(
     try:
         with ui, open(tmp / "results.jsonl", "w", encoding="utf-8") as fout:
             for role, s in roles:
-                model, tokenizer = loader(s, dtype=dtype, device=device)
+                model, tokenizer = loader(s, dtype=dtype, device=device, **placement)
                 model.eval()
                 handle = ModelHandle(spec=s, role=role, model=model, tokenizer=tokenizer,
                                      chat=_resolve_chat(tokenizer, chat_template, s))
                 _check_limit(s, handle.max_positions, cfg, specs)
                 meta["chat_template"][role] = handle.chat
-                meta["device"] = str(handle.device)
+                meta["device"] = _placement(model, handle)
+                if placement:
+                    ui.note(f"{ROLE_NAME[role]} ({s}): {meta['device']}")
                 meta["dtype"] = str(next(model.parameters()).dtype).replace("torch.", "")
                 per_task: dict[str, dict] = {}
                 rows_by_role[role] = []
@@ -285,7 +297,8 @@ def run_eval(
                         if not is_oom(e):
                             raise
                         raise oom_error(e, "eval", where=f"in task {ts.label} on the {ROLE_NAME[role]} ({s})",
-                                        advice="try shorter --lengths, --dtype bfloat16 or --device cpu") from None
+                                        advice="try shorter --lengths, --dtype bfloat16, --max-memory (offload layers) "
+                                               "or --device cpu") from None
                     summ = ts.module.summarize(rows, cfg)
                     summ["seconds"] = round(time.time() - t0, 2)
                     if ts.arg:
@@ -328,6 +341,17 @@ def run_eval(
 
 
 ROLE_NAME = {"model": "model", "against": "original"}
+
+
+def _placement(model, handle: ModelHandle) -> str:
+    """``cpu`` / ``cuda:0``, or for a model dispatched by accelerate (``--max-memory``)
+    ``cuda:0 + offload (cpu, disk): decoder layers 20 on cuda:0, 8 on cpu, 4 on disk``."""
+    try:
+        from linearize.sources import placement  # noqa: PLC0415
+
+        return placement(model)
+    except Exception:  # noqa: BLE001  # pragma: no cover - a stand-in model from a custom loader
+        return str(handle.device)
 
 
 def _free() -> None:

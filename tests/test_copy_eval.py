@@ -1,0 +1,117 @@
+"""The `copy` eval task: long-range exact copying of a held-out span (linearize/evals/copyspan.py)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from linearize.evals import copyspan, run_eval
+from linearize.evals.common import EvalConfig, EvalError, ModelHandle, Progress
+
+
+def _cfg(**kw):
+    base = dict(lengths=[128, 256], depths=[0.0, 0.5, 1.0], seeds=[0, 1], max_new_tokens=4)
+    base.update(kw)
+    return EvalConfig(**base)
+
+
+class _Copier(torch.nn.Module):
+    """Predicts the next token by continuing the most recent earlier occurrence of the current token (an
+    induction head with a 1-token key), else token 0: near-perfect on exact copies of distinct tokens."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab = vocab
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.config = SimpleNamespace(max_position_embeddings=4096, get_text_config=lambda: self.config)
+
+    def get_input_embeddings(self):
+        return SimpleNamespace(weight=self.w)
+
+    def forward(self, input_ids, logits_to_keep=None, use_cache=False):
+        ids = input_ids[0].tolist()
+        logits = torch.zeros(1, len(ids), self.vocab)
+        last: dict[int, int] = {}
+        for t, tok in enumerate(ids):
+            nxt = ids[last[tok] + 1] if tok in last and last[tok] + 1 < t else 0
+            logits[0, t, nxt] = 1.0
+            last[tok] = t
+        k = logits_to_keep or len(ids)
+        return SimpleNamespace(logits=logits[:, -k:])
+
+
+def test_parse_args():
+    assert copyspan.parse_args(None) == {"span": copyspan.DEFAULT_SPAN}
+    assert copyspan.parse_args("64") == {"span": 64}
+    for bad in ("x", "0", str(copyspan.CUE)):
+        with pytest.raises(EvalError):
+            copyspan.parse_args(bad)
+
+
+def test_samples_copy_exactly_and_follow_depth():
+    stream = torch.arange(10_000)
+    cfg = _cfg()
+    samples = copyspan.build_samples(stream, cfg, 16)
+    assert len(samples) == 2 * 3 * 2
+    for s in samples:
+        ids, r = s["ids"], s["row"]
+        L = r["length"]
+        assert len(ids) == L and ids[-16:] == ids[r["source_pos"]:r["source_pos"] + 16]
+        assert r["source_pos"] == round(r["depth"] * (L - 32)) and r["distance"] == L - 16 - r["source_pos"]
+        assert ids[:L - 16] == list(range(r["offset"], r["offset"] + L - 16))  # the rest is untouched text
+    again = copyspan.build_samples(stream, cfg, 16)
+    assert [s["ids"] for s in again] == [s["ids"] for s in samples]  # seeded
+    assert len({s["row"]["offset"] for s in samples}) > 1
+    with pytest.raises(EvalError, match="too short"):
+        copyspan.build_samples(stream, _cfg(lengths=[40]), 32)
+
+
+def test_scores_an_ideal_copier_full_and_a_constant_model_zero(monkeypatch):
+    stream = torch.arange(5_000) + 1  # distinct tokens, none is 0
+    monkeypatch.setattr(copyspan, "heldout_stream", lambda tok, spec, n, at_least=None: stream)
+    cfg = _cfg()
+    h = ModelHandle("copier", "model", _Copier(6_000), None, False)
+    rows = copyspan.run(h, cfg, {"span": 16}, Progress(), {})
+    assert len(rows) == 12 and all(r["score"] == 1.0 and r["strict"] == 1.0 for r in rows)
+    s = copyspan.summarize(rows, cfg)
+    assert s["score"] == 1.0 and s["span"] == 16 and set(s["grid"]) == {"128", "256"}
+
+    class _Zero(_Copier):
+        def forward(self, input_ids, logits_to_keep=None, use_cache=False):
+            k = logits_to_keep or input_ids.shape[1]
+            out = torch.zeros(1, k, self.vocab)
+            out[..., 0] = 1.0
+            return SimpleNamespace(logits=out)
+
+    rows = copyspan.run(ModelHandle("zero", "model", _Zero(6_000), None, False), cfg, {"span": 16}, Progress(), {})
+    assert all(r["score"] == 0.0 and r["strict"] == 0.0 for r in rows)
+
+
+def test_lengths_beyond_the_model_are_skipped(monkeypatch):
+    monkeypatch.setattr(copyspan, "heldout_stream", lambda tok, spec, n, at_least=None: torch.arange(5_000) + 1)
+    m = _Copier(6_000)
+    m.config.max_position_embeddings = 200
+    rows = copyspan.run(ModelHandle("c", "model", m, None, False), _cfg(), {"span": 16}, Progress(), {})
+    assert {r["length"] for r in rows if r.get("skipped")} == {256}
+    assert copyspan.summarize(rows, _cfg())["skipped"] == [256]
+
+
+def test_run_eval_report_side_by_side(tmp_path, monkeypatch):
+    monkeypatch.setattr(copyspan, "heldout_stream", lambda tok, spec, n, at_least=None: torch.arange(5_000) + 1)
+    tok = SimpleNamespace(eos_token_id=0, pad_token_id=0, chat_template=None)
+    models = {"copier": _Copier(6_000), "zero": _Copier(6_000)}
+
+    def loader(spec, dtype=None, device=None, **kw):
+        return models[spec], tok
+
+    out = tmp_path / "ev"
+    run_eval("copier", "copy:16", against="copier", out_dir=out, lengths="128,256", depths=3, seeds=1,
+             loader=loader, progress=False)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["tasks"]["copy"]["score"] == 1.0 and summary["difference"]["copy"]["score"] == 0
+    assert summary["prompts_identical"] is True
+    md = (out / "report.md").read_text()
+    assert "## copy" in md and "16-token copied span" in md and (out / "copy_model.png").exists()
