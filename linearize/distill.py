@@ -77,7 +77,7 @@ def evaluate_layers(model, ids: torch.Tensor, batch_size: int = 4) -> dict[str, 
     n = 0
     for i in range(0, ids.shape[0], batch_size):
         batch = ids[i : i + batch_size].to(model.device)
-        model(input_ids=batch, use_cache=False)
+        model(input_ids=batch, use_cache=False, logits_to_keep=1)  # the losses live in the layers: skip the vocabulary
         for j, m in enumerate(model.linear_modules()):
             s, t = (x.float() for x in m.distill_pair)
             raw[j] += (s - t).pow(2).mean().item() * batch.shape[0]
@@ -191,7 +191,8 @@ def distill(model, tokenizer, recipe, *, state_dir: Path | None = None, resume: 
                     sync = ddp.no_sync() if i < accum - 1 and ddp is not model else contextlib.nullcontext()
                     with sync:
                         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_autocast):
-                            ddp(input_ids=dist.shard(batch).to(device), use_cache=False)
+                            # the losses are read from the layers; logits_to_keep=1 skips the vocabulary projection
+                            ddp(input_ids=dist.shard(batch).to(device), use_cache=False, logits_to_keep=1)
                         losses = layer_losses(model, cfg["mse_weight"], cfg["xent_weight"], reduce=reduce)
                         lv = torch.stack([l.detach() for l in losses]).float()
                         lv = dist.all_reduce_mean(lv) if reduce is not None else lv  # the global batch's loss
