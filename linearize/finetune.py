@@ -49,14 +49,22 @@ __all__ = ["finetune", "lora_target_regex", "fingerprint", "evaluate", "Training
 STATE_FILE = "finetune-state.pt"
 
 
-def lora_target_regex(model, targets: list[str]) -> str:
-    """A regex (peft ``target_modules``) matching only ``targets`` inside the linearized layers.
+def adapter_layers(model, which: str = "linear") -> list[int]:
+    """The layers whose attention projections get adapters: the linearized ones, or ``all``."""
+    if which == "all":
+        return list(range(model.config.num_hidden_layers))
+    return list(model.config.linear_layers)
+
+
+def lora_target_regex(model, targets: list[str], which: str = "linear") -> str:
+    """A regex (peft ``target_modules``) matching only ``targets`` inside the adapted layers.
 
     e.g. ``model\\.layers\\.(3|4|5)\\.self_attn\\.(q_proj|k_proj|v_proj|o_proj)``; peft full-matches it
-    against module names, so softmax layers and feature maps are never touched.
+    against module names, so other layers (the softmax ones unless ``which == "all"``) and the feature maps
+    are never touched.
     """
     attn = arch_spec(model.config.base_model_type).attention
-    layers = "|".join(str(i) for i in model.config.linear_layers)
+    layers = "|".join(str(i) for i in adapter_layers(model, which))
     projs = "|".join(re.escape(t) for t in targets)
     return rf"model\.layers\.({layers})\.{re.escape(attn)}\.({projs})"
 
@@ -67,7 +75,8 @@ def fingerprint(model, recipe, data: str, seed: int, tokens: int, loss: str) -> 
     blob = json.dumps({"base": getattr(cfg, "_name_or_path", ""), "layers": cfg.layer_types,
                        "attention": cfg.linear_attention,
                        "finetune": {k: v for k, v in recipe["finetune"].items()
-                                    if k != "checkpoint_every" and not (k == "copy_fraction" and v == 0)},
+                                    if k != "checkpoint_every" and not (k == "copy_fraction" and v == 0)
+                                    and not (k == "layers" and v == "linear")},
                        "data": data, "seed": seed, "tokens": tokens, "loss": loss}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -224,7 +233,7 @@ def finetune(model, tokenizer, recipe, *, state_dir: Path | None = None, resume:
 
     for p in model.parameters():  # feature maps, window logits, everything: frozen; only adapters train
         p.requires_grad_(False)
-    target_regex = lora_target_regex(model, cfg["targets"])
+    target_regex = lora_target_regex(model, cfg["targets"], cfg["layers"])
     lora_cfg = LoraConfig(r=cfg["lora_r"], lora_alpha=cfg["lora_alpha"], lora_dropout=cfg["lora_dropout"],
                           target_modules=target_regex, bias="none")
     rng = contextlib.ExitStack()  # seeded adapter init and dropout; the caller's RNG is left untouched
@@ -240,8 +249,11 @@ def finetune(model, tokenizer, recipe, *, state_dir: Path | None = None, resume:
             model.config.pretraining_tp = pretraining_tp
         params = [p for p in peft_model.parameters() if p.requires_grad]
         names = [n for n, p in peft_model.named_parameters() if p.requires_grad]
-        linear = set(model.linear_modules())
-        expected = {f"{n}.{t}" for n, m in model.named_modules() if m in linear for t in cfg["targets"]}
+        attn_name = arch_spec(model.config.base_model_type).attention
+        adapted = set(model.linear_modules())  # the attention modules that should carry adapters
+        if cfg["layers"] == "all":
+            adapted |= {getattr(layer, attn_name) for layer in model.model.layers}
+        expected = {f"{n}.{t}" for n, m in model.named_modules() if m in adapted for t in cfg["targets"]}
         wrapped = {n.rsplit(".lora_", 1)[0].removeprefix("base_model.model.") for n in names}
         if wrapped != expected:  # guards the regex against naming surprises
             raise TrainingError(f"finetune: LoRA wrapped {sorted(wrapped)}, expected {sorted(expected)}")
@@ -266,9 +278,10 @@ def finetune(model, tokenizer, recipe, *, state_dir: Path | None = None, resume:
             history = list(state.get("history", []))
             _set_rng_state(state["rng"], device)
             log(f"finetune: resumed at step {step}/{total_steps} from {ckpt}")
-        layers = list(model.config.linear_layers)
+        layers = adapter_layers(model, cfg["layers"])
+        kind = "linear" if cfg["layers"] == "linear" else "(all)"
         log(f"finetune: LoRA r={cfg['lora_r']} alpha={cfg['lora_alpha']:g} on {','.join(cfg['targets'])} of "
-            f"{len(layers)} linear layers ({n_trainable:,} params), loss {loss_kind}, {total_steps} steps")
+            f"{len(layers)} {kind} layers ({n_trainable:,} params), loss {loss_kind}, {total_steps} steps")
 
         eval_bsz = max(1, min(bsz, 8))
         before = evaluate(peft_model, model, heldout, eval_bsz) if state is None else state["before"]

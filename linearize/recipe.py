@@ -99,6 +99,10 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "targets": Field(list, ["q_proj", "k_proj", "v_proj", "o_proj"],
                          "a non-empty list drawn from q_proj, k_proj, v_proj, o_proj",
                          lambda v: bool(v) and all(t in ("q_proj", "k_proj", "v_proj", "o_proj") for t in v)),
+        # which layers' attention projections get adapters: the linearized ones (LoLCATs) or every layer, so the
+        # kept softmax layers can adapt to the new residual stream too
+        "layers": Field(str, "linear", "linear (the linearized layers) or all (every attention layer)",
+                        lambda v: v in ("linear", "all")),
         "loss": Field(str, "xent", "xent (next-token cross-entropy) or kl (KL to the teacher's logits)",
                       lambda v: v in ("xent", "kl")),
         **_run_fields(),

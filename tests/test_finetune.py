@@ -81,6 +81,25 @@ def test_target_regex_matches_only_linear_layers():
     assert hits == [f"model.layers.{i}.self_attn.{p}" for i in hybrid.config.linear_layers for p in ("o_proj", "q_proj")]
 
 
+def test_layers_all_adapts_softmax_layers_too_and_the_teacher_stays_the_original(corpus):
+    """finetune.layers=all: adapters (then merged) on every attention layer; the KL teacher runs adapters off."""
+    hybrid = _hybrid(layers=4, ratio="3:1", sharp=True)
+    full = [i for i, t in enumerate(hybrid.config.layer_types) if t == "full_attention"]
+    assert full and set(FT.adapter_layers(hybrid, "all")) == set(range(4))
+    rx = FT.lora_target_regex(hybrid, ["q_proj"], "all")
+    assert sorted(n for n, _ in hybrid.named_modules() if re.fullmatch(rx, n)) == [
+        f"model.layers.{i}.self_attn.q_proj" for i in range(4)]
+    before = {k: v.clone() for k, v in hybrid.state_dict().items()}
+    out, rep = FT.finetune(hybrid, _tokenizer(), _recipe(corpus, steps=4, lr=3e-3, loss="kl", targets=["q_proj"],
+                                                          layers="all"), **QUIET)
+    changed = {k for k in before if not torch.equal(before[k], out.state_dict()[k])}
+    assert changed == {f"model.layers.{i}.self_attn.q_proj.weight" for i in range(4)}
+    assert rep["lora"]["layers"] == list(range(4))
+    # the KL reference was the original softmax model: its held-out perplexity is the same before and after
+    assert rep["heldout_ppl_teacher"] > 0
+    _plain(out)
+
+
 def test_xent_lowers_heldout_perplexity(corpus):
     hybrid = _hybrid()
     out, rep = FT.finetune(hybrid, _tokenizer(), _recipe(corpus, steps=30), loss="xent", **QUIET)
