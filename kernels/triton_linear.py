@@ -35,7 +35,6 @@ from .triton_common import (
     segment_starts,
 )
 
-BT_DEFAULT = 64
 
 
 @triton.jit
@@ -258,6 +257,8 @@ def _la_bwd_dkv_kernel(
 # launch configuration (tuned on an H200; see README.md)
 
 CONFIG = {  # picked by linearize.bench.tune_kernels on an H200 (triton 3.6), see README.md
+    "fwd_bt": 64,  # chunk of the forward (64 or 128; 128 not yet timed on a GPU)
+    "bwd_bt": 64,  # chunk of the backward: its per-chunk states scale with T / bwd_bt (128 not yet timed)
     "fwd_bv": 128,  # value block of the forward kernel (capped so the [K, BV] state fits)
     "fwd_warps": 8,
     "fwd_stages": 3,
@@ -279,7 +280,7 @@ def _fwd(q, k, v, S0, z0, normalize, eps, want_final, store_den):
     B, T, H, K = q.shape
     HK, V = k.shape[2], v.shape[-1]
     dev = q.device
-    BT = BT_DEFAULT
+    BT = CONFIG["fwd_bt"] if q.dtype != torch.float32 else 64  # fp32 tiles stay small (FMA dots)
     BK = pow2(K)
     BV, stages = fwd_blocks(CONFIG, BK, V, q.dtype)
     NVB = triton.cdiv(V, BV)
@@ -314,7 +315,7 @@ def _bwd(q, k, v, o, den, S0, z0, do, dS_f, dz_f, normalize, need_state_grads):
     HK, V = k.shape[2], v.shape[-1]
     G = H // HK
     dev = q.device
-    BT = BT_DEFAULT
+    BT = CONFIG["bwd_bt"] if q.dtype != torch.float32 else 64
     f32 = torch.float32
     N = triton.cdiv(T, BT)
     do = do.contiguous()

@@ -292,6 +292,7 @@ CONFIG = {  # picked by linearize.bench.tune_kernels on an H200 (triton 3.6), se
     "split_below_waves": 0.5,
     "fwd_waves": 4.0,
     "fwd_norm_mma": False,  # as in triton_linear.CONFIG (not yet measured on a GPU)
+    "win_bt": 64,  # chunk for W <= 64 (64, or 128 with the linear part inside the chunk; 128 not yet timed)
     "bwd_warps": 4,
     "scan_warps": 4,
     "scan_split_below_waves": 0.0,  # as in triton_linear.CONFIG (not yet measured on a GPU)
@@ -300,8 +301,9 @@ CONFIG = {  # picked by linearize.bench.tune_kernels on an H200 (triton 3.6), se
 
 
 def _chunk_for(window: int) -> Optional[int]:
+    """The chunk for window ``W``: ``CONFIG["win_bt"]`` (64 or 128) when ``W`` fits it, 128 up to 128, else None."""
     if window <= 64:
-        return 64
+        return CONFIG["win_bt"]
     if window <= 128:
         return 128
     return None

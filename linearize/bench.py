@@ -204,16 +204,23 @@ def tune_kernels(heads: int = 32, dim: int = 128, progress: Optional[Callable[[s
         with torch.no_grad():
             return window_linear_attention(qr, kr, q, k, v, wf, window=64)[0]
 
+    def win_fb(q, k, v, qr, kr, do):
+        o = window_linear_attention(qr, kr, q, k, v, wf, window=64)[0]
+        torch.autograd.grad(o, (q, k, v), do)
+
     _bench_ref = {}
-    for name, fn in (("lin_fwd", lin_fwd), ("lin_fb", lin_fb), ("win_fwd", win_fwd)):
+    for name, fn in (("lin_fwd", lin_fwd), ("lin_fb", lin_fb), ("win_fwd", win_fwd), ("win_fb", win_fb)):
         for key in data:
             _bench_ref[(name, key)] = _bench(lambda: fn(*data[key]), 10, 40)
-    sweep("lin_fwd", tlin, {"fwd_norm_mma": [True]}, lin_fwd)
+    sweep("lin_fwd", tlin, {"fwd_norm_mma": [False, True], "fwd_bt": [64, 128]}, lin_fwd)
     sweep("lin_fwd", tlin, {"split_below_waves": [0.5, 2.0], "fwd_waves": [2.0, 4.0, 8.0]}, lin_fwd)
-    sweep("lin_fb", tlin, {"bwd_bk": [64, 128], "bwd_warps": [4, 8]}, lin_fb)
+    sweep("lin_fb", tlin, {"bwd_bk": [64, 128], "bwd_warps": [4, 8], "bwd_bt": [64, 128]}, lin_fb)
     sweep("lin_fb", tlin, {"scan_split_below_waves": [2.0, 8.0], "scan_waves": [4.0, 8.0, 16.0]}, lin_fb)
-    sweep("win_fwd", twin, {"fwd_norm_mma": [True]}, win_fwd)
+    sweep("win_fwd", twin, {"fwd_norm_mma": [False, True], "win_bt": [64, 128]}, win_fwd)
     sweep("win_fwd", twin, {"split_below_waves": [0.5, 2.0], "fwd_waves": [2.0, 4.0, 8.0]}, win_fwd)
+    # the chunk also sets the backward's: the training cost (fwd+bwd) decides it last
+    sweep("win_fb", twin, {"win_bt": [64, 128], "bwd_warps": [4, 8]}, win_fb)
+    sweep("win_fb", twin, {"scan_split_below_waves": [2.0, 8.0], "scan_waves": [8.0]}, win_fb)
     say(f"tuned: linear {tlin.CONFIG} window {twin.CONFIG}")
     return {"linear": dict(tlin.CONFIG), "window": dict(twin.CONFIG)}
 

@@ -73,6 +73,29 @@ def test_linear_triton_normaliser_as_products(dtype, normalize, monkeypatch):
     check_linear("triton", 1, 300, 2, 1, 32, 16, dtype, normalize=normalize, state=True, device=DEV)
 
 
+@pytest.mark.parametrize("normalize", [True, False], ids=["norm", "num"])
+def test_linear_triton_128_token_chunks(normalize, monkeypatch):
+    """Forward and backward with 128-token chunks (CONFIG fwd_bt / bwd_bt), plain and segmented."""
+    from linearize.kernels import triton_linear
+
+    monkeypatch.setitem(triton_linear.CONFIG, "fwd_bt", 128)
+    monkeypatch.setitem(triton_linear.CONFIG, "bwd_bt", 128)
+    check_linear("triton", 2, 200, 4, 2, 16, 32, torch.bfloat16, normalize=normalize, state=True, device=DEV)
+    monkeypatch.setitem(triton_linear.CONFIG, "force_segments", 3)
+    check_linear("triton", 1, 700, 2, 1, 16, 16, torch.bfloat16, normalize=normalize, state=True, device=DEV)
+
+
+def test_window_triton_128_token_chunks_for_w64(monkeypatch):
+    """W <= 64 with 128-token chunks (CONFIG win_bt): the linear part then also lies inside the chunk."""
+    from linearize.kernels import triton_window
+
+    monkeypatch.setitem(triton_window.CONFIG, "win_bt", 128)
+    for dtype in (torch.float32, torch.bfloat16):
+        check_window("triton", 1, 300, 2, 1, 16, 16, 16, 64, dtype, state=True, device=DEV)
+    monkeypatch.setitem(triton_window.CONFIG, "force_segments", 3)
+    check_window("triton", 1, 700, 2, 2, 16, 16, 16, 48, torch.bfloat16, state=True, device=DEV)
+
+
 WIN_SHAPES = [
     # B, T, H, Hk, D, K, V, W
     (1, 1, 2, 2, 16, 16, 16, 64),
