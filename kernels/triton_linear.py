@@ -34,6 +34,7 @@ from .triton_common import (
     row_stats,
     segment_starts,
 )
+from .tuning import ensure_applied
 
 
 
@@ -405,6 +406,7 @@ def linear_attention_triton(
     output_final_state: bool = False,
 ):
     """Triton path of :func:`linearize.kernels.linear_attention`."""
+    ensure_applied(q.device)  # this GPU's saved launch configuration (bench kernels --tune), once
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     S0 = z0 = None
     if initial_state is not None:

@@ -33,6 +33,7 @@ from .triton_common import (
     row_stats,
     scan_states,
 )
+from .tuning import ensure_applied
 
 NEG_INF = tl.constexpr(float("-inf"))
 
@@ -450,6 +451,7 @@ def window_linear_attention_triton(
     initial_state: Optional[Tuple[torch.Tensor, torch.Tensor]] = None, output_final_state: bool = False,
 ):
     """Triton path of :func:`linearize.kernels.window_linear_attention` (``window <= 128``)."""
+    ensure_applied(q.device)  # this GPU's saved launch configuration (bench kernels --tune), once
     W = int(window)
     if not supported(W):
         from .chunked import window_linear_attention_chunked

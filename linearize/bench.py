@@ -221,8 +221,11 @@ def tune_kernels(heads: int = 32, dim: int = 128, progress: Optional[Callable[[s
     # the chunk also sets the backward's: the training cost (fwd+bwd) decides it last
     sweep("win_fb", twin, {"win_bt": [64, 128], "bwd_warps": [4, 8]}, win_fb)
     sweep("win_fb", twin, {"scan_split_below_waves": [2.0, 8.0], "scan_waves": [8.0]}, win_fb)
-    say(f"tuned: linear {tlin.CONFIG} window {twin.CONFIG}")
-    return {"linear": dict(tlin.CONFIG), "window": dict(twin.CONFIG)}
+    from linearize.kernels import tuning
+
+    path = tuning.save(torch.cuda.get_device_name(dev))
+    say(f"tuned: linear {tlin.CONFIG} window {twin.CONFIG}; saved to {path} (used by later runs on this GPU)")
+    return {"linear": dict(tlin.CONFIG), "window": dict(twin.CONFIG), "saved": str(path)}
 
 
 # ---------------------------------------------------------------------------
@@ -286,8 +289,14 @@ def bench_kernels(
     bf = torch.bfloat16
     fla = _fla()
     rows: List[dict] = []
+    from linearize.kernels import triton_linear, triton_window, tuning
+
+    tuning.ensure_applied(dev)
     meta = {"date": _dt.datetime.now().isoformat(timespec="seconds"), **_versions(),
-            "heads": heads, "dim": dim, "tokens": tokens, "window": window}
+            "heads": heads, "dim": dim, "tokens": tokens, "window": window,
+            # the launch configuration timed: the shipped defaults or this GPU's saved tuning
+            "config": {"linear": dict(triton_linear.CONFIG), "window": dict(triton_window.CONFIG),
+                       "source": tuning.applied_from() or "defaults"}}
     if check == "full":
         checks = check_kernels("cuda")
     elif check == "accuracy":

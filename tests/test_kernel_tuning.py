@@ -1,0 +1,67 @@
+"""Saved per-GPU launch configurations (linearize/kernels/tuning.py): written by bench kernels --tune, reloaded."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from linearize.kernels import triton_linear, triton_window, tuning
+
+
+@pytest.fixture()
+def iso(tmp_path, monkeypatch):
+    """A private cache, pristine configurations and a fake GPU name; restores everything afterwards."""
+    monkeypatch.setenv("LINEARIZE_CACHE", str(tmp_path))
+    monkeypatch.setattr(triton_linear, "CONFIG", dict(triton_linear.CONFIG))
+    monkeypatch.setattr(triton_window, "CONFIG", dict(triton_window.CONFIG))
+    monkeypatch.setattr(tuning, "_STATE", {"checked": False, "source": None})
+    monkeypatch.setattr(tuning, "_gpu_name", lambda device=None: "NVIDIA Test GPU 80GB")
+    return tmp_path
+
+
+def test_save_then_apply_on_the_same_gpu(iso):
+    triton_linear.CONFIG["fwd_warps"] = 4
+    triton_window.CONFIG["win_bt"] = 128
+    path = tuning.save("NVIDIA Test GPU 80GB")
+    assert path == iso / "kernels" / "nvidia-test-gpu-80gb.json"
+    blob = json.loads(path.read_text())
+    assert blob["gpu"] == "NVIDIA Test GPU 80GB" and blob["linear"]["fwd_warps"] == 4
+    triton_linear.CONFIG["fwd_warps"] = 8  # back to a default in memory
+    triton_window.CONFIG["win_bt"] = 64
+    tuning.ensure_applied(torch.device("cuda", 0))
+    assert triton_linear.CONFIG["fwd_warps"] == 4 and triton_window.CONFIG["win_bt"] == 128
+    assert tuning.applied_from() == str(path)
+    triton_linear.CONFIG["fwd_warps"] = 2
+    tuning.ensure_applied(torch.device("cuda", 0))  # once per process
+    assert triton_linear.CONFIG["fwd_warps"] == 2
+
+
+@pytest.mark.parametrize("edit", ["gpu", "triton", "unknown_key", "garbage"])
+def test_unusable_files_are_ignored(iso, edit):
+    path = tuning.save("NVIDIA Test GPU 80GB")
+    blob = json.loads(path.read_text())
+    if edit == "gpu":
+        blob["gpu"] = "Another GPU"
+    elif edit == "triton":
+        blob["triton"] = "0.0.1"
+    elif edit == "unknown_key":
+        blob["linear"]["no_such_knob"] = 1
+    path.write_text("{not json" if edit == "garbage" else json.dumps(blob))
+    before = dict(triton_linear.CONFIG)
+    assert tuning.load("NVIDIA Test GPU 80GB") is None
+    tuning.ensure_applied(torch.device("cuda", 0))
+    assert triton_linear.CONFIG == before and tuning.applied_from() is None
+
+
+def test_cpu_and_opt_out_leave_the_defaults(iso, monkeypatch):
+    triton_linear.CONFIG["fwd_warps"] = 4
+    tuning.save("NVIDIA Test GPU 80GB")
+    triton_linear.CONFIG["fwd_warps"] = 8
+    tuning.ensure_applied(torch.device("cpu"))
+    assert triton_linear.CONFIG["fwd_warps"] == 8
+    monkeypatch.setattr(tuning, "_STATE", {"checked": False, "source": None})
+    monkeypatch.setenv("LINEARIZE_KERNEL_TUNING", "0")
+    tuning.ensure_applied(torch.device("cuda", 0))
+    assert triton_linear.CONFIG["fwd_warps"] == 8 and tuning.applied_from() is None
