@@ -252,6 +252,11 @@ def model_card(model, *, base: str, recipe_name: str, reports: dict[str, Any]) -
     ]
     if not reports:
         lines.append("Surgery only: the linear layers are untrained (run `linearize distill`).")
+    rc = reports.get("recall") or {}
+    if "hybrid" in rc:  # the conversion's built-in recall check (linearize.pipeline.RecallCheck)
+        lines += [f"Recall check (`linearize eval --task copy`: a held-out {rc['span']}-token span repeated at the end "
+                  f"of {rc['length']}-token sequences, {rc['samples']} samples): teacher {100 * rc['teacher']:.1f}% → "
+                  f"hybrid **{100 * rc['hybrid']:.1f}%** of the copied tokens predicted exactly.", ""]
     lines += stage_summary(reports)
     for stage, rep in reports.items():
         lines.append(f"- **{stage}**: " + ", ".join(f"{k}={v}" for k, v in rep.items() if not isinstance(v, (dict, list))))

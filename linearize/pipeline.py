@@ -105,10 +105,12 @@ def convert(spec: str, *, ratio: str | None = None, softmax_layers: str | None =
             distill_tokens = plan["stage1_tokens"] - probe.tokens  # the probe's tokens are part of stage 1
     t_load = time.time() - t0
     if train:
+        recall = RecallCheck(hybrid, tokenizer, rec, finetune=finetune, log=log)  # the teacher's score first
         reports["distill"] = run_distill(hybrid, tokenizer, rec, out, tokens=distill_tokens, resume=resume, log=log)
         if finetune:
             hybrid, reports["finetune"] = run_finetune(hybrid, tokenizer, rec, out, tokens=finetune_tokens, loss=loss,
                                                        resume=resume, log=log)
+        reports["recall"] = recall.finish(hybrid)
         if probe is not None:  # the share as run: probe / (probe + stage 1 + stage 2)
             sel = reports["select"]
             sel["total_tokens"] = probe.tokens + sum(int(reports[s].get("tokens", 0)) for s in ("distill", "finetune")
@@ -127,6 +129,44 @@ def convert(spec: str, *, ratio: str | None = None, softmax_layers: str | None =
         shutil.rmtree(state_dir_for(out), ignore_errors=True)
     dist.barrier()
     return out
+
+
+class RecallCheck:
+    """The conversion's built-in recall check: ``eval``'s ``copy`` task (a held-out span repeated at the end of
+    the sequence, share of its tokens predicted exactly) on 12 samples at the last stage's sequence length
+    (at most 2,048 and the model's context), run on the teacher (the hybrid with its softmax attention, before
+    any training) and on the result, with the same samples. Its report goes into report.json and the card."""
+
+    MAX_LENGTH = 2048
+
+    def __init__(self, hybrid, tokenizer, rec, *, finetune: bool, log: Callable[[str], None]):
+        from .evals.copyspan import quick_check
+
+        stage = rec["finetune"] if finetune else rec["distill"]
+        limit = getattr(hybrid.config, "max_position_embeddings", None) or self.MAX_LENGTH
+        self.length = min(int(stage["seq_len"]), self.MAX_LENGTH, int(limit))
+        self.data, self.tokenizer, self.log, self._check = stage["data"], tokenizer, log, quick_check
+        t = time.time()
+        hybrid.set_attention_mode("softmax")
+        try:
+            self.teacher = quick_check(hybrid, tokenizer, length=self.length, data=self.data)
+        finally:
+            hybrid.set_attention_mode("linear")
+        self.seconds = time.time() - t
+
+    def finish(self, hybrid) -> dict[str, Any]:
+        """Score the trained hybrid and return the report (``teacher`` / ``hybrid`` copy scores)."""
+        if "skipped" in self.teacher:
+            return dict(self.teacher)
+        t = time.time()
+        result = self._check(hybrid, self.tokenizer, length=self.length, data=self.data)
+        rep = {"task": "copy", "length": self.length, "span": result["span"], "samples": result["samples"],
+               "data": result["data"], "teacher": self.teacher["score"], "hybrid": result["score"],
+               "teacher_strict": self.teacher["strict"], "hybrid_strict": result["strict"],
+               "seconds": round(self.seconds + time.time() - t, 1)}
+        self.log(f"recall check (copy, {self.length} tokens, {rep['samples']} held-out samples): teacher "
+                 f"{100 * rep['teacher']:.1f}% -> hybrid {100 * rep['hybrid']:.1f}%")
+        return rep
 
 
 def plan_auto(base_config, rec, *, ratio: str, kv_budget: str | None, dtype, device, train: bool, finetune: bool,

@@ -115,3 +115,11 @@ def test_run_eval_report_side_by_side(tmp_path, monkeypatch):
     assert summary["prompts_identical"] is True
     md = (out / "report.md").read_text()
     assert "## copy" in md and "16-token copied span" in md and (out / "copy_model.png").exists()
+
+
+def test_quick_check_scores_and_skips(monkeypatch):
+    monkeypatch.setattr(copyspan, "heldout_stream", lambda tok, spec, n, at_least=None: torch.arange(5_000) + 1)
+    r = copyspan.quick_check(_Copier(6_000), None, length=128)
+    assert r["score"] == 1.0 and r["strict"] == 1.0 and r["samples"] == 12 and r["span"] == 32 and r["length"] == 128
+    assert copyspan.quick_check(_Copier(6_000), None, length=64)["span"] == 31  # shortened to fit
+    assert "skipped" in copyspan.quick_check(_Copier(6_000), None, length=9)

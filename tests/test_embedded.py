@@ -151,6 +151,9 @@ def test_short_all_stages_end_to_end(tmp_path, embedded_dir):
     assert not any("lora" in k for k in index["weight_map"])  # adapters merged: no peft needed to load
     card = (out / "README.md").read_text()  # the model card summarizes both stages: tokens, time, quality
     assert "| distill | 256 |" in card and "| finetune | 256 |" in card and "teacher" in card
+    rc = report["stages"]["recall"]  # the built-in recall check: copy task, same samples for teacher and hybrid
+    assert rc["task"] == "copy" and rc["length"] == 64 and rc["span"] == 31 and rc["samples"] == 12
+    assert 0 <= rc["hybrid"] <= 1 and rc["teacher"] > rc["hybrid"] and "Recall check" in card
     res = run_cli("finetune", str(out), "--adapter-only", "--tokens", "256", "--loss", "kl", *small[6:])
     assert res.returncode == 0, res.stderr[-3000:]
     adapter = tmp_path / "OUT-adapter"

@@ -103,3 +103,24 @@ def summarize(rows: list[dict], cfg: EvalConfig) -> dict:
     out["span"] = rows[0]["span"] if rows else DEFAULT_SPAN
     out["skipped"] = sorted({r["length"] for r in rows if r.get("skipped")})
     return out
+
+
+@torch.no_grad()
+def quick_check(model, tokenizer, *, length: int, data: str | None = None, seeds: int = 4,
+                depths: tuple[float, ...] = (0.0, 0.5, 1.0), span: int = DEFAULT_SPAN) -> dict:
+    """The copy task on ``len(depths) * seeds`` held-out samples of ``length`` tokens, no report files: the
+    conversion's built-in recall check (the same samples for the teacher and the hybrid). Returns ``score``,
+    ``strict`` and what was run; ``skipped`` (a reason) when ``length`` cannot hold a span and its cue."""
+    span = min(span, (length - 1) // 2)
+    if span <= CUE:
+        return {"task": NAME, "length": length, "skipped": f"{length} tokens cannot hold a copied span"}
+    cfg = EvalConfig(lengths=[length], depths=list(depths), seeds=list(range(seeds)))
+    stream = heldout_stream(tokenizer, data, max(POOL_TOKENS, 2 * length), at_least=length)
+    handle = ModelHandle("check", "model", model, tokenizer, False)
+    was_training = model.training
+    model.eval()
+    scores = [score_sample(handle, s["ids"], span) for s in build_samples(stream, cfg, span)]
+    model.train(was_training)
+    return {"task": NAME, "length": length, "span": span, "samples": len(scores),
+            "score": round(sum(a for a, _ in scores) / len(scores), 4),
+            "strict": round(sum(b for _, b in scores) / len(scores), 4), "data": data or "wiki"}
