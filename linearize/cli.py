@@ -168,6 +168,15 @@ def info(spec: str = typer.Argument(..., help="Model spec or hybrid checkpoint d
     for length, row in data["cache_bytes"].items():
         table.add_row(length, _human(row["original"]), _human(row["hybrid"]), f"{row['hybrid'] / row['original']:.1%}")
     console.print(table)
+    q = data.get("quality") or {}
+    if "ppl" in q:
+        p = q["ppl"]
+        console.print(f"held-out perplexity ({p['seq_len']}-token sequences): hybrid {p['hybrid']:.2f}, teacher "
+                      f"{p['teacher']:.2f} ({p['hybrid'] / p['teacher']:.3f}x)", highlight=False)
+    if "copy" in q:
+        c = q["copy"]
+        console.print(f"recall check (copy, {c['length']} tokens, {c['samples']} samples): hybrid {100 * c['hybrid']:.1f}%, "
+                      f"teacher {100 * c['teacher']:.1f}%", highlight=False)
 
 
 _MAX_MEMORY_HELP = ("Run a model that does not fit one device, onloading layer by layer: DEV=SIZE,... with DEV N, "

@@ -40,4 +40,26 @@ def model_info(spec: str) -> dict[str, Any]:
         "parameters": total,
         "extra_parameters": extra,
         "cache_bytes": {name: cache_bytes(config, n) for name, n in CONTEXTS.items()},
+        "quality": conversion_quality(local_dir(r)),
     }
+
+
+def conversion_quality(path) -> dict[str, Any]:
+    """From a hybrid's ``report.json``: held-out perplexity vs the teacher (stage 2) and the recall check
+    (copy task, teacher vs hybrid); empty for other directories or untrained hybrids."""
+    import json
+    from pathlib import Path
+
+    try:
+        stages = json.loads((Path(path) / "report.json").read_text()).get("stages") or {}
+    except (OSError, ValueError, AttributeError):
+        return {}
+    out: dict[str, Any] = {}
+    ft = stages.get("finetune") or {}
+    if "heldout_ppl_end" in ft and ft.get("heldout_ppl_teacher"):
+        out["ppl"] = {"hybrid": ft["heldout_ppl_end"], "teacher": ft["heldout_ppl_teacher"],
+                      "seq_len": ft.get("seq_len")}
+    rc = stages.get("recall") or {}
+    if "hybrid" in rc:
+        out["copy"] = {k: rc[k] for k in ("hybrid", "teacher", "length", "samples")}
+    return out

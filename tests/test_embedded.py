@@ -161,6 +161,8 @@ def test_short_all_stages_end_to_end(tmp_path, embedded_dir):
     assert not (tmp_path / ".OUT.state").exists()
     res = run_cli("generate", str(out), "Hi", "--max-new-tokens", "3")
     assert res.returncode == 0, res.stderr[-2000:]
+    res = run_cli("info", str(out))  # what the conversion reached, from its report
+    assert res.returncode == 0 and "held-out perplexity" in res.stdout and "recall check (copy, 64 tokens" in res.stdout
 
 
 def test_info_and_recipes_commands(converted):
