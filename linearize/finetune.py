@@ -89,6 +89,50 @@ def _kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> torch.Ten
     return F.kl_div(s, t, reduction="batchmean", log_target=True)
 
 
+#: rows of logits per chunk of the chunked KL: about 2^28 fp32 values (1 GiB) whatever the vocabulary
+KL_CHUNK_VALUES = 1 << 28
+
+
+@contextlib.contextmanager
+def _final_hidden(model):
+    """Capture the final norm's output (the hidden states the LM head reads) during a forward: yields a list
+    that holds it afterwards. The forward can then ask for ``logits_to_keep=1`` and skip the full logits."""
+    box: list[torch.Tensor] = []
+    handle = model.model.norm.register_forward_hook(lambda mod, args, out: box.append(out))
+    try:
+        yield box
+    finally:
+        handle.remove()
+
+
+def _kl_chunk(lm_head, h_t: torch.Tensor, h_s: torch.Tensor) -> torch.Tensor:
+    # sum over the chunk's rows of KL(teacher || student); h_* [n, d]
+    with torch.no_grad():
+        t = F.log_softmax(lm_head(h_t).float(), dim=-1)
+    s = F.log_softmax(lm_head(h_s).float(), dim=-1)
+    return F.kl_div(s, t, reduction="sum", log_target=True)
+
+
+def chunked_kl(lm_head, h_teacher: torch.Tensor, h_student: torch.Tensor, chunk_rows: int | None = None) -> torch.Tensor:
+    """``KL(teacher || student)`` averaged over tokens, from final hidden states ``[B, T, d]`` instead of logits:
+    the LM head and the log-softmaxes run per chunk of rows under activation checkpointing, so at most one
+    chunk's ``[rows, vocab]`` logits exist at a time (forward and backward) -- equal to :func:`_kl` on the logits.
+    When all rows fit one chunk (``KL_CHUNK_VALUES`` logits) nothing is recomputed.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    d = h_student.shape[-1]
+    hs, ht = h_student.reshape(-1, d), h_teacher.reshape(-1, d)
+    n = hs.shape[0]
+    rows = chunk_rows or max(1, KL_CHUNK_VALUES // int(lm_head.weight.shape[0]))
+    if n <= rows:  # one chunk: no recomputation needed (the logits are small enough to keep)
+        return _kl_chunk(lm_head, ht, hs) / n
+    total = h_student.new_zeros((), dtype=torch.float32)
+    for a in range(0, n, rows):
+        total = total + checkpoint(_kl_chunk, lm_head, ht[a:a + rows], hs[a:a + rows], use_reentrant=False)
+    return total / n
+
+
 def _teacher_logits(peft_model, model, batch: torch.Tensor) -> torch.Tensor:
     """Logits of the original softmax model: same weights, adapters off, softmax attention on."""
     with torch.no_grad(), peft_model.disable_adapter():
@@ -97,6 +141,17 @@ def _teacher_logits(peft_model, model, batch: torch.Tensor) -> torch.Tensor:
             return peft_model(input_ids=batch, use_cache=False).logits
         finally:
             model.set_attention_mode("linear")
+
+
+def _teacher_hidden(peft_model, model, batch: torch.Tensor) -> torch.Tensor:
+    """The original softmax model's final hidden states ``[B, T, d]`` (adapters off, no grad, no full logits)."""
+    with torch.no_grad(), peft_model.disable_adapter(), _final_hidden(model) as box:
+        model.set_attention_mode("softmax")
+        try:
+            peft_model(input_ids=batch, use_cache=False, logits_to_keep=1)
+        finally:
+            model.set_attention_mode("linear")
+    return box[-1]
 
 
 @torch.no_grad()
@@ -322,11 +377,12 @@ def finetune(model, tokenizer, recipe, *, state_dir: Path | None = None, resume:
                         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_autocast):
                             if loss_kind == "xent":
                                 micro = ddp(input_ids=batch, labels=batch, use_cache=False).loss
-                            else:
-                                t_logits = _teacher_logits(peft_model, model, batch)  # [B, T, V], no grad
-                                s_logits = ddp(input_ids=batch, use_cache=False).logits
-                                micro = _kl(t_logits, s_logits)
-                                del t_logits, s_logits
+                            else:  # KL from final hidden states, chunked: no [B, T, vocab] logits are kept
+                                h_t = _teacher_hidden(peft_model, model, batch)  # [B, T, d], no grad
+                                with _final_hidden(model) as box:
+                                    ddp(input_ids=batch, use_cache=False, logits_to_keep=1)
+                                micro = chunked_kl(model.lm_head, h_t, box[-1])
+                                del h_t, box
                         global_micro = dist.all_reduce_mean(micro.detach())  # the global batch's loss
                         guard.check(global_micro, run["step"])  # NaN/Inf or exploding: stop before the update
                         (micro / accum).backward()

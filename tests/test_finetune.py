@@ -100,6 +100,28 @@ def test_layers_all_adapts_softmax_layers_too_and_the_teacher_stays_the_original
     _plain(out)
 
 
+def test_chunked_kl_equals_the_logits_kl_with_gradients():
+    """KL from final hidden states in chunks (what stage 2 trains on) == KL of the full logits, loss and gradient."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=False)
+    h_t, h_s = torch.randn(3, 7, 16), torch.randn(3, 7, 16, requires_grad=True)
+    full = FT._kl(head(h_t), head(h_s))
+    (g_full,) = torch.autograd.grad(full, h_s)
+    for rows in (1, 4, 21, 100):
+        chunked = FT.chunked_kl(head, h_t, h_s, chunk_rows=rows)
+        (g_chunk,) = torch.autograd.grad(chunked, h_s)
+        assert torch.allclose(chunked, full, rtol=1e-5, atol=1e-6), rows
+        assert torch.allclose(g_chunk, g_full, rtol=1e-4, atol=1e-7), rows
+
+
+def test_final_hidden_is_what_the_lm_head_reads():
+    hybrid = _hybrid()
+    ids = torch.randint(0, 64, (2, 24))
+    with FT._final_hidden(hybrid) as box, torch.no_grad():
+        logits = hybrid(input_ids=ids, use_cache=False).logits
+    assert torch.allclose(hybrid.lm_head(box[-1]), logits, atol=1e-5)
+
+
 def test_xent_lowers_heldout_perplexity(corpus):
     hybrid = _hybrid()
     out, rep = FT.finetune(hybrid, _tokenizer(), _recipe(corpus, steps=30), loss="xent", **QUIET)
