@@ -146,6 +146,7 @@ class RecallCheck:
         limit = getattr(hybrid.config, "max_position_embeddings", None) or self.MAX_LENGTH
         self.length = min(int(stage["seq_len"]), self.MAX_LENGTH, int(limit))
         self.data, self.tokenizer, self.log, self._check = stage["data"], tokenizer, log, quick_check
+        self.span = None
         t = time.time()
         hybrid.set_attention_mode("softmax")
         try:
@@ -154,12 +155,25 @@ class RecallCheck:
             hybrid.set_attention_mode("linear")
         self.seconds = time.time() - t
 
+    @classmethod
+    def from_report(cls, report: dict[str, Any], tokenizer, *, log: Callable[[str], None]) -> RecallCheck:
+        """A check whose teacher score comes from an earlier report (a rerun of a stage on a checkpoint whose
+        projections may already hold merged adapters, so its softmax mode is no longer the teacher)."""
+        from .evals.copyspan import quick_check
+
+        self = cls.__new__(cls)
+        self.length, self.data, self.span = report["length"], report["data"], report["span"]
+        self.tokenizer, self.log, self._check, self.seconds = tokenizer, log, quick_check, 0.0
+        self.teacher = {"score": report["teacher"], "strict": report["teacher_strict"]}
+        return self
+
     def finish(self, hybrid) -> dict[str, Any]:
         """Score the trained hybrid and return the report (``teacher`` / ``hybrid`` copy scores)."""
         if "skipped" in self.teacher:
             return dict(self.teacher)
         t = time.time()
-        result = self._check(hybrid, self.tokenizer, length=self.length, data=self.data)
+        extra = {"span": self.span} if self.span else {}
+        result = self._check(hybrid, self.tokenizer, length=self.length, data=self.data, **extra)
         rep = {"task": "copy", "length": self.length, "span": result["span"], "samples": result["samples"],
                "data": result["data"], "teacher": self.teacher["score"], "hybrid": result["score"],
                "teacher_strict": self.teacher["strict"], "hybrid_strict": result["strict"],
@@ -327,16 +341,27 @@ def rerun_stage(stage: str, path: str, *, out: Path | None = None, overrides: di
     check_output_dir(out, overwrite=in_place)  # in place: the parent must still take the new directory
     device = dist.init(device)  # torchrun: join the process group; this rank's device
     model, tokenizer = load_model(str(src), dtype=dtype, device=device)
+    summary = json.loads((src / "report.json").read_text()) if (src / "report.json").is_file() else {}
+    stages = dict(summary.get("stages", {}))
+    recall = None  # the recall check follows the weights: re-scored after this stage, the teacher kept
+    if not adapter_only:
+        if "teacher" in (stages.get("recall") or {}):
+            recall = RecallCheck.from_report(stages["recall"], tokenizer, log=log)
+        elif "finetune" not in stages:  # no adapters merged yet: softmax mode is still the teacher
+            recall = RecallCheck(model, tokenizer, rec, finetune=stage == "finetune", log=log)
     if stage == "distill":
         report = run_distill(model, tokenizer, rec, out, tokens=tokens, resume=resume, log=log)
     else:
         model, report = run_finetune(model, tokenizer, rec, out, tokens=tokens, loss=loss, resume=resume,
                                      adapter_only_dir=out if adapter_only else None, log=log)
+    stages[stage] = report
+    stages.pop("recall", None)
+    if recall is not None:
+        stages["recall"] = recall.finish(model)
     if dist.is_main():  # torchrun: every rank holds the same weights; rank 0 writes, the others wait
         if not adapter_only:
-            summary = json.loads((src / "report.json").read_text()) if (src / "report.json").is_file() else {}
             save_checkpoint(model, tokenizer, out, base=summary.get("base_model", path), recipe=rec,
-                            overwrite=in_place, reports={**summary.get("stages", {}), stage: report})
+                            overwrite=in_place, reports=stages)
         shutil.rmtree(state_dir_for(out), ignore_errors=True)
     dist.barrier()
     return out

@@ -123,3 +123,20 @@ def test_quick_check_scores_and_skips(monkeypatch):
     assert r["score"] == 1.0 and r["strict"] == 1.0 and r["samples"] == 12 and r["span"] == 32 and r["length"] == 128
     assert copyspan.quick_check(_Copier(6_000), None, length=64)["span"] == 31  # shortened to fit
     assert "skipped" in copyspan.quick_check(_Copier(6_000), None, length=9)
+
+
+def test_a_stage_rerun_keeps_the_teacher_score_and_rescores_the_hybrid(monkeypatch):
+    from linearize.pipeline import RecallCheck
+
+    calls = []
+
+    def fake(model, tok, *, length, data=None, span=copyspan.DEFAULT_SPAN, **kw):
+        calls.append((length, data, span))
+        return {"score": 0.5, "strict": 0.0, "span": span, "samples": 12, "data": data or "wiki"}
+
+    monkeypatch.setattr(copyspan, "quick_check", fake)
+    old = {"task": "copy", "length": 64, "data": "wiki", "span": 31, "samples": 12, "teacher": 0.9,
+           "teacher_strict": 0.25, "hybrid": 0.1, "hybrid_strict": 0.0}
+    rep = RecallCheck.from_report(old, None, log=lambda m: None).finish(object())
+    assert calls == [(64, "wiki", 31)]
+    assert rep["teacher"] == 0.9 and rep["teacher_strict"] == 0.25 and rep["hybrid"] == 0.5 and rep["span"] == 31

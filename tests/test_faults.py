@@ -219,6 +219,9 @@ def finetune_full(ws, hybrid):
     out = ws / "ft-full"
     res = _cli("finetune", hybrid, "--tokens", 32 * 2 * 8, *_sets("finetune", ws / "corpus.txt"), "-o", out)
     assert res.exit_code == 0, res.stderr
+    # a stage rerun on a checkpoint without adapters scores the recall check against softmax mode (the teacher)
+    rc = json.loads((out / "report.json").read_text())["stages"]["recall"]
+    assert rc["task"] == "copy" and rc["length"] == 32 and 0 <= rc["hybrid"] <= 1 and 0 <= rc["teacher"] <= 1
     return out
 
 
