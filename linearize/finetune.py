@@ -306,6 +306,11 @@ def finetune(model, tokenizer, recipe, *, state_dir: Path | None = None, resume:
         params = [p for p in peft_model.parameters() if p.requires_grad]
         sharded = is_sharded(model)  # --fsdp: adapters injected after sharding stay replicated (not FSDP's)
         if sharded:
+            from torch.distributed.tensor import DTensor
+
+            if any(isinstance(p, DTensor) for p in params):
+                raise TrainingError("finetune --fsdp: a trainable parameter is sharded by FSDP; only the "
+                                    "replicated LoRA adapters may train")
             with torch.no_grad():
                 for p in params:  # the seeded init is the same everywhere; make it exactly rank 0's
                     torch.distributed.broadcast(p.data, src=0)

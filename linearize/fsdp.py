@@ -35,8 +35,7 @@ __all__ = ["check_options", "load_device", "shard", "is_sharded", "average_gradi
            "full_state_dict"]
 
 
-def check_options(*, select_auto: bool = False, train: bool = True, resume: bool = False,
-                  adapter_only: bool = False) -> None:
+def check_options(*, select_auto: bool = False, train: bool = True, adapter_only: bool = False) -> None:
     """One line for what ``--fsdp`` cannot do (yet); call before anything is loaded."""
     if not dist.enabled():
         raise LinearizeError("--fsdp shards the model over torchrun processes: start it with "
@@ -46,8 +45,6 @@ def check_options(*, select_auto: bool = False, train: bool = True, resume: bool
     if select_auto:
         raise LinearizeError("--fsdp does not support --select auto yet (its probe runs on the whole model); "
                              "use --select interleave or --softmax-layers")
-    if resume:
-        raise LinearizeError("--fsdp does not support --resume yet; rerun without --resume")
     if adapter_only:
         raise LinearizeError("--fsdp does not support --adapter-only yet; drop one of them")
 
@@ -86,6 +83,11 @@ def shard(model, device: str | None, log=None):
             torch.distributed.broadcast(p.data, src=0)
     mesh = init_device_mesh(dev.type, (dist.world_size(),))
     ignored = set(keep)
+    for p in model.parameters():  # what FSDP shards is frozen for good: only the replicated parameters train.
+        # (The root's parameters stay unsharded after a forward without backward, so requires_grad_ on what
+        # model.parameters() returns later would not reach FSDP's sharded copies.)
+        if p not in ignored:
+            p.requires_grad_(False)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, ignored_params=ignored)
     fully_shard(model, mesh=mesh, ignored_params=ignored)

@@ -63,7 +63,7 @@ def convert(spec: str, *, ratio: str | None = None, softmax_layers: str | None =
     if fsdp:
         from .fsdp import check_options
 
-        check_options(select_auto=mode == "auto" and softmax_layers is None, train=train, resume=resume)
+        check_options(select_auto=mode == "auto" and softmax_layers is None, train=train)
     if auto:
         from .probe import score_weights
 
@@ -345,7 +345,7 @@ def rerun_stage(stage: str, path: str, *, out: Path | None = None, overrides: di
     if fsdp:
         from .fsdp import check_options
 
-        check_options(resume=resume, adapter_only=adapter_only)
+        check_options(adapter_only=adapter_only)
     window = (json.loads((src / "config.json").read_text()).get("linear_attention") or {}).get("window")
     recipes.check_training(rec, {stage: tokens}, window=window)  # the model's window, not the recipe text's
     if adapter_only:

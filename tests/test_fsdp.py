@@ -1,8 +1,11 @@
 """Sharded training (--fsdp, FSDP2) under torchrun (CPU, gloo): 2 processes reach the 1-process losses and weights."""
 
 import json
+import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -11,7 +14,7 @@ from safetensors.torch import load_file
 from linearize import fsdp
 from linearize.errors import LinearizeError
 from test_distributed import TORCHRUN, _convert
-from test_interrupt import _env, _weights, workspace  # noqa: F401 - the tiny model + corpus fixture
+from test_interrupt import _args, _env, _weights, workspace  # noqa: F401 - the tiny model + corpus fixture
 
 CLI = [sys.executable, "-m", "linearize.cli"]
 
@@ -77,6 +80,46 @@ def test_fsdp_finetune_dir_matches_one(runs, workspace):  # noqa: F811
         torch.testing.assert_close(w2[k], w1[k], rtol=1e-4, atol=1e-5, msg=k)
 
 
+def _stopped_then_resumed(ws, out, args, state_file):
+    """Start ``args`` under torchrun --fsdp, stop it (SIGTERM to torchrun, which ends its workers) once
+    ``state_file`` exists, then rerun with --resume; returns the resumed run and the step it resumed at."""
+    state = ws / f".{out.name}.state" / state_file
+    proc = subprocess.Popen([*TORCHRUN, *args, "--fsdp"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env(ws))
+    deadline = time.time() + 300
+    while not state.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    assert state.exists(), "no checkpoint appeared"
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=120)
+    assert proc.returncode != 0 and not out.exists()  # stopped before the end: nothing that looks finished
+    res = _run([*TORCHRUN, *args, "--fsdp", "--resume"], ws)
+    assert res.returncode == 0, res.stderr[-3000:]
+    m = re.search(rf"{state_file.split('-')[0]}: resumed at step (\d+)/(\d+)", res.stdout)
+    assert m and 0 < int(m[1]) < int(m[2]), res.stdout[-2000:]
+    assert not state.parent.exists()  # state removed once the output is complete
+    return res
+
+
+@pytest.mark.parametrize("stage", ["distill", "finetune"])
+def test_fsdp_resume_matches_uninterrupted(workspace, stage):  # noqa: F811
+    """A stopped --fsdp run resumed with --fsdp --resume ends with the weights of one uninterrupted process."""
+    if stage == "distill":  # 150 steps of 2 rows, checkpoint every 5
+        args = lambda out, *x: _args(workspace, out, *x)[1:]  # noqa: E731
+    else:  # a short stage 1, then 40 LoRA steps of 4 rows, checkpoint every 2
+        args = lambda out, *x: _convert(workspace, out, "--set", "finetune.grad_accum=1",  # noqa: E731
+                                        "--set", "finetune.checkpoint_every=2", "--finetune-tokens",
+                                        str(32 * 4 * 40), *x)
+    one, out = workspace / f"res-{stage}-one", workspace / f"res-{stage}-fsdp"
+    r1 = _run([sys.executable, *args(one)], workspace)
+    assert r1.returncode == 0, r1.stderr[-2000:]
+    _stopped_then_resumed(workspace, out, args(out), f"{stage}-state.pt")
+    w1, w2 = _weights(one), _weights(out)
+    assert w1.keys() == w2.keys()
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
 def test_fsdp_without_torchrun_is_refused(workspace, tmp_path):  # noqa: F811
     out = tmp_path / "solo"
     res = _run([sys.executable, *_convert(workspace, out, "--fsdp")], workspace)
@@ -104,6 +147,6 @@ def test_fsdp_option_checks(monkeypatch):
         monkeypatch.setenv(k, v)
     fsdp.check_options()  # under torchrun, plain training: fine
     for kw, msg in [({"train": False}, "--no-train: nothing to train"), ({"select_auto": True}, "--select auto"),
-                    ({"resume": True}, "--resume"), ({"adapter_only": True}, "--adapter-only")]:
+                    ({"adapter_only": True}, "--adapter-only")]:
         with pytest.raises(LinearizeError, match=msg):
             fsdp.check_options(**kw)
