@@ -117,8 +117,8 @@ def atomic_dir(out: Path, overwrite: bool = False) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _state_dict_for_save(model) -> dict[str, torch.Tensor]:
-    sd = model.state_dict()
+def _state_dict_for_save(model, state_dict: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    sd = dict(state_dict) if state_dict is not None else model.state_dict()
     if getattr(model.config, "tie_word_embeddings", False):
         sd.pop("lm_head.weight", None)
     seen: dict[int, str] = {}
@@ -133,9 +133,11 @@ def _state_dict_for_save(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_shards(model, directory: Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> dict[str, Any]:
-    """Write sharded safetensors and an index carrying total size and per-shard size + sha256."""
-    sd = _state_dict_for_save(model)
+def write_shards(model, directory: Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                 state_dict: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+    """Write sharded safetensors and an index carrying total size and per-shard size + sha256; ``state_dict``
+    (e.g. the full weights gathered from an FSDP-sharded model) replaces ``model.state_dict()``."""
+    sd = _state_dict_for_save(model, state_dict)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for k, v in sd.items():
@@ -269,8 +271,9 @@ def model_card(model, *, base: str, recipe_name: str, reports: dict[str, Any]) -
 
 def save_checkpoint(model, tokenizer, out: Path, *, base: str, recipe, overwrite: bool = False,
                     reports: dict[str, dict] | None = None, resolved: dict[str, Any] | None = None,
-                    max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
-    """Write the complete checkpoint directory atomically; return its path."""
+                    max_shard_bytes: int = DEFAULT_SHARD_BYTES, state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write the complete checkpoint directory atomically; return its path. ``state_dict`` replaces the
+    model's own (``--fsdp``: the full weights gathered on rank 0 by :func:`linearize.fsdp.full_state_dict`)."""
     from .recipe import resolved_yaml
 
     out = Path(out)
@@ -282,7 +285,7 @@ def save_checkpoint(model, tokenizer, out: Path, *, base: str, recipe, overwrite
         cfg.auto_map = {"AutoConfig": "configuration_linearize.LinearizeConfig",
                         "AutoModelForCausalLM": "modeling_linearize.LinearizeForCausalLM"}
         cfg.save_pretrained(tmp)
-        write_shards(model, tmp, max_shard_bytes)
+        write_shards(model, tmp, max_shard_bytes, state_dict=state_dict)
         tokenizer.save_pretrained(tmp)
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(tmp)

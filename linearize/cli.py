@@ -97,6 +97,7 @@ def convert(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="float32 | bfloat16 | float16 (default: float32 on CPU, bfloat16 on GPU)."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu | cuda | cuda:N (default: cuda when available)."),
+    fsdp: bool = typer.Option(False, "--fsdp", help="Under torchrun: shard the model over the processes (FSDP2) instead of copying it to each; for models that do not fit one device."),
 ):
     """Convert a model into a linear-attention hybrid checkpoint."""
     from .pipeline import convert as run
@@ -105,7 +106,7 @@ def convert(
                overrides=_overrides(set_),
                train=not no_train, out=out, overwrite=overwrite, dtype=dtype, device=device, tokens=tokens,
                distill_tokens=distill_tokens, finetune_tokens=finetune_tokens, finetune=not no_finetune, loss=loss,
-               resume=resume, log=_log)
+               resume=resume, fsdp=fsdp, log=_log)
     _log(f"wrote {path}")
 
 
@@ -119,12 +120,13 @@ def distill(
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run from its last checkpoint."),
     dtype: Optional[str] = typer.Option(None, "--dtype"),
     device: Optional[str] = typer.Option(None, "--device"),
+    fsdp: bool = typer.Option(False, "--fsdp", help="Under torchrun: shard the model over the processes (FSDP2) instead of copying it to each; for models that do not fit one device."),
 ):
     """(Re)run attention transfer (stage 1) on a hybrid checkpoint."""
     from .pipeline import rerun_stage
 
     p = rerun_stage("distill", path, out=out, overrides=_overrides(set_), tokens=tokens, resume=resume, dtype=dtype,
-                    device=device, log=_log)
+                    device=device, fsdp=fsdp, log=_log)
     _log(f"wrote {p}")
 
 
@@ -140,13 +142,14 @@ def finetune(
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run from its last checkpoint."),
     dtype: Optional[str] = typer.Option(None, "--dtype"),
     device: Optional[str] = typer.Option(None, "--device"),
+    fsdp: bool = typer.Option(False, "--fsdp", help="Under torchrun: shard the model over the processes (FSDP2) instead of copying it to each; for models that do not fit one device."),
 ):
     """(Re)run the LoRA stage (stage 2) on a hybrid checkpoint; adapters are merged before saving."""
     from .pipeline import rerun_stage
 
     p = rerun_stage("finetune", path, out=out, overrides=_overrides(set_), tokens=tokens, loss=loss,
                     adapter_only=adapter_only, resume=resume, dtype=dtype, device=device,
-                    log=_log)
+                    fsdp=fsdp, log=_log)
     _log(f"wrote {p}")
 
 

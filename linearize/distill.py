@@ -162,7 +162,10 @@ def distill(model, tokenizer, recipe, *, state_dir: Path | None = None, resume: 
     for m in model.linear_modules():
         m.xent_rows = cfg["xent_rows"] if cfg["xent_weight"] > 0 else 0
     model.train()
-    ddp = dist.wrap(model, device)  # data parallel: averages the trainable gradients over ranks
+    from .fsdp import average_gradients, is_sharded
+
+    sharded = is_sharded(model)  # --fsdp: the trainable parameters are replicated, their gradients averaged below
+    ddp = model if sharded else dist.wrap(model, device)  # data parallel: averages the trainable gradients
     reduce = dist.all_reduce_mean if dist.world_size() > 1 else None
     history: list[dict[str, float]] = []
     run = {"step": step, "tokens_seen": step * accum * bsz * seq_len, "tokens_this_run": 0}
@@ -201,6 +204,8 @@ def distill(model, tokenizer, recipe, *, state_dir: Path | None = None, resume: 
                     per_layer = lv.cpu() if per_layer is None else per_layer + lv.cpu()
                     run["tokens_seen"] += batch.numel()
                     run["tokens_this_run"] += batch.numel()
+                if sharded:
+                    average_gradients(master)  # what DDP does, once per optimizer step
                 torch.nn.utils.clip_grad_norm_(master, 1.0)
                 opt.step()
                 sched.step()

@@ -43,6 +43,7 @@ from . import distributed as dist
 from .attention import arch_spec
 from .data import heldout_sequences, num_batches, packed_batches, parse_tokens
 from .distill import TrainingError, TrainingInterrupted, _lr_lambda, _save_state
+from .fsdp import average_gradients, is_sharded, merge_lora
 
 __all__ = ["finetune", "lora_target_regex", "fingerprint", "evaluate", "TrainingError", "TrainingInterrupted"]
 
@@ -303,6 +304,16 @@ def finetune(model, tokenizer, recipe, *, state_dir: Path | None = None, resume:
         if pretraining_tp is not None:
             model.config.pretraining_tp = pretraining_tp
         params = [p for p in peft_model.parameters() if p.requires_grad]
+        sharded = is_sharded(model)  # --fsdp: adapters injected after sharding stay replicated (not FSDP's)
+        if sharded:
+            from torch.distributed.tensor import DTensor
+
+            if any(isinstance(p, DTensor) for p in params):
+                raise TrainingError("finetune --fsdp: a trainable parameter is sharded by FSDP; only the "
+                                    "replicated LoRA adapters may train")
+            with torch.no_grad():
+                for p in params:  # the seeded init is the same everywhere; make it exactly rank 0's
+                    torch.distributed.broadcast(p.data, src=0)
         names = [n for n, p in peft_model.named_parameters() if p.requires_grad]
         attn_name = arch_spec(model.config.base_model_type).attention
         adapted = set(model.linear_modules())  # the attention modules that should carry adapters
@@ -344,7 +355,8 @@ def finetune(model, tokenizer, recipe, *, state_dir: Path | None = None, resume:
         batches = itertools.islice(batches, step * accum, total_steps * accum)
         model.set_attention_mode("linear")
         peft_model.train()
-        ddp = dist.wrap(peft_model, device)  # data parallel: averages the adapters' gradients over ranks
+        # data parallel: DDP averages the adapters' gradients over ranks; --fsdp: average_gradients below
+        ddp = peft_model if sharded else dist.wrap(peft_model, device)
         run = {"step": step, "tokens_seen": step * accum * bsz * seq_len, "tokens_this_run": 0,
                "rng": _rng_state(device), "history": history}
         t_train = time.time()
@@ -389,6 +401,8 @@ def finetune(model, tokenizer, recipe, *, state_dir: Path | None = None, resume:
                     step_loss += global_micro.float().item() / accum
                     run["tokens_seen"] += full.numel()
                     run["tokens_this_run"] += full.numel()
+                if sharded:
+                    average_gradients(params)  # what DDP does, once per optimizer step
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
                 if not torch.isfinite(grad_norm):
                     raise TrainingError(f"finetune: non-finite gradient at step {run['step']}; the last good "
@@ -414,6 +428,9 @@ def finetune(model, tokenizer, recipe, *, state_dir: Path | None = None, resume:
             adapter_path = Path(adapter_only_dir)
             if dist.is_main():  # every rank holds the same adapter; rank 0 writes it
                 _save_adapter_atomic(peft_model, adapter_path)
+            base = peft_model.unload()
+        elif sharded:  # each rank adds the deltas into its own shards, then the adapters go
+            merge_lora(peft_model)
             base = peft_model.unload()
         else:
             base = peft_model.merge_and_unload()

@@ -41,13 +41,14 @@ def convert(spec: str, *, ratio: str | None = None, softmax_layers: str | None =
             overwrite: bool = False, dtype: str | None = None, device: str | None = None,
             tokens: str | int | None = None, distill_tokens: str | int | None = None,
             finetune_tokens: str | int | None = None, finetune: bool = True, loss: str | None = None,
-            resume: bool = False, log: Callable[[str], None] = print) -> Path:
+            resume: bool = False, fsdp: bool = False, log: Callable[[str], None] = print) -> Path:
     """Convert ``spec`` into a hybrid checkpoint at ``out``; returns the path.
 
     ``ratio`` (default 3:1) gives the interleave pattern, or with ``select="auto"`` only the number of
     softmax layers; ``kv_budget`` (``BYTES@LENGTH``, auto only) gives that number from a cache budget
     instead. ``softmax_layers`` overrides both. Everything the user can get wrong is checked before the
-    model is loaded, so a bad call writes nothing.
+    model is loaded, so a bad call writes nothing. ``fsdp`` (under torchrun) shards the model over the
+    ranks with FSDP2 instead of replicating it (:mod:`linearize.fsdp`).
     """
     rec = recipes.load(recipe, overrides)
     mode = check_select(select, kv_budget=kv_budget, ratio_given=ratio is not None)
@@ -59,6 +60,10 @@ def convert(spec: str, *, ratio: str | None = None, softmax_layers: str | None =
     auto = mode == "auto" and softmax_layers is None
     if mode == "auto" and softmax_layers is not None:
         log("select: --softmax-layers overrides --select auto (no probe)")
+    if fsdp:
+        from .fsdp import check_options
+
+        check_options(select_auto=mode == "auto" and softmax_layers is None, train=train)
     if auto:
         from .probe import score_weights
 
@@ -88,7 +93,13 @@ def convert(spec: str, *, ratio: str | None = None, softmax_layers: str | None =
     check_output_dir(out, overwrite)
     device = dist.init(device)  # torchrun: join the process group; this rank's device
     t0 = time.time()
-    model, tokenizer = load_model(spec, dtype=dtype, device=device)
+    if fsdp:  # every rank loads the whole model into CPU memory, then keeps only its shards (linearize.fsdp)
+        from .fsdp import load_device
+
+        load_at, load_dtype = load_device(device, dtype)
+        model, tokenizer = load_model(spec, dtype=load_dtype, device=load_at)
+    else:
+        model, tokenizer = load_model(spec, dtype=dtype, device=device)
     reports = {}
     probe = None
     if plan is not None:
@@ -99,6 +110,10 @@ def convert(spec: str, *, ratio: str | None = None, softmax_layers: str | None =
     from .surgery import linearize_model
 
     hybrid = linearize_model(model, layer_types, rec)
+    if fsdp:
+        from .fsdp import shard
+
+        shard(hybrid, device, log=log)
     if plan is not None:
         reports["select"] = auto_report(hybrid, rec, plan, probe, train=train, log=log)
         if probe is not None and train:
@@ -116,10 +131,12 @@ def convert(spec: str, *, ratio: str | None = None, softmax_layers: str | None =
             sel["total_tokens"] = probe.tokens + sum(int(reports[s].get("tokens", 0)) for s in ("distill", "finetune")
                                                      if s in reports)
             sel["probe_share_of_total_tokens"] = round(probe.tokens / max(1, sel["total_tokens"]), 4)
+    full = _gather(hybrid)  # --fsdp: the full weights on rank 0 (every rank takes part); None otherwise
     if dist.is_main():  # torchrun: every rank holds the same weights; rank 0 writes, the others wait
         dtype_name = str(next(hybrid.parameters()).dtype).replace("torch.", "")
         save_checkpoint(
             hybrid, tokenizer, out, base=resolved.name, recipe=rec, overwrite=overwrite, reports=reports,
+            state_dict=full,
             resolved={"ratio": ratio if softmax_layers is None and kv_budget is None else None,
                       "softmax_layers": softmax_layers, "select": mode, "kv_budget": kv_budget,
                       "layer_types": layer_types, "dtype": dtype_name, "load_and_surgery_seconds": round(t_load, 2)},
@@ -129,6 +146,13 @@ def convert(spec: str, *, ratio: str | None = None, softmax_layers: str | None =
         shutil.rmtree(state_dir_for(out), ignore_errors=True)
     dist.barrier()
     return out
+
+
+def _gather(model):
+    """The full state dict of an FSDP-sharded model on rank 0 (``{}`` elsewhere); None for an unsharded one."""
+    from .fsdp import full_state_dict, is_sharded
+
+    return full_state_dict(model) if is_sharded(model) else None
 
 
 class RecallCheck:
@@ -312,7 +336,8 @@ def run_distill(model, tokenizer, rec, out: Path, *, tokens=None, resume: bool =
 
 def rerun_stage(stage: str, path: str, *, out: Path | None = None, overrides: dict[str, Any] | None = None,
                 tokens=None, loss: str | None = None, adapter_only: bool = False, resume: bool = False,
-                dtype: str | None = None, device: str | None = None, log: Callable[[str], None] = print) -> Path:
+                dtype: str | None = None, device: str | None = None, fsdp: bool = False,
+                log: Callable[[str], None] = print) -> Path:
     """(Re)run ``"distill"`` or ``"finetune"`` on a hybrid checkpoint; write to ``out`` (default: in place).
 
     With ``adapter_only`` (finetune), only the LoRA adapter is written, to ``out`` (default ``PATH-adapter``).
@@ -331,6 +356,10 @@ def rerun_stage(stage: str, path: str, *, out: Path | None = None, overrides: di
     if loss is not None and loss not in ("xent", "kl"):
         raise LinearizeError(f"--loss {loss!r}: expected xent or kl")
     check_device(device)
+    if fsdp:
+        from .fsdp import check_options
+
+        check_options(adapter_only=adapter_only)
     window = (json.loads((src / "config.json").read_text()).get("linear_attention") or {}).get("window")
     recipes.check_training(rec, {stage: tokens}, window=window)  # the model's window, not the recipe text's
     if adapter_only:
@@ -340,7 +369,14 @@ def rerun_stage(stage: str, path: str, *, out: Path | None = None, overrides: di
     in_place = out.resolve() == src.resolve()
     check_output_dir(out, overwrite=in_place)  # in place: the parent must still take the new directory
     device = dist.init(device)  # torchrun: join the process group; this rank's device
-    model, tokenizer = load_model(str(src), dtype=dtype, device=device)
+    if fsdp:  # every rank loads the whole model into CPU memory, then keeps only its shards (linearize.fsdp)
+        from .fsdp import load_device, shard
+
+        load_at, load_dtype = load_device(device, dtype)
+        model, tokenizer = load_model(str(src), dtype=load_dtype, device=load_at)
+        shard(model, device, log=log)
+    else:
+        model, tokenizer = load_model(str(src), dtype=dtype, device=device)
     summary = json.loads((src / "report.json").read_text()) if (src / "report.json").is_file() else {}
     stages = dict(summary.get("stages", {}))
     recall = None  # the recall check follows the weights: re-scored after this stage, the teacher kept
@@ -358,10 +394,11 @@ def rerun_stage(stage: str, path: str, *, out: Path | None = None, overrides: di
     stages.pop("recall", None)
     if recall is not None:
         stages["recall"] = recall.finish(model)
+    full = _gather(model) if not adapter_only else None  # --fsdp: the full weights on rank 0
     if dist.is_main():  # torchrun: every rank holds the same weights; rank 0 writes, the others wait
         if not adapter_only:
             save_checkpoint(model, tokenizer, out, base=summary.get("base_model", path), recipe=rec,
-                            overwrite=in_place, reports=stages)
+                            overwrite=in_place, reports=stages, state_dict=full)
         shutil.rmtree(state_dir_for(out), ignore_errors=True)
     dist.barrier()
     return out

@@ -1,0 +1,161 @@
+"""Sharded training under ``torchrun ... --fsdp`` with PyTorch FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+Data parallel (:mod:`linearize.distributed`) keeps the whole model on every rank; ``--fsdp`` shards the
+frozen weights instead, so a model that does not fit one device can be converted. The design:
+
+- **Loading (first version).** Every rank loads the whole model into *CPU* memory (so the host needs
+  about ``world_size x`` the model's size in RAM, e.g. 2 x 140 GB for a bf16 70B on one 2-GPU host), does
+  the same surgery, then :func:`shard` moves each rank's shards to ``cuda:LOCAL_RANK`` (or keeps them on
+  the CPU with gloo) and frees the rest.
+- **What is sharded.** ``fully_shard`` on every decoder layer, then on the root (embeddings, final norm,
+  LM head). The *trainable* parameters of both stages are kept out of FSDP and replicated on every rank:
+  the stage-1 feature maps and window logits through ``fully_shard(..., ignored_params=...)``, and the
+  stage-2 LoRA adapters because peft injects them after sharding (FSDP only manages the parameters it saw).
+  They are tiny (LoRA r=8 on q/k/v/o of Llama-70B: ~33M parameters), so replicating them costs little.
+- **Gradients.** Stage 1's loss is a side channel read from the layers after the forward
+  (:func:`linearize.distill.layer_losses`): the decoder layers' outputs do not require grad, so FSDP's
+  backward hooks never fire, and no frozen weight is needed by that backward (the feature maps act on
+  activations). Stage 2's backward flows through the decoder layers, and FSDP re-gathers their frozen
+  weights for it as usual. In both stages the replicated trainable gradients are averaged over ranks with
+  one ``all_reduce`` per optimizer step (:func:`average_gradients`), which is what DDP would compute.
+- **Merge and save.** LoRA deltas are added into each rank's own shard of the base weights
+  (:func:`merge_lora`, the arithmetic of peft's ``merge``), the adapters are unloaded, and
+  :func:`full_state_dict` gathers the full weights to rank 0's CPU (``get_model_state_dict`` with
+  ``full_state_dict=True, cpu_offload=True``), where the usual checkpoint writer saves them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import distributed as dist
+from .errors import LinearizeError
+
+__all__ = ["check_options", "load_device", "shard", "is_sharded", "average_gradients", "merge_lora",
+           "full_state_dict"]
+
+
+def check_options(*, select_auto: bool = False, train: bool = True, adapter_only: bool = False) -> None:
+    """One line for what ``--fsdp`` cannot do (yet); call before anything is loaded."""
+    if not dist.enabled():
+        raise LinearizeError("--fsdp shards the model over torchrun processes: start it with "
+                             "`torchrun --nproc_per_node N -m linearize.cli ...` (N >= 2)")
+    if not train:
+        raise LinearizeError("--fsdp with --no-train: nothing to train, so nothing to shard; drop --fsdp")
+    if select_auto:
+        raise LinearizeError("--fsdp does not support --select auto yet (its probe runs on the whole model); "
+                             "use --select interleave or --softmax-layers")
+    if adapter_only:
+        raise LinearizeError("--fsdp does not support --adapter-only yet; drop one of them")
+
+
+def load_device(device: str | None, dtype):
+    """Where and in which dtype an FSDP rank loads the full model: the CPU, in the dtype its training
+    device would default to (bf16 for CUDA ranks, fp32 on the CPU)."""
+    from .sources import resolve_dtype
+
+    return "cpu", resolve_dtype(dtype, device or "cpu")
+
+
+def _stage1_params(model) -> list[torch.nn.Parameter]:
+    params = []
+    for m in model.linear_modules():
+        params += list(m.feature_map_q.parameters()) + list(m.feature_map_k.parameters())
+        if m.window_logit is not None:
+            params.append(m.window_logit)
+    return params
+
+
+def shard(model, device: str | None, log=None):
+    """Shard ``model`` (a :class:`LinearizeForCausalLM` on the CPU) over the torchrun ranks in place.
+
+    The stage-1 parameters (feature maps, window logits) are first set to rank 0's values (their random
+    initialization is then the same everywhere) and stay replicated; every other parameter and buffer is
+    sharded (dim 0) by ``fully_shard`` per decoder layer and at the root, on ``device``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dev = torch.device(device or "cpu")
+    keep = _stage1_params(model)
+    with torch.no_grad():
+        for p in keep:
+            p.data = p.data.to(dev)
+            torch.distributed.broadcast(p.data, src=0)
+    mesh = init_device_mesh(dev.type, (dist.world_size(),))
+    ignored = set(keep)
+    for p in model.parameters():  # what FSDP shards is frozen for good: only the replicated parameters train.
+        # (The root's parameters stay unsharded after a forward without backward, so requires_grad_ on what
+        # model.parameters() returns later would not reach FSDP's sharded copies.)
+        if p not in ignored:
+            p.requires_grad_(False)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, ignored_params=ignored)
+    fully_shard(model, mesh=mesh, ignored_params=ignored)
+    model._linearize_fsdp = True
+    if log is not None:
+        from torch.distributed.tensor import DTensor
+
+        total = sum(p.numel() for p in model.parameters())
+        local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
+        log(f"fsdp: {len(model.model.layers)} decoder layers + root sharded over {dist.world_size()} processes on "
+            f"{dev.type}; rank 0 holds {local:,} of {total:,} parameters ({sum(p.numel() for p in keep):,} "
+            f"trainable stage-1 parameters replicated)")
+    return model
+
+
+def is_sharded(model) -> bool:
+    """True for a model prepared by :func:`shard` (peft wrappers included)."""
+    inner = getattr(model, "get_base_model", None)
+    model = inner() if callable(inner) else model
+    return bool(getattr(model, "_linearize_fsdp", False))
+
+
+def average_gradients(params: list[torch.Tensor]) -> None:
+    """Average the gradients of replicated (non-FSDP) parameters over ranks, in one flat all_reduce."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads or not dist.enabled():
+        return
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    for dtype in {g.dtype for g in grads}:
+        group = [g for g in grads if g.dtype == dtype]
+        flat = _flatten_dense_tensors(group)
+        torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.SUM)
+        flat /= dist.world_size()
+        for g, synced in zip(group, _unflatten_dense_tensors(flat, group)):
+            g.copy_(synced)
+
+
+@torch.no_grad()
+def merge_lora(peft_model, adapter: str = "default") -> int:
+    """Add every LoRA delta into this rank's shard of its (FSDP-sharded) base weight; returns the count.
+
+    Same arithmetic as peft's ``merge`` (``W += get_delta_weight().to(W.dtype)``): the adapters are
+    replicated, so each rank computes the full delta and keeps the rows of its own shard."""
+    from peft.tuners.lora import LoraLayer
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    n = 0
+    for module in peft_model.modules():
+        if not isinstance(module, LoraLayer) or adapter not in module.lora_A:
+            continue
+        if adapter in getattr(module, "lora_variant", {}) or module.lora_bias.get(adapter):
+            raise LinearizeError("--fsdp: merging DoRA / LoRA-bias adapters is not supported")
+        weight = module.get_base_layer().weight
+        delta = module.get_delta_weight(adapter).to(weight.dtype)
+        if isinstance(weight, DTensor):
+            part = distribute_tensor(delta.to(weight.to_local().device), weight.device_mesh, weight.placements,
+                                     src_data_rank=None)  # every rank holds the full delta: slice locally
+            weight.to_local().add_(part.to_local())
+        else:
+            weight.add_(delta)
+        n += 1
+    return n
+
+
+def full_state_dict(model) -> dict[str, torch.Tensor]:
+    """The full (unsharded) state dict on rank 0's CPU, ``{}`` on the other ranks; every rank must call it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return sd if dist.is_main() else {}
