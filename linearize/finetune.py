@@ -134,16 +134,6 @@ def chunked_kl(lm_head, h_teacher: torch.Tensor, h_student: torch.Tensor, chunk_
     return total / n
 
 
-def _teacher_logits(peft_model, model, batch: torch.Tensor) -> torch.Tensor:
-    """Logits of the original softmax model: same weights, adapters off, softmax attention on."""
-    with torch.no_grad(), peft_model.disable_adapter():
-        model.set_attention_mode("softmax")
-        try:
-            return peft_model(input_ids=batch, use_cache=False).logits
-        finally:
-            model.set_attention_mode("linear")
-
-
 def _teacher_hidden(peft_model, model, batch: torch.Tensor) -> torch.Tensor:
     """The original softmax model's final hidden states ``[B, T, d]`` (adapters off, no grad, no full logits)."""
     with torch.no_grad(), peft_model.disable_adapter(), _final_hidden(model) as box:
@@ -166,19 +156,26 @@ def evaluate(peft_model, model, ids: torch.Tensor, batch_size: int = 4, teacher:
     use_autocast = device.type == "cuda"
     nll = nll_t = kl = 0.0
     n_tok = n_pos = 0
+    rows = max(1, KL_CHUNK_VALUES // int(model.lm_head.weight.shape[0]))
     for i in range(0, ids.shape[0], batch_size):
         batch = ids[i : i + batch_size].to(device)  # [b, T]
+        # final hidden states, then the LM head per chunk of rows: never a whole [b, T, vocab] logits tensor
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_autocast):
-            logits = peft_model(input_ids=batch, use_cache=False).logits
-            t_logits = _teacher_logits(peft_model, model, batch) if teacher else None
-        V = logits.shape[-1]
-        target = batch[:, 1:].reshape(-1)
-        nll += F.cross_entropy(logits[:, :-1].float().reshape(-1, V), target, reduction="sum").item()
-        n_tok += target.numel()
-        if t_logits is not None:
-            nll_t += F.cross_entropy(t_logits[:, :-1].float().reshape(-1, V), target, reduction="sum").item()
-            kl += _kl(t_logits, logits).item() * batch.numel()
-            n_pos += batch.numel()
+            with _final_hidden(model) as box:
+                peft_model(input_ids=batch, use_cache=False, logits_to_keep=1)
+            h = box[-1].reshape(-1, box[-1].shape[-1])  # [b*T, d]
+            h_t = _teacher_hidden(peft_model, model, batch).reshape(h.shape) if teacher else None
+            target = torch.cat([batch[:, 1:], torch.full_like(batch[:, :1], -100)], 1).reshape(-1)  # next token
+            for a in range(0, h.shape[0], rows):
+                s_lp = F.log_softmax(model.lm_head(h[a:a + rows]).float(), dim=-1)
+                tgt = target[a:a + rows]
+                nll += F.nll_loss(s_lp, tgt, ignore_index=-100, reduction="sum").item()
+                if h_t is not None:
+                    t_lp = F.log_softmax(model.lm_head(h_t[a:a + rows]).float(), dim=-1)
+                    nll_t += F.nll_loss(t_lp, tgt, ignore_index=-100, reduction="sum").item()
+                    kl += F.kl_div(s_lp, t_lp, reduction="sum", log_target=True).item()
+        n_tok += batch.shape[0] * (batch.shape[1] - 1)
+        n_pos += batch.numel()
     peft_model.train(was_training)
     out = {"ppl": math.exp(min(nll / max(n_tok, 1), 700.0))}
     if teacher:

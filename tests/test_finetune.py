@@ -114,6 +114,32 @@ def test_chunked_kl_equals_the_logits_kl_with_gradients():
         assert torch.allclose(g_chunk, g_full, rtol=1e-4, atol=1e-7), rows
 
 
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
+def test_evaluate_equals_the_full_logits_computation(monkeypatch):
+    """The chunked held-out evaluation (ppl, teacher ppl, KL) == the same numbers from whole logits."""
+    from peft import LoraConfig, get_peft_model
+
+    hybrid = _hybrid(layers=2, ratio="1:0", sharp=True)
+    peft_model = get_peft_model(hybrid, LoraConfig(r=2, lora_alpha=4, target_modules=FT.lora_target_regex(hybrid, ["q_proj"])))
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(std=0.5)  # the adapters change the student: KL > 0
+    ids = torch.randint(0, 64, (5, 20))
+    monkeypatch.setattr(FT, "KL_CHUNK_VALUES", 64 * 7)  # 7 rows per chunk: several chunks per batch
+    got = FT.evaluate(peft_model, hybrid, ids, batch_size=2)
+    with torch.no_grad():
+        s = peft_model(input_ids=ids, use_cache=False).logits
+        with peft_model.disable_adapter():
+            hybrid.set_attention_mode("softmax")
+            t = peft_model(input_ids=ids, use_cache=False).logits
+            hybrid.set_attention_mode("linear")
+    ce = lambda x: torch.nn.functional.cross_entropy(x[:, :-1].reshape(-1, 64), ids[:, 1:].reshape(-1))  # noqa: E731
+    assert got["ppl"] == pytest.approx(float(torch.exp(ce(s))), rel=1e-5)
+    assert got["teacher_ppl"] == pytest.approx(float(torch.exp(ce(t))), rel=1e-5)
+    assert got["kl"] == pytest.approx(float(FT._kl(t, s)), rel=1e-4) and got["kl"] > 0
+
+
 def test_final_hidden_is_what_the_lm_head_reads():
     hybrid = _hybrid()
     ids = torch.randint(0, 64, (2, 24))
