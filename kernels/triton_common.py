@@ -274,10 +274,12 @@ def scan_states(
     return st, stz, fin, finz
 
 
-def segment_starts(x, y, heads, init, nseg, seg_chunks, BT, *, reverse=False, a=None, u=None, scan_warps=4):
+def segment_starts(x, y, heads, init, nseg, seg_chunks, BT, *, reverse=False, a=None, u=None, scan_warps=4,
+                   seg_off=0):
     """State entering each segment: ``init`` plus the sum over the segments before it (after it when
     ``reverse``) of ``(a x)^T y`` and ``sum u x``. Returns ``(S [B,heads,NSEG,K,V], z [B,heads,NSEG,K])``
-    fp32, or ``(None, None)`` for one segment and no ``init``; ``init = (S, z or None)``."""
+    fp32, or ``(None, None)`` for one segment and no ``init``; ``init = (S, z or None)``. ``seg_off``
+    shifts the summed chunks one segment boundary earlier (the window kernel's state lags one chunk)."""
     f32 = torch.float32
     S0, z0 = init if init is not None else (None, None)
     if nseg == 1:
@@ -287,7 +289,8 @@ def segment_starts(x, y, heads, init, nseg, seg_chunks, BT, *, reverse=False, a=
             z0 = torch.zeros(S0.shape[:-1], device=S0.device, dtype=f32)
         return S0.to(f32).contiguous().unsqueeze(2), z0.to(f32).contiguous().unsqueeze(2)
     _, _, part, partz = scan_states(x, y, heads=heads, a=a, u=u, per_chunk=False, store_final=True, do_z=True,
-                                    segments=nseg, seg_chunks=seg_chunks, BT=BT, num_warps=scan_warps)
+                                    segments=nseg, seg_chunks=seg_chunks, seg_off=seg_off, BT=BT,
+                                    num_warps=scan_warps)
     if reverse:  # exclusive: the segments after each one
         seg_S = part.flip(2).cumsum(2).flip(2) - part
         seg_z = partz.flip(2).cumsum(2).flip(2) - partz

@@ -31,7 +31,7 @@ from .triton_common import (
     pow2,
     prec,
     row_stats,
-    scan_states,
+    segment_starts,
 )
 from .tuning import ensure_applied
 
@@ -329,18 +329,9 @@ def _fwd(q, k, fq, fk, v, wf, W, scale, eps, S0, z0, store_stats):
     o = new_empty((B, T, H, V), dtype=v.dtype, device=dev)
     ms = new_empty((B, T, H), dtype=f32, device=dev) if store_stats else None
     den = new_empty((B, T, H), dtype=f32, device=dev) if store_stats else None
-    seg_S = seg_z = None
-    if nseg > 1:
-        _, _, part, partz = scan_states(fk, v, heads=HK, per_chunk=False, store_final=True, do_z=True,
-                                        segments=nseg, seg_chunks=seg_chunks, seg_off=1, BT=BT,
-                                        num_warps=CONFIG["scan_warps"])
-        seg_S = torch.cumsum(part, 2) - part
-        seg_z = torch.cumsum(partz, 2) - partz
-        if S0 is not None:
-            seg_S += S0.unsqueeze(2)
-            seg_z += z0.unsqueeze(2)
-    elif S0 is not None:
-        seg_S, seg_z = S0.unsqueeze(2).contiguous(), z0.unsqueeze(2).contiguous()
+    # the carried linear state lags one chunk: each segment starts from the chunks before its first one's predecessor
+    seg_S, seg_z = segment_starts(fk, v, HK, (S0, z0) if S0 is not None else None, nseg, seg_chunks, BT,
+                                  scan_warps=CONFIG["scan_warps"], seg_off=1)
     dummy = o
     launch(
         _win_fwd_kernel, (NVB, B * H, nseg),

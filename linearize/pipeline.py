@@ -120,7 +120,7 @@ def convert(spec: str, *, ratio: str | None = None, softmax_layers: str | None =
             distill_tokens = plan["stage1_tokens"] - probe.tokens  # the probe's tokens are part of stage 1
     t_load = time.time() - t0
     if train:
-        recall = RecallCheck(hybrid, tokenizer, rec, finetune=finetune, log=log)  # the teacher's score first
+        recall = RecallCheck.measure(hybrid, tokenizer, rec, finetune=finetune, log=log)  # the teacher's score first
         reports["distill"] = run_distill(hybrid, tokenizer, rec, out, tokens=distill_tokens, resume=resume, log=log)
         if finetune:
             hybrid, reports["finetune"] = run_finetune(hybrid, tokenizer, rec, out, tokens=finetune_tokens, loss=loss,
@@ -163,41 +163,43 @@ class RecallCheck:
 
     MAX_LENGTH = 2048
 
-    def __init__(self, hybrid, tokenizer, rec, *, finetune: bool, log: Callable[[str], None]):
-        from .evals.copyspan import quick_check
+    def __init__(self, tokenizer, *, length: int, data: str, teacher: dict[str, Any], span: int | None = None,
+                 seconds: float = 0.0, log: Callable[[str], None] = print):
+        self.tokenizer, self.length, self.data, self.teacher = tokenizer, length, data, teacher
+        self.span, self.seconds, self.log = span, seconds, log
+
+    @classmethod
+    def measure(cls, hybrid, tokenizer, rec, *, finetune: bool, log: Callable[[str], None]) -> RecallCheck:
+        """Score the teacher now: the hybrid in softmax mode, before any training changes its projections."""
+        from .evals import copyspan
 
         stage = rec["finetune"] if finetune else rec["distill"]
-        limit = getattr(hybrid.config, "max_position_embeddings", None) or self.MAX_LENGTH
-        self.length = min(int(stage["seq_len"]), self.MAX_LENGTH, int(limit))
-        self.data, self.tokenizer, self.log, self._check = stage["data"], tokenizer, log, quick_check
-        self.span = None
+        limit = getattr(hybrid.config, "max_position_embeddings", None) or cls.MAX_LENGTH
+        length = min(int(stage["seq_len"]), cls.MAX_LENGTH, int(limit))
         t = time.time()
         hybrid.set_attention_mode("softmax")
         try:
-            self.teacher = quick_check(hybrid, tokenizer, length=self.length, data=self.data)
+            teacher = copyspan.quick_check(hybrid, tokenizer, length=length, data=stage["data"])
         finally:
             hybrid.set_attention_mode("linear")
-        self.seconds = time.time() - t
+        return cls(tokenizer, length=length, data=stage["data"], teacher=teacher, seconds=time.time() - t, log=log)
 
     @classmethod
     def from_report(cls, report: dict[str, Any], tokenizer, *, log: Callable[[str], None]) -> RecallCheck:
         """A check whose teacher score comes from an earlier report (a rerun of a stage on a checkpoint whose
         projections may already hold merged adapters, so its softmax mode is no longer the teacher)."""
-        from .evals.copyspan import quick_check
-
-        self = cls.__new__(cls)
-        self.length, self.data, self.span = report["length"], report["data"], report["span"]
-        self.tokenizer, self.log, self._check, self.seconds = tokenizer, log, quick_check, 0.0
-        self.teacher = {"score": report["teacher"], "strict": report["teacher_strict"]}
-        return self
+        return cls(tokenizer, length=report["length"], data=report["data"], span=report["span"], log=log,
+                   teacher={"score": report["teacher"], "strict": report["teacher_strict"]})
 
     def finish(self, hybrid) -> dict[str, Any]:
         """Score the trained hybrid and return the report (``teacher`` / ``hybrid`` copy scores)."""
         if "skipped" in self.teacher:
             return dict(self.teacher)
+        from .evals import copyspan
+
         t = time.time()
         extra = {"span": self.span} if self.span else {}
-        result = self._check(hybrid, self.tokenizer, length=self.length, data=self.data, **extra)
+        result = copyspan.quick_check(hybrid, self.tokenizer, length=self.length, data=self.data, **extra)
         rep = {"task": "copy", "length": self.length, "span": result["span"], "samples": result["samples"],
                "data": result["data"], "teacher": self.teacher["score"], "hybrid": result["score"],
                "teacher_strict": self.teacher["strict"], "hybrid_strict": result["strict"],
@@ -384,7 +386,7 @@ def rerun_stage(stage: str, path: str, *, out: Path | None = None, overrides: di
         if "teacher" in (stages.get("recall") or {}):
             recall = RecallCheck.from_report(stages["recall"], tokenizer, log=log)
         elif "finetune" not in stages:  # no adapters merged yet: softmax mode is still the teacher
-            recall = RecallCheck(model, tokenizer, rec, finetune=stage == "finetune", log=log)
+            recall = RecallCheck.measure(model, tokenizer, rec, finetune=stage == "finetune", log=log)
     if stage == "distill":
         report = run_distill(model, tokenizer, rec, out, tokens=tokens, resume=resume, log=log)
     else:
