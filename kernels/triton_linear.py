@@ -33,6 +33,7 @@ from .triton_common import (
     prec,
     row_stats,
     segment_starts,
+    segment_sum_launch,
 )
 from .tuning import ensure_applied
 
@@ -270,6 +271,10 @@ CONFIG = {  # picked by linearize.bench.tune_kernels on an H200 (triton 3.6), se
     "bwd_bv": 128,
     "bwd_warps": 4,
     "scan_warps": 4,
+    # the forward's segment sums (long T, small batch): [seg_block, seg_block] state tiles per program (64
+    # reads k and v twice at K = V = 128, 128 once; 128 not yet timed on a GPU) and their warps
+    "seg_block": 64,
+    "seg_warps": 4,
     # backward state scans: cut into segments below this many programs per SM (0 = never: not yet measured
     # on a GPU), then aim for scan_waves programs per SM
     "scan_split_below_waves": 0.0,
@@ -292,7 +297,7 @@ def _fwd(q, k, v, S0, z0, normalize, eps, want_final, store_den):
     den = new_empty((B, T, H), dtype=torch.float32, device=dev) if (store_den and normalize) else None
     f32 = torch.float32
     seg_S, seg_z = segment_starts(k, v, HK, (S0, z0) if S0 is not None else None, nseg, seg_chunks, BT,
-                                  scan_warps=CONFIG["scan_warps"])
+                                  **segment_sum_launch(CONFIG))
     fin_S = new_empty((B, HK, K, V), dtype=f32, device=dev) if want_final else None
     fin_z = new_empty((B, HK, K), dtype=f32, device=dev) if want_final else None
     dummy = o

@@ -32,6 +32,7 @@ from .triton_common import (
     prec,
     row_stats,
     segment_starts,
+    segment_sum_launch,
 )
 from .tuning import ensure_applied
 
@@ -296,6 +297,10 @@ CONFIG = {  # picked by linearize.bench.tune_kernels on an H200 (triton 3.6), se
     "win_bt": 64,  # chunk for W <= 64 (64, or 128 with the linear part inside the chunk; 128 not yet timed)
     "bwd_warps": 4,
     "scan_warps": 4,
+    # the forward's segment sums (long T, small batch): [seg_block, seg_block] state tiles per program (64
+    # reads k and v twice at K = V = 128, 128 once; 128 not yet timed on a GPU) and their warps
+    "seg_block": 64,
+    "seg_warps": 4,
     "scan_split_below_waves": 0.0,  # as in triton_linear.CONFIG (not yet measured on a GPU)
     "scan_waves": 8.0,
 }
@@ -331,7 +336,7 @@ def _fwd(q, k, fq, fk, v, wf, W, scale, eps, S0, z0, store_stats):
     den = new_empty((B, T, H), dtype=f32, device=dev) if store_stats else None
     # the carried linear state lags one chunk: each segment starts from the chunks before its first one's predecessor
     seg_S, seg_z = segment_starts(fk, v, HK, (S0, z0) if S0 is not None else None, nseg, seg_chunks, BT,
-                                  scan_warps=CONFIG["scan_warps"], seg_off=1)
+                                  **segment_sum_launch(CONFIG), seg_off=1)
     dummy = o
     launch(
         _win_fwd_kernel, (NVB, B * H, nseg),

@@ -50,7 +50,7 @@ def _hybrid(layers=2, ratio="1:0", sharp=False, dtype=None):
 def _recipe(corpus, steps=8, **kw):
     over = {"attention.window": 8, "finetune.data": corpus, "finetune.seq_len": 64, "finetune.batch_size": 2,
             "finetune.tokens": 64 * 2 * steps, "finetune.lr": 1e-2, "finetune.warmup_steps": 1,
-            "finetune.eval_seqs": 4, "finetune.loss": "xent"}
+            "finetune.eval_seqs": 4, "finetune.loss": "xent", "finetune.layers": "linear"}
     over.update({f"finetune.{k}": v for k, v in kw.items()})
     return R.load("lolcats", over)
 

@@ -190,6 +190,21 @@ def test_window_step_triton(prefill, W, dtype):
 
 
 @pytest.mark.parametrize("kind", ["linear", "window"])
+def test_segment_sums_with_whole_state_tiles(kind, monkeypatch):
+    """Segment sums with [128, 128] state tiles (CONFIG seg_block; K = 128 takes two 64-tiles otherwise)."""
+    from linearize.kernels import triton_linear, triton_window
+
+    mod = triton_linear if kind == "linear" else triton_window
+    monkeypatch.setitem(mod.CONFIG, "force_segments", 3)
+    monkeypatch.setitem(mod.CONFIG, "seg_block", 128)
+    monkeypatch.setitem(mod.CONFIG, "seg_warps", 8)
+    if kind == "linear":
+        check_linear("triton", 1, 300, 2, 1, 128, 32, torch.bfloat16, state=True, device=DEV)
+    else:
+        check_window("triton", 1, 300, 2, 1, 16, 128, 32, 64, torch.bfloat16, state=True, device=DEV)
+
+
+@pytest.mark.parametrize("kind", ["linear", "window"])
 def test_sequence_parallel_segments(kind, monkeypatch):
     """The segment split (used when few heads leave the GPU idle) gives the same result."""
     from linearize.kernels import triton_linear, triton_window
