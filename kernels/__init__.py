@@ -5,6 +5,8 @@ Layout ``[B, T, H, D]`` (like flash-attn / fla). Public entry points:
 - :func:`linear_attention` -- causal (normalised) linear attention, chunked.
 - :func:`window_linear_attention` -- exact softmax over the last ``W`` tokens plus
   linear attention over older ones, one shared normaliser (LoLCATs layer).
+- :func:`window_linear_attention_hedgehog` -- the same with Hedgehog feature maps computed
+  inside the forward kernel from ``q``, ``k`` (inference: no gradients).
 - :func:`linear_attention_step`, :func:`window_linear_attention_step` -- one decode
   token, state updated in place (CUDA-graph friendly).
 - :func:`window_state_from_prefill`, :func:`empty_window_state`,
@@ -24,7 +26,7 @@ from typing import Optional, Tuple
 import torch
 
 from .chunked import linear_attention_chunked, window_linear_attention_chunked
-from .reference import linear_attention_reference, window_linear_attention_reference
+from .reference import hedgehog_features, linear_attention_reference, window_linear_attention_reference
 from .step import (
     WindowState,
     empty_linear_state,
@@ -39,6 +41,8 @@ State = Tuple[torch.Tensor, torch.Tensor]
 __all__ = [
     "linear_attention",
     "window_linear_attention",
+    "window_linear_attention_hedgehog",
+    "hedgehog_features",
     "linear_attention_step",
     "window_linear_attention_step",
     "window_state_from_prefill",
@@ -174,3 +178,60 @@ def window_linear_attention(
     from .triton_window import window_linear_attention_triton
 
     return window_linear_attention_triton(q, k, fq, fk, v, window_factor, **kw)
+
+
+def window_linear_attention_hedgehog(
+    q: torch.Tensor,  # [B, T, H, D]  raw post-rotary queries
+    k: torch.Tensor,  # [B, T, Hk, D] raw post-rotary keys
+    v: torch.Tensor,  # [B, T, Hk, V]
+    window_factor: torch.Tensor,  # [H], in (0, 1)
+    weight_q: torch.Tensor,  # [H, D, f]  Hedgehog projection of the queries
+    weight_k: torch.Tensor,  # [Hk, D, f] Hedgehog projection of the keys
+    *,
+    fk: Optional[torch.Tensor] = None,  # [B, T, Hk, 2f] key features, when the caller has them already
+    window: int = 64,
+    scale: Optional[float] = None,
+    eps: float = 1e-12,
+    feature_eps: float = 1e-12,
+    initial_state: Optional[State] = None,
+    output_final_state: bool = False,
+    backend: Optional[str] = None,
+) -> Tuple[torch.Tensor, Optional[State]]:
+    """:func:`window_linear_attention` with ``fq = hedgehog_features(q, weight_q)`` and
+    ``fk = hedgehog_features(k, weight_k)`` (computed in fp32, rounded to ``q``'s dtype, clamped to
+    ``>= feature_eps``).
+
+    On the Triton path, when no gradient is needed, the features are computed inside the forward kernel from
+    the ``q``, ``k`` tiles it loads anyway, so ``fq`` (and ``fk`` unless given) never reach memory; key
+    features are still materialised for a segmented launch (long ``T``, few heads) and for the final state.
+    Otherwise (gradients, or the ``torch`` / ``reference`` backends) the features are computed first and
+    :func:`window_linear_attention` runs as usual, so autograd works.
+    """
+    H, D = q.shape[2], q.shape[3]
+    Hk = k.shape[2]
+    if weight_q.dim() != 3 or tuple(weight_q.shape[:2]) != (H, D):
+        raise ValueError(f"weight_q must have shape [H={H}, D={D}, f], got {tuple(weight_q.shape)}")
+    if tuple(weight_k.shape) != (Hk, D, weight_q.shape[2]):
+        raise ValueError(f"weight_k must have shape [Hk={Hk}, D={D}, f={weight_q.shape[2]}], got {tuple(weight_k.shape)}")
+    be = _resolve_backend(backend, q)
+    tensors = (q, k, v, window_factor, weight_q, weight_k, fk) + tuple(initial_state or ())
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    kw = dict(window=int(window), scale=scale, eps=eps, initial_state=initial_state,
+              output_final_state=output_final_state)
+    if be != "triton" or needs_grad:
+        cd = torch.float64 if q.dtype == torch.float64 else torch.float32
+        fq = hedgehog_features(q.to(cd), weight_q.to(cd), feature_eps).to(q.dtype)
+        if fk is None:
+            fk = hedgehog_features(k.to(cd), weight_k.to(cd), feature_eps).to(k.dtype)
+        return window_linear_attention(q, k, fq, fk, v, window_factor, backend=backend, **kw)
+    _check("window_linear_attention_hedgehog(q,k,v)", q, k, v, initial_state, qk_dim_pairs=(2 * weight_q.shape[2],))
+    if fk is not None and tuple(fk.shape) != (*k.shape[:3], 2 * weight_q.shape[2]):
+        raise ValueError(f"fk must have shape [B, T, Hk, 2f]={(*k.shape[:3], 2 * weight_q.shape[2])}, got {tuple(fk.shape)}")
+    if tuple(window_factor.shape) != (H,):
+        raise ValueError(f"window_factor must have shape [H]=[{H}], got {tuple(window_factor.shape)}")
+    if int(window) < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    from .triton_window import window_linear_attention_hedgehog_triton
+
+    return window_linear_attention_hedgehog_triton(q, k, v, window_factor, weight_q, weight_k, fk=fk,
+                                                   feature_eps=feature_eps, **kw)

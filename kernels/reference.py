@@ -25,6 +25,18 @@ def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=2)
 
 
+def hedgehog_features(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
+    """Hedgehog feature map ``[softmax(x W), softmax(-x W)]`` per head, clamped to ``>= eps`` (0 = no clamp).
+
+    ``x`` ``[B, T, H, D]``, ``weight`` ``[H, D, f]`` -> ``[B, T, H, 2f]`` in ``x``'s dtype (the caller picks
+    the compute precision). The spec of :class:`linearize.feature_maps.HedgehogFeatureMap` and of the fused
+    map inside :func:`linearize.kernels.window_linear_attention_hedgehog`.
+    """
+    u = torch.einsum("bthd,hdf->bthf", x, weight.to(x.dtype))  # [B, T, H, f]
+    out = torch.cat([torch.softmax(u, dim=-1), torch.softmax(-u, dim=-1)], dim=-1)
+    return out.clamp(min=eps) if eps > 0 else out  # [B, T, H, 2f]
+
+
 def linear_attention_reference(
     q: torch.Tensor,  # [B, T, H, K]
     k: torch.Tensor,  # [B, T, Hk, K]

@@ -40,15 +40,38 @@ NEG_INF = tl.constexpr(float("-inf"))
 
 
 @triton.jit
+def _hedgehog_tile(x, W, wrow, od, ok, md, mk, D: tl.constexpr, K: tl.constexpr, F: tl.constexpr, feps,
+                   PREC: tl.constexpr):
+    """Hedgehog features of a ``[BT, BD]`` tile: ``[softmax(x Wh), softmax(-x Wh)]``, clamped to ``>= feps``.
+
+    ``W`` holds ``[Wh, -Wh]`` per head (``[D, K]``, ``K = 2F``; ``wrow`` = head index); returns ``[BT, BK]``
+    fp32 with zero padding columns (``>= K``). Rows of ``x`` that are zero padding get features too: the
+    caller masks them where they would count.
+    """
+    w = tl.load(W + wrow * D * K + od[:, None] * K + ok[None, :], mask=md[:, None] & mk[None, :], other=0.0)
+    u = mm(x, w, PREC)  # [BT, BK] = [x Wh, -x Wh, 0...]
+    pos = ok < F
+    neg = (ok >= F) & mk
+    m_pos = tl.max(tl.where(pos[None, :], u, NEG_INF), 1)
+    m_neg = tl.max(tl.where(neg[None, :], u, NEG_INF), 1)
+    e = tl.where(mk[None, :], tl.exp(u - tl.where(pos[None, :], m_pos[:, None], m_neg[:, None])), 0.0)
+    s_pos = tl.sum(tl.where(pos[None, :], e, 0.0), 1)
+    s_neg = tl.sum(tl.where(neg[None, :], e, 0.0), 1)
+    f = e / tl.where(pos[None, :], s_pos[:, None], s_neg[:, None])
+    return tl.where(mk[None, :], tl.maximum(f, feps), 0.0)
+
+
+@triton.jit
 def _win_fwd_kernel(
     Q, Kr, FQ, FK, Vp, WF,  # q [B,T,H,D], k [B,T,HK,D], fq [B,T,H,K], fk [B,T,HK,K], v [B,T,HK,V], wf [H] fp32
     O, MS, DEN,  # o [B,T,H,V]; m, den [B,T,H] fp32
     SEG_S, SEG_Z,  # lagged starting state per segment [B,HK,NSEG,K,V], [B,HK,NSEG,K]
-    T, H, HK, NSEG, SEG_CHUNKS, W, scale, eps,
+    WQX, WKX,  # fused Hedgehog maps: [Wq, -Wq] [H,D,K], [Wk, -Wk] [HK,D,K] (FUSE_Q / FUSE_K: fq / fk not read)
+    T, H, HK, NSEG, SEG_CHUNKS, W, scale, eps, feps,
     D: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     HAS_LIN_CUR: tl.constexpr, HAS_SEG: tl.constexpr, STORE_STATS: tl.constexpr, NORM_MMA: tl.constexpr,
-    SPLIT: tl.constexpr, PREC: tl.constexpr,
+    SPLIT: tl.constexpr, PREC: tl.constexpr, FUSE_Q: tl.constexpr, FUSE_K: tl.constexpr,
 ):
     # NORM_MMA: the denominator's row sums, fq.z and the z update as tensor-core products against a
     # [BT, 16] block of ones, z carried as a [BK, 16] block of equal columns (as in the linear kernel)
@@ -88,10 +111,17 @@ def _win_fwd_kernel(
         krow = (b.to(tl.int64) * T + ot) * HK + hk
         prow = (b.to(tl.int64) * T + otp) * HK + hk
         q = tl.load(Q + qrow[:, None] * D + od[None, :], mask=mt[:, None] & md[None, :], other=0.0)
-        fq = tl.load(FQ + qrow[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+        if FUSE_Q:  # rows past T get features too; their outputs are never stored
+            fq = _hedgehog_tile(q, WQX, h, od, ok, md, mk, D, K, K // 2, feps, PREC).to(q.dtype)
+        else:
+            fq = tl.load(FQ + qrow[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
         kc = tl.load(Kr + krow[:, None] * D + od[None, :], mask=mt[:, None] & md[None, :], other=0.0)
         kp = tl.load(Kr + prow[:, None] * D + od[None, :], mask=mtp[:, None] & md[None, :], other=0.0)
-        fkp = tl.load(FK + prow[:, None] * K + ok[None, :], mask=mtp[:, None] & mk[None, :], other=0.0)
+        if FUSE_K:  # keys before the sequence start must not count: zero their features
+            fkp = _hedgehog_tile(kp, WKX, hk, od, ok, md, mk, D, K, K // 2, feps, PREC)
+            fkp = tl.where(mtp[:, None], fkp, 0.0).to(kp.dtype)
+        else:
+            fkp = tl.load(FK + prow[:, None] * K + ok[None, :], mask=mtp[:, None] & mk[None, :], other=0.0)
         vc = tl.load(Vp + krow[:, None] * V + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
         vp = tl.load(Vp + prow[:, None] * V + ov[None, :], mask=mtp[:, None] & mv[None, :], other=0.0)
         s_c = mm(q, tl.trans(kc), PREC) * scale
@@ -107,7 +137,10 @@ def _win_fwd_kernel(
         a_p = mm(fq, tl.trans(fkp), PREC)
         P_p = tl.where(win_p, w * tl.exp(s_p - m[:, None]), tl.where(lin_p, c[:, None] * a_p, 0.0))
         if HAS_LIN_CUR:
-            fkc = tl.load(FK + krow[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+            if FUSE_K:  # keys past T only meet queries past T (diff_c >= W > 0): never stored
+                fkc = _hedgehog_tile(kc, WKX, hk, od, ok, md, mk, D, K, K // 2, feps, PREC).to(kc.dtype)
+            else:
+                fkc = tl.load(FK + krow[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
             a_c = mm(fq, tl.trans(fkc), PREC)
             P_c += tl.where(diff_c >= W, c[:, None] * a_c, 0.0)
         P_c = P_c.to(vc.dtype)  # rounded once: numerator and normaliser agree
@@ -319,9 +352,11 @@ def supported(window: int) -> bool:
     return _chunk_for(window) is not None
 
 
-def _fwd(q, k, fq, fk, v, wf, W, scale, eps, S0, z0, store_stats):
+def _fwd(q, k, fq, fk, v, wf, W, scale, eps, S0, z0, store_stats, wqx=None, wkx=None, feps=0.0, make_fk=None):
+    """Launch the forward. ``fq`` / ``fk`` None: computed inside the kernel from ``wqx`` / ``wkx`` (Hedgehog,
+    ``[W, -W]`` per head); a segmented launch needs ``fk`` in memory for its segment sums (``make_fk()``)."""
     B, T, H, D = q.shape
-    HK, K, V = k.shape[2], fk.shape[-1], v.shape[-1]
+    HK, K, V = k.shape[2], (fq if fq is not None else wqx).shape[-1], v.shape[-1]
     dev = q.device
     BT = _chunk_for(W)
     BD, BK = pow2(D), pow2(K)
@@ -330,6 +365,8 @@ def _fwd(q, k, fq, fk, v, wf, W, scale, eps, S0, z0, store_stats):
     N = triton.cdiv(T, BT)
     progs = B * H * NVB
     nseg, seg_chunks = plan_segments(CONFIG, N, progs, dev)
+    if fk is None and nseg > 1:
+        fk = make_fk()
     f32 = torch.float32
     o = new_empty((B, T, H, V), dtype=v.dtype, device=dev)
     ms = new_empty((B, T, H), dtype=f32, device=dev) if store_stats else None
@@ -340,12 +377,14 @@ def _fwd(q, k, fq, fk, v, wf, W, scale, eps, S0, z0, store_stats):
     dummy = o
     launch(
         _win_fwd_kernel, (NVB, B * H, nseg),
-        q, k, fq, fk, v, wf, o, ms if ms is not None else dummy, den if den is not None else dummy,
+        q, k, fq if fq is not None else dummy, fk if fk is not None else dummy, v, wf,
+        o, ms if ms is not None else dummy, den if den is not None else dummy,
         seg_S if seg_S is not None else dummy, seg_z if seg_z is not None else dummy,
-        T, H, HK, nseg, seg_chunks, W, scale, eps,
+        wqx if wqx is not None else dummy, wkx if wkx is not None else dummy,
+        T, H, HK, nseg, seg_chunks, W, scale, eps, feps,
         D=D, K=K, V=V, BD=BD, BK=BK, BV=BV, BT=BT, HAS_LIN_CUR=W < BT, HAS_SEG=seg_S is not None,
         STORE_STATS=store_stats, NORM_MMA=CONFIG["fwd_norm_mma"], SPLIT=q.dtype != torch.float32,
-        PREC=prec(q.dtype),
+        PREC=prec(q.dtype), FUSE_Q=fq is None, FUSE_K=fk is None,
         num_warps=CONFIG["fwd_warps"], num_stages=stages,
     )
     return o, ms, den
@@ -463,3 +502,47 @@ def window_linear_attention_triton(
         S0, z0 = initial_state[0].float().contiguous(), initial_state[1].float().contiguous()
     o, S_f, z_f = _WindowAttention.apply(q, k, fq, fk, v, wf, S0, z0, W, float(scale), float(eps), output_final_state)
     return o, ((S_f, z_f) if output_final_state else None)
+
+
+def window_linear_attention_hedgehog_triton(
+    q, k, v, window_factor, weight_q, weight_k, *, fk=None, window: int = 64, scale: Optional[float] = None,
+    eps: float = 1e-12, feature_eps: float = 1e-12, initial_state: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+    output_final_state: bool = False,
+):
+    """Triton path of :func:`linearize.kernels.window_linear_attention_hedgehog`: forward only (no autograd),
+    the query features (and the key features unless ``fk`` is given) computed inside the kernel."""
+    from .reference import hedgehog_features
+
+    ensure_applied(q.device)
+    W = int(window)
+    dt = q.dtype
+
+    made = []
+
+    def make_fk():  # as HedgehogFeatureMap: fp32 features, rounded to the inputs' dtype; computed once
+        if not made:
+            made.append(hedgehog_features(k.float(), weight_k.float(), feature_eps).to(dt).contiguous())
+        return made[0]
+
+    if not supported(W):
+        from .chunked import window_linear_attention_chunked
+
+        fq = hedgehog_features(q.float(), weight_q.float(), feature_eps).to(dt)
+        return window_linear_attention_chunked(q, k, fq, fk if fk is not None else make_fk(), v, window_factor,
+                                               window=W, scale=scale, eps=eps, initial_state=initial_state,
+                                               output_final_state=output_final_state)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    q, k, v = (x.contiguous() for x in (q, k, v))
+    wqx = torch.cat([weight_q, -weight_q], -1).to(dt).contiguous()  # [H, D, 2f]
+    wkx = torch.cat([weight_k, -weight_k], -1).to(dt).contiguous()  # [Hk, D, 2f]
+    fk = fk.contiguous() if fk is not None else None
+    wf = window_factor.float().contiguous()
+    S0 = z0 = None
+    if initial_state is not None:
+        S0, z0 = initial_state[0].float().contiguous(), initial_state[1].float().contiguous()
+    with torch.no_grad():
+        o, _, _ = _fwd(q, k, None, fk, v, wf, W, float(scale), float(eps), S0, z0, store_stats=False,
+                       wqx=wqx, wkx=wkx, feps=float(feature_eps), make_fk=make_fk)
+        state = _final_state(fk if fk is not None else make_fk(), v, W, S0, z0) if output_final_state else None
+    return o, state

@@ -15,6 +15,7 @@ Modes (``layer.mode``):
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -23,14 +24,20 @@ from torch import nn
 
 from .cache import HybridCache
 from .errors import UnsupportedModelError
-from .feature_maps import build_feature_map
+from .feature_maps import HedgehogFeatureMap, build_feature_map
 from .kernels import (
     linear_attention,
     linear_attention_step,
     window_linear_attention,
+    window_linear_attention_hedgehog,
     window_linear_attention_step,
     window_state_from_prefill,
 )
+
+#: ``LINEARIZE_FUSED_FEATURE_MAPS=1``: GPU inference of window layers with Hedgehog maps computes the features
+#: inside the window kernel. Off by default until it has been compiled and timed on a GPU (tested under the
+#: Triton interpreter); otherwise the features are computed first, as training does.
+FUSE_HEDGEHOG = os.environ.get("LINEARIZE_FUSED_FEATURE_MAPS", "0") == "1"
 
 
 @dataclass(frozen=True)
@@ -167,12 +174,25 @@ class LinearAttention(nn.Module):
     def window_factor(self) -> torch.Tensor | None:
         return None if self.window_logit is None else torch.sigmoid(self.window_logit)
 
+    def fused_features(self, q, k) -> bool:
+        """Whether the window kernel computes this layer's Hedgehog features itself: inference on a GPU
+        (no gradient needed), window layers with Hedgehog maps on both sides, ``FUSE_HEDGEHOG`` on."""
+        if not (FUSE_HEDGEHOG and self.window > 0 and q.is_cuda):
+            return False
+        if not (isinstance(self.feature_map_q, HedgehogFeatureMap) and isinstance(self.feature_map_k, HedgehogFeatureMap)):
+            return False
+        grads = (q, k, self.feature_map_q.weight, self.feature_map_k.weight, self.window_logit)
+        return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in grads))
+
     def linear_attention(self, q, k, v, layer_cache=None) -> torch.Tensor:
         """The converted attention over ``[B, T, *, D]`` inputs, continuing ``layer_cache`` if given."""
-        fq, fk = self.feature_map_q(q), self.feature_map_k(k)
         T = q.shape[1]
         state = layer_cache.state if layer_cache is not None else None
         want_state = layer_cache is not None
+        fused = T > 1 and self.fused_features(q, k)
+        fq = None if fused else self.feature_map_q(q)
+        # key features stay in memory when the cache needs them (ring buffer, state) or without fusion
+        fk = None if (fused and state is None and not want_state) else self.feature_map_k(k)
         if self.window == 0:
             if state is not None and T == 1:
                 o = linear_attention_step(fq[:, 0], fk[:, 0], v[:, 0], state, eps=self.eps)
@@ -198,10 +218,17 @@ class LinearAttention(nn.Module):
             fk = torch.cat([state.fk_ring[:, :, order].transpose(1, 2).to(fk.dtype), fk], dim=1)
             v = torch.cat([state.v_ring[:, :, order].transpose(1, 2).to(v.dtype), v], dim=1)
             q = torch.cat([q.new_zeros(q.shape[0], n_prev, *q.shape[2:]), q], dim=1)
-            fq = torch.cat([fq.new_zeros(fq.shape[0], n_prev, *fq.shape[2:]), fq], dim=1)
+            if fq is not None:
+                fq = torch.cat([fq.new_zeros(fq.shape[0], n_prev, *fq.shape[2:]), fq], dim=1)
             init = (state.S, state.z)
-        o, final = window_linear_attention(q, k, fq, fk, v, wf, window=self.window, scale=self.scaling, eps=self.eps,
-                                           initial_state=init, output_final_state=want_state)
+        if fused:  # the prepended zero queries get features too; their outputs are dropped below
+            o, final = window_linear_attention_hedgehog(
+                q, k, v, wf, self.feature_map_q.weight, self.feature_map_k.weight, fk=fk, window=self.window,
+                scale=self.scaling, eps=self.eps, feature_eps=self.feature_map_q.eps, initial_state=init,
+                output_final_state=want_state)
+        else:
+            o, final = window_linear_attention(q, k, fq, fk, v, wf, window=self.window, scale=self.scaling,
+                                               eps=self.eps, initial_state=init, output_final_state=want_state)
         if want_state:
             seen_before = int(state.seen.item()) - n_prev if state is not None else 0
             new_state = window_state_from_prefill(k, fk, v, final, self.window, offset=seen_before)

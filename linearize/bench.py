@@ -282,6 +282,7 @@ def bench_kernels(
     from linearize.kernels import (
         linear_attention,
         window_linear_attention,
+        window_linear_attention_hedgehog,
     )
 
     global _ECHO
@@ -370,6 +371,14 @@ def bench_kernels(
                 _row(rows, bench="window" + tag, impl=f"ours W={window}", T=T, B=B, passes="fwd", ms=ms)
                 ms = _bench(_grad_fn(f, wins + (wf,), do), warmup, rep)
                 _row(rows, bench="window" + tag, impl=f"ours W={window}", T=T, B=B, passes="fwd+bwd", ms=ms)
+                if K == dim and dim % 2 == 0:  # Hedgehog maps (2f = dim features) computed inside the kernel
+                    wq = 0.1 * torch.randn(heads, dim, dim // 2, device=dev, dtype=bf)
+                    wk = 0.1 * torch.randn(heads, dim, dim // 2, device=dev, dtype=bf)
+                    with torch.no_grad():
+                        ms = _bench(lambda: window_linear_attention_hedgehog(qr, kr, v, wf, wq, wk, window=window)[0],
+                                    warmup, rep)
+                    _row(rows, bench="window" + tag, impl=f"ours W={window} fused hedgehog", T=T, B=B, passes="fwd",
+                         ms=ms)
                 del qr, kr, q, k, v, do
                 say(f"window{tag} T={T} done")
             except Exception as e:  # pragma: no cover - device only
@@ -502,9 +511,11 @@ def summarize(rows: List[dict]) -> List[dict]:
         sd = [x for x in (g("linear", "sdpa-flash", "fwd"), g("linear", "sdpa-cudnn", "fwd")) if x and x == x]
         if sd:
             ratio("fwd vs best sdpa", min(sd), ours_f)
-        wins = [r["ms"] for r in rows if r.get("bench") == "window" and r["T"] == T and r["passes"] == "fwd"]
-        if wins and ours_f:
-            row["window fwd / ours fwd"] = wins[0] / ours_f
+        for key, fused in (("window fwd / ours fwd", False), ("window fused-hedgehog fwd / ours fwd", True)):
+            wins = [r["ms"] for r in rows if r.get("bench") == "window" and r["T"] == T and r["passes"] == "fwd"
+                    and r["impl"].endswith(" fused hedgehog") == fused]
+            if wins and ours_f:
+                row[key] = wins[0] / ours_f
         out.append(row)
     return out
 

@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from linearize.kernels.reference import hedgehog_features
+
 __all__ = [
     "FeatureMap",
     "EluFeatureMap",
@@ -191,9 +193,7 @@ class HedgehogFeatureMap(FeatureMap):
         self.weight[:, idx, idx] = 1.0
 
     def _features(self, x: torch.Tensor) -> torch.Tensor:
-        u = torch.einsum("bthd,hdf->bthf", x, self._weight(self.weight, x))  # [B, T, H, f]
-        out = torch.cat([torch.softmax(u, dim=-1), torch.softmax(-u, dim=-1)], dim=-1)
-        return out.clamp(min=self.eps) if self.eps > 0 else out  # [B, T, H, 2f]
+        return hedgehog_features(x, self._weight(self.weight, x), self.eps)  # [B, T, H, 2f]
 
 
 class T2RFeatureMap(FeatureMap):

@@ -65,3 +65,24 @@ def test_cpu_and_opt_out_leave_the_defaults(iso, monkeypatch):
     monkeypatch.setenv("LINEARIZE_KERNEL_TUNING", "0")
     tuning.ensure_applied(torch.device("cuda", 0))
     assert triton_linear.CONFIG["fwd_warps"] == 8 and tuning.applied_from() is None
+
+
+def test_bench_summary_ratios_per_length():
+    """`bench kernels`' summary: their ms / our ms per T, and both window rows (plain and fused Hedgehog
+    features) against our plain linear forward."""
+    from linearize.bench import summarize
+
+    def row(bench, impl, passes, ms, T=2048):
+        return {"bench": bench, "impl": impl, "T": T, "B": 16, "passes": passes, "ms": ms}
+
+    rows = [row("linear", "ours", "fwd", 0.5), row("linear", "ours", "fwd+bwd", 2.0),
+            row("linear", "fla", "fwd", 1.5), row("linear", "fla-unnorm", "fwd", 0.6),
+            row("linear", "fla", "fwd+bwd", 3.0), row("linear", "sdpa-flash", "fwd", 1.0),
+            row("linear", "sdpa-cudnn", "fwd", 0.8), row("window", "ours W=64", "fwd", 1.0),
+            row("window", "ours W=64", "fwd+bwd", 4.0), row("window", "ours W=64 fused hedgehog", "fwd", 0.6)]
+    (s,) = summarize(rows)
+    assert s["T"] == 2048 and s["fwd vs fla norm"] == pytest.approx(3.0)
+    assert s["fwd vs fla unnorm"] == pytest.approx(1.2) and s["fwd+bwd vs fla norm"] == pytest.approx(1.5)
+    assert s["fwd vs best sdpa"] == pytest.approx(1.6)
+    assert s["window fwd / ours fwd"] == pytest.approx(2.0)
+    assert s["window fused-hedgehog fwd / ours fwd"] == pytest.approx(1.2)

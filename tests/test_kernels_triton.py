@@ -26,9 +26,12 @@ pytestmark = pytest.mark.skipif(
 
 from linearize.kernels import (  # noqa: E402
     empty_window_state,
+    hedgehog_features,
     linear_attention,
     linear_attention_step,
     window_linear_attention,
+    window_linear_attention_hedgehog,
+    window_linear_attention_reference,
     window_linear_attention_step,
     window_state_from_prefill,
 )
@@ -217,3 +220,130 @@ def test_sequence_parallel_segments(kind, monkeypatch):
     else:
         check_window("triton", 1, 300, 2, 1, 16, 16, 16, 64, torch.bfloat16, state=True, device=DEV)
         check_window("triton", 1, 300, 2, 2, 16, 16, 16, 16, torch.float32, state=False, device=DEV)
+
+
+HH_SHAPES = [
+    # B, T, H, Hk, D, f, V, W
+    (1, 1, 2, 2, 16, 8, 16, 64),
+    (1, 65, 2, 1, 16, 8, 16, 64),  # GQA, T just past one chunk
+    (2, 130, 4, 2, 32, 16, 32, 16),  # W < chunk: the linear part also inside the chunk
+    (1, 100, 2, 2, 16, 12, 16, 100),  # f = 12: 24 features padded to a 32-wide tile; 128-token chunks
+]
+
+
+def _hedgehog_case(B, T, H, Hk, D, f, V, W, dtype, *, state, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(B, T, h, D, generator=g).to(DEV, dtype) for h in (H, Hk))
+    v = torch.randn(B, T, Hk, V, generator=g).to(DEV, dtype)
+    wq, wk = (0.4 * torch.randn(h, D, f, generator=g).to(DEV, dtype) for h in (H, Hk))
+    wf = torch.rand(H, generator=g).to(DEV)
+    init = None
+    if state:
+        init = (torch.rand(B, Hk, 2 * f, V, generator=g).to(DEV) - 0.3, torch.rand(B, Hk, 2 * f, generator=g).to(DEV) + 1)
+    return q, k, v, wf, wq, wk, init
+
+
+def _hedgehog_expected(q, k, v, wf, wq, wk, init, W):
+    """float64 reference on the features the unfused layer would compute (fp32, rounded to the input dtype)."""
+    fq = hedgehog_features(q.float(), wq.float()).to(q.dtype)
+    fk = hedgehog_features(k.float(), wk.float()).to(k.dtype)
+    d = lambda x: x.double()  # noqa: E731
+    return fk, window_linear_attention_reference(
+        d(q), d(k), d(fq), d(fk), d(v), d(wf), window=W, output_final_state=True,
+        initial_state=None if init is None else (d(init[0]), d(init[1])))
+
+
+@pytest.mark.parametrize("shape", HH_SHAPES, ids=lambda s: "B{}T{}H{}Hk{}D{}f{}V{}W{}".format(*s))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_window_hedgehog_fused_forward_vs_reference(shape, dtype):
+    """Hedgehog maps computed inside the window forward kernel: outputs and final state as the float64
+    reference on the layer's own features, with key features fused or given, with and without a state."""
+    W = shape[-1]
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for state, give_fk in ((False, False), (True, False), (True, True)):
+        q, k, v, wf, wq, wk, init = _hedgehog_case(*shape, dtype, state=state)
+        fk, (ro, (rS, rz)) = _hedgehog_expected(q, k, v, wf, wq, wk, init, W)
+        with torch.no_grad():
+            o, (S, z) = window_linear_attention_hedgehog(q, k, v, wf, wq, wk, fk=fk if give_fk else None, window=W,
+                                                         initial_state=init, output_final_state=True,
+                                                         backend="triton")
+        assert o.dtype == dtype and o.shape == ro.shape
+        assert rel_err(o, ro) <= tol, (state, give_fk, rel_err(o, ro))
+        if shape[1] > W or state:
+            assert rel_err(S, rS) <= tol and rel_err(z, rz) <= tol
+
+
+def test_window_hedgehog_fused_forward_segmented(monkeypatch):
+    """A segmented launch (long T, few heads) materialises the key features for its segment sums."""
+    from linearize.kernels import triton_window
+
+    monkeypatch.setitem(triton_window.CONFIG, "force_segments", 3)
+    for shape in [(1, 300, 2, 1, 16, 8, 16, 64), (1, 300, 2, 2, 16, 8, 16, 16)]:
+        q, k, v, wf, wq, wk, init = _hedgehog_case(*shape, torch.bfloat16, state=True)
+        _, (ro, (rS, _)) = _hedgehog_expected(q, k, v, wf, wq, wk, init, shape[-1])
+        o, (S, _) = window_linear_attention_hedgehog(q, k, v, wf, wq, wk, window=shape[-1], initial_state=init,
+                                                     output_final_state=True, backend="triton")
+        assert rel_err(o, ro) <= 1e-2 and rel_err(S, rS) <= 1e-2
+
+
+def test_window_hedgehog_with_gradients_runs_unfused():
+    """When autograd needs the graph, the call computes the features first: gradients reach q, k and both maps."""
+    q, k, v, wf, wq, wk, _ = _hedgehog_case(1, 70, 2, 1, 16, 8, 16, 64, torch.float32, state=False)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, wq, wk)]
+    o, _ = window_linear_attention_hedgehog(leaves[0], leaves[1], leaves[2], wf, leaves[3], leaves[4], window=64,
+                                            backend="triton")
+    o.square().sum().backward()
+    ref = [x.clone().requires_grad_() for x in (q, k, v, wq, wk)]
+    fq, fk = hedgehog_features(ref[0], ref[3]), hedgehog_features(ref[1], ref[4])
+    ro, _ = window_linear_attention(ref[0], ref[1], fq, fk, ref[2], wf, window=64, backend="torch")
+    ro.square().sum().backward()
+    assert rel_err(o, ro) <= 1e-5
+    for a, b in zip(leaves, ref):
+        assert rel_err(a.grad, b.grad) <= 1e-4
+
+
+def test_hybrid_layers_with_fused_features_match_unfused(monkeypatch):
+    """Window layers whose Triton kernel computes the Hedgehog features (GPU inference) give the logits of
+    the unfused path: a full forward, prefill + decode through the cache, and a two-part prefill."""
+    import functools
+
+    from conftest import tiny_model
+
+    from linearize import attention
+    from linearize import recipe as R
+    from linearize.select import select_layout
+    from linearize.surgery import linearize_model
+
+    hybrid = linearize_model(tiny_model("llama"), select_layout(4, ratio="1:1"), R.load("lolcats", {"attention.window": 8}))
+    with torch.no_grad():
+        for m in hybrid.linear_modules():
+            for p in (m.feature_map_q.weight, m.feature_map_k.weight, m.window_logit):
+                p.add_(0.2 * torch.randn_like(p))
+    ids = torch.randint(0, 128, (2, 60))
+
+    def run():
+        with torch.no_grad():
+            full = hybrid(ids, use_cache=False).logits
+            out = hybrid(ids[:, :40], use_cache=True)
+            steps = [out.logits]
+            for t in range(40, 60):
+                out = hybrid(ids[:, t: t + 1], cache=out.past_key_values, use_cache=True)
+                steps.append(out.logits)
+            a = hybrid(ids[:, :25], use_cache=True)
+            b = hybrid(ids[:, 25:], cache=a.past_key_values, use_cache=True)
+        return full, torch.cat(steps, 1), torch.cat([a.logits, b.logits], 1)
+
+    unfused = run()
+    calls = []
+
+    def fused_triton(*args, **kw):
+        calls.append(kw.get("fk") is None)
+        return window_linear_attention_hedgehog(*args, **kw, backend="triton")
+
+    monkeypatch.setattr(attention, "window_linear_attention_hedgehog", fused_triton)
+    monkeypatch.setattr(attention.LinearAttention, "fused_features",
+                        functools.partialmethod(lambda self, q, k: self.window > 0))  # any device
+    fused = run()
+    assert True in calls and False in calls  # both the fused-key and the given-key launches ran
+    for x, ref in zip(fused, unfused):
+        assert (x - ref).abs().max().item() <= 1e-4
