@@ -3,10 +3,13 @@
 Data parallel (:mod:`linearize.distributed`) keeps the whole model on every rank; ``--fsdp`` shards the
 frozen weights instead, so a model that does not fit one device can be converted. The design:
 
-- **Loading (first version).** Every rank loads the whole model into *CPU* memory (so the host needs
-  about ``world_size x`` the model's size in RAM, e.g. 2 x 140 GB for a bf16 70B on one 2-GPU host), does
-  the same surgery, then :func:`shard` moves each rank's shards to ``cuda:LOCAL_RANK`` (or keeps them on
-  the CPU with gloo) and frees the rest.
+- **Loading** (:func:`load_and_shard`). Only rank 0 loads the model, into *CPU* memory, and does the
+  surgery; it sends the resulting config and the tokenizer to the other ranks, which build the same
+  model on the ``meta`` device (no memory). Every rank then shards it (:func:`shard`): the meta ranks
+  allocate just their own shards on ``cuda:LOCAL_RANK`` (or the CPU with gloo), and rank 0's full
+  weights reach every rank's shards through ``set_model_state_dict(..., broadcast_from_rank0=True)``;
+  buffers (e.g. rotary frequencies, not in a state dict) are broadcast too. The host needs the model's
+  size in RAM once, not once per rank.
 - **What is sharded.** ``fully_shard`` on every decoder layer, then on the root (embeddings, final norm,
   LM head). The *trainable* parameters of both stages are kept out of FSDP and replicated on every rank:
   the stage-1 feature maps and window logits through ``fully_shard(..., ignored_params=...)``, and the
@@ -31,8 +34,8 @@ import torch
 from . import distributed as dist
 from .errors import LinearizeError
 
-__all__ = ["check_options", "load_device", "shard", "is_sharded", "average_gradients", "merge_lora",
-           "full_state_dict"]
+__all__ = ["check_options", "load_device", "load_and_shard", "shard", "is_sharded", "average_gradients",
+           "merge_lora", "full_state_dict"]
 
 
 def check_options(*, select_auto: bool = False, train: bool = True, adapter_only: bool = False) -> None:
@@ -57,6 +60,36 @@ def load_device(device: str | None, dtype):
     return "cpu", resolve_dtype(dtype, device or "cpu")
 
 
+def load_and_shard(spec: str, device: str | None, dtype, prepare=None, log=None):
+    """Load ``spec`` on rank 0 only (CPU), apply ``prepare`` there (e.g. surgery: it must return a
+    :class:`LinearizeForCausalLM`), build the same model on the meta device on the other ranks, and shard
+    it over all ranks with rank 0's weights. Returns ``(model, tokenizer)`` on every rank. A load error on
+    rank 0 is raised on every rank (one line), so no rank waits forever."""
+    from .modeling import LinearizeForCausalLM
+    from .sources import load_model
+
+    load_at, load_dtype = load_device(device, dtype)
+    model = payload = None
+    if dist.is_main():
+        try:
+            model, tokenizer = load_model(spec, dtype=load_dtype, device=load_at)
+            if prepare is not None:
+                model = prepare(model)
+            payload = ("ok", model.config, tokenizer)
+        except Exception as e:  # the other ranks wait in the broadcast below: tell them, then fail here
+            dist.broadcast_object(("error", str(e).splitlines()[0] if str(e) else type(e).__name__))
+            raise
+    payload = dist.broadcast_object(payload)
+    if payload[0] == "error":
+        raise LinearizeError(payload[1])
+    _, config, tokenizer = payload
+    if model is None:
+        with torch.device("meta"):
+            model = LinearizeForCausalLM(config)
+        model.eval()
+    return shard(model, device, log=log), tokenizer
+
+
 def _stage1_params(model) -> list[torch.nn.Parameter]:
     params = []
     for m in model.linear_modules():
@@ -67,20 +100,26 @@ def _stage1_params(model) -> list[torch.nn.Parameter]:
 
 
 def shard(model, device: str | None, log=None):
-    """Shard ``model`` (a :class:`LinearizeForCausalLM` on the CPU) over the torchrun ranks in place.
+    """Shard ``model`` (a :class:`LinearizeForCausalLM`: on the CPU on rank 0, on the CPU or the meta
+    device elsewhere) over the torchrun ranks in place, with rank 0's weights and buffers everywhere.
 
-    The stage-1 parameters (feature maps, window logits) are first set to rank 0's values (their random
-    initialization is then the same everywhere) and stay replicated; every other parameter and buffer is
-    sharded (dim 0) by ``fully_shard`` per decoder layer and at the root, on ``device``."""
+    The stage-1 parameters (feature maps, window logits) stay replicated; every other parameter is sharded
+    (dim 0) by ``fully_shard`` per decoder layer and at the root, on ``device``."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     dev = torch.device(device or "cpu")
     keep = _stage1_params(model)
+    on_meta = any(p.is_meta for p in model.parameters())
+    # rank 0's full weights (before sharding replaces them), sent to every rank's shards below
+    full = {k: v for k, v in model.state_dict().items()} if dist.is_main() else {}
+    if dist.is_main() and on_meta:
+        raise LinearizeError("fsdp.shard: rank 0 must hold the loaded weights, not a meta model")
     with torch.no_grad():
-        for p in keep:
-            p.data = p.data.to(dev)
-            torch.distributed.broadcast(p.data, src=0)
+        for p in keep:  # (meta ones are allocated by to_empty below)
+            if not p.is_meta:
+                p.data = p.data.to(dev)
     mesh = init_device_mesh(dev.type, (dist.world_size(),))
     ignored = set(keep)
     for p in model.parameters():  # what FSDP shards is frozen for good: only the replicated parameters train.
@@ -91,6 +130,16 @@ def shard(model, device: str | None, log=None):
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, ignored_params=ignored)
     fully_shard(model, mesh=mesh, ignored_params=ignored)
+    if on_meta:
+        model.to_empty(device=dev)  # this rank's shards only; values arrive from rank 0 next
+        keep = _stage1_params(model)  # to_empty put new Parameter objects in place of the meta ones
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    del full
+    with torch.no_grad():  # replicated parameters and every buffer (non-persistent ones are in no state dict)
+        for t in [p.data for p in keep] + list(model.buffers()):
+            if t.device != dev:
+                t.data = t.data.to(dev)
+            torch.distributed.broadcast(t, src=0)
     model._linearize_fsdp = True
     if log is not None:
         from torch.distributed.tensor import DTensor

@@ -93,11 +93,14 @@ def convert(spec: str, *, ratio: str | None = None, softmax_layers: str | None =
     check_output_dir(out, overwrite)
     device = dist.init(device)  # torchrun: join the process group; this rank's device
     t0 = time.time()
-    if fsdp:  # every rank loads the whole model into CPU memory, then keeps only its shards (linearize.fsdp)
-        from .fsdp import load_device
+    from .surgery import linearize_model
 
-        load_at, load_dtype = load_device(device, dtype)
-        model, tokenizer = load_model(spec, dtype=load_dtype, device=load_at)
+    if fsdp:  # rank 0 loads and converts the model, every rank keeps only its shards (linearize.fsdp)
+        from .fsdp import load_and_shard
+
+        hybrid, tokenizer = load_and_shard(spec, device, dtype, log=log,
+                                           prepare=lambda m: linearize_model(m, layer_types, rec))
+        model = None
     else:
         model, tokenizer = load_model(spec, dtype=dtype, device=device)
     reports = {}
@@ -107,13 +110,8 @@ def convert(spec: str, *, ratio: str | None = None, softmax_layers: str | None =
         layer_types, probe = run_auto_select(model, tokenizer, rec, plan, log=log)
         layer_types = dist.broadcast_object(layer_types)  # torchrun: every rank takes rank 0's choice
     log(f"layers: {describe_layout(layer_types)}")
-    from .surgery import linearize_model
-
-    hybrid = linearize_model(model, layer_types, rec)
-    if fsdp:
-        from .fsdp import shard
-
-        shard(hybrid, device, log=log)
+    if not fsdp:
+        hybrid = linearize_model(model, layer_types, rec)
     if plan is not None:
         reports["select"] = auto_report(hybrid, rec, plan, probe, train=train, log=log)
         if probe is not None and train:
@@ -371,12 +369,10 @@ def rerun_stage(stage: str, path: str, *, out: Path | None = None, overrides: di
     in_place = out.resolve() == src.resolve()
     check_output_dir(out, overwrite=in_place)  # in place: the parent must still take the new directory
     device = dist.init(device)  # torchrun: join the process group; this rank's device
-    if fsdp:  # every rank loads the whole model into CPU memory, then keeps only its shards (linearize.fsdp)
-        from .fsdp import load_device, shard
+    if fsdp:  # rank 0 loads the model, every rank keeps only its shards (linearize.fsdp)
+        from .fsdp import load_and_shard
 
-        load_at, load_dtype = load_device(device, dtype)
-        model, tokenizer = load_model(str(src), dtype=load_dtype, device=load_at)
-        shard(model, device, log=log)
+        model, tokenizer = load_and_shard(str(src), device, dtype, log=log)
     else:
         model, tokenizer = load_model(str(src), dtype=dtype, device=device)
     summary = json.loads((src / "report.json").read_text()) if (src / "report.json").is_file() else {}

@@ -2,6 +2,7 @@
 
 import json
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -150,3 +151,46 @@ def test_fsdp_option_checks(monkeypatch):
                     ({"adapter_only": True}, "--adapter-only")]:
         with pytest.raises(LinearizeError, match=msg):
             fsdp.check_options(**kw)
+
+
+_ONLY_RANK0_LOADS = """
+import os, sys
+from linearize import sources
+if os.environ["RANK"] != "0":  # the other ranks must build the model on the meta device, never load it
+    def refuse(*args, **kwargs):
+        raise AssertionError("rank " + os.environ["RANK"] + " loaded the model")
+    sources.load_model = refuse
+from linearize.cli import main
+sys.argv = ["linearize", *sys.argv[1:]]
+main()
+"""
+
+
+def test_fsdp_only_rank0_loads_the_model(runs, workspace, tmp_path):  # noqa: F811
+    """Rank 1 never reads the weights (its load function raises), yet ends with the same checkpoint."""
+    one, two, _ = runs
+    driver = tmp_path / "driver.py"
+    driver.write_text(_ONLY_RANK0_LOADS)
+    out = tmp_path / "fsdp-rank0"
+    args = _convert(workspace, out, "--fsdp")[2:]  # drop "-m linearize.cli"
+    res = _run([*TORCHRUN, str(driver), *args], workspace)
+    assert res.returncode == 0, res.stderr[-3000:]
+    w2, w3 = _weights(two), _weights(out)
+    for k in w2:
+        torch.testing.assert_close(w3[k], w2[k], rtol=0, atol=0, msg=k)
+
+
+def test_fsdp_load_error_on_rank0_reaches_every_rank(workspace, tmp_path):  # noqa: F811
+    """A model rank 0 cannot load ends every rank with the one-line error (no rank left waiting)."""
+    bad = tmp_path / "bad"
+    shutil.copytree(workspace / "tiny", bad)
+    (bad / "model.safetensors").write_bytes(b"not a safetensors file")
+    args = _convert(workspace, tmp_path / "never", "--fsdp")
+    args[args.index(str(workspace / "tiny"))] = str(bad)
+    start = time.time()
+    res = _run([*TORCHRUN, *args], workspace)
+    assert res.returncode != 0 and time.time() - start < 120
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("error: ") and "cannot load" in ln]
+    assert len(lines) == 2 and lines[0] == lines[1], res.stderr[-3000:]  # rank 0's error, and rank 1's copy of it
+    assert "[rank0]" not in res.stderr and "[rank1]" not in res.stderr  # no rank's traceback (torchrun's own stays)
+    assert not (tmp_path / "never").exists()
