@@ -62,6 +62,23 @@ def _hedgehog_tile(x, W, wrow, od, ok, md, mk, D: tl.constexpr, K: tl.constexpr,
 
 
 @triton.jit
+def _win_prev_tiles(Kr, FK, Vp, WKX, b, hk, otp, T, HK, od, ok, ov, md, mk, mv,
+                    D: tl.constexpr, K: tl.constexpr, V: tl.constexpr, feps, FUSE_K: tl.constexpr,
+                    PREC: tl.constexpr):
+    """The raw keys, key features and values of the chunk whose rows are ``otp`` (zero before the sequence)."""
+    mtp = otp >= 0
+    prow = (b.to(tl.int64) * T + otp) * HK + hk
+    kp = tl.load(Kr + prow[:, None] * D + od[None, :], mask=mtp[:, None] & md[None, :], other=0.0)
+    if FUSE_K:  # keys before the sequence start must not count: zero their features
+        fkp = _hedgehog_tile(kp, WKX, hk, od, ok, md, mk, D, K, K // 2, feps, PREC)
+        fkp = tl.where(mtp[:, None], fkp, 0.0).to(kp.dtype)
+    else:
+        fkp = tl.load(FK + prow[:, None] * K + ok[None, :], mask=mtp[:, None] & mk[None, :], other=0.0)
+    vp = tl.load(Vp + prow[:, None] * V + ov[None, :], mask=mtp[:, None] & mv[None, :], other=0.0)
+    return kp, fkp, vp
+
+
+@triton.jit
 def _win_fwd_kernel(
     Q, Kr, FQ, FK, Vp, WF,  # q [B,T,H,D], k [B,T,HK,D], fq [B,T,H,K], fk [B,T,HK,K], v [B,T,HK,V], wf [H] fp32
     O, MS, DEN,  # o [B,T,H,V]; m, den [B,T,H] fp32
@@ -71,7 +88,7 @@ def _win_fwd_kernel(
     D: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     HAS_LIN_CUR: tl.constexpr, HAS_SEG: tl.constexpr, STORE_STATS: tl.constexpr, NORM_MMA: tl.constexpr,
-    SPLIT: tl.constexpr, PREC: tl.constexpr, FUSE_Q: tl.constexpr, FUSE_K: tl.constexpr,
+    SPLIT: tl.constexpr, PREC: tl.constexpr, FUSE_Q: tl.constexpr, FUSE_K: tl.constexpr, CARRY: tl.constexpr,
 ):
     # NORM_MMA: the denominator's row sums, fq.z and the z update as tensor-core products against a
     # [BT, 16] block of ones, z carried as a [BK, 16] block of equal columns (as in the linear kernel)
@@ -102,6 +119,9 @@ def _win_fwd_kernel(
     if NORM_MMA:
         Z16 = tl.zeros([BK, 16], dtype=tl.float32) + z[:, None]  # [BK, 16], every column = z
         ones = tl.full([BT, 16], 1.0, dtype=Vp.dtype.element_ty)
+    if CARRY:  # the previous chunk's k, fk, v tiles are carried from one iteration to the next
+        kp, fkp, vp = _win_prev_tiles(Kr, FK, Vp, WKX, b, hk, c0 * BT - BT + ar, T, HK, od, ok, ov, md, mk, mv,
+                                      D, K, V, feps, FUSE_K, PREC)
     for i in range(c0, c1):
         ot = i * BT + ar
         mt = ot < T
@@ -109,21 +129,16 @@ def _win_fwd_kernel(
         mtp = otp >= 0
         qrow = (b.to(tl.int64) * T + ot) * H + h
         krow = (b.to(tl.int64) * T + ot) * HK + hk
-        prow = (b.to(tl.int64) * T + otp) * HK + hk
         q = tl.load(Q + qrow[:, None] * D + od[None, :], mask=mt[:, None] & md[None, :], other=0.0)
         if FUSE_Q:  # rows past T get features too; their outputs are never stored
             fq = _hedgehog_tile(q, WQX, h, od, ok, md, mk, D, K, K // 2, feps, PREC).to(q.dtype)
         else:
             fq = tl.load(FQ + qrow[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
         kc = tl.load(Kr + krow[:, None] * D + od[None, :], mask=mt[:, None] & md[None, :], other=0.0)
-        kp = tl.load(Kr + prow[:, None] * D + od[None, :], mask=mtp[:, None] & md[None, :], other=0.0)
-        if FUSE_K:  # keys before the sequence start must not count: zero their features
-            fkp = _hedgehog_tile(kp, WKX, hk, od, ok, md, mk, D, K, K // 2, feps, PREC)
-            fkp = tl.where(mtp[:, None], fkp, 0.0).to(kp.dtype)
-        else:
-            fkp = tl.load(FK + prow[:, None] * K + ok[None, :], mask=mtp[:, None] & mk[None, :], other=0.0)
+        if not CARRY:
+            kp, fkp, vp = _win_prev_tiles(Kr, FK, Vp, WKX, b, hk, otp, T, HK, od, ok, ov, md, mk, mv,
+                                          D, K, V, feps, FUSE_K, PREC)
         vc = tl.load(Vp + krow[:, None] * V + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
-        vp = tl.load(Vp + prow[:, None] * V + ov[None, :], mask=mtp[:, None] & mv[None, :], other=0.0)
         s_c = mm(q, tl.trans(kc), PREC) * scale
         s_p = mm(q, tl.trans(kp), PREC) * scale
         win_c = (diff_c >= 0) & (diff_c < W)
@@ -136,11 +151,13 @@ def _win_fwd_kernel(
         P_c = tl.where(win_c, w * tl.exp(s_c - m[:, None]), 0.0)
         a_p = mm(fq, tl.trans(fkp), PREC)
         P_p = tl.where(win_p, w * tl.exp(s_p - m[:, None]), tl.where(lin_p, c[:, None] * a_p, 0.0))
-        if HAS_LIN_CUR:
-            if FUSE_K:  # keys past T only meet queries past T (diff_c >= W > 0): never stored
-                fkc = _hedgehog_tile(kc, WKX, hk, od, ok, md, mk, D, K, K // 2, feps, PREC).to(kc.dtype)
+        if HAS_LIN_CUR or CARRY:
+            if FUSE_K:  # rows past T: zero features (they only meet queries past T here, but are carried)
+                fkc = _hedgehog_tile(kc, WKX, hk, od, ok, md, mk, D, K, K // 2, feps, PREC)
+                fkc = tl.where(mt[:, None], fkc, 0.0).to(kc.dtype)
             else:
                 fkc = tl.load(FK + krow[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+        if HAS_LIN_CUR:
             a_c = mm(fq, tl.trans(fkc), PREC)
             P_c += tl.where(diff_c >= W, c[:, None] * a_c, 0.0)
         P_c = P_c.to(vc.dtype)  # rounded once: numerator and normaliser agree
@@ -168,6 +185,8 @@ def _win_fwd_kernel(
             Z16 += mm(tl.trans(fkp), ones.to(fkp.dtype), PREC)
         else:
             z += tl.sum(fkp.to(tl.float32), 0)
+        if CARRY:
+            kp, fkp, vp = kc, fkc, vc
 
 
 @triton.jit
@@ -327,6 +346,8 @@ CONFIG = {  # picked by linearize.bench.tune_kernels on an H200 (triton 3.6), se
     "split_below_waves": 0.5,
     "fwd_waves": 4.0,
     "fwd_norm_mma": False,  # as in triton_linear.CONFIG (not yet measured on a GPU)
+    # carry the previous chunk's k, fk, v tiles across iterations instead of re-reading them (not yet timed)
+    "win_carry": False,
     "win_bt": 64,  # chunk for W <= 64 (64, or 128 with the linear part inside the chunk; 128 not yet timed)
     "bwd_warps": 4,
     "scan_warps": 4,
@@ -384,7 +405,7 @@ def _fwd(q, k, fq, fk, v, wf, W, scale, eps, S0, z0, store_stats, wqx=None, wkx=
         T, H, HK, nseg, seg_chunks, W, scale, eps, feps,
         D=D, K=K, V=V, BD=BD, BK=BK, BV=BV, BT=BT, HAS_LIN_CUR=W < BT, HAS_SEG=seg_S is not None,
         STORE_STATS=store_stats, NORM_MMA=CONFIG["fwd_norm_mma"], SPLIT=q.dtype != torch.float32,
-        PREC=prec(q.dtype), FUSE_Q=fq is None, FUSE_K=fk is None,
+        PREC=prec(q.dtype), FUSE_Q=fq is None, FUSE_K=fk is None, CARRY=CONFIG["win_carry"],
         num_warps=CONFIG["fwd_warps"], num_stages=stages,
     )
     return o, ms, den

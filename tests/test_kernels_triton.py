@@ -347,3 +347,24 @@ def test_hybrid_layers_with_fused_features_match_unfused(monkeypatch):
     assert True in calls and False in calls  # both the fused-key and the given-key launches ran
     for x, ref in zip(fused, unfused):
         assert (x - ref).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_window_forward_carrying_previous_chunk_tiles(dtype, monkeypatch):
+    """CONFIG win_carry: the previous chunk's k, fk, v tiles carried across iterations instead of re-read;
+    plain, with 128-token chunks, segmented, and with fused Hedgehog features."""
+    from linearize.kernels import triton_window
+
+    monkeypatch.setitem(triton_window.CONFIG, "win_carry", True)
+    check_window("triton", 2, 130, 2, 1, 32, 16, 32, 64, dtype, state=True, device=DEV)
+    check_window("triton", 1, 150, 4, 2, 16, 16, 16, 16, dtype, state=True, device=DEV)
+    monkeypatch.setitem(triton_window.CONFIG, "force_segments", 3)
+    check_window("triton", 1, 300, 2, 2, 16, 16, 16, 64, dtype, state=True, device=DEV)
+    monkeypatch.setitem(triton_window.CONFIG, "win_bt", 128)
+    check_window("triton", 1, 300, 2, 1, 16, 16, 16, 48, dtype, state=False, device=DEV)
+    monkeypatch.setitem(triton_window.CONFIG, "force_segments", None)
+    q, k, v, wf, wq, wk, init = _hedgehog_case(1, 200, 2, 1, 16, 8, 16, 48, dtype, state=True)
+    _, (ro, _) = _hedgehog_expected(q, k, v, wf, wq, wk, init, 48)
+    with torch.no_grad():
+        o, _ = window_linear_attention_hedgehog(q, k, v, wf, wq, wk, window=48, initial_state=init, backend="triton")
+    assert rel_err(o, ro) <= (1e-5 if dtype == torch.float32 else 1e-2)
