@@ -406,6 +406,15 @@ def test_run_eval_side_by_side(tmp_path, tiny, tok):
             assert k in r
     md = (out / "report.md").read_text()
     assert "| task | metric | model | original | difference |" in md
+    # the random tiny model misses: the summary and the report quote the first misses with their outputs
+    pk = on_disk["tasks"]["passkey"]
+    prow = [r for r in rows if r["task"] == "passkey" and r["model"] == "model"]
+    assert pk["missed"] == sum(r["score"] < 1 for r in prow) > 0
+    assert len(pk["misses"]) == min(5, pk["missed"])
+    first = next(r for r in prow if r["score"] < 1)
+    assert pk["misses"][0] == {"length": first["length"], "depth": first["depth"], "seed": first["seed"],
+                               "expected": first["expected"], "output": first["output"][:120]}
+    assert f"Misses of the model ({pk['missed']} of {pk['n']}" in md
     assert "![model](niah_model.png)" in md and "## ppl" in md and "## speed" in md
     # re-render from summary.json alone
     again = tmp_path / "again"

@@ -336,9 +336,16 @@ def depth_key(d: float) -> str:
     return f"{d:.4f}".rstrip("0").rstrip(".") or "0"
 
 
+#: generation tasks: how many missed samples the summary (and report.md) quotes, and how much of each output
+MISS_EXAMPLES = 5
+MISS_OUTPUT_CHARS = 120
+
+
 def grid_summary(rows: list[dict], cfg: "EvalConfig", *, with_grid: bool = True) -> dict:
     """Aggregate per-sample rows (with ``length``, ``depth``, ``score``, ``strict``) into the
-    summary shape: overall score/strict, ``by_length``, ``by_depth`` and the length x depth grid."""
+    summary shape: overall score/strict, ``by_length``, ``by_depth`` and the length x depth grid; rows
+    with an ``output`` also give ``misses``: the first :data:`MISS_EXAMPLES` samples scored below 1 (length,
+    depth, seed, expected values, the output's first :data:`MISS_OUTPUT_CHARS` characters)."""
     out: dict = {
         "metric": "score",
         "higher_is_better": True,
@@ -361,6 +368,12 @@ def grid_summary(rows: list[dict], cfg: "EvalConfig", *, with_grid: bool = True)
                      for d in cfg.depths if any(r["length"] == L and r["depth"] == d for r in rows)}
             for L in cfg.lengths if any(r["length"] == L for r in rows)
         }
+    missed = [r for r in rows if "output" in r and r["score"] < 1]
+    if with_grid and any("output" in r for r in rows):
+        out["misses"] = [{"length": r["length"], "depth": r["depth"], "seed": r.get("seed"),
+                          "expected": r.get("expected"), "output": str(r["output"])[:MISS_OUTPUT_CHARS]}
+                         for r in missed[:MISS_EXAMPLES]]
+        out["missed"] = len(missed)
     return out
 
 

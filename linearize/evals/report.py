@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from . import copyspan
-from .common import format_length
+from .common import depth_key, format_length
 
 ROLE_LABEL = {"model": "model", "against": "original", "diff": "difference"}
 TASK_ORDER = ("niah", "passkey", "copy", "ppl", "recall", "agreement", "speed", "lm-eval")
@@ -289,6 +289,13 @@ def render_markdown(summary: dict, images: dict[str, dict[str, str]]) -> str:
                                      + [fmt(dv.get("score"), "score", True)])
                 L += _table(["variant", ""] + [format_length(int(x)) for x in lens] + ["all"], vrows) + [""]
             L += ["Length × depth (model):", ""] + _grid_table(m["grid"], "score") + [""]
+            if m.get("misses"):
+                L += [f"Misses of the model ({m['missed']} of {m['n']}; the first {len(m['misses'])}):", ""]
+                L += _table(["length", "depth", "seed", "expected", "output"],
+                            [[_lengths_label(str(x["length"])), depth_key(x["depth"]), str(x["seed"]),
+                              ", ".join(map(str, x["expected"] or [])),
+                              "`" + x["output"].replace("`", "'").replace("|", "/").replace("\n", " ") + "`"]
+                             for x in m["misses"]]) + [""]
             if a is not None:
                 L += ["Length × depth (original):", ""] + _grid_table(a["grid"], "score") + [""]
                 if d and d.get("grid"):
