@@ -5,8 +5,8 @@ Layout ``[B, T, H, D]`` (like flash-attn / fla). Public entry points:
 - :func:`linear_attention` -- causal (normalised) linear attention, chunked.
 - :func:`window_linear_attention` -- exact softmax over the last ``W`` tokens plus
   linear attention over older ones, one shared normaliser (LoLCATs layer).
-- :func:`window_linear_attention_hedgehog` -- the same with Hedgehog feature maps computed
-  inside the forward kernel from ``q``, ``k`` (inference: no gradients).
+- :func:`linear_attention_hedgehog`, :func:`window_linear_attention_hedgehog` -- the same with
+  Hedgehog feature maps computed inside the forward kernel from ``q``, ``k`` (inference).
 - :func:`linear_attention_step`, :func:`window_linear_attention_step` -- one decode
   token, state updated in place (CUDA-graph friendly).
 - :func:`window_state_from_prefill`, :func:`empty_window_state`,
@@ -42,6 +42,7 @@ __all__ = [
     "linear_attention",
     "window_linear_attention",
     "window_linear_attention_hedgehog",
+    "linear_attention_hedgehog",
     "hedgehog_features",
     "linear_attention_step",
     "window_linear_attention_step",
@@ -207,26 +208,18 @@ def window_linear_attention_hedgehog(
     Otherwise (gradients, or the ``torch`` / ``reference`` backends) the features are computed first and
     :func:`window_linear_attention` runs as usual, so autograd works.
     """
-    H, D = q.shape[2], q.shape[3]
-    Hk = k.shape[2]
-    if weight_q.dim() != 3 or tuple(weight_q.shape[:2]) != (H, D):
-        raise ValueError(f"weight_q must have shape [H={H}, D={D}, f], got {tuple(weight_q.shape)}")
-    if tuple(weight_k.shape) != (Hk, D, weight_q.shape[2]):
-        raise ValueError(f"weight_k must have shape [Hk={Hk}, D={D}, f={weight_q.shape[2]}], got {tuple(weight_k.shape)}")
+    H = q.shape[2]
+    K = _hedgehog_shapes("window_linear_attention_hedgehog", q, k, weight_q, weight_k)
     be = _resolve_backend(backend, q)
-    tensors = (q, k, v, window_factor, weight_q, weight_k, fk) + tuple(initial_state or ())
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     kw = dict(window=int(window), scale=scale, eps=eps, initial_state=initial_state,
               output_final_state=output_final_state)
-    if be != "triton" or needs_grad:
-        cd = torch.float64 if q.dtype == torch.float64 else torch.float32
-        fq = hedgehog_features(q.to(cd), weight_q.to(cd), feature_eps).to(q.dtype)
-        if fk is None:
-            fk = hedgehog_features(k.to(cd), weight_k.to(cd), feature_eps).to(k.dtype)
-        return window_linear_attention(q, k, fq, fk, v, window_factor, backend=backend, **kw)
-    _check("window_linear_attention_hedgehog(q,k,v)", q, k, v, initial_state, qk_dim_pairs=(2 * weight_q.shape[2],))
-    if fk is not None and tuple(fk.shape) != (*k.shape[:3], 2 * weight_q.shape[2]):
-        raise ValueError(f"fk must have shape [B, T, Hk, 2f]={(*k.shape[:3], 2 * weight_q.shape[2])}, got {tuple(fk.shape)}")
+    if be != "triton" or _needs_grad(q, k, v, window_factor, weight_q, weight_k, fk, *(initial_state or ())):
+        fq, fk_made = _features_first(q, k, weight_q, weight_k, feature_eps)
+        return window_linear_attention(q, k, fq, fk if fk is not None else fk_made, v, window_factor,
+                                       backend=backend, **kw)
+    _check("window_linear_attention_hedgehog(q,k,v)", q, k, v, initial_state, qk_dim_pairs=(K,))
+    if fk is not None and tuple(fk.shape) != (*k.shape[:3], K):
+        raise ValueError(f"fk must have shape [B, T, Hk, 2f]={(*k.shape[:3], K)}, got {tuple(fk.shape)}")
     if tuple(window_factor.shape) != (H,):
         raise ValueError(f"window_factor must have shape [H]=[{H}], got {tuple(window_factor.shape)}")
     if int(window) < 1:
@@ -235,3 +228,57 @@ def window_linear_attention_hedgehog(
 
     return window_linear_attention_hedgehog_triton(q, k, v, window_factor, weight_q, weight_k, fk=fk,
                                                    feature_eps=feature_eps, **kw)
+
+
+def _hedgehog_shapes(name: str, q, k, weight_q, weight_k) -> int:
+    """Check the Hedgehog projections against ``q``, ``k``; return the feature count ``2f``."""
+    H, D, Hk = q.shape[2], q.shape[3], k.shape[2]
+    if weight_q.dim() != 3 or tuple(weight_q.shape[:2]) != (H, D):
+        raise ValueError(f"{name}: weight_q must have shape [H={H}, D={D}, f], got {tuple(weight_q.shape)}")
+    if tuple(weight_k.shape) != (Hk, D, weight_q.shape[2]):
+        raise ValueError(f"{name}: weight_k must have shape [Hk={Hk}, D={D}, f={weight_q.shape[2]}], "
+                         f"got {tuple(weight_k.shape)}")
+    return 2 * weight_q.shape[2]
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _features_first(q, k, weight_q, weight_k, feature_eps):
+    """``hedgehog_features`` of ``q`` and ``k`` as the layers compute them (fp32, or fp64 for fp64 inputs)."""
+    cd = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return (hedgehog_features(q.to(cd), weight_q.to(cd), feature_eps).to(q.dtype),
+            hedgehog_features(k.to(cd), weight_k.to(cd), feature_eps).to(k.dtype))
+
+
+def linear_attention_hedgehog(
+    q: torch.Tensor,  # [B, T, H, D]  raw queries
+    k: torch.Tensor,  # [B, T, Hk, D] raw keys
+    v: torch.Tensor,  # [B, T, Hk, V]
+    weight_q: torch.Tensor,  # [H, D, f]
+    weight_k: torch.Tensor,  # [Hk, D, f]
+    *,
+    normalize: bool = True,
+    eps: float = 1e-6,
+    feature_eps: float = 1e-12,
+    initial_state: Optional[State] = None,
+    output_final_state: bool = False,
+    backend: Optional[str] = None,
+) -> Tuple[torch.Tensor, Optional[State]]:
+    """:func:`linear_attention` of ``hedgehog_features(q, weight_q)``, ``hedgehog_features(k, weight_k)``.
+
+    On the Triton path without gradients the features are computed inside the forward kernel, so only the
+    raw ``q``, ``k`` (``D`` wide instead of ``2f``) are read; key features are materialised only for a
+    segmented launch (long ``T``, few heads). Otherwise the features are computed first (autograd works).
+    """
+    K = _hedgehog_shapes("linear_attention_hedgehog", q, k, weight_q, weight_k)
+    be = _resolve_backend(backend, q)
+    kw = dict(normalize=normalize, eps=eps, initial_state=initial_state, output_final_state=output_final_state)
+    if be != "triton" or _needs_grad(q, k, v, weight_q, weight_k, *(initial_state or ())):
+        fq, fk = _features_first(q, k, weight_q, weight_k, feature_eps)
+        return linear_attention(fq, fk, v, backend=backend, **kw)
+    _check("linear_attention_hedgehog(q,k,v)", q, k, v, initial_state, qk_dim_pairs=(K,))
+    from .triton_linear import linear_attention_hedgehog_triton
+
+    return linear_attention_hedgehog_triton(q, k, v, weight_q, weight_k, feature_eps=feature_eps, **kw)

@@ -109,6 +109,31 @@ def fwd_blocks(cfg: dict, BK: int, V: int, dtype: torch.dtype):
     return BV, stages
 
 
+_NEG_INF = tl.constexpr(float("-inf"))
+
+
+@triton.jit
+def hedgehog_tile(x, W, wrow, od, ok, md, mk, D: tl.constexpr, K: tl.constexpr, F: tl.constexpr, feps,
+                  PREC: tl.constexpr):
+    """Hedgehog features of a ``[BT, BD]`` tile: ``[softmax(x Wh), softmax(-x Wh)]``, clamped to ``>= feps``.
+
+    ``W`` holds ``[Wh, -Wh]`` per head (``[D, K]``, ``K = 2F``; ``wrow`` = head index); returns ``[BT, BK]``
+    fp32 with zero padding columns (``>= K``). Rows of ``x`` that are zero padding get features too: the
+    caller masks them where they would count.
+    """
+    w = tl.load(W + wrow * D * K + od[:, None] * K + ok[None, :], mask=md[:, None] & mk[None, :], other=0.0)
+    u = mm(x, w, PREC)  # [BT, BK] = [x Wh, -x Wh, 0...]
+    pos = ok < F
+    neg = (ok >= F) & mk
+    m_pos = tl.max(tl.where(pos[None, :], u, _NEG_INF), 1)
+    m_neg = tl.max(tl.where(neg[None, :], u, _NEG_INF), 1)
+    e = tl.where(mk[None, :], tl.exp(u - tl.where(pos[None, :], m_pos[:, None], m_neg[:, None])), 0.0)
+    s_pos = tl.sum(tl.where(pos[None, :], e, 0.0), 1)
+    s_neg = tl.sum(tl.where(neg[None, :], e, 0.0), 1)
+    f = e / tl.where(pos[None, :], s_pos[:, None], s_neg[:, None])
+    return tl.where(mk[None, :], tl.maximum(f, feps), 0.0)
+
+
 @triton.jit
 def _scan_kernel(
     X, Y, A, U,  # X [B,T,HXY,K], Y [B,T,HXY,V], A/U [B,T,HXY] row scalars

@@ -25,6 +25,7 @@ import triton.language as tl
 from .triton_common import (
     chunk_states,
     fwd_blocks,
+    hedgehog_tile,
     launch,
     mm,
     new_empty,
@@ -44,10 +45,12 @@ def _la_fwd_kernel(
     Q, Kp, Vp, O, DEN,  # q [B,T,H,K], k [B,T,HK,K], v [B,T,HK,V], o [B,T,H,V], den [B,T,H] fp32
     SEG_S, SEG_Z,  # starting state per segment [B,HK,NSEG,K,V], [B,HK,NSEG,K]
     FIN_S, FIN_Z,  # final state [B,HK,K,V], [B,HK,K]
-    T, H, HK, NSEG, SEG_CHUNKS, eps,
+    WQX, WKX,  # fused Hedgehog maps [Wq, -Wq] [H,D,K], [Wk, -Wk] [HK,D,K]: then q (FUSE_Q) / k (FUSE_K) are raw [.., D]
+    T, H, HK, NSEG, SEG_CHUNKS, eps, feps,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     NORMALIZE: tl.constexpr, HAS_SEG: tl.constexpr, STORE_FINAL: tl.constexpr,
     STORE_DEN: tl.constexpr, NORM_MMA: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
+    D: tl.constexpr, BD: tl.constexpr, FUSE_Q: tl.constexpr, FUSE_K: tl.constexpr,
 ):
     # NORM_MMA: the normaliser's reductions (rowsum(A), q.z, the column sums of k that update z) run as
     # tensor-core products against a [BT, 16] block of ones, with z carried as a [BK, 16] block whose
@@ -61,8 +64,10 @@ def _la_fwd_kernel(
     hk = h // G
     ok = tl.arange(0, BK)
     ov = pv * BV + tl.arange(0, BV)
+    od = tl.arange(0, BD)
     mk = ok < K
     mv = ov < V
+    md = od < D
     S = tl.zeros([BK, BV], dtype=tl.float32)
     z = tl.zeros([BK], dtype=tl.float32)
     sbh = (b * HK + hk).to(tl.int64)
@@ -83,8 +88,17 @@ def _la_fwd_kernel(
         mt = ot < T
         qrow = (b.to(tl.int64) * T + ot) * H + h
         krow = (b.to(tl.int64) * T + ot) * HK + hk
-        q = tl.load(Q + qrow[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
-        k = tl.load(Kp + krow[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+        if FUSE_Q:  # rows past T get features too; their outputs are never stored
+            q = tl.load(Q + qrow[:, None] * D + od[None, :], mask=mt[:, None] & md[None, :], other=0.0)
+            q = hedgehog_tile(q, WQX, h, od, ok, md, mk, D, K, K // 2, feps, PREC).to(q.dtype)
+        else:
+            q = tl.load(Q + qrow[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+        if FUSE_K:  # keys past T must add nothing to the state: zero their features
+            k = tl.load(Kp + krow[:, None] * D + od[None, :], mask=mt[:, None] & md[None, :], other=0.0)
+            k = tl.where(mt[:, None], hedgehog_tile(k, WKX, hk, od, ok, md, mk, D, K, K // 2, feps, PREC), 0.0)
+            k = k.to(Kp.dtype.element_ty)
+        else:
+            k = tl.load(Kp + krow[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
         v = tl.load(Vp + krow[:, None] * V + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
         A = mm(q, tl.trans(k), PREC)
         A = tl.where(causal, A, 0.0).to(v.dtype)  # rounded once: numerator and normaliser agree
@@ -282,9 +296,13 @@ CONFIG = {  # picked by linearize.bench.tune_kernels on an H200 (triton 3.6), se
 }
 
 
-def _fwd(q, k, v, S0, z0, normalize, eps, want_final, store_den):
-    B, T, H, K = q.shape
+def _fwd(q, k, v, S0, z0, normalize, eps, want_final, store_den, wqx=None, wkx=None, feps=0.0, make_fk=None):
+    """Launch the forward. With ``wqx`` (Hedgehog ``[W, -W]`` per head) ``q`` is raw and its features are
+    computed in the kernel; so are ``k``'s unless the launch is segmented, whose segment sums need the key
+    features in memory (``make_fk()``; the kernel then reads them instead of raw ``k``)."""
+    B, T, H, D = q.shape
     HK, V = k.shape[2], v.shape[-1]
+    K = wqx.shape[-1] if wqx is not None else D
     dev = q.device
     BT = CONFIG["fwd_bt"] if q.dtype != torch.float32 else 64  # fp32 tiles stay small (FMA dots)
     BK = pow2(K)
@@ -293,6 +311,9 @@ def _fwd(q, k, v, S0, z0, normalize, eps, want_final, store_den):
     N = triton.cdiv(T, BT)
     progs = B * H * NVB
     nseg, seg_chunks = plan_segments(CONFIG, N, progs, dev)
+    fuse_k = wkx is not None and nseg == 1
+    if wkx is not None and not fuse_k:
+        k = make_fk()
     o = new_empty((B, T, H, V), dtype=v.dtype, device=dev)
     den = new_empty((B, T, H), dtype=torch.float32, device=dev) if (store_den and normalize) else None
     f32 = torch.float32
@@ -307,10 +328,12 @@ def _fwd(q, k, v, S0, z0, normalize, eps, want_final, store_den):
         q, k, v, o, den if den is not None else dummy,
         seg_S if seg_S is not None else dummy, seg_z if seg_z is not None else dummy,
         fin_S if want_final else dummy, fin_z if want_final else dummy,
-        T, H, HK, nseg, seg_chunks, eps,
+        wqx if wqx is not None else dummy, wkx if wkx is not None else dummy,
+        T, H, HK, nseg, seg_chunks, eps, feps,
         K=K, V=V, BK=BK, BV=BV, BT=BT, NORMALIZE=normalize, HAS_SEG=seg_S is not None,
         STORE_FINAL=want_final, STORE_DEN=den is not None, NORM_MMA=CONFIG["fwd_norm_mma"],
         SPLIT=q.dtype != torch.float32, PREC=prec(q.dtype),
+        D=D, BD=pow2(D), FUSE_Q=wqx is not None, FUSE_K=fuse_k,
         num_warps=CONFIG["fwd_warps"], num_stages=stages,
     )
     return o, den, fin_S, fin_z
@@ -419,4 +442,30 @@ def linear_attention_triton(
         S0 = S0.float().contiguous()
         z0 = z0.float().contiguous()
     o, S_f, z_f = _LinearAttention.apply(q, k, v, S0, z0, normalize, float(eps), output_final_state)
+    return o, ((S_f, z_f) if output_final_state else None)
+
+
+def linear_attention_hedgehog_triton(
+    q, k, v, weight_q, weight_k, *, normalize: bool = True, eps: float = 1e-6, feature_eps: float = 1e-12,
+    initial_state: Optional[Tuple[torch.Tensor, torch.Tensor]] = None, output_final_state: bool = False,
+):
+    """Triton path of :func:`linearize.kernels.linear_attention_hedgehog`: forward only (no autograd), the
+    Hedgehog features of the raw ``q``, ``k`` computed inside the kernel."""
+    from .reference import hedgehog_features
+
+    ensure_applied(q.device)
+    dt = q.dtype
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    wqx = torch.cat([weight_q, -weight_q], -1).to(dt).contiguous()  # [H, D, 2f]
+    wkx = torch.cat([weight_k, -weight_k], -1).to(dt).contiguous()  # [Hk, D, 2f]
+
+    def make_fk():  # a segmented launch: as HedgehogFeatureMap (fp32 features, rounded to the inputs' dtype)
+        return hedgehog_features(k.float(), weight_k.float(), feature_eps).to(dt).contiguous()
+
+    S0 = z0 = None
+    if initial_state is not None:
+        S0, z0 = initial_state[0].float().contiguous(), initial_state[1].float().contiguous()
+    with torch.no_grad():
+        o, _, S_f, z_f = _fwd(q, k, v, S0, z0, normalize, float(eps), output_final_state, False, wqx=wqx, wkx=wkx,
+                              feps=float(feature_eps), make_fk=make_fk)
     return o, ((S_f, z_f) if output_final_state else None)

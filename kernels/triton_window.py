@@ -24,6 +24,7 @@ import triton.language as tl
 from .triton_common import (
     chunk_states,
     fwd_blocks,
+    hedgehog_tile,
     launch,
     mm,
     new_empty,
@@ -40,28 +41,6 @@ NEG_INF = tl.constexpr(float("-inf"))
 
 
 @triton.jit
-def _hedgehog_tile(x, W, wrow, od, ok, md, mk, D: tl.constexpr, K: tl.constexpr, F: tl.constexpr, feps,
-                   PREC: tl.constexpr):
-    """Hedgehog features of a ``[BT, BD]`` tile: ``[softmax(x Wh), softmax(-x Wh)]``, clamped to ``>= feps``.
-
-    ``W`` holds ``[Wh, -Wh]`` per head (``[D, K]``, ``K = 2F``; ``wrow`` = head index); returns ``[BT, BK]``
-    fp32 with zero padding columns (``>= K``). Rows of ``x`` that are zero padding get features too: the
-    caller masks them where they would count.
-    """
-    w = tl.load(W + wrow * D * K + od[:, None] * K + ok[None, :], mask=md[:, None] & mk[None, :], other=0.0)
-    u = mm(x, w, PREC)  # [BT, BK] = [x Wh, -x Wh, 0...]
-    pos = ok < F
-    neg = (ok >= F) & mk
-    m_pos = tl.max(tl.where(pos[None, :], u, NEG_INF), 1)
-    m_neg = tl.max(tl.where(neg[None, :], u, NEG_INF), 1)
-    e = tl.where(mk[None, :], tl.exp(u - tl.where(pos[None, :], m_pos[:, None], m_neg[:, None])), 0.0)
-    s_pos = tl.sum(tl.where(pos[None, :], e, 0.0), 1)
-    s_neg = tl.sum(tl.where(neg[None, :], e, 0.0), 1)
-    f = e / tl.where(pos[None, :], s_pos[:, None], s_neg[:, None])
-    return tl.where(mk[None, :], tl.maximum(f, feps), 0.0)
-
-
-@triton.jit
 def _win_prev_tiles(Kr, FK, Vp, WKX, b, hk, otp, T, HK, od, ok, ov, md, mk, mv,
                     D: tl.constexpr, K: tl.constexpr, V: tl.constexpr, feps, FUSE_K: tl.constexpr,
                     PREC: tl.constexpr):
@@ -70,7 +49,7 @@ def _win_prev_tiles(Kr, FK, Vp, WKX, b, hk, otp, T, HK, od, ok, ov, md, mk, mv,
     prow = (b.to(tl.int64) * T + otp) * HK + hk
     kp = tl.load(Kr + prow[:, None] * D + od[None, :], mask=mtp[:, None] & md[None, :], other=0.0)
     if FUSE_K:  # keys before the sequence start must not count: zero their features
-        fkp = _hedgehog_tile(kp, WKX, hk, od, ok, md, mk, D, K, K // 2, feps, PREC)
+        fkp = hedgehog_tile(kp, WKX, hk, od, ok, md, mk, D, K, K // 2, feps, PREC)
         fkp = tl.where(mtp[:, None], fkp, 0.0).to(kp.dtype)
     else:
         fkp = tl.load(FK + prow[:, None] * K + ok[None, :], mask=mtp[:, None] & mk[None, :], other=0.0)
@@ -131,7 +110,7 @@ def _win_fwd_kernel(
         krow = (b.to(tl.int64) * T + ot) * HK + hk
         q = tl.load(Q + qrow[:, None] * D + od[None, :], mask=mt[:, None] & md[None, :], other=0.0)
         if FUSE_Q:  # rows past T get features too; their outputs are never stored
-            fq = _hedgehog_tile(q, WQX, h, od, ok, md, mk, D, K, K // 2, feps, PREC).to(q.dtype)
+            fq = hedgehog_tile(q, WQX, h, od, ok, md, mk, D, K, K // 2, feps, PREC).to(q.dtype)
         else:
             fq = tl.load(FQ + qrow[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
         kc = tl.load(Kr + krow[:, None] * D + od[None, :], mask=mt[:, None] & md[None, :], other=0.0)
@@ -153,7 +132,7 @@ def _win_fwd_kernel(
         P_p = tl.where(win_p, w * tl.exp(s_p - m[:, None]), tl.where(lin_p, c[:, None] * a_p, 0.0))
         if HAS_LIN_CUR or CARRY:
             if FUSE_K:  # rows past T: zero features (they only meet queries past T here, but are carried)
-                fkc = _hedgehog_tile(kc, WKX, hk, od, ok, md, mk, D, K, K // 2, feps, PREC)
+                fkc = hedgehog_tile(kc, WKX, hk, od, ok, md, mk, D, K, K // 2, feps, PREC)
                 fkc = tl.where(mt[:, None], fkc, 0.0).to(kc.dtype)
             else:
                 fkc = tl.load(FK + krow[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)

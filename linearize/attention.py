@@ -27,6 +27,7 @@ from .errors import UnsupportedModelError
 from .feature_maps import HedgehogFeatureMap, build_feature_map
 from .kernels import (
     linear_attention,
+    linear_attention_hedgehog,
     linear_attention_step,
     window_linear_attention,
     window_linear_attention_hedgehog,
@@ -34,8 +35,8 @@ from .kernels import (
     window_state_from_prefill,
 )
 
-#: ``LINEARIZE_FUSED_FEATURE_MAPS=1``: GPU inference of window layers with Hedgehog maps computes the features
-#: inside the window kernel. Off by default until it has been compiled and timed on a GPU (tested under the
+#: ``LINEARIZE_FUSED_FEATURE_MAPS=1``: GPU inference of layers with Hedgehog maps computes the features inside
+#: the (window or plain) linear-attention kernel. Off by default until it has been compiled and timed on a GPU (tested under the
 #: Triton interpreter); otherwise the features are computed first, as training does.
 FUSE_HEDGEHOG = os.environ.get("LINEARIZE_FUSED_FEATURE_MAPS", "0") == "1"
 
@@ -175,9 +176,9 @@ class LinearAttention(nn.Module):
         return None if self.window_logit is None else torch.sigmoid(self.window_logit)
 
     def fused_features(self, q, k) -> bool:
-        """Whether the window kernel computes this layer's Hedgehog features itself: inference on a GPU
-        (no gradient needed), window layers with Hedgehog maps on both sides, ``FUSE_HEDGEHOG`` on."""
-        if not (FUSE_HEDGEHOG and self.window > 0 and q.is_cuda):
+        """Whether the kernel computes this layer's Hedgehog features itself: inference on a GPU (no gradient
+        needed), Hedgehog maps on both sides, ``FUSE_HEDGEHOG`` on."""
+        if not (FUSE_HEDGEHOG and q.is_cuda):
             return False
         if not (isinstance(self.feature_map_q, HedgehogFeatureMap) and isinstance(self.feature_map_k, HedgehogFeatureMap)):
             return False
@@ -191,14 +192,20 @@ class LinearAttention(nn.Module):
         want_state = layer_cache is not None
         fused = T > 1 and self.fused_features(q, k)
         fq = None if fused else self.feature_map_q(q)
-        # key features stay in memory when the cache needs them (ring buffer, state) or without fusion
-        fk = None if (fused and state is None and not want_state) else self.feature_map_k(k)
+        # key features stay in memory without fusion, and for a window layer's cache (its ring buffer)
+        fk = None if (fused and (self.window == 0 or (state is None and not want_state))) else self.feature_map_k(k)
         if self.window == 0:
             if state is not None and T == 1:
                 o = linear_attention_step(fq[:, 0], fk[:, 0], v[:, 0], state, eps=self.eps)
                 layer_cache.set_state(state, 1)
                 return o.unsqueeze(1)
-            o, new_state = linear_attention(fq, fk, v, eps=self.eps, initial_state=state, output_final_state=want_state)
+            if fused:
+                o, new_state = linear_attention_hedgehog(q, k, v, self.feature_map_q.weight, self.feature_map_k.weight,
+                                                         eps=self.eps, feature_eps=self.feature_map_q.eps,
+                                                         initial_state=state, output_final_state=want_state)
+            else:
+                o, new_state = linear_attention(fq, fk, v, eps=self.eps, initial_state=state,
+                                                output_final_state=want_state)
             if want_state:
                 layer_cache.set_state(new_state, T)
             return o

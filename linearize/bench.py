@@ -281,6 +281,7 @@ def bench_kernels(
         raise RuntimeError("bench_kernels needs a CUDA GPU")
     from linearize.kernels import (
         linear_attention,
+        linear_attention_hedgehog,
         window_linear_attention,
         window_linear_attention_hedgehog,
     )
@@ -357,6 +358,15 @@ def bench_kernels(
                         _row(rows, bench="linear" + tag, impl=fname, T=T, B=B, passes="fwd", ms=ms)
                         ms = _bench(_grad_fn(g, ins, do), warmup, rep)
                         _row(rows, bench="linear" + tag, impl=fname, T=T, B=B, passes="fwd+bwd", ms=ms)
+                if K != dim and K % 2 == 0:  # Hedgehog: K = 2f features of raw dim-wide q, k, made in the kernel
+                    qr = torch.randn(B, T, heads, dim, device=dev, dtype=bf)
+                    kr = torch.randn(B, T, heads, dim, device=dev, dtype=bf)
+                    wq = 0.1 * torch.randn(heads, dim, K // 2, device=dev, dtype=bf)
+                    wk = 0.1 * torch.randn(heads, dim, K // 2, device=dev, dtype=bf)
+                    with torch.no_grad():
+                        ms = _bench(lambda: linear_attention_hedgehog(qr, kr, v, wq, wk)[0], warmup, rep)
+                    _row(rows, bench="linear" + tag, impl="ours fused hedgehog", T=T, B=B, passes="fwd", ms=ms)
+                    del qr, kr
                 say(f"linear{tag} T={T} done")
                 # window hybrid: raw q/k of size dim, features of size K
                 qr = torch.randn(B, T, heads, dim, device=dev, dtype=bf)
