@@ -148,7 +148,7 @@ def tune_kernels(heads: int = 32, dim: int = 128, progress: Optional[Callable[[s
     """Time a small grid of launch configurations; set and return the best per kernel family."""
     import itertools
 
-    from linearize.kernels import linear_attention, window_linear_attention
+    from linearize.kernels import linear_attention, tuning, window_linear_attention
     from linearize.kernels import triton_linear as tlin
     from linearize.kernels import triton_window as twin
 
@@ -190,6 +190,7 @@ def tune_kernels(heads: int = 32, dim: int = 128, progress: Optional[Callable[[s
         if results:
             cfg_mod.CONFIG.update(results[0][1])
             best[name] = results[0][1]
+        tuning.save(torch.cuda.get_device_name(dev))  # after every sweep: a run cut short keeps what it found
         return results
 
     def lin_fwd(q, k, v, qr, kr, do):
@@ -223,8 +224,6 @@ def tune_kernels(heads: int = 32, dim: int = 128, progress: Optional[Callable[[s
     # the chunk also sets the backward's: the training cost (fwd+bwd) decides it last
     sweep("win_fb", twin, {"win_bt": [64, 128], "bwd_warps": [4, 8]}, win_fb)
     sweep("win_fb", twin, {"scan_split_below_waves": [2.0, 8.0], "scan_waves": [8.0]}, win_fb)
-    from linearize.kernels import tuning
-
     path = tuning.save(torch.cuda.get_device_name(dev))
     say(f"tuned: linear {tlin.CONFIG} window {twin.CONFIG}; saved to {path} (used by later runs on this GPU)")
     return {"linear": dict(tlin.CONFIG), "window": dict(twin.CONFIG), "saved": str(path)}
