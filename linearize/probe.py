@@ -16,13 +16,19 @@
      original model's loss ``L_0``;
    - ``retrieval_i = max(0, R_i - R_0)``: the same on the answer tokens of ``select.retrieval_prompts``
      passkey prompts of ``select.retrieval_length`` tokens (the key is hidden at evenly spaced depths;
-     the loss is taken on the key's tokens after "The pass key is").
+     the loss is taken on the key's tokens after "The pass key is");
+   - ``attention_i`` (only with ``select.attention_weight > 0``): the original model's attention weight
+     from the last prompt position (the one that predicts the key) onto the key's tokens in the needle,
+     the largest over layer ``i``'s heads, averaged over the same prompts. Single-layer ablation misses
+     retrieval that several layers share (each one's loss increase stays small while the others still
+     retrieve); this term sees every retrieving layer directly. Forward-only, on the teacher.
 
 4. Each measurement becomes a share over layers and the score is their weighted mean::
 
-       score_i = sum_t w_t * x_t(i) / sum_j x_t(j)  /  sum_t w_t      t in {mse, loss, retrieval}
+       score_i = sum_t w_t * x_t(i) / sum_j x_t(j)  /  sum_t w_t      t in {mse, loss, retrieval, attention}
 
-   with ``w_t`` = ``select.mse_weight``, ``select.loss_weight``, ``select.retrieval_weight`` (a term
+   with ``w_t`` = ``select.mse_weight``, ``select.loss_weight``, ``select.retrieval_weight``,
+   ``select.attention_weight`` (a term
    with weight 0 is not measured; negative values, i.e. noise, count as 0; a term that is 0 for every
    layer drops out of both sums). Every term is scale-free and the scores sum to 1 over layers.
    The caller keeps as softmax the N layers with the highest scores
@@ -63,10 +69,11 @@ PROBE_VERSION = 2  # 2: retrieval prompts use seeds disjoint from `linearize eva
 # passkey seeds of `eval` are small integers (0, 1, ...); the probe's prompts live far from them so that a layout
 # is never chosen on the very prompts it is later evaluated on
 RETRIEVAL_SEED_OFFSET = 1_000_000
-TERMS = ("mse", "loss", "retrieval")
+TERMS = ("mse", "loss", "retrieval", "attention")
 SCORE_FORMULA = ("sum_t w_t * x_t(i) / sum_j x_t(j) / sum_t w_t over t in {mse: held-out attention MSE after the "
                  "probe, loss: held-out loss increase with only layer i linear, retrieval: passkey answer-loss "
-                 "increase with only layer i linear}")
+                 "increase with only layer i linear, attention: the original's attention from the answer position "
+                 "onto the pass key (max over heads)}")
 
 
 @dataclass
@@ -93,8 +100,8 @@ def score_weights(recipe) -> dict[str, float]:
     sel = recipe["select"]
     w = {t: float(sel[f"{t}_weight"]) for t in TERMS}
     if not any(v > 0 for v in w.values()):
-        raise SelectionError("recipe select: mse_weight, loss_weight and retrieval_weight are all 0; "
-                             "set at least one > 0")
+        raise SelectionError("recipe select: mse_weight, loss_weight, retrieval_weight and attention_weight are "
+                             "all 0; set at least one > 0")
     return w
 
 
@@ -271,8 +278,9 @@ def _heldout_loss(model, ids: torch.Tensor, batch_size: int = 4) -> float:
     return total / count
 
 
-def retrieval_samples(tokenizer, recipe, max_positions: int | None) -> list[tuple[list[int], list[int]]]:
-    """``(prompt ids, answer ids)`` passkey pairs: the prompt ends in "The pass key is", the answer is the key."""
+def retrieval_samples(tokenizer, recipe, max_positions: int | None) -> list[tuple[list[int], list[int], list[int]]]:
+    """``(prompt ids, answer ids, key positions)`` passkey triples: the prompt ends in "The pass key is", the
+    answer is the key, the positions are where the needle states the key's digits in the prompt."""
     from .evals import passkey
     from .evals.common import EvalConfig, EvalError, parse_depths
     from .evals.prompts import PieceEncoder
@@ -289,14 +297,61 @@ def retrieval_samples(tokenizer, recipe, max_positions: int | None) -> list[tupl
     except EvalError as e:
         raise SelectionError(f"select.retrieval_length {length}: {e} (raise it, or set select.retrieval_weight=0)") from None
     enc = PieceEncoder(tokenizer)
-    return [(s["ids"], enc.encode_one(" " + s["row"]["expected"][0])) for s in samples]
+    return [(s["ids"], enc.encode_one(" " + s["row"]["expected"][0]),
+             key_positions(tokenizer, s["ids"], s["row"]["needle_pos"], s["row"]["expected"][0])) for s in samples]
+
+
+#: how far past the needle's start its key digits may sit (the needle is one short sentence pair)
+NEEDLE_SPAN = 96
+
+
+def key_positions(tokenizer, ids: list[int], needle_pos: int, key: str) -> list[int]:
+    """Positions of the tokens that spell (part of) ``key``'s digits inside the needle starting at
+    ``needle_pos`` (the filler holds no digits)."""
+    out = []
+    for i in range(needle_pos, min(len(ids), needle_pos + NEEDLE_SPAN)):
+        piece = tokenizer.decode([ids[i]]).strip()
+        if piece.isdigit() and piece in key:
+            out.append(i)
+    return out
 
 
 @torch.no_grad()
-def _retrieval_loss(model, samples: list[tuple[list[int], list[int]]]) -> float:
+def _attention_mass(hybrid, samples) -> list[float]:
+    """Per layer: the original attention's weight from the last prompt position onto the key positions, the
+    largest over the layer's heads, averaged over ``samples`` (the hybrid runs its softmax mode)."""
+    mods = hybrid.linear_modules()
+    total = [0.0] * len(mods)
+    current: dict[str, list[int]] = {}
+
+    def hook(module, args, kwargs):
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        q, k, _ = module.project(hidden, kwargs.get("position_embeddings"))  # [B, T, H, D], [B, T, Hk, D]
+        groups = q.shape[2] // k.shape[2]
+        keys = k.float().repeat_interleave(groups, dim=2)  # [B, T, H, D]
+        weights = torch.einsum("bhd,bthd->bht", q[:, -1].float(), keys).mul(module.scaling).softmax(-1)
+        total[module.layer_idx] += weights[..., current["positions"]].sum(-1).amax(-1).mean().item()
+
+    hybrid.set_attention_mode("softmax")
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in mods]
+    try:
+        for prompt, _, positions in samples:
+            if not positions:
+                raise SelectionError("probe: a retrieval prompt's needle holds no key digits the tokenizer "
+                                     "keeps apart; set select.attention_weight=0")
+            current["positions"] = positions
+            hybrid(input_ids=torch.tensor([prompt], device=hybrid.device), use_cache=False, logits_to_keep=1)
+    finally:
+        for h in handles:
+            h.remove()
+    return [t / len(samples) for t in total]
+
+
+@torch.no_grad()
+def _retrieval_loss(model, samples: list[tuple[list[int], list[int], list[int]]]) -> float:
     """Mean cross-entropy on the answer tokens, each prompt followed by its answer."""
     total, count = 0.0, 0
-    for prompt, answer in samples:
+    for prompt, answer, _ in samples:
         ids = torch.tensor([prompt + answer], device=model.device)
         n = len(answer)
         logits = model(input_ids=ids, use_cache=False, logits_to_keep=n + 1).logits[0, :-1].float()  # [n, V]
@@ -358,14 +413,19 @@ def _measure(model, tokenizer, recipe, probe_tokens: int, *, progress: bool, log
         else:
             mse = evaluate_layers(hybrid, heldout)["normalized_mse"]
         hybrid.eval()
-        measurements: dict[str, list[float] | None] = {"mse": mse, "loss": None, "retrieval": None}
+        measurements: dict[str, list[float] | None] = {"mse": mse, "loss": None, "retrieval": None,
+                                                       "attention": None}
         baseline: dict[str, float | None] = {"heldout_loss": None, "retrieval_loss": None}
         samples = []
-        if weights["retrieval"] > 0:
+        if weights["retrieval"] > 0 or weights["attention"] > 0:
             samples = retrieval_samples(tokenizer, recipe, getattr(model.config, "max_position_embeddings", None))
+        if weights["attention"] > 0:
+            log(f"probe: the original's attention onto the pass key ({len(samples)} prompts)")
+            measurements["attention"] = _attention_mass(hybrid, samples)
+            eval_tokens += sum(len(p) for p, _, _ in samples)
         passes = [("loss", "heldout_loss", lambda: _heldout_loss(hybrid, heldout), heldout.numel()),
                   ("retrieval", "retrieval_loss", lambda: _retrieval_loss(hybrid, samples),
-                   sum(len(p) + len(a) for p, a in samples))]
+                   sum(len(p) + len(a) for p, a, _ in samples))]
         for term, base_name, fn, tokens in passes:
             if weights[term] <= 0:
                 continue
@@ -422,7 +482,8 @@ def select_report(result: ProbeResult, recipe, softmax: list[int], *, count_from
     for i in range(result.num_layers):
         m = {t: (result.measurements[t][i] if result.measurements.get(t) is not None else None) for t in TERMS}
         rows.append({"layer": i, "softmax": i in softmax, "mse": m["mse"], "loss_delta": m["loss"],
-                     "retrieval_delta": m["retrieval"], "score": scores[i], "rank": rank[i]})
+                     "retrieval_delta": m["retrieval"], "retrieval_attention": m["attention"], "score": scores[i],
+                     "rank": rank[i]})
     report = {
         "method": "auto", "softmax_count": len(softmax), "count_from": count_from,
         "softmax_layers": ",".join(map(str, softmax)),

@@ -211,13 +211,15 @@ def scores_markdown(report: dict) -> list[str]:
         return []
     lines = ["### Layer scores (`--select auto`)", "",
              f"score = {report['scoring']['formula']}; weights {report['scoring']['weights']}", "",
-             "| layer | kept | attention MSE | loss increase | retrieval loss increase | score | rank |",
-             "|---|---|---|---|---|---|---|"]
+             "| layer | kept | attention MSE | loss increase | retrieval loss increase | retrieval attention | score "
+             "| rank |",
+             "|---|---|---|---|---|---|---|---|"]
 
     def f(x):
         return "-" if x is None else f"{x:.4g}"
 
     for r in rows:
         lines.append(f"| {r['layer']} | {'softmax' if r['softmax'] else 'linear'} | {f(r['mse'])} | "
-                     f"{f(r['loss_delta'])} | {f(r.get('retrieval_delta'))} | {f(r['score'])} | {r['rank']} |")
+                     f"{f(r['loss_delta'])} | {f(r.get('retrieval_delta'))} | {f(r.get('retrieval_attention'))} | "
+                     f"{f(r['score'])} | {r['rank']} |")
     return lines + [""]

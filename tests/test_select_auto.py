@@ -160,7 +160,8 @@ def test_probe_deterministic_cached_and_leaves_model_intact(ws, tmp_path, monkey
     logs = []
     a = P.run_probe(model, tok, rec, probe_tokens=512, progress=False, log=logs.append)
     assert not a.cached and a.tokens == 512 and a.eval_tokens > 0 and a.key
-    for term in P.TERMS:
+    assert a.measurements["attention"] is None  # select.attention_weight is 0 by default: not measured
+    for term in ("mse", "loss", "retrieval"):
         assert len(a.measurements[term]) == 4 and all(isinstance(v, float) for v in a.measurements[term])
     assert a.baseline["heldout_loss"] > 0 and a.baseline["retrieval_loss"] > 0
     scores = a.scores(P.score_weights(rec))
@@ -258,3 +259,38 @@ def test_convert_kv_budget_too_small_cli(ws, tmp_path, monkeypatch):
     lines = [ln for ln in res.stderr.strip().splitlines() if ln.strip()]
     assert res.returncode == 2 and len(lines) == 1 and "all-linear state" in lines[0], res.stderr
     assert not (tmp_path / "O").exists() and not (tmp_path / "cache").exists()
+
+
+def test_retrieval_attention_term_is_the_originals_attention_on_the_key(ws, tmp_path, monkeypatch):
+    """select.attention_weight > 0: per layer, the original model's attention from the answer position onto the
+    needle's key digits (max over heads, mean over prompts), as eager attention computes it."""
+    monkeypatch.setenv("LINEARIZE_CACHE", str(tmp_path / "cache"))
+    rec = R.load("lolcats", _overrides(ws, **{"select.attention_weight": 1.0}))
+    model, tok = _load(ws)
+    samples = P.retrieval_samples(tok, rec, model.config.max_position_embeddings)
+    assert all(len(pos) == 2 * len(prompt_key) for (_, _, pos), prompt_key in
+               zip(samples, [s["row"]["expected"][0] for s in _passkey_rows(tok, rec)]))  # the key, stated twice
+    res = P.run_probe(model, tok, rec, probe_tokens=256, progress=False, log=lambda m: None)
+    got = res.measurements["attention"]
+    assert len(got) == 4 and all(0.0 <= v <= 1.0 for v in got)
+    model.config._attn_implementation = "eager"
+    want = [0.0] * 4
+    with torch.no_grad():
+        for prompt, _, pos in samples:
+            att = model(torch.tensor([prompt]), output_attentions=True, use_cache=False).attentions
+            for i, a in enumerate(att):  # [1, H, T, T]
+                want[i] += a[0, :, -1, pos].sum(-1).max().item() / len(samples)
+    assert got == pytest.approx(want, abs=1e-5)
+    report = P.select_report(res, rec, [1], count_from="test")
+    assert [r["retrieval_attention"] for r in report["scores"]] == got
+    assert "attention" in report["scoring"]["formula"] and report["scoring"]["weights"]["attention"] == 1.0
+
+
+def _passkey_rows(tok, rec):
+    from linearize.evals import passkey
+    from linearize.evals.common import EvalConfig, parse_depths
+
+    sel = rec["select"]
+    cfg = EvalConfig(lengths=[sel["retrieval_length"]], depths=parse_depths(sel["retrieval_prompts"]),
+                     seeds=[P.RETRIEVAL_SEED_OFFSET + sel["seed"]])
+    return passkey.build_prompts(tok, bool(getattr(tok, "chat_template", None)), cfg)
