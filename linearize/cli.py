@@ -155,10 +155,15 @@ def finetune(
 
 @app.command()
 @user_errors
-def info(spec: str = typer.Argument(..., help="Model spec or hybrid checkpoint directory.")):
+def info(spec: str = typer.Argument(..., help="Model spec or hybrid checkpoint directory."),
+         retrieval: Optional[str] = typer.Option(None, "--retrieval", help="LENGTHS (e.g. 1K,2K): load the original model and show, per layer, its attention from the answer position onto a hidden pass key (the layers that retrieve)."),
+         dtype: Optional[str] = typer.Option(None, "--dtype", help="With --retrieval: float32, bfloat16 or float16."),
+         device: Optional[str] = typer.Option(None, "--device", help="With --retrieval: cpu, cuda or cuda:N.")):
     """Show the layer map, parameter counts and cache bytes at 4K/32K/128K."""
     from .info import model_info
 
+    if retrieval is None and (dtype is not None or device is not None):
+        raise LinearizeError("info: --dtype and --device only apply with --retrieval (nothing else loads weights)")
     data = model_info(spec)
     console.print(f"[bold]{data['name']}[/] ({data['model_type']}, {data['num_layers']} layers)", highlight=False)
     console.print(f"layers: {data['layout']}", highlight=False)
@@ -180,6 +185,23 @@ def info(spec: str = typer.Argument(..., help="Model spec or hybrid checkpoint d
         c = q["copy"]
         console.print(f"recall check (copy, {c['length']} tokens, {c['samples']} samples): hybrid {100 * c['hybrid']:.1f}%, "
                       f"teacher {100 * c['teacher']:.1f}%", highlight=False)
+    if retrieval is not None:
+        from .evals.common import format_length, parse_lengths
+        from .info import retrieval_layers
+
+        ret = retrieval_layers(spec, parse_lengths(retrieval), dtype=dtype, device=device)
+        console.print(f"attention from the answer position onto a hidden pass key (max over heads, mean of "
+                      f"{ret['prompts']} passkey prompts per length, depths 0..1):", highlight=False)
+        table = Table(title="retrieval attention per layer")
+        table.add_column("layer", justify="right")
+        for n in ret["by_length"]:
+            table.add_column(format_length(int(n)), justify="right")
+        for i in range(data["num_layers"]):
+            table.add_row(str(i), *[f"{v[i]:.3f}" for v in ret["by_length"].values()])
+        console.print(table)
+        mean = [sum(v[i] for v in ret["by_length"].values()) / len(ret["by_length"]) for i in range(data["num_layers"])]
+        top = sorted(sorted(range(len(mean)), key=lambda i: -mean[i])[:4])
+        console.print(f"retrieving layers (top 4 by mean): {','.join(map(str, top))}", highlight=False)
 
 
 _MAX_MEMORY_HELP = ("Run a model that does not fit one device, onloading layer by layer: DEV=SIZE,... with DEV N, "

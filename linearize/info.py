@@ -1,4 +1,5 @@
-"""What `linearize info` shows: layer map, parameter counts and cache bytes, without loading weights."""
+"""What `linearize info` shows: layer map, parameter counts and cache bytes, without loading weights; with
+``--retrieval``, where the original model retrieves (loads it)."""
 
 from __future__ import annotations
 
@@ -62,4 +63,27 @@ def conversion_quality(path) -> dict[str, Any]:
     rc = stages.get("recall") or {}
     if "hybrid" in rc:
         out["copy"] = {k: rc[k] for k in ("hybrid", "teacher", "length", "samples")}
+    return out
+
+
+def retrieval_layers(spec: str, lengths: list[int], *, prompts: int = 5, dtype: str | None = None,
+                     device: str | None = None) -> dict[str, Any]:
+    """Per layer of an original (not converted) model: its attention from the answer position onto the pass key
+    (max over heads, mean over ``prompts`` passkey prompts per length at depths 0..1) -- the probe's
+    ``attention`` term (:func:`linearize.probe.retrieval_attention`). High values mark the layers that retrieve."""
+    from . import probe
+    from . import recipe as recipes
+    from .errors import SelectionError
+    from .sources import load_model
+
+    config_type = model_info(spec)["layer_types"]
+    if config_type is not None and "linear_attention" in config_type:
+        raise SelectionError(f"{spec} is a converted hybrid; --retrieval measures an original model: pass its spec")
+    model, tokenizer = load_model(spec, dtype=dtype, device=device)
+    out: dict[str, Any] = {"prompts": prompts, "by_length": {}}
+    for n in lengths:
+        rec = recipes.load("lolcats", {"select.retrieval_length": n, "select.retrieval_prompts": prompts})
+        samples = probe.retrieval_samples(tokenizer, rec, getattr(model.config, "max_position_embeddings", None))
+        with probe.all_linear(model, rec) as hybrid:  # softmax mode = the original attention, hooked per layer
+            out["by_length"][str(n)] = probe.retrieval_attention(hybrid, samples)
     return out

@@ -317,7 +317,7 @@ def key_positions(tokenizer, ids: list[int], needle_pos: int, key: str) -> list[
 
 
 @torch.no_grad()
-def _attention_mass(hybrid, samples) -> list[float]:
+def retrieval_attention(hybrid, samples) -> list[float]:
     """Per layer: the original attention's weight from the last prompt position onto the key positions, the
     largest over the layer's heads, averaged over ``samples`` (the hybrid runs its softmax mode)."""
     mods = hybrid.linear_modules()
@@ -421,7 +421,7 @@ def _measure(model, tokenizer, recipe, probe_tokens: int, *, progress: bool, log
             samples = retrieval_samples(tokenizer, recipe, getattr(model.config, "max_position_embeddings", None))
         if weights["attention"] > 0:
             log(f"probe: the original's attention onto the pass key ({len(samples)} prompts)")
-            measurements["attention"] = _attention_mass(hybrid, samples)
+            measurements["attention"] = retrieval_attention(hybrid, samples)
             eval_tokens += sum(len(p) for p, _, _ in samples)
         passes = [("loss", "heldout_loss", lambda: _heldout_loss(hybrid, heldout), heldout.numel()),
                   ("retrieval", "retrieval_loss", lambda: _retrieval_loss(hybrid, samples),

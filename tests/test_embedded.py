@@ -175,6 +175,18 @@ def test_info_and_recipes_commands(converted):
     assert res.returncode == 0 and "feature_map: elu" in res.stdout
 
 
+def test_info_retrieval_finds_the_retrieving_layers(converted):
+    """`info --retrieval`: the original's attention onto a hidden pass key, per layer; SmolLM2-135M retrieves in
+    layers 20-23 (README). A hybrid is refused with one line, as are --dtype/--device without --retrieval."""
+    res = run_cli("info", "smollm2-135m", "--retrieval", "1K", "--dtype", "float32")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "retrieving layers (top 4 by mean): 20,21,22,23" in res.stdout
+    res = run_cli("info", str(converted), "--retrieval", "1K")
+    assert res.returncode == 2 and "converted hybrid" in res.stderr and "Traceback" not in res.stderr
+    res = run_cli("info", "smollm2-135m", "--dtype", "float32")
+    assert res.returncode == 2 and "only apply with --retrieval" in res.stderr
+
+
 def test_generate_command_streams(converted):
     res = run_cli("generate", str(converted), "Name a colour.", "--max-new-tokens", "4")
     assert res.returncode == 0, res.stderr[-2000:]
