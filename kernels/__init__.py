@@ -206,7 +206,8 @@ def window_linear_attention_hedgehog(
     the ``q``, ``k`` tiles it loads anyway, so ``fq`` (and ``fk`` unless given) never reach memory; key
     features are still materialised for a segmented launch (long ``T``, few heads) and for the final state.
     Otherwise (gradients, or the ``torch`` / ``reference`` backends) the features are computed first and
-    :func:`window_linear_attention` runs as usual, so autograd works.
+    :func:`window_linear_attention` runs as usual, so autograd works. The kernel rounds the projections to
+    ``q``'s dtype (a bf16 model's own weights are bf16 already).
     """
     H = q.shape[2]
     K = _hedgehog_shapes("window_linear_attention_hedgehog", q, k, weight_q, weight_k)
@@ -271,6 +272,7 @@ def linear_attention_hedgehog(
     On the Triton path without gradients the features are computed inside the forward kernel, so only the
     raw ``q``, ``k`` (``D`` wide instead of ``2f``) are read; key features are materialised only for a
     segmented launch (long ``T``, few heads). Otherwise the features are computed first (autograd works).
+    The kernel rounds the projections to ``q``'s dtype (a bf16 model's own weights are bf16 already).
     """
     K = _hedgehog_shapes("linear_attention_hedgehog", q, k, weight_q, weight_k)
     be = _resolve_backend(backend, q)
