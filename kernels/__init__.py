@@ -215,9 +215,8 @@ def window_linear_attention_hedgehog(
     kw = dict(window=int(window), scale=scale, eps=eps, initial_state=initial_state,
               output_final_state=output_final_state)
     if be != "triton" or _needs_grad(q, k, v, window_factor, weight_q, weight_k, fk, *(initial_state or ())):
-        fq, fk_made = _features_first(q, k, weight_q, weight_k, feature_eps)
-        return window_linear_attention(q, k, fq, fk if fk is not None else fk_made, v, window_factor,
-                                       backend=backend, **kw)
+        fq, fk = _features_first(q, k, weight_q, weight_k, feature_eps, fk)
+        return window_linear_attention(q, k, fq, fk, v, window_factor, backend=backend, **kw)
     _check("window_linear_attention_hedgehog(q,k,v)", q, k, v, initial_state, qk_dim_pairs=(K,))
     if fk is not None and tuple(fk.shape) != (*k.shape[:3], K):
         raise ValueError(f"fk must have shape [B, T, Hk, 2f]={(*k.shape[:3], K)}, got {tuple(fk.shape)}")
@@ -246,11 +245,14 @@ def _needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def _features_first(q, k, weight_q, weight_k, feature_eps):
-    """``hedgehog_features`` of ``q`` and ``k`` as the layers compute them (fp32, or fp64 for fp64 inputs)."""
+def _features_first(q, k, weight_q, weight_k, feature_eps, fk=None):
+    """``hedgehog_features`` of ``q`` and ``k`` as the layers compute them (fp32, or fp64 for fp64 inputs);
+    ``fk`` when the caller already has the key features."""
     cd = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return (hedgehog_features(q.to(cd), weight_q.to(cd), feature_eps).to(q.dtype),
-            hedgehog_features(k.to(cd), weight_k.to(cd), feature_eps).to(k.dtype))
+    fq = hedgehog_features(q.to(cd), weight_q.to(cd), feature_eps).to(q.dtype)
+    if fk is None:
+        fk = hedgehog_features(k.to(cd), weight_k.to(cd), feature_eps).to(k.dtype)
+    return fq, fk
 
 
 def linear_attention_hedgehog(

@@ -113,7 +113,7 @@ def shard(model, device: str | None, log=None):
     keep = _stage1_params(model)
     on_meta = any(p.is_meta for p in model.parameters())
     # rank 0's full weights (before sharding replaces them), sent to every rank's shards below
-    full = {k: v for k, v in model.state_dict().items()} if dist.is_main() else {}
+    full = model.state_dict() if dist.is_main() else {}
     if dist.is_main() and on_meta:
         raise LinearizeError("fsdp.shard: rank 0 must hold the loaded weights, not a meta model")
     with torch.no_grad():
