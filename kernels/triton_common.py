@@ -300,18 +300,18 @@ def scan_states(
 
 
 def segment_sum_launch(cfg: dict) -> dict:
-    """``segment_starts`` keyword arguments from a kernel family's CONFIG (``seg_block``, ``seg_warps``)."""
-    return {"block": cfg.get("seg_block", 64), "scan_warps": cfg.get("seg_warps", cfg.get("scan_warps", 4))}
+    """``segment_starts`` keyword arguments from a kernel family's CONFIG (``seg_warps``)."""
+    return {"scan_warps": cfg.get("seg_warps", cfg.get("scan_warps", 4))}
 
 
 def segment_starts(x, y, heads, init, nseg, seg_chunks, BT, *, reverse=False, a=None, u=None, scan_warps=4,
-                   seg_off=0, block=64):
+                   seg_off=0):
     """State entering each segment: ``init`` plus the sum over the segments before it (after it when
     ``reverse``) of ``(a x)^T y`` and ``sum u x``. Returns ``(S [B,heads,NSEG,K,V], z [B,heads,NSEG,K])``
     fp32, or ``(None, None)`` for one segment and no ``init``; ``init = (S, z or None)``. ``seg_off``
     shifts the summed chunks one segment boundary earlier (the window kernel's state lags one chunk).
-    ``block``: the ``[block, block]`` state tile of one summing program; with K = V = 128, 64 reads ``x`` and
-    ``y`` twice each (once per tile of the other), 128 once (a larger accumulator per program)."""
+    Each summing program holds a ``[64, 64]`` state tile, so at K = V = 128 ``x`` and ``y`` are read twice each
+    (``[128, 128]`` tiles, tried in the fourth session, gave wrong gradients on an H200 and were removed)."""
     f32 = torch.float32
     S0, z0 = init if init is not None else (None, None)
     if nseg == 1:
@@ -322,7 +322,7 @@ def segment_starts(x, y, heads, init, nseg, seg_chunks, BT, *, reverse=False, a=
         return S0.to(f32).contiguous().unsqueeze(2), z0.to(f32).contiguous().unsqueeze(2)
     _, _, part, partz = scan_states(x, y, heads=heads, a=a, u=u, per_chunk=False, store_final=True, do_z=True,
                                     segments=nseg, seg_chunks=seg_chunks, seg_off=seg_off, BT=BT,
-                                    BK=block, BV=block, num_warps=scan_warps)
+                                    BK=64, BV=64, num_warps=scan_warps)
     if reverse:  # exclusive: the segments after each one
         seg_S = part.flip(2).cumsum(2).flip(2) - part
         seg_z = partz.flip(2).cumsum(2).flip(2) - partz

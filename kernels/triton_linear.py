@@ -285,9 +285,7 @@ CONFIG = {  # picked by linearize.bench.tune_kernels on an H200 (triton 3.6), se
     "bwd_bv": 128,
     "bwd_warps": 4,
     "scan_warps": 4,
-    # the forward's segment sums (long T, small batch): [seg_block, seg_block] state tiles per program (64
-    # reads k and v twice at K = V = 128, 128 once; 128 not yet timed on a GPU) and their warps
-    "seg_block": 64,
+    # warps of the forward's segment sums (long T, small batch; [64, 64] state tiles per program)
     "seg_warps": 4,
     # backward state scans: cut into segments below this many programs per SM (0 = never: not yet measured
     # on a GPU), then aim for scan_waves programs per SM

@@ -330,9 +330,7 @@ CONFIG = {  # picked by linearize.bench.tune_kernels on an H200 (triton 3.6), se
     "win_bt": 64,  # chunk for W <= 64 (64, or 128 with the linear part inside the chunk; 128 not yet timed)
     "bwd_warps": 4,
     "scan_warps": 4,
-    # the forward's segment sums (long T, small batch): [seg_block, seg_block] state tiles per program (64
-    # reads k and v twice at K = V = 128, 128 once; 128 not yet timed on a GPU) and their warps
-    "seg_block": 64,
+    # warps of the forward's segment sums (long T, small batch; [64, 64] state tiles per program)
     "seg_warps": 4,
     "scan_split_below_waves": 0.0,  # as in triton_linear.CONFIG (not yet measured on a GPU)
     "scan_waves": 8.0,

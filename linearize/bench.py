@@ -144,10 +144,48 @@ def _check_accuracy(device: str) -> List[dict]:
 # launch-configuration sweep (used to pick the defaults in kernels/triton_*.py CONFIG)
 
 
-def tune_kernels(heads: int = 32, dim: int = 128, progress: Optional[Callable[[str], None]] = None) -> dict:
-    """Time a small grid of launch configurations; set and return the best per kernel family."""
+#: the most a launch configuration's result may differ from the defaults' (bf16, relative) and still be timed:
+#: twice the bf16 accuracy target, as two correct configurations may each be 1e-2 off the float64 reference
+TUNE_TOLERANCE = 2e-2
+
+
+def sweep_configs(config: dict, grid: dict, run: Callable, cases: dict, reference: dict, baseline: dict,
+                  timer: Callable[[Callable[[], object]], float], say: Callable[[str], None]) -> list:
+    """Time ``run(*cases[key])`` under ``config`` updated by each combination of ``grid`` (and unchanged first);
+    ``[(score, combination)]`` fastest first, score = sum over cases of ms / ``baseline[key]`` ms. A combination
+    whose results (``run`` returns a tuple of tensors) differ from ``reference[key]`` by more than
+    ``TUNE_TOLERANCE``, or that fails to compile, is reported and left out. ``config`` is restored."""
     import itertools
 
+    from linearize.kernels.testing import rel_err
+
+    base = dict(config)
+    results = []
+    candidates = [{}] + [dict(zip(grid.keys(), vals)) for vals in itertools.product(*grid.values())]
+    for cfg in candidates:  # {} = the current configuration, kept unless something beats it
+        config.update(cfg)
+        try:
+            tot, per = 0.0, []
+            for key, args in cases.items():
+                err = max(rel_err(a, b) for a, b in zip(run(*args), reference[key]))
+                if not err <= TUNE_TOLERANCE:  # a launch setting must never change the result
+                    raise RuntimeError(f"wrong result at {key[0]}x{key[1]}: relative error {err:.2e}")
+                ms = timer(lambda: run(*args))
+                tot += ms / baseline[key]
+                per.append(f"{key[0]}x{key[1]} {ms:.3f} ms")
+            results.append((tot, cfg))
+            say(f"{cfg}: {tot:.3f} ({', '.join(per)})")
+        except Exception as e:  # a wrong result, or a compile failure (e.g. out of shared memory)
+            say(f"{cfg}: failed {str(e)[:100]}")
+        config.clear()
+        config.update(base)
+    results.sort(key=lambda r: r[0])
+    return results
+
+
+def tune_kernels(heads: int = 32, dim: int = 128, progress: Optional[Callable[[str], None]] = None) -> dict:
+    """Time a small grid of launch configurations; set and return the best per kernel family. A configuration
+    whose output or gradients differ from the defaults' by more than ``TUNE_TOLERANCE`` is never kept."""
     from linearize.kernels import linear_attention, tuning, window_linear_attention
     from linearize.kernels import triton_linear as tlin
     from linearize.kernels import triton_window as twin
@@ -167,60 +205,46 @@ def tune_kernels(heads: int = 32, dim: int = 128, progress: Optional[Callable[[s
         data[(B, T)] = (q, k, v, qr, kr, do)
     wf = torch.full((heads,), 0.3, device=dev)
     best = {}
+    timer = lambda fn: _bench(fn, 10, 40)  # noqa: E731
 
     def sweep(name, cfg_mod, grid, fn):
-        base = dict(cfg_mod.CONFIG)
-        results = []
-        candidates = [{}] + [dict(zip(grid.keys(), vals)) for vals in itertools.product(*grid.values())]
-        for cfg in candidates:  # {} = the current configuration, kept unless something beats it
-            cfg_mod.CONFIG.update(cfg)
-            try:
-                tot, per = 0.0, []
-                for key in data:
-                    ms = _bench(lambda: fn(*data[key]), 10, 40)
-                    tot += ms / _bench_ref[(name, key)]
-                    per.append(f"{key[0]}x{key[1]} {ms:.3f} ms")
-                results.append((tot, cfg))
-                say(f"tune {name} {cfg}: {tot:.3f} ({', '.join(per)})")
-            except Exception as e:  # compile failure (e.g. out of shared memory)
-                say(f"tune {name} {cfg}: failed {str(e)[:100]}")
-            cfg_mod.CONFIG.clear()
-            cfg_mod.CONFIG.update(base)
-        results.sort(key=lambda r: r[0])
+        results = sweep_configs(cfg_mod.CONFIG, grid, fn, data, reference[name], baseline[name], timer,
+                                lambda m: say(f"tune {name} {m}"))
         if results:
             cfg_mod.CONFIG.update(results[0][1])
             best[name] = results[0][1]
         tuning.save(torch.cuda.get_device_name(dev))  # after every sweep: a run cut short keeps what it found
         return results
 
+    # each returns what it computes (output, or gradients), compared against the defaults' before timing
     def lin_fwd(q, k, v, qr, kr, do):
         with torch.no_grad():
-            return linear_attention(q, k, v)[0]
+            return linear_attention(q, k, v)[:1]
 
     def lin_fb(q, k, v, qr, kr, do):
         o = linear_attention(q, k, v)[0]
-        torch.autograd.grad(o, (q, k, v), do)
+        return torch.autograd.grad(o, (q, k, v), do)
 
     def win_fwd(q, k, v, qr, kr, do):
         with torch.no_grad():
-            return window_linear_attention(qr, kr, q, k, v, wf, window=64)[0]
+            return window_linear_attention(qr, kr, q, k, v, wf, window=64)[:1]
 
     def win_fb(q, k, v, qr, kr, do):
         o = window_linear_attention(qr, kr, q, k, v, wf, window=64)[0]
-        torch.autograd.grad(o, (q, k, v), do)
+        return torch.autograd.grad(o, (q, k, v), do)
 
-    _bench_ref = {}
+    reference, baseline = {}, {}  # per family and case: the defaults' results and milliseconds
     for name, fn in (("lin_fwd", lin_fwd), ("lin_fb", lin_fb), ("win_fwd", win_fwd), ("win_fb", win_fb)):
-        for key in data:
-            _bench_ref[(name, key)] = _bench(lambda: fn(*data[key]), 10, 40)
+        reference[name] = {key: [x.detach().clone() for x in fn(*args)] for key, args in data.items()}
+        baseline[name] = {key: timer(lambda: fn(*args)) for key, args in data.items()}
     sweep("lin_fwd", tlin, {"fwd_norm_mma": [False, True], "fwd_bt": [64, 128]}, lin_fwd)
     sweep("lin_fwd", tlin, {"split_below_waves": [0.5, 2.0], "fwd_waves": [2.0, 4.0, 8.0]}, lin_fwd)
-    sweep("lin_fwd", tlin, {"seg_block": [64, 128], "seg_warps": [4, 8]}, lin_fwd)
+    sweep("lin_fwd", tlin, {"seg_warps": [4, 8]}, lin_fwd)
     sweep("lin_fb", tlin, {"bwd_bk": [64, 128], "bwd_warps": [4, 8], "bwd_bt": [64, 128]}, lin_fb)
     sweep("lin_fb", tlin, {"scan_split_below_waves": [2.0, 8.0], "scan_waves": [4.0, 8.0, 16.0]}, lin_fb)
     sweep("win_fwd", twin, {"fwd_norm_mma": [False, True], "win_bt": [64, 128], "win_carry": [False, True]}, win_fwd)
     sweep("win_fwd", twin, {"split_below_waves": [0.5, 2.0], "fwd_waves": [2.0, 4.0, 8.0]}, win_fwd)
-    sweep("win_fwd", twin, {"seg_block": [64, 128], "seg_warps": [4, 8]}, win_fwd)
+    sweep("win_fwd", twin, {"seg_warps": [4, 8]}, win_fwd)
     # the chunk also sets the backward's: the training cost (fwd+bwd) decides it last
     sweep("win_fb", twin, {"win_bt": [64, 128], "bwd_warps": [4, 8]}, win_fb)
     sweep("win_fb", twin, {"scan_split_below_waves": [2.0, 8.0], "scan_waves": [8.0]}, win_fb)

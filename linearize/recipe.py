@@ -114,7 +114,7 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "loss_weight": Field(float, 1.0, "a number in [0, 1000]", lambda v: 0.0 <= v <= 1000.0),
         "retrieval_weight": Field(float, 1.0, "a number in [0, 1000] (0 = no retrieval probe)",
                                   lambda v: 0.0 <= v <= 1000.0),
-        "attention_weight": Field(float, 0.0, "a number in [0, 1000] (0 = not measured)",
+        "attention_weight": Field(float, 2.0, "a number in [0, 1000] (0 = not measured)",
                                   lambda v: 0.0 <= v <= 1000.0),
         "retrieval_length": Field(int, 2048, "an integer in [64, 1048576] (tokens)", lambda v: 64 <= v <= 1048576),
         "retrieval_prompts": Field(int, 4, "an integer in [1, 256]", lambda v: 1 <= v <= 256),

@@ -86,3 +86,27 @@ def test_bench_summary_ratios_per_length():
     assert s["fwd vs best sdpa"] == pytest.approx(1.6)
     assert s["window fwd / ours fwd"] == pytest.approx(2.0)
     assert s["window fused-hedgehog fwd / ours fwd"] == pytest.approx(1.2)
+
+
+def test_sweep_never_keeps_a_configuration_that_changes_the_result():
+    """bench.sweep_configs: a faster setting with a wrong result (or a compile failure) is reported and left out;
+    the fastest correct one comes first and the configuration is restored."""
+    from linearize.bench import TUNE_TOLERANCE, sweep_configs
+
+    config = {"tile": 64, "warps": 4}
+    x = torch.linspace(1, 2, 100)
+    ms = {64: 2.0, 128: 0.5, 256: 1.0}  # 128 is fastest but wrong; 256 fails to compile with 8 warps
+
+    def run(t):
+        if config["tile"] == 256 and config["warps"] == 8:
+            raise RuntimeError("out of shared memory")
+        return (t * (1.5 if config["tile"] == 128 else 1 + TUNE_TOLERANCE / 4),)
+
+    timer = lambda fn: (fn(), ms[config["tile"]] / config["warps"] * 4)[1]  # noqa: E731
+    logs = []
+    out = sweep_configs(config, {"tile": [128, 256], "warps": [4, 8]}, run, {(1, 100): (x,)}, {(1, 100): [x]},
+                        {(1, 100): 2.0}, timer, logs.append)
+    assert [c for _, c in out] == [{"tile": 256, "warps": 4}, {}]
+    assert out[0][0] == pytest.approx(0.5) and out[1][0] == pytest.approx(1.0)
+    assert config == {"tile": 64, "warps": 4}
+    assert sum("wrong result" in m for m in logs) == 2 and sum("out of shared memory" in m for m in logs) == 1

@@ -195,13 +195,12 @@ def test_window_step_triton(prefill, W, dtype):
 
 
 @pytest.mark.parametrize("kind", ["linear", "window"])
-def test_segment_sums_with_whole_state_tiles(kind, monkeypatch):
-    """Segment sums with [128, 128] state tiles (CONFIG seg_block; K = 128 takes two 64-tiles otherwise)."""
+def test_segment_sums_over_several_state_tiles(kind, monkeypatch):
+    """Segment sums where K = 128 spans two [64, 64] state tiles of a summing program and V = 32 part of one."""
     from linearize.kernels import triton_linear, triton_window
 
     mod = triton_linear if kind == "linear" else triton_window
     monkeypatch.setitem(mod.CONFIG, "force_segments", 3)
-    monkeypatch.setitem(mod.CONFIG, "seg_block", 128)
     monkeypatch.setitem(mod.CONFIG, "seg_warps", 8)
     if kind == "linear":
         check_linear("triton", 1, 300, 2, 1, 128, 32, torch.bfloat16, state=True, device=DEV)
@@ -318,13 +317,13 @@ def test_hybrid_layers_with_fused_features_match_unfused(monkeypatch, window):
     from linearize.surgery import linearize_model
 
     hybrid = linearize_model(tiny_model("llama"), select_layout(4, ratio="1:1"),
-                             R.load("lolcats", {"attention.window": window}))
+                             R.load("lolcats", {"attention.window": window})).to(DEV)
     with torch.no_grad():
         for m in hybrid.linear_modules():
             for p in (m.feature_map_q.weight, m.feature_map_k.weight, m.window_logit):
                 if p is not None:
                     p.add_(0.2 * torch.randn_like(p))
-    ids = torch.randint(0, 128, (2, 60))
+    ids = torch.randint(0, 128, (2, 60), device=DEV)
 
     def run():
         with torch.no_grad():

@@ -102,7 +102,7 @@ def test_combine_scores_and_choice():
     assert choose_softmax_layers([0.3, 0.3, 0.3], 1) == [0]  # ties: the lower index
     with pytest.raises(SelectionError, match="all 0"):
         P.score_weights(R.load("lolcats", {"select.mse_weight": 0, "select.loss_weight": 0,
-                                           "select.retrieval_weight": 0}))
+                                           "select.retrieval_weight": 0, "select.attention_weight": 0}))
     with pytest.raises(LinearizeError, match="select.probe_fraction"):
         R.load("lolcats", {"select.probe_fraction": 0.5})
 
@@ -123,8 +123,8 @@ BAD_CONVERT = [
     (dict(select="auto", kv_budget="2 lots@32K"), "not a byte size"),
     (dict(select="auto", kv_budget="2GB@soon"), "not a context length"),
     (dict(select="auto", kv_budget="1KB@1K"), "smaller than the all-linear state"),
-    (dict(select="auto", overrides={"select.mse_weight": 0, "select.loss_weight": 0, "select.retrieval_weight": 0}),
-     "all 0"),
+    (dict(select="auto", overrides={"select.mse_weight": 0, "select.loss_weight": 0, "select.retrieval_weight": 0,
+                                    "select.attention_weight": 0}), "all 0"),
     (dict(select="auto", ratio="1:1", tokens="128", finetune=False), "less than one batch"),  # all of it: the probe
     (dict(select="auto", ratio="1:1", tokens="384", finetune=False), "limit 25%"),  # one 128-token step = 33%
 ]
@@ -160,8 +160,7 @@ def test_probe_deterministic_cached_and_leaves_model_intact(ws, tmp_path, monkey
     logs = []
     a = P.run_probe(model, tok, rec, probe_tokens=512, progress=False, log=logs.append)
     assert not a.cached and a.tokens == 512 and a.eval_tokens > 0 and a.key
-    assert a.measurements["attention"] is None  # select.attention_weight is 0 by default: not measured
-    for term in ("mse", "loss", "retrieval"):
+    for term in ("mse", "loss", "retrieval", "attention"):  # attention_weight is 2 by default: measured
         assert len(a.measurements[term]) == 4 and all(isinstance(v, float) for v in a.measurements[term])
     assert a.baseline["heldout_loss"] > 0 and a.baseline["retrieval_loss"] > 0
     scores = a.scores(P.score_weights(rec))
@@ -284,6 +283,10 @@ def test_retrieval_attention_term_is_the_originals_attention_on_the_key(ws, tmp_
     report = P.select_report(res, rec, [1], count_from="test")
     assert [r["retrieval_attention"] for r in report["scores"]] == got
     assert "attention" in report["scoring"]["formula"] and report["scoring"]["weights"]["attention"] == 1.0
+    off = R.load("lolcats", _overrides(ws, **{"select.attention_weight": 0.0}))  # weight 0: not measured
+    monkeypatch.setattr(P, "retrieval_attention", lambda *a, **k: pytest.fail("measured with weight 0"))
+    assert P.run_probe(model, tok, off, probe_tokens=256, progress=False,
+                       log=lambda m: None).measurements["attention"] is None
 
 
 def _passkey_rows(tok, rec):
