@@ -62,7 +62,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import SelectionError
-from .select import LINEAR
+from .select import LINEAR, selection_boundary
 
 #: bump when a measurement changes meaning (invalidates cached probes)
 PROBE_VERSION = 2  # 2: retrieval prompts use seeds disjoint from `linearize eval`'s
@@ -496,6 +496,7 @@ def select_report(result: ProbeResult, recipe, softmax: list[int], *, count_from
         "baseline_heldout_loss": result.baseline.get("heldout_loss"),
         "baseline_retrieval_loss": result.baseline.get("retrieval_loss"),
         "scoring": {"formula": SCORE_FORMULA, "weights": weights}, "scores": rows,
+        "boundary": selection_boundary(scores, len(softmax)),
     }
     if kv_budget is not None:
         report["kv_budget"] = kv_budget

@@ -11,8 +11,8 @@ from linearize import pipeline
 from linearize import probe as P
 from linearize import recipe as R
 from linearize.errors import LinearizeError, SelectionError
-from linearize.select import (FULL, check_select, choose_softmax_layers, parse_kv_budget, softmax_count_for_budget,
-                              softmax_count_from_ratio)
+from linearize.select import (FULL, check_select, choose_softmax_layers, parse_kv_budget, selection_boundary,
+                              softmax_count_for_budget, softmax_count_from_ratio)
 
 
 @pytest.fixture(autouse=True)
@@ -100,6 +100,11 @@ def test_combine_scores_and_choice():
     assert P.combine_scores({"mse": [1.0, float("nan")]}, {"mse": 1.0}) == pytest.approx([1 / 3, 2 / 3])
     assert choose_softmax_layers([0.1, 0.5, 0.2, 0.5], 2) == [1, 3]
     assert choose_softmax_layers([0.3, 0.3, 0.3], 1) == [0]  # ties: the lower index
+    edge = selection_boundary([0.1, 0.5, 0.2, 0.5], 2)  # keeps 1, 3; the best dropped is 2
+    assert (edge["kept"], edge["dropped"], edge["relative_margin"], edge["close_call"]) == (3, 2, 0.6, False)
+    edge = selection_boundary([0.30, 0.29, 0.1], 1)  # 3.3% apart
+    assert (edge["kept"], edge["dropped"], edge["close_call"]) == (0, 1, True)
+    assert selection_boundary([0.3, 0.2], 0) is None and selection_boundary([0.3, 0.2], 2) is None
     with pytest.raises(SelectionError, match="all 0"):
         P.score_weights(R.load("lolcats", {"select.mse_weight": 0, "select.loss_weight": 0,
                                            "select.retrieval_weight": 0, "select.attention_weight": 0}))
@@ -234,9 +239,14 @@ def test_convert_select_auto_cli(ws, tmp_path, monkeypatch):
     assert sel["probe_tokens"] == 128 and report["distill"]["tokens"] == 1280 - 128
     assert sel["total_tokens"] == 128 + report["distill"]["tokens"] + report["finetune"]["tokens"] == 2560
     assert sel["probe_share_of_total_tokens"] == 0.05 and sel["probe_initialized_layers"] == 2
+    edge = sel["boundary"]  # the lowest kept layer against the highest dropped one
+    scores = {r["layer"]: r["score"] for r in sel["scores"]}
+    assert edge["kept"] in kept and edge["dropped"] not in kept and edge["kept_score"] == min(scores[i] for i in kept)
+    assert edge["dropped_score"] == max(v for i, v in scores.items() if i not in kept)
+    assert ("select: close call" in res.stdout) == edge["close_call"]
     for doc in ("README.md", "report.md"):
         text = (tmp_path / "A" / doc).read_text()
-        assert "Layer scores (`--select auto`)" in text and "| 3 |" in text, doc
+        assert "Layer scores (`--select auto`)" in text and "| 3 |" in text and "Boundary: layer" in text, doc
 
     # the same inputs again, the count now from a KV budget (fp32 on CPU: 2 softmax layers fit exactly)
     budget = 2 * 262_144 + 2 * (2_176 + 3_072)
