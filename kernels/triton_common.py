@@ -311,7 +311,7 @@ def segment_starts(x, y, heads, init, nseg, seg_chunks, BT, *, reverse=False, a=
     fp32, or ``(None, None)`` for one segment and no ``init``; ``init = (S, z or None)``. ``seg_off``
     shifts the summed chunks one segment boundary earlier (the window kernel's state lags one chunk).
     Each summing program holds a ``[64, 64]`` state tile, so at K = V = 128 ``x`` and ``y`` are read twice each
-    (``[128, 128]`` tiles, tried in the fourth session, gave wrong gradients on an H200 and were removed)."""
+    (``[128, 128]`` tiles, which would read them once, gave wrong gradients on an H200)."""
     f32 = torch.float32
     S0, z0 = init if init is not None else (None, None)
     if nseg == 1:
