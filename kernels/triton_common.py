@@ -100,13 +100,14 @@ def plan_segments(cfg: dict, N: int, progs: int, device: torch.device) -> tuple[
     return triton.cdiv(N, seg_chunks), seg_chunks
 
 
-def fwd_blocks(cfg: dict, BK: int, V: int, dtype: torch.dtype):
-    """(BV, num_stages) of a forward kernel: fp32 tiles are twice as large, wide K needs a narrower BV."""
-    BV = min(cfg["fwd_bv"], pow2(V), max(16, 16384 // BK))
+def fwd_blocks(cfg: dict, BK: int, V: int, dtype: torch.dtype, fused: bool = False):
+    """(BV, num_stages, num_warps) of a forward kernel: fp32 tiles are twice as large, wide K needs a narrower BV.
+    ``fused`` (Hedgehog features computed in the kernel, more live tiles): ``fused_bv`` / ``fused_warps``."""
+    BV = min(cfg["fused_bv" if fused else "fwd_bv"], pow2(V), max(16, 16384 // BK))
     stages = cfg["fwd_stages"]
     if dtype == torch.float32:
         BV, stages = min(BV, 64), min(stages, 2)
-    return BV, stages
+    return BV, stages, cfg["fused_warps" if fused else "fwd_warps"]
 
 
 _NEG_INF = tl.constexpr(float("-inf"))

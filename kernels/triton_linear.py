@@ -287,6 +287,10 @@ CONFIG = {  # picked by linearize.bench.tune_kernels on an H200 (triton 3.6), se
     "scan_warps": 4,
     # warps of the forward's segment sums (long T, small batch; [64, 64] state tiles per program)
     "seg_warps": 4,
+    # forwards that compute Hedgehog features in the kernel hold more live tiles: their own value block and
+    # warps (the window's took 4.3x the unfused time with the fwd_* ones on an H200; swept by --tune)
+    "fused_bv": 128,
+    "fused_warps": 8,
     # backward state scans: cut into segments below this many programs per SM (0 = never: not yet measured
     # on a GPU), then aim for scan_waves programs per SM
     "scan_split_below_waves": 0.0,
@@ -304,7 +308,7 @@ def _fwd(q, k, v, S0, z0, normalize, eps, want_final, store_den, wqx=None, wkx=N
     dev = q.device
     BT = CONFIG["fwd_bt"] if q.dtype != torch.float32 else 64  # fp32 tiles stay small (FMA dots)
     BK = pow2(K)
-    BV, stages = fwd_blocks(CONFIG, BK, V, q.dtype)
+    BV, stages, warps = fwd_blocks(CONFIG, BK, V, q.dtype, fused=wqx is not None)
     NVB = triton.cdiv(V, BV)
     N = triton.cdiv(T, BT)
     progs = B * H * NVB
@@ -332,7 +336,7 @@ def _fwd(q, k, v, S0, z0, normalize, eps, want_final, store_den, wqx=None, wkx=N
         STORE_FINAL=want_final, STORE_DEN=den is not None, NORM_MMA=CONFIG["fwd_norm_mma"],
         SPLIT=q.dtype != torch.float32, PREC=prec(q.dtype),
         D=D, BD=pow2(D), FUSE_Q=wqx is not None, FUSE_K=fuse_k,
-        num_warps=CONFIG["fwd_warps"], num_stages=stages,
+        num_warps=warps, num_stages=stages,
     )
     return o, den, fin_S, fin_z
 

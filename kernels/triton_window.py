@@ -332,6 +332,10 @@ CONFIG = {  # picked by linearize.bench.tune_kernels on an H200 (triton 3.6), se
     "scan_warps": 4,
     # warps of the forward's segment sums (long T, small batch; [64, 64] state tiles per program)
     "seg_warps": 4,
+    # forwards that compute Hedgehog features in the kernel hold more live tiles: their own value block and
+    # warps (the window's took 4.3x the unfused time with the fwd_* ones on an H200; swept by --tune)
+    "fused_bv": 128,
+    "fused_warps": 8,
     "scan_split_below_waves": 0.0,  # as in triton_linear.CONFIG (not yet measured on a GPU)
     "scan_waves": 8.0,
 }
@@ -358,7 +362,7 @@ def _fwd(q, k, fq, fk, v, wf, W, scale, eps, S0, z0, store_stats, wqx=None, wkx=
     dev = q.device
     BT = _chunk_for(W)
     BD, BK = pow2(D), pow2(K)
-    BV, stages = fwd_blocks(CONFIG, BK, V, q.dtype)
+    BV, stages, warps = fwd_blocks(CONFIG, BK, V, q.dtype, fused=wqx is not None)
     NVB = triton.cdiv(V, BV)
     N = triton.cdiv(T, BT)
     progs = B * H * NVB
@@ -383,7 +387,7 @@ def _fwd(q, k, fq, fk, v, wf, W, scale, eps, S0, z0, store_stats, wqx=None, wkx=
         D=D, K=K, V=V, BD=BD, BK=BK, BV=BV, BT=BT, HAS_LIN_CUR=W < BT, HAS_SEG=seg_S is not None,
         STORE_STATS=store_stats, NORM_MMA=CONFIG["fwd_norm_mma"], SPLIT=q.dtype != torch.float32,
         PREC=prec(q.dtype), FUSE_Q=fq is None, FUSE_K=fk is None, CARRY=CONFIG["win_carry"],
-        num_warps=CONFIG["fwd_warps"], num_stages=stages,
+        num_warps=warps, num_stages=stages,
     )
     return o, ms, den
 

@@ -186,7 +186,8 @@ def sweep_configs(config: dict, grid: dict, run: Callable, cases: dict, referenc
 def tune_kernels(heads: int = 32, dim: int = 128, progress: Optional[Callable[[str], None]] = None) -> dict:
     """Time a small grid of launch configurations; set and return the best per kernel family. A configuration
     whose output or gradients differ from the defaults' by more than ``TUNE_TOLERANCE`` is never kept."""
-    from linearize.kernels import linear_attention, tuning, window_linear_attention
+    from linearize.kernels import (linear_attention, linear_attention_hedgehog, tuning, window_linear_attention,
+                                   window_linear_attention_hedgehog)
     from linearize.kernels import triton_linear as tlin
     from linearize.kernels import triton_window as twin
 
@@ -233,8 +234,21 @@ def tune_kernels(heads: int = 32, dim: int = 128, progress: Optional[Callable[[s
         o = window_linear_attention(qr, kr, q, k, v, wf, window=64)[0]
         return torch.autograd.grad(o, (q, k, v), do)
 
+    # Hedgehog features computed inside the forward (inference; 2f = dim features from raw q, k)
+    wq, wk = (0.1 * torch.randn(heads, dim, dim // 2, device=dev, dtype=bf) for _ in range(2))
+
+    def lin_fused_fwd(q, k, v, qr, kr, do):
+        with torch.no_grad():
+            return linear_attention_hedgehog(qr, kr, v, wq, wk)[:1]
+
+    def win_fused_fwd(q, k, v, qr, kr, do):
+        with torch.no_grad():
+            return window_linear_attention_hedgehog(qr, kr, v, wf, wq, wk, window=64)[:1]
+
+    families = (("lin_fwd", lin_fwd), ("lin_fb", lin_fb), ("win_fwd", win_fwd), ("win_fb", win_fb),
+                ("lin_fused_fwd", lin_fused_fwd), ("win_fused_fwd", win_fused_fwd))
     reference, baseline = {}, {}  # per family and case: the defaults' results and milliseconds
-    for name, fn in (("lin_fwd", lin_fwd), ("lin_fb", lin_fb), ("win_fwd", win_fwd), ("win_fb", win_fb)):
+    for name, fn in families:
         reference[name] = {key: [x.detach().clone() for x in fn(*args)] for key, args in data.items()}
         baseline[name] = {key: timer(lambda: fn(*args)) for key, args in data.items()}
     sweep("lin_fwd", tlin, {"fwd_norm_mma": [False, True], "fwd_bt": [64, 128]}, lin_fwd)
@@ -248,6 +262,9 @@ def tune_kernels(heads: int = 32, dim: int = 128, progress: Optional[Callable[[s
     # the chunk also sets the backward's: the training cost (fwd+bwd) decides it last
     sweep("win_fb", twin, {"win_bt": [64, 128], "bwd_warps": [4, 8]}, win_fb)
     sweep("win_fb", twin, {"scan_split_below_waves": [2.0, 8.0], "scan_waves": [8.0]}, win_fb)
+    fused = {"fused_bv": [32, 64, 128], "fused_warps": [4, 8, 16]}
+    sweep("lin_fused_fwd", tlin, fused, lin_fused_fwd)
+    sweep("win_fused_fwd", twin, fused, win_fused_fwd)
     path = tuning.save(torch.cuda.get_device_name(dev))
     say(f"tuned: linear {tlin.CONFIG} window {twin.CONFIG}; saved to {path} (used by later runs on this GPU)")
     return {"linear": dict(tlin.CONFIG), "window": dict(twin.CONFIG), "saved": str(path)}

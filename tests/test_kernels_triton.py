@@ -431,3 +431,27 @@ def test_linear_hedgehog_fused_forward_segmented_and_with_gradients(monkeypatch)
     assert rel_err(o, ro) <= 1e-5
     for a, b in zip(leaves, ref):
         assert rel_err(a.grad, b.grad) <= 1e-4
+
+
+@pytest.mark.parametrize("kind", ["window", "linear"])
+def test_fused_hedgehog_launch_with_its_own_value_block(kind, monkeypatch):
+    """CONFIG fused_bv / fused_warps (swept by --tune for the fused forwards): a value block narrower than V
+    makes several programs per head, each computing the features itself; the result is the reference's."""
+    from linearize.kernels import triton_linear, triton_window
+
+    mod = triton_window if kind == "window" else triton_linear
+    monkeypatch.setitem(mod.CONFIG, "fused_bv", 16)
+    monkeypatch.setitem(mod.CONFIG, "fused_warps", 2)
+    q, k, v, wf, wq, wk, init = _hedgehog_case(2, 130, 4, 2, 32, 16, 32, 16, torch.float32, state=True)
+    with torch.no_grad():
+        if kind == "window":
+            _, (ro, (rS, _)) = _hedgehog_expected(q, k, v, wf, wq, wk, init, 16)
+            o, (S, _) = window_linear_attention_hedgehog(q, k, v, wf, wq, wk, window=16, initial_state=init,
+                                                         output_final_state=True, backend="triton")
+        else:
+            fq, fk = (hedgehog_features(x.double(), w.double()) for x, w in ((q, wq), (k, wk)))
+            ro, (rS, _) = linear_attention_reference(fq, fk, v.double(), initial_state=tuple(x.double() for x in init),
+                                                     output_final_state=True)
+            o, (S, _) = linear_attention_hedgehog(q, k, v, wq, wk, initial_state=init, output_final_state=True,
+                                                  backend="triton")
+    assert rel_err(o, ro) <= 1e-5 and rel_err(S, rS) <= 1e-5
