@@ -252,12 +252,12 @@ def tune_kernels(heads: int = 32, dim: int = 128, progress: Optional[Callable[[s
         reference[name] = {key: [x.detach().clone() for x in fn(*args)] for key, args in data.items()}
         baseline[name] = {key: timer(lambda: fn(*args)) for key, args in data.items()}
     sweep("lin_fwd", tlin, {"fwd_norm_mma": [False, True], "fwd_bt": [64, 128]}, lin_fwd)
-    sweep("lin_fwd", tlin, {"split_below_waves": [0.5, 2.0], "fwd_waves": [2.0, 4.0, 8.0]}, lin_fwd)
+    sweep("lin_fwd", tlin, {"split_below_waves": [0.5, 2.0], "fwd_waves": [2.0, 4.0, 8.0, 16.0]}, lin_fwd)
     sweep("lin_fwd", tlin, {"seg_warps": [4, 8]}, lin_fwd)
     sweep("lin_fb", tlin, {"bwd_bk": [64, 128], "bwd_warps": [4, 8], "bwd_bt": [64, 128]}, lin_fb)
     sweep("lin_fb", tlin, {"scan_split_below_waves": [2.0, 8.0], "scan_waves": [4.0, 8.0, 16.0]}, lin_fb)
     sweep("win_fwd", twin, {"fwd_norm_mma": [False, True], "win_bt": [64, 128], "win_carry": [False, True]}, win_fwd)
-    sweep("win_fwd", twin, {"split_below_waves": [0.5, 2.0], "fwd_waves": [2.0, 4.0, 8.0]}, win_fwd)
+    sweep("win_fwd", twin, {"split_below_waves": [0.5, 2.0], "fwd_waves": [2.0, 4.0, 8.0, 16.0]}, win_fwd)
     sweep("win_fwd", twin, {"seg_warps": [4, 8]}, win_fwd)
     # the chunk also sets the backward's: the training cost (fwd+bwd) decides it last
     sweep("win_fb", twin, {"win_bt": [64, 128], "bwd_warps": [4, 8]}, win_fb)
