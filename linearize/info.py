@@ -46,8 +46,8 @@ def model_info(spec: str) -> dict[str, Any]:
 
 
 def conversion_quality(path) -> dict[str, Any]:
-    """From a hybrid's ``report.json``: held-out perplexity vs the teacher (stage 2) and the recall check
-    (copy task, teacher vs hybrid); empty for other directories or untrained hybrids."""
+    """From a hybrid's ``report.json``: held-out perplexity vs the teacher (stage 2), the recall check (copy task,
+    teacher vs hybrid) and ``--select auto``'s boundary; empty for other directories or untrained hybrids."""
     import json
     from pathlib import Path
 
@@ -63,6 +63,9 @@ def conversion_quality(path) -> dict[str, Any]:
     rc = stages.get("recall") or {}
     if "hybrid" in rc:
         out["copy"] = {k: rc[k] for k in ("hybrid", "teacher", "length", "samples")}
+    sel = stages.get("select") or {}
+    if sel.get("boundary"):  # --select auto: how clear the choice was
+        out["select"] = {"softmax_layers": sel["softmax_layers"], "boundary": sel["boundary"]}
     return out
 
 

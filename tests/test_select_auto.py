@@ -244,6 +244,9 @@ def test_convert_select_auto_cli(ws, tmp_path, monkeypatch):
     assert edge["kept"] in kept and edge["dropped"] not in kept and edge["kept_score"] == min(scores[i] for i in kept)
     assert edge["dropped_score"] == max(v for i, v in scores.items() if i not in kept)
     assert ("select: close call" in res.stdout) == edge["close_call"]
+    info = run_cli("info", str(tmp_path / "A"))
+    flat = " ".join(info.stdout.split())  # rich wraps long lines
+    assert info.returncode == 0 and f"boundary: layer {edge['kept']} kept" in flat, info.stdout[-2000:]
     for doc in ("README.md", "report.md"):
         text = (tmp_path / "A" / doc).read_text()
         assert "Layer scores (`--select auto`)" in text and "| 3 |" in text and "Boundary: layer" in text, doc
