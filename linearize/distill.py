@@ -29,7 +29,7 @@ import torch
 from . import distributed as dist
 from .data import heldout_sequences, num_batches, packed_batches, parse_tokens
 from .errors import TrainingError, TrainingInterrupted  # noqa: F401 - re-exported for callers
-from .guards import LossGuard
+from .guards import LossGuard, whole_step
 
 
 def trainable_parameters(model) -> list[torch.nn.Parameter]:
@@ -207,9 +207,10 @@ def distill(model, tokenizer, recipe, *, state_dir: Path | None = None, resume: 
                 if sharded:
                     average_gradients(master)  # what DDP does, once per optimizer step
                 torch.nn.utils.clip_grad_norm_(master, 1.0)
-                opt.step()
-                sched.step()
-                run["step"] += 1
+                with whole_step():  # Ctrl-C waits for the update and the step counter
+                    opt.step()
+                    sched.step()
+                    run["step"] += 1
                 per_layer = per_layer / accum
                 worst = int(per_layer.argmax())
                 rate = run["tokens_this_run"] / max(1e-9, time.time() - t_train)

@@ -367,7 +367,7 @@ def finetune(model, tokenizer, recipe, *, state_dir: Path | None = None, resume:
 
         from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-        from .guards import LossGuard
+        from .guards import LossGuard, whole_step
 
         guard = LossGuard("finetune", cfg, ckpt=ckpt, dtype=next(model.parameters()).dtype)
         bar = Progress(TextColumn("finetune"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
@@ -405,11 +405,12 @@ def finetune(model, tokenizer, recipe, *, state_dir: Path | None = None, resume:
                     raise TrainingError(f"finetune: non-finite gradient at step {run['step']}; the last good "
                                         f"checkpoint is kept ({ckpt or 'none'}); try a lower finetune.lr")
                 lr = sched.get_last_lr()[0]
-                opt.step()
-                sched.step()
-                run["step"] += 1
-                run["rng"] = _rng_state(device)  # a step boundary: what a resumed run starts from
-                run["history"] = (run["history"] + [{"step": run["step"], "loss": step_loss, "lr": lr}])[-200:]
+                with whole_step():  # Ctrl-C waits for the update and what the saved state records
+                    opt.step()
+                    sched.step()
+                    run["step"] += 1
+                    run["rng"] = _rng_state(device)  # a step boundary: what a resumed run starts from
+                    run["history"] = (run["history"] + [{"step": run["step"], "loss": step_loss, "lr": lr}])[-200:]
                 rate = run["tokens_this_run"] / max(1e-9, time.time() - t_train)
                 bar.update(task, completed=run["step"],
                            info=f"{loss_kind} {step_loss:.4f}  lr {lr:.2e}  {rate:,.0f} tok/s")

@@ -25,6 +25,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import signal
+import threading
 import traceback
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -276,6 +278,27 @@ class LossGuard:
         if isinstance(seq, int) and seq >= 32:
             return f"shorter sequences: --set {s}.seq_len={seq // 2}"
         return "--dtype bfloat16 or on a machine with more memory"
+
+
+@contextlib.contextmanager
+def whole_step() -> Iterator[None]:
+    """Hold Ctrl-C (SIGINT) until the block ends, then raise it: wrapped around an optimizer step and the
+    bookkeeping that the resumable state records (step counter, scheduler, RNG), so an interrupt saves either
+    the step before or the step after, never a half-applied one. Outside the main thread it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[tuple[int, Any]] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append((signum, frame)))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if held:
+        if callable(previous):
+            previous(*held[0])  # Python's default handler raises KeyboardInterrupt
+        elif previous != signal.SIG_IGN:
+            raise KeyboardInterrupt
 
 
 def _at_step_boundary(optimizer: torch.optim.Optimizer | None, step: int) -> bool:

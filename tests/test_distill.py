@@ -138,3 +138,37 @@ def test_hedgehog_xent_term(corpus, monkeypatch, tmp_path):
         assert torch.allclose(b - a, m.distill_xent)
         (b).backward(retain_graph=True)
     assert hybrid.linear_modules()[0].feature_map_q.weight.grad is not None
+
+
+def test_ctrl_c_during_the_optimizer_step_saves_a_whole_step(corpus, monkeypatch, tmp_path):
+    """Ctrl-C that lands right after the parameters were updated but before the step was counted: the step is
+    completed first (guards.whole_step), so the saved state is consistent and resuming matches."""
+    import os
+    import signal
+
+    monkeypatch.setenv("LINEARIZE_CACHE", str(tmp_path / "cache"))
+    tok = _tokenizer()
+    rec = _recipe(corpus, checkpoint_every=100)
+    a = _hybrid()
+    D.distill(a, tok, rec, progress=False, log=lambda m: None)
+
+    real_step = torch.optim.AdamW.step
+    calls = {"n": 0}
+
+    def step_then_ctrl_c(self, *args, **kwargs):
+        out = real_step(self, *args, **kwargs)
+        calls["n"] += 1
+        if calls["n"] == 5:
+            os.kill(os.getpid(), signal.SIGINT)  # delivered while the loop still has bookkeeping to do
+        return out
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step_then_ctrl_c)
+    with pytest.raises(D.TrainingInterrupted, match="interrupted at step 5/8"):
+        D.distill(_hybrid(), tok, rec, state_dir=tmp_path / "b", progress=False, log=lambda m: None)
+    monkeypatch.setattr(torch.optim.AdamW, "step", real_step)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    c = _hybrid()
+    rep = D.distill(c, tok, rec, state_dir=tmp_path / "b", resume=True, progress=False, log=lambda m: None)
+    assert rep["steps"] == 8
+    for pa, pc in zip(a.state_dict().values(), c.state_dict().values()):
+        assert torch.allclose(pa, pc, atol=1e-6)
