@@ -113,6 +113,12 @@ def fwd_blocks(cfg: dict, BK: int, V: int, dtype: torch.dtype, fused: bool = Fal
 _NEG_INF = tl.constexpr(float("-inf"))
 
 
+def signed_projections(weight_q: torch.Tensor, weight_k: torch.Tensor, dtype: torch.dtype):
+    """``([Wq, -Wq], [Wk, -Wk])`` (``[H, D, 2f]``, ``[Hk, D, 2f]``) in ``dtype``: the weights
+    :func:`hedgehog_tile` reads, one product giving both halves of the Hedgehog features."""
+    return tuple(torch.cat([w, -w], -1).to(dtype).contiguous() for w in (weight_q, weight_k))
+
+
 @triton.jit
 def hedgehog_tile(x, W, wrow, od, ok, md, mk, D: tl.constexpr, K: tl.constexpr, F: tl.constexpr, feps,
                   PREC: tl.constexpr):

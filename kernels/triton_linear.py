@@ -35,6 +35,7 @@ from .triton_common import (
     row_stats,
     segment_starts,
     segment_sum_launch,
+    signed_projections,
 )
 from .tuning import ensure_applied
 
@@ -458,8 +459,7 @@ def linear_attention_hedgehog_triton(
     ensure_applied(q.device)
     dt = q.dtype
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    wqx = torch.cat([weight_q, -weight_q], -1).to(dt).contiguous()  # [H, D, 2f]
-    wkx = torch.cat([weight_k, -weight_k], -1).to(dt).contiguous()  # [Hk, D, 2f]
+    wqx, wkx = signed_projections(weight_q, weight_k, dt)  # [H, D, 2f], [Hk, D, 2f]
 
     def make_fk():  # a segmented launch: as HedgehogFeatureMap (fp32 features, rounded to the inputs' dtype)
         return hedgehog_features(k.float(), weight_k.float(), feature_eps).to(dt).contiguous()

@@ -34,6 +34,7 @@ from .triton_common import (
     row_stats,
     segment_starts,
     segment_sum_launch,
+    signed_projections,
 )
 from .tuning import ensure_applied
 
@@ -536,8 +537,7 @@ def window_linear_attention_hedgehog_triton(
     if scale is None:
         scale = q.shape[-1] ** -0.5
     q, k, v = (x.contiguous() for x in (q, k, v))
-    wqx = torch.cat([weight_q, -weight_q], -1).to(dt).contiguous()  # [H, D, 2f]
-    wkx = torch.cat([weight_k, -weight_k], -1).to(dt).contiguous()  # [Hk, D, 2f]
+    wqx, wkx = signed_projections(weight_q, weight_k, dt)  # [H, D, 2f], [Hk, D, 2f]
     fk = fk.contiguous() if fk is not None else None
     wf = window_factor.float().contiguous()
     S0 = z0 = None
