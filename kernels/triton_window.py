@@ -67,11 +67,9 @@ def _win_fwd_kernel(
     T, H, HK, NSEG, SEG_CHUNKS, W, scale, eps, feps,
     D: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-    HAS_LIN_CUR: tl.constexpr, HAS_SEG: tl.constexpr, STORE_STATS: tl.constexpr, NORM_MMA: tl.constexpr,
-    SPLIT: tl.constexpr, PREC: tl.constexpr, FUSE_Q: tl.constexpr, FUSE_K: tl.constexpr, CARRY: tl.constexpr,
+    HAS_LIN_CUR: tl.constexpr, HAS_SEG: tl.constexpr, STORE_STATS: tl.constexpr,
+    PREC: tl.constexpr, FUSE_Q: tl.constexpr, FUSE_K: tl.constexpr,
 ):
-    # NORM_MMA: the denominator's row sums, fq.z and the z update as tensor-core products against a
-    # [BT, 16] block of ones, z carried as a [BK, 16] block of equal columns (as in the linear kernel)
     pv = tl.program_id(0)
     pbh = tl.program_id(1)
     ps = tl.program_id(2)
@@ -96,12 +94,6 @@ def _win_fwd_kernel(
     ar = tl.arange(0, BT)
     diff_c = ar[:, None] - ar[None, :]  # i - j inside the chunk
     diff_p = diff_c + BT  # i - j against the previous chunk
-    if NORM_MMA:
-        Z16 = tl.zeros([BK, 16], dtype=tl.float32) + z[:, None]  # [BK, 16], every column = z
-        ones = tl.full([BT, 16], 1.0, dtype=Vp.dtype.element_ty)
-    if CARRY:  # the previous chunk's k, fk, v tiles are carried from one iteration to the next
-        kp, fkp, vp = _win_prev_tiles(Kr, FK, Vp, WKX, b, hk, c0 * BT - BT + ar, T, HK, od, ok, ov, md, mk, mv,
-                                      D, K, V, feps, FUSE_K, PREC)
     for i in range(c0, c1):
         ot = i * BT + ar
         mt = ot < T
@@ -115,9 +107,8 @@ def _win_fwd_kernel(
         else:
             fq = tl.load(FQ + qrow[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
         kc = tl.load(Kr + krow[:, None] * D + od[None, :], mask=mt[:, None] & md[None, :], other=0.0)
-        if not CARRY:
-            kp, fkp, vp = _win_prev_tiles(Kr, FK, Vp, WKX, b, hk, otp, T, HK, od, ok, ov, md, mk, mv,
-                                          D, K, V, feps, FUSE_K, PREC)
+        kp, fkp, vp = _win_prev_tiles(Kr, FK, Vp, WKX, b, hk, otp, T, HK, od, ok, ov, md, mk, mv,
+                                      D, K, V, feps, FUSE_K, PREC)
         vc = tl.load(Vp + krow[:, None] * V + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
         s_c = mm(q, tl.trans(kc), PREC) * scale
         s_p = mm(q, tl.trans(kp), PREC) * scale
@@ -131,28 +122,20 @@ def _win_fwd_kernel(
         P_c = tl.where(win_c, w * tl.exp(s_c - m[:, None]), 0.0)
         a_p = mm(fq, tl.trans(fkp), PREC)
         P_p = tl.where(win_p, w * tl.exp(s_p - m[:, None]), tl.where(lin_p, c[:, None] * a_p, 0.0))
-        if HAS_LIN_CUR or CARRY:
-            if FUSE_K:  # rows past T: zero features (they only meet queries past T here, but are carried)
+        if HAS_LIN_CUR:
+            if FUSE_K:  # rows past T: zero features (they only meet queries past T here)
                 fkc = hedgehog_tile(kc, WKX, hk, od, ok, md, mk, D, K, K // 2, feps, PREC)
                 fkc = tl.where(mt[:, None], fkc, 0.0).to(kc.dtype)
             else:
                 fkc = tl.load(FK + krow[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
-        if HAS_LIN_CUR:
             a_c = mm(fq, tl.trans(fkc), PREC)
             P_c += tl.where(diff_c >= W, c[:, None] * a_c, 0.0)
         P_c = P_c.to(vc.dtype)  # rounded once: numerator and normaliser agree
         P_p = P_p.to(vp.dtype)
         num = mm(P_c, vc, PREC) + mm(P_p, vp, PREC)
         num += c[:, None] * mm(fq, S.to(fq.dtype), PREC)
-        if NORM_MMA:
-            Z_hi = Z16.to(fq.dtype)
-            fz16 = mm(fq, Z_hi, PREC)  # [BT, 16], every column = fq.z
-            if SPLIT:
-                fz16 += mm(fq, (Z16 - Z_hi.to(tl.float32)).to(fq.dtype), PREC)
-            den = tl.max(mm(P_c, ones, PREC) + mm(P_p, ones, PREC), 1) + c * tl.max(fz16, 1) + eps * em
-        else:
-            den = (tl.sum(P_c.to(tl.float32), 1) + tl.sum(P_p.to(tl.float32), 1)
-                   + c * tl.sum(fq.to(tl.float32) * z[None, :], 1) + eps * em)
+        den = (tl.sum(P_c.to(tl.float32), 1) + tl.sum(P_p.to(tl.float32), 1)
+               + c * tl.sum(fq.to(tl.float32) * z[None, :], 1) + eps * em)
         o = num / den[:, None]
         tl.store(O + qrow[:, None] * V + ov[None, :], o.to(O.dtype.element_ty), mask=mt[:, None] & mv[None, :])
         if STORE_STATS:
@@ -161,12 +144,7 @@ def _win_fwd_kernel(
                 tl.store(DEN + qrow, den, mask=mt)
         # lagged state: add the previous chunk (its tokens are older than every window of chunk i+1)
         S += mm(tl.trans(fkp), vp, PREC)
-        if NORM_MMA:
-            Z16 += mm(tl.trans(fkp), ones.to(fkp.dtype), PREC)
-        else:
-            z += tl.sum(fkp.to(tl.float32), 0)
-        if CARRY:
-            kp, fkp, vp = kc, fkc, vc
+        z += tl.sum(fkp.to(tl.float32), 0)
 
 
 @triton.jit
@@ -325,10 +303,6 @@ CONFIG = {  # picked by linearize.bench.tune_kernels on an H200 (triton 3.6), se
     "fwd_stages": 2,
     "split_below_waves": 0.5,
     "fwd_waves": 4.0,
-    "fwd_norm_mma": False,  # as in triton_linear.CONFIG (not yet measured on a GPU)
-    # carry the previous chunk's k, fk, v tiles across iterations instead of re-reading them (not yet timed)
-    "win_carry": False,
-    "win_bt": 64,  # chunk for W <= 64 (64, or 128 with the linear part inside the chunk; 128 not yet timed)
     "bwd_warps": 4,
     "scan_warps": 4,
     # warps of the forward's segment sums (long T, small batch; [64, 64] state tiles per program)
@@ -343,9 +317,9 @@ CONFIG = {  # picked by linearize.bench.tune_kernels on an H200 (triton 3.6), se
 
 
 def _chunk_for(window: int) -> Optional[int]:
-    """The chunk for window ``W``: ``CONFIG["win_bt"]`` (64 or 128) when ``W`` fits it, 128 up to 128, else None."""
+    """The chunk for window ``W``: 64 when ``W`` fits it, 128 up to 128, else None (the chunked PyTorch path)."""
     if window <= 64:
-        return CONFIG["win_bt"]
+        return 64
     if window <= 128:
         return 128
     return None
@@ -386,8 +360,7 @@ def _fwd(q, k, fq, fk, v, wf, W, scale, eps, S0, z0, store_stats, wqx=None, wkx=
         wqx if wqx is not None else dummy, wkx if wkx is not None else dummy,
         T, H, HK, nseg, seg_chunks, W, scale, eps, feps,
         D=D, K=K, V=V, BD=BD, BK=BK, BV=BV, BT=BT, HAS_LIN_CUR=W < BT, HAS_SEG=seg_S is not None,
-        STORE_STATS=store_stats, NORM_MMA=CONFIG["fwd_norm_mma"], SPLIT=q.dtype != torch.float32,
-        PREC=prec(q.dtype), FUSE_Q=fq is None, FUSE_K=fk is None, CARRY=CONFIG["win_carry"],
+        STORE_STATS=store_stats, PREC=prec(q.dtype), FUSE_Q=fq is None, FUSE_K=fk is None,
         num_warps=warps, num_stages=stages,
     )
     return o, ms, den

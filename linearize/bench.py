@@ -149,6 +149,12 @@ def _check_accuracy(device: str) -> List[dict]:
 TUNE_TOLERANCE = 2e-2
 
 
+def _context_lost(e: Exception) -> bool:
+    """A CUDA error after which the process's context is unusable (an illegal address, a launch failure)."""
+    msg = str(e)
+    return "illegal memory access" in msg or "unspecified launch failure" in msg or "illegal instruction" in msg
+
+
 def sweep_configs(config: dict, grid: dict, run: Callable, cases: dict, reference: dict, baseline: dict,
                   timer: Callable[[Callable[[], object]], float], say: Callable[[str], None]) -> list:
     """Time ``run(*cases[key])`` under ``config`` updated by each combination of ``grid`` (and unchanged first);
@@ -177,20 +183,37 @@ def sweep_configs(config: dict, grid: dict, run: Callable, cases: dict, referenc
             say(f"{cfg}: {tot:.3f} ({', '.join(per)})")
         except Exception as e:  # a wrong result, or a compile failure (e.g. out of shared memory)
             say(f"{cfg}: failed {str(e)[:100]}")
+            if _context_lost(e):  # every later launch in this process would fail too
+                config.clear()
+                config.update(base)
+                from linearize.errors import DeviceError
+
+                raise DeviceError(f"launch configuration {cfg} crashed the GPU context ({str(e)[:80]}); "
+                                   "tuning stops here (what earlier sweeps found is saved)") from e
         config.clear()
         config.update(base)
     results.sort(key=lambda r: r[0])
     return results
 
 
-def tune_kernels(heads: int = 32, dim: int = 128, progress: Optional[Callable[[str], None]] = None) -> dict:
-    """Time a small grid of launch configurations; set and return the best per kernel family. A configuration
-    whose output or gradients differ from the defaults' by more than ``TUNE_TOLERANCE`` is never kept."""
+#: kernel families ``tune_kernels`` sweeps, in order: linear / window, forward / fwd+bwd, Hedgehog features fused
+TUNE_FAMILIES = ("lin_fwd", "lin_fb", "win_fwd", "win_fb", "lin_fused_fwd", "win_fused_fwd")
+
+
+def tune_kernels(heads: int = 32, dim: int = 128, progress: Optional[Callable[[str], None]] = None,
+                 families: Optional[Sequence[str]] = None) -> dict:
+    """Time a small grid of launch configurations; set and return the best per kernel family (``families``, a
+    subset of :data:`TUNE_FAMILIES`; default all). A configuration whose output or gradients differ from the
+    defaults' by more than ``TUNE_TOLERANCE`` is never kept."""
     from linearize.kernels import (linear_attention, linear_attention_hedgehog, tuning, window_linear_attention,
                                    window_linear_attention_hedgehog)
     from linearize.kernels import triton_linear as tlin
     from linearize.kernels import triton_window as twin
 
+    chosen = tuple(families or TUNE_FAMILIES)
+    unknown = sorted(set(chosen) - set(TUNE_FAMILIES))
+    if unknown:
+        raise ValueError(f"unknown kernel families {', '.join(unknown)} (known: {', '.join(TUNE_FAMILIES)})")
     say = progress or (lambda s: None)
     dev = torch.device("cuda")
     bf = torch.bfloat16
@@ -209,6 +232,8 @@ def tune_kernels(heads: int = 32, dim: int = 128, progress: Optional[Callable[[s
     timer = lambda fn: _bench(fn, 10, 40)  # noqa: E731
 
     def sweep(name, cfg_mod, grid, fn):
+        if name not in chosen:
+            return []
         results = sweep_configs(cfg_mod.CONFIG, grid, fn, data, reference[name], baseline[name], timer,
                                 lambda m: say(f"tune {name} {m}"))
         if results:
@@ -245,22 +270,22 @@ def tune_kernels(heads: int = 32, dim: int = 128, progress: Optional[Callable[[s
         with torch.no_grad():
             return window_linear_attention_hedgehog(qr, kr, v, wf, wq, wk, window=64)[:1]
 
-    families = (("lin_fwd", lin_fwd), ("lin_fb", lin_fb), ("win_fwd", win_fwd), ("win_fb", win_fb),
+    runners = (("lin_fwd", lin_fwd), ("lin_fb", lin_fb), ("win_fwd", win_fwd), ("win_fb", win_fb),
                 ("lin_fused_fwd", lin_fused_fwd), ("win_fused_fwd", win_fused_fwd))
     reference, baseline = {}, {}  # per family and case: the defaults' results and milliseconds
-    for name, fn in families:
+    for name, fn in runners:
+        if name not in chosen:
+            continue
         reference[name] = {key: [x.detach().clone() for x in fn(*args)] for key, args in data.items()}
         baseline[name] = {key: timer(lambda: fn(*args)) for key, args in data.items()}
-    sweep("lin_fwd", tlin, {"fwd_norm_mma": [False, True], "fwd_bt": [64, 128]}, lin_fwd)
+    sweep("lin_fwd", tlin, {"fwd_norm_mma": [False, True]}, lin_fwd)
     sweep("lin_fwd", tlin, {"split_below_waves": [0.5, 2.0], "fwd_waves": [2.0, 4.0, 8.0, 16.0]}, lin_fwd)
     sweep("lin_fwd", tlin, {"seg_warps": [4, 8]}, lin_fwd)
     sweep("lin_fb", tlin, {"bwd_bk": [64, 128], "bwd_warps": [4, 8], "bwd_bt": [64, 128]}, lin_fb)
     sweep("lin_fb", tlin, {"scan_split_below_waves": [2.0, 8.0], "scan_waves": [4.0, 8.0, 16.0]}, lin_fb)
-    sweep("win_fwd", twin, {"fwd_norm_mma": [False, True], "win_bt": [64, 128], "win_carry": [False, True]}, win_fwd)
     sweep("win_fwd", twin, {"split_below_waves": [0.5, 2.0], "fwd_waves": [2.0, 4.0, 8.0, 16.0]}, win_fwd)
     sweep("win_fwd", twin, {"seg_warps": [4, 8]}, win_fwd)
-    # the chunk also sets the backward's: the training cost (fwd+bwd) decides it last
-    sweep("win_fb", twin, {"win_bt": [64, 128], "bwd_warps": [4, 8]}, win_fb)
+    sweep("win_fb", twin, {"bwd_warps": [4, 8]}, win_fb)
     sweep("win_fb", twin, {"scan_split_below_waves": [2.0, 8.0], "scan_waves": [8.0]}, win_fb)
     fused = {"fused_bv": [32, 64, 128], "fused_warps": [4, 8, 16]}
     sweep("lin_fused_fwd", tlin, fused, lin_fused_fwd)

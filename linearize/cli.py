@@ -294,21 +294,26 @@ def bench_kernels_cmd(
     decode_batch: int = typer.Option(8, "--decode-batch", help="Batch of the decode-step rows."),
     check: str = typer.Option("full", "--check", help="Correctness check before timing: full | accuracy | none."),
     tune: bool = typer.Option(False, "--tune", help="Sweep launch configurations first."),
+    tune_only: Optional[str] = typer.Option(None, "--tune-only", help="Comma-separated kernel families to sweep (implies --tune): lin_fwd, lin_fb, win_fwd, win_fb, lin_fused_fwd, win_fused_fwd."),
     out: Optional[Path] = typer.Option(None, "-o", "--output", help="Write the rows as JSON here."),
 ):
     """Time our kernels against fla and SDPA on the GPU (median of triton.testing.do_bench)."""
     import torch
 
-    from .bench import bench_kernels, print_table, tune_kernels
+    from .bench import TUNE_FAMILIES, bench_kernels, print_table, tune_kernels
     from .evals.common import parse_lengths
 
-    if not torch.cuda.is_available():
-        fail("bench kernels needs a CUDA GPU (none is visible)")
     if check not in ("full", "accuracy", "none"):
         fail(f"--check {check!r}: expected full, accuracy or none")
+    families = [f.strip() for f in tune_only.split(",") if f.strip()] if tune_only else None
+    unknown = sorted(set(families or ()) - set(TUNE_FAMILIES))
+    if unknown:
+        fail(f"--tune-only {tune_only!r}: unknown families {', '.join(unknown)} (known: {', '.join(TUNE_FAMILIES)})")
+    if not torch.cuda.is_available():
+        fail("bench kernels needs a CUDA GPU (none is visible)")
     log = lambda m: err_console.print(m, highlight=False)  # noqa: E731
-    if tune:
-        tune_kernels(heads=heads, dim=dim, progress=log)
+    if tune or families:
+        tune_kernels(heads=heads, dim=dim, progress=log, families=families)
     rows = bench_kernels(out, lengths=parse_lengths(lengths), tokens=tokens, heads=heads, dim=dim, window=window,
                          hedgehog_dim=hedgehog_dim, decode_batch=decode_batch, check=check, progress=log)
     print_table(rows)

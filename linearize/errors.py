@@ -41,3 +41,9 @@ class ResourceError(LinearizeError):
     """Out of memory (GPU or host): the message names where and what to change."""
 
     exit_code = 3
+
+
+class DeviceError(LinearizeError):
+    """The GPU context died (an illegal address in a kernel): nothing more can run in this process."""
+
+    exit_code = 4

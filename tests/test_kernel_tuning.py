@@ -23,15 +23,15 @@ def iso(tmp_path, monkeypatch):
 
 def test_save_then_apply_on_the_same_gpu(iso):
     triton_linear.CONFIG["fwd_warps"] = 4
-    triton_window.CONFIG["win_bt"] = 128
+    triton_window.CONFIG["fwd_warps"] = 4
     path = tuning.save("NVIDIA Test GPU 80GB")
     assert path == iso / "kernels" / "nvidia-test-gpu-80gb.json"
     blob = json.loads(path.read_text())
     assert blob["gpu"] == "NVIDIA Test GPU 80GB" and blob["linear"]["fwd_warps"] == 4
     triton_linear.CONFIG["fwd_warps"] = 8  # back to a default in memory
-    triton_window.CONFIG["win_bt"] = 64
+    triton_window.CONFIG["fwd_warps"] = 8
     tuning.ensure_applied(torch.device("cuda", 0))
-    assert triton_linear.CONFIG["fwd_warps"] == 4 and triton_window.CONFIG["win_bt"] == 128
+    assert triton_linear.CONFIG["fwd_warps"] == 4 and triton_window.CONFIG["fwd_warps"] == 4
     assert tuning.applied_from() == str(path)
     triton_linear.CONFIG["fwd_warps"] = 2
     tuning.ensure_applied(torch.device("cuda", 0))  # once per process
@@ -110,3 +110,38 @@ def test_sweep_never_keeps_a_configuration_that_changes_the_result():
     assert out[0][0] == pytest.approx(0.5) and out[1][0] == pytest.approx(1.0)
     assert config == {"tile": 64, "warps": 4}
     assert sum("wrong result" in m for m in logs) == 2 and sum("out of shared memory" in m for m in logs) == 1
+
+
+def test_tune_only_names_the_known_families():
+    """A mistyped family ends in one line listing the known ones (checked before any GPU is needed)."""
+    from conftest import run_cli
+
+    from linearize.bench import TUNE_FAMILIES
+
+    r = run_cli("bench", "kernels", "--tune-only", "lin_fwd,win_bwd")
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    msg = r.stderr.strip().splitlines()
+    assert len(msg) == 1 and "win_bwd" in msg[0] and all(f in msg[0] for f in TUNE_FAMILIES)
+
+
+def test_sweep_stops_when_a_configuration_kills_the_gpu_context():
+    """After an illegal memory access every later launch fails too: the sweep stops with one clear error
+    (and the configuration is restored) instead of timing the rest as failures."""
+    from linearize.bench import sweep_configs
+
+    config = {"tile": 64}
+    x = torch.ones(4)
+    tried = []
+
+    def run(t):
+        tried.append(config["tile"])
+        if config["tile"] == 128:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return (t,)
+
+    from linearize.errors import DeviceError
+
+    with pytest.raises(DeviceError, match=r"\{.tile.: 128\} crashed the GPU context"):
+        sweep_configs(config, {"tile": [128, 256]}, run, {(1, 4): (x,)}, {(1, 4): [x]}, {(1, 4): 1.0},
+                      lambda fn: 1.0, lambda m: None)
+    assert config == {"tile": 64} and 256 not in tried
