@@ -268,6 +268,12 @@ def run_auto_select(model, tokenizer, rec, plan: dict[str, Any], *, log: Callabl
         log(f"select: close call: layer {edge['kept']} kept ({edge['kept_score']:.4f}), layer {edge['dropped']} not "
             f"({edge['dropped_score']:.4f}), {100 * edge['relative_margin']:.1f}% apart; recall can hinge on such a "
             f"pair: compare both with --softmax-layers")
+    if rec["select"]["swap_rounds"] > 0:
+        from .probe import swap_check
+
+        softmax, plan["swap_check"] = swap_check(model, tokenizer, rec, probe, softmax, scores, log=log)
+        if plan["swap_check"]["final_layers"] != plan["swap_check"]["start_layers"]:
+            log(f"select: after the swap check keeps softmax layers {','.join(map(str, softmax))}")
     return layout_from_softmax_layers(softmax, n), probe
 
 
@@ -285,7 +291,8 @@ def auto_report(hybrid, rec, plan: dict[str, Any], probe, *, train: bool, log: C
         initialized = apply_feature_maps(hybrid, probe.maps)
         log(f"probe: {len(initialized)} linear layers start from the probe's trained feature maps")
     return select_report(probe, rec, softmax, count_from=plan["count_from"], interleave=plan["interleave"],
-                         total_tokens=plan["total_tokens"], kv_budget=plan["kv_detail"], initialized=initialized)
+                         total_tokens=plan["total_tokens"], kv_budget=plan["kv_detail"], initialized=initialized,
+                         swap_check=plan.get("swap_check"))
 
 
 def split_tokens(tokens, distill_tokens, finetune_tokens, finetune: bool = True):

@@ -445,6 +445,72 @@ def _measure(model, tokenizer, recipe, probe_tokens: int, *, progress: bool, log
                        eval_tokens=int(eval_tokens), seconds=round(time.time() - t0, 1), maps=maps)
 
 
+#: a swap must lower the joint loss by more than this share to be kept (smaller differences are noise)
+MIN_SWAP_GAIN = 0.01
+
+
+def _softmax_only(hybrid, softmax) -> None:
+    """Layers in ``softmax`` run their original attention, every other layer linear attention."""
+    for m in hybrid.linear_modules():
+        m.mode = "softmax" if m.layer_idx in softmax else "linear"
+
+
+def swap_check(model, tokenizer, recipe, result: ProbeResult, softmax: list[int], scores: list[float], *,
+               log: Callable[[str], None] = print) -> tuple[list[int], dict[str, Any]]:
+    """Check the choice jointly on the probe's hybrid; ``(softmax layers, report)``.
+
+    The scores rate layers one at a time; whether two layers are needed together only shows when they run
+    together. Every layer of ``model`` is linearized with the probe's trained maps, the layers in the layout
+    run softmax, and the layout's joint loss is the held-out next-token loss plus the passkey answer loss
+    (nats/token each). Each of ``select.swap_rounds`` rounds tries every swap of one of the ``select.swap_pool``
+    lowest-scoring kept layers for one of the ``swap_pool`` highest-scoring dropped ones and keeps the best if
+    it lowers the joint loss by more than :data:`MIN_SWAP_GAIN`; a round without such a swap ends the check.
+    """
+    from .data import heldout_sequences
+
+    sel, d = recipe["select"], recipe["distill"]
+    n = len(scores)
+    heldout = heldout_sequences(tokenizer, d["data"], seq_len=d["seq_len"], n_seqs=d["eval_seqs"])
+    samples = retrieval_samples(tokenizer, recipe, getattr(model.config, "max_position_embeddings", None))
+    t0 = time.time()
+    seen: dict[frozenset, dict[str, float]] = {}
+    with all_linear(model, recipe) as hybrid:
+        apply_feature_maps(hybrid, result.maps)
+        hybrid.eval()
+
+        def joint(layout) -> float:
+            key = frozenset(layout)
+            if key not in seen:
+                _softmax_only(hybrid, key)
+                seen[key] = {"heldout_loss": _heldout_loss(hybrid, heldout),
+                             "retrieval_loss": _retrieval_loss(hybrid, samples)}
+            return seen[key]["heldout_loss"] + seen[key]["retrieval_loss"]
+
+        current = sorted(softmax)
+        start = best = joint(current)
+        rounds = []
+        for _ in range(sel["swap_rounds"]):
+            kept = sorted(current, key=lambda i: (scores[i], i))[: sel["swap_pool"]]
+            dropped = sorted(set(range(n)) - set(current), key=lambda i: (-scores[i], i))[: sel["swap_pool"]]
+            trials = sorted((joint(set(current) - {k} | {a}), k, a) for k in kept for a in dropped)
+            loss, k, a = trials[0]
+            gain = (best - loss) / best if best > 0 else 0.0
+            rounds.append({"drop": k, "add": a, "joint_loss": loss, "previous": best, "gain": gain,
+                           "kept": gain > MIN_SWAP_GAIN, "tried": len(trials)})
+            if gain <= MIN_SWAP_GAIN:
+                log(f"select: swap check: no swap lowers the joint loss {best:.4f} by more than "
+                    f"{100 * MIN_SWAP_GAIN:.0f}% (best: layer {a} for {k}, {loss:.4f})")
+                break
+            log(f"select: swap check: layer {a} for {k} lowers the joint loss {best:.4f} -> {loss:.4f} "
+                f"({100 * gain:.1f}%)")
+            current, best = sorted(set(current) - {k} | {a}), loss
+        hybrid.set_attention_mode("linear")
+    report = {"rounds": rounds, "start_layers": ",".join(map(str, sorted(softmax))),
+              "final_layers": ",".join(map(str, current)), "start_joint_loss": start, "final_joint_loss": best,
+              "layouts_evaluated": len(seen), "seconds": round(time.time() - t0, 1), "min_gain": MIN_SWAP_GAIN}
+    return current, report
+
+
 def run_probe(model, tokenizer, recipe, *, probe_tokens: int, use_cache: bool = True, progress: bool = True,
               log: Callable[[str], None] = print) -> ProbeResult:
     """Probe every layer of ``model`` (a loaded base causal LM, left as it was) or return the cached result."""
@@ -472,7 +538,8 @@ def run_probe(model, tokenizer, recipe, *, probe_tokens: int, use_cache: bool = 
 
 def select_report(result: ProbeResult, recipe, softmax: list[int], *, count_from: str,
                   interleave: list[int] | None = None, total_tokens: int | None = None,
-                  kv_budget: dict | None = None, initialized: list[int] | None = None) -> dict[str, Any]:
+                  kv_budget: dict | None = None, initialized: list[int] | None = None,
+                  swap_check: dict | None = None) -> dict[str, Any]:
     """The ``select`` stage report: scores, chosen layout and the probe's cost."""
     weights = score_weights(recipe)
     scores = result.scores(weights)
@@ -500,4 +567,6 @@ def select_report(result: ProbeResult, recipe, softmax: list[int], *, count_from
     }
     if kv_budget is not None:
         report["kv_budget"] = kv_budget
+    if swap_check is not None:
+        report["swap_check"] = swap_check
     return report

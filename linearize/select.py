@@ -248,4 +248,11 @@ def scores_markdown(report: dict) -> list[str]:
                       f"({b['dropped_score']:.4g}), {100 * b['relative_margin']:.1f}% apart"
                       + (" (a close call: another probe budget or seed may swap them)" if b["close_call"] else "")
                       + "."]
+    sw = report.get("swap_check")
+    if sw:
+        done = [r for r in sw["rounds"] if r["kept"]]
+        lines += ["", f"Swap check ({sw['layouts_evaluated']} layouts on the probe's hybrid, {sw['seconds']}s): "
+                      + ("; ".join(f"layer {r['add']} for {r['drop']} ({r['previous']:.4f} -> {r['joint_loss']:.4f})"
+                                   for r in done) or "no swap kept")
+                      + f"; softmax layers {sw['final_layers']} (scores alone: {sw['start_layers']})."]
     return lines + [""]

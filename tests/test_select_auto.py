@@ -310,3 +310,53 @@ def _passkey_rows(tok, rec):
     cfg = EvalConfig(lengths=[sel["retrieval_length"]], depths=parse_depths(sel["retrieval_prompts"]),
                      seeds=[P.RETRIEVAL_SEED_OFFSET + sel["seed"]])
     return passkey.build_prompts(tok, bool(getattr(tok, "chat_template", None)), cfg)
+
+
+# ------------------------------------------------------------------------------------------- swap check
+
+
+def test_swap_check_keeps_the_swap_the_joint_loss_prefers(ws, monkeypatch):
+    """Scores keep layers 0 and 1; the joint loss (faked from the hybrid's attention modes) is lowest with 0 and 3
+    together: one round finds that swap, the next finds nothing better and ends the check."""
+    rec = R.load("lolcats", _overrides(ws, **{"select.swap_rounds": 3, "select.swap_pool": 2}))
+    model, tok = _load(ws)
+    res = P.run_probe(model, tok, rec, probe_tokens=256, use_cache=False, progress=False, log=lambda m: None)
+    scores = [0.4, 0.3, 0.2, 0.1]
+    modes = []
+
+    def fake_loss(hybrid, *_):
+        soft = frozenset(m.layer_idx for m in hybrid.linear_modules() if m.mode == "softmax")
+        modes.append(soft)
+        return {frozenset({0, 1}): 2.0, frozenset({0, 3}): 1.5, frozenset({1, 3}): 1.7}.get(soft, 1.9)
+
+    monkeypatch.setattr(P, "_heldout_loss", fake_loss)
+    monkeypatch.setattr(P, "_retrieval_loss", fake_loss)
+    logs = []
+    chosen, rep = P.swap_check(model, tok, rec, res, [0, 1], scores, log=logs.append)
+    assert chosen == [0, 3] and rep["start_layers"] == "0,1" and rep["final_layers"] == "0,3"
+    assert rep["start_joint_loss"] == pytest.approx(4.0) and rep["final_joint_loss"] == pytest.approx(3.0)
+    first, second = rep["rounds"]
+    assert (first["drop"], first["add"], first["kept"], first["tried"]) == (1, 3, True, 4)
+    assert first["gain"] == pytest.approx(0.25) and not second["kept"]  # {0, 3} -> nothing beats 3.0 by > 1%
+    assert rep["layouts_evaluated"] == len(set(modes)) and len(modes) == 2 * rep["layouts_evaluated"]
+    assert any("layer 3 for 1 lowers the joint loss" in m for m in logs) and any("no swap" in m for m in logs)
+    ids = torch.randint(0, 60, (1, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # the base model has its own attention back
+        assert all(type(layer.self_attn).__name__ == "LlamaAttention" for layer in model.model.layers)
+        model(ids)
+
+
+def test_convert_with_swap_check_reports_it(ws, tmp_path, monkeypatch):
+    monkeypatch.setenv("LINEARIZE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    res = _convert(ws, tmp_path / "S", "--ratio", "1:1", "--tokens", "2560", "--set", "select.swap_rounds=1",
+                   "--set", "select.swap_pool=2")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "select: swap check:" in res.stdout
+    cfg = json.loads((tmp_path / "S" / "config.json").read_text())
+    sel = json.loads((tmp_path / "S" / "report.json").read_text())["stages"]["select"]
+    sw = sel["swap_check"]
+    kept = [i for i, t in enumerate(cfg["layer_types"]) if t == FULL]
+    assert sw["final_layers"] == sel["softmax_layers"] == ",".join(map(str, kept)) and len(kept) == 2
+    assert len(sw["rounds"]) == 1 and sw["rounds"][0]["tried"] == 4 and sw["layouts_evaluated"] == 5
+    assert "Swap check (5 layouts" in (tmp_path / "S" / "report.md").read_text()
