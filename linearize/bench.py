@@ -18,6 +18,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from .errors import DeviceError, LinearizeError
+
 # fla's Triton path only (it otherwise dispatches to other backends when present)
 os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")
 
@@ -184,20 +186,27 @@ def sweep_configs(config: dict, grid: dict, run: Callable, cases: dict, referenc
         except Exception as e:  # a wrong result, or a compile failure (e.g. out of shared memory)
             say(f"{cfg}: failed {str(e)[:100]}")
             if _context_lost(e):  # every later launch in this process would fail too
-                config.clear()
-                config.update(base)
-                from linearize.errors import DeviceError
-
                 raise DeviceError(f"launch configuration {cfg} crashed the GPU context ({str(e)[:80]}); "
-                                   "tuning stops here (what earlier sweeps found is saved)") from e
-        config.clear()
-        config.update(base)
+                                  "tuning stops here (what earlier sweeps found is saved)") from e
+        finally:
+            config.clear()
+            config.update(base)
     results.sort(key=lambda r: r[0])
     return results
 
 
 #: kernel families ``tune_kernels`` sweeps, in order: linear / window, forward / fwd+bwd, Hedgehog features fused
 TUNE_FAMILIES = ("lin_fwd", "lin_fb", "win_fwd", "win_fb", "lin_fused_fwd", "win_fused_fwd")
+
+
+def parse_families(names) -> list[str]:
+    """Kernel family names (a comma-separated string or a sequence) checked against :data:`TUNE_FAMILIES`."""
+    chosen = [f.strip() for f in (names.split(",") if isinstance(names, str) else names) if f.strip()]
+    unknown = sorted(set(chosen) - set(TUNE_FAMILIES))
+    if unknown or not chosen:
+        raise LinearizeError(f"kernel families {names!r}: unknown {', '.join(unknown) or '(none given)'} "
+                             f"(known: {', '.join(TUNE_FAMILIES)})")
+    return chosen
 
 
 def tune_kernels(heads: int = 32, dim: int = 128, progress: Optional[Callable[[str], None]] = None,
@@ -210,10 +219,7 @@ def tune_kernels(heads: int = 32, dim: int = 128, progress: Optional[Callable[[s
     from linearize.kernels import triton_linear as tlin
     from linearize.kernels import triton_window as twin
 
-    chosen = tuple(families or TUNE_FAMILIES)
-    unknown = sorted(set(chosen) - set(TUNE_FAMILIES))
-    if unknown:
-        raise ValueError(f"unknown kernel families {', '.join(unknown)} (known: {', '.join(TUNE_FAMILIES)})")
+    chosen = parse_families(families) if families else TUNE_FAMILIES
     say = progress or (lambda s: None)
     dev = torch.device("cuda")
     bf = torch.bfloat16
@@ -271,7 +277,7 @@ def tune_kernels(heads: int = 32, dim: int = 128, progress: Optional[Callable[[s
             return window_linear_attention_hedgehog(qr, kr, v, wf, wq, wk, window=64)[:1]
 
     runners = (("lin_fwd", lin_fwd), ("lin_fb", lin_fb), ("win_fwd", win_fwd), ("win_fb", win_fb),
-                ("lin_fused_fwd", lin_fused_fwd), ("win_fused_fwd", win_fused_fwd))
+               ("lin_fused_fwd", lin_fused_fwd), ("win_fused_fwd", win_fused_fwd))
     reference, baseline = {}, {}  # per family and case: the defaults' results and milliseconds
     for name, fn in runners:
         if name not in chosen:

@@ -300,15 +300,12 @@ def bench_kernels_cmd(
     """Time our kernels against fla and SDPA on the GPU (median of triton.testing.do_bench)."""
     import torch
 
-    from .bench import TUNE_FAMILIES, bench_kernels, print_table, tune_kernels
+    from .bench import bench_kernels, parse_families, print_table, tune_kernels
     from .evals.common import parse_lengths
 
     if check not in ("full", "accuracy", "none"):
         fail(f"--check {check!r}: expected full, accuracy or none")
-    families = [f.strip() for f in tune_only.split(",") if f.strip()] if tune_only else None
-    unknown = sorted(set(families or ()) - set(TUNE_FAMILIES))
-    if unknown:
-        fail(f"--tune-only {tune_only!r}: unknown families {', '.join(unknown)} (known: {', '.join(TUNE_FAMILIES)})")
+    families = parse_families(tune_only) if tune_only is not None else None
     if not torch.cuda.is_available():
         fail("bench kernels needs a CUDA GPU (none is visible)")
     log = lambda m: err_console.print(m, highlight=False)  # noqa: E731

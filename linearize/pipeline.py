@@ -267,7 +267,8 @@ def run_auto_select(model, tokenizer, rec, plan: dict[str, Any], *, log: Callabl
     if edge and edge["close_call"]:
         log(f"select: close call: layer {edge['kept']} kept ({edge['kept_score']:.4f}), layer {edge['dropped']} not "
             f"({edge['dropped_score']:.4f}), {100 * edge['relative_margin']:.1f}% apart; recall can hinge on such a "
-            f"pair: compare both with --softmax-layers")
+            f"pair: compare both with --softmax-layers"
+            + ("" if rec["select"]["swap_rounds"] else ", or check swaps jointly with --set select.swap_rounds=2"))
     if rec["select"]["swap_rounds"] > 0:
         from .probe import swap_check
 
