@@ -255,7 +255,7 @@ def generate(
 @user_errors
 def eval_cmd(
     spec: str = typer.Argument(..., help="Model spec or hybrid checkpoint directory to evaluate."),
-    task: str = typer.Option(..., "--task", help="niah,passkey,copy,ppl,recall,agreement,speed,lm-eval:TASKS (comma-separated)."),
+    task: str = typer.Option(..., "--task", help="niah,passkey,copy,ppl,recall,agreement,speed,swapback,lm-eval:TASKS (comma-separated)."),
     against: Optional[str] = typer.Option(None, "--against", help="The original model, evaluated on identical prompts."),
     out: Optional[Path] = typer.Option(None, "-o", "--output", help="Report directory (default: eval-MODEL)."),
     lengths: str = typer.Option("1K,2K,4K", "--lengths", help="Context lengths in the model's tokens, e.g. 1K,2K,4K,8K."),

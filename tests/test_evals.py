@@ -494,3 +494,44 @@ def test_real_model_passkey(tmp_path):
                  dtype=torch.float32, device="cpu", progress=False)
     assert s["tasks"]["passkey"]["score"] >= 0.95
     assert (tmp_path / "r" / "passkey_model.png").exists()
+
+
+# ----------------------------------------------------------------------------- swapback
+
+
+def _one_linear_hybrid(tok):
+    """The tiny llama with layer 0 linear (lolcats layer, window 8), layer 1 softmax: its weights are the original's."""
+    from linearize import recipe as R
+    from linearize.select import FULL, LINEAR
+    from linearize.surgery import linearize_model
+
+    return linearize_model(_tiny_model(tok), [LINEAR, FULL], R.load("lolcats", {"attention.window": 8})).eval()
+
+
+def test_swapback_layer_back_to_softmax_is_the_original(tmp_path, tiny, tok):
+    """With its only linear layer switched back, the hybrid scores every prompt exactly as the original does
+    (key NLL per prompt equal), and differently as converted; the layer is left in linear mode afterwards."""
+    hybrid = _one_linear_hybrid(tok)
+    loader = _loader({"hyb": (hybrid, tok), "orig": (tiny, tok)})
+    out = tmp_path / "sb"
+    s = run_eval("hyb", "swap-back", against="orig", out_dir=out, lengths="256,512", depths=2, seeds=2,
+                 loader=loader, progress=False)
+    m, a = s["tasks"]["swapback"], s["against"]["tasks"]["swapback"]
+    assert set(m["layers"]) == {"0"} and "layers" in a and a["layers"] == {}
+    assert m["layers"]["0"]["by_length"] == a["by_length"] and m["n"] == a["n"] == 8
+    rows = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    orig = {(r["length"], r["depth"], r["seed"]): r["key_nll"] for r in rows if r["model"] == "against"}
+    back = {(r["length"], r["depth"], r["seed"]): r["key_nll"] for r in rows if r["model"] == "model" and r["layer"] == 0}
+    conv = {(r["length"], r["depth"], r["seed"]): r["key_nll"] for r in rows if r["model"] == "model" and r["layer"] is None}
+    assert back.keys() == orig.keys() == conv.keys() and len(orig) == 8
+    assert max(abs(back[k] - orig[k]) for k in orig) < 1e-4
+    assert max(abs(conv[k] - orig[k]) for k in orig) > 1e-3  # the linear layer does change the answer's likelihood
+    assert m["best"][0]["layer"] == 0 and m["best"][0]["gain"] == pytest.approx(m["layers"]["0"]["score"] - m["score"])
+    assert all(x.mode == "linear" for x in hybrid.linear_modules())
+    md = (out / "report.md").read_text()
+    assert "## swapback" in md and "| layer 0 softmax |" in md and "| original |" in md
+
+
+def test_swapback_takes_no_arguments():
+    with pytest.raises(EvalError, match="swapback takes no arguments"):
+        parse_tasks("swapback:3")

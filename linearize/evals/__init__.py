@@ -3,7 +3,7 @@ with the original, speed, and an lm-evaluation-harness pass-through; rendered as
 with the original side by side.
 
 Entry point: :func:`run_eval`. Tasks live in one module each (``niah``, ``passkey``, ``ppl``,
-``recall``, ``agreement``, ``speed``, ``lm_eval``); ``report`` renders ``summary.json`` into
+``recall``, ``agreement``, ``speed``, ``swapback``, ``lm_eval``); ``report`` renders ``summary.json`` into
 ``report.md``, PNG heatmaps and a rich table.
 """
 

@@ -16,7 +16,7 @@ from . import copyspan
 from .common import depth_key, format_length
 
 ROLE_LABEL = {"model": "model", "against": "original", "diff": "difference"}
-TASK_ORDER = ("niah", "passkey", "copy", "ppl", "recall", "agreement", "speed", "lm-eval")
+TASK_ORDER = ("niah", "passkey", "swapback", "copy", "ppl", "recall", "agreement", "speed", "lm-eval")
 
 
 # ----------------------------------------------------------------------------- numbers
@@ -41,7 +41,7 @@ def task_difference(task: str, m: dict, a: dict) -> dict:
     (for speed also the model/original ratios)."""
     out: dict = {"metric": m.get("metric"), "higher_is_better": m.get("higher_is_better")}
     for key in ("score", "strict", "by_length", "strict_by_length", "by_depth", "grid", "by_pairs", "capacity",
-                "kl", "nll", "kl_by_length", "by_task", "prefill_by_length", "peak_mib_by_length"):
+                "kl", "nll", "kl_by_length", "by_task", "prefill_by_length", "peak_mib_by_length", "key_nll"):
         if key in m and key in a:
             d = diff_values(m[key], a[key])
             if d is not None:
@@ -300,6 +300,22 @@ def render_markdown(summary: dict, images: dict[str, dict[str, str]]) -> str:
                 L += ["Length × depth (original):", ""] + _grid_table(a["grid"], "score") + [""]
                 if d and d.get("grid"):
                     L += ["Length × depth (difference):", ""] + _grid_table(d["grid"], "score", signed=True) + [""]
+        elif t == "swapback":
+            L += ["Passkey key accuracy, teacher-forced (every token of the key is the model's top token), as converted "
+                  "and with each linear layer alone switched back to its original softmax attention: a layer that lifts "
+                  "the score is one the hybrid needs as softmax (`--softmax-layers`).", ""]
+            lens = sorted(m["by_length"], key=int)
+
+            def cells(src):
+                return [fmt(src["by_length"].get(k), "score") for k in lens] + [fmt(src["score"], "score"),
+                                                                                fmt(src.get("key_nll"))]
+
+            rows = [["as converted"] + cells(m) + [""]]
+            if a is not None:
+                rows.append(["original"] + cells(a) + [""])
+            rows += [[f"layer {i} softmax"] + cells(v) + [fmt(v["score"] - m["score"], "score", True)]
+                     for i, v in m.get("layers", {}).items()]
+            L += _table(["layout"] + [_lengths_label(k) for k in lens] + ["all", "key NLL", "gain"], rows) + [""]
         elif t == "ppl":
             L += [f"Perplexity on {m.get('tokens')} held-out tokens of `{m.get('data')}` (sliding window, stride = length/2; lower is better):", ""]
             L += _table(_sbs_header("length", has_a), _sbs_rows(sorted(m["by_length"], key=int), m["by_length"],

@@ -15,18 +15,19 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Sequence
 
-from . import agreement, copyspan, lm_eval, niah, passkey, ppl, recall, speed
+from . import agreement, copyspan, lm_eval, niah, passkey, ppl, recall, speed, swapback
 from .common import (EvalConfig, EvalError, ModelHandle, Progress, format_length, parse_batch_sizes, parse_depths,
                      parse_lengths, parse_seeds)
 from .report import summary_table, task_difference, write_report
 
 TASKS: dict[str, ModuleType] = {
     "niah": niah, "passkey": passkey, "copy": copyspan, "ppl": ppl, "recall": recall,
-    "agreement": agreement, "speed": speed, "lm-eval": lm_eval,
+    "agreement": agreement, "speed": speed, "lm-eval": lm_eval, "swapback": swapback,
 }
-ALIASES = {"perplexity": "ppl", "lm_eval": "lm-eval", "lmeval": "lm-eval", "mqar": "recall"}
-LENGTH_TASKS = ("niah", "passkey", "copy", "ppl", "agreement", "speed")
-ALLOWED = "niah[:VARIANTS], passkey, copy[:SPAN], ppl[:TOKENS], recall[:PAIRS], agreement[:TOKENS], speed[:DECODE_TOKENS], lm-eval:TASKS"
+ALIASES = {"perplexity": "ppl", "lm_eval": "lm-eval", "lmeval": "lm-eval", "mqar": "recall", "swap-back": "swapback"}
+LENGTH_TASKS = ("niah", "passkey", "copy", "ppl", "agreement", "speed", "swapback")
+ALLOWED = ("niah[:VARIANTS], passkey, copy[:SPAN], ppl[:TOKENS], recall[:PAIRS], agreement[:TOKENS], "
+           "speed[:DECODE_TOKENS], swapback, lm-eval:TASKS")
 
 
 @dataclass
