@@ -65,7 +65,8 @@ def conversion_quality(path) -> dict[str, Any]:
         out["copy"] = {k: rc[k] for k in ("hybrid", "teacher", "length", "samples")}
     sel = stages.get("select") or {}
     if sel.get("boundary"):  # --select auto: how clear the choice was
-        out["select"] = {"softmax_layers": sel["softmax_layers"], "boundary": sel["boundary"]}
+        out["select"] = {"softmax_layers": sel["softmax_layers"], "boundary": sel["boundary"],
+                         "swaps": [r for r in (sel.get("swap_check") or {}).get("rounds", []) if r["kept"]]}
     return out
 
 

@@ -360,3 +360,6 @@ def test_convert_with_swap_check_reports_it(ws, tmp_path, monkeypatch):
     assert sw["final_layers"] == sel["softmax_layers"] == ",".join(map(str, kept)) and len(kept) == 2
     assert len(sw["rounds"]) == 1 and sw["rounds"][0]["tried"] == 4 and sw["layouts_evaluated"] == 5
     assert "Swap check (5 layouts" in (tmp_path / "S" / "report.md").read_text()
+    info = " ".join(run_cli("info", str(tmp_path / "S")).stdout.split())  # rich wraps long lines
+    kept_swaps = [r for r in sw["rounds"] if r["kept"]]
+    assert ("swap check: layer" in info) == bool(kept_swaps) and "boundary: layer" in info
