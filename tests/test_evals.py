@@ -535,3 +535,19 @@ def test_swapback_layer_back_to_softmax_is_the_original(tmp_path, tiny, tok):
 def test_swapback_takes_no_arguments():
     with pytest.raises(EvalError, match="swapback takes no arguments"):
         parse_tasks("swapback:3")
+
+
+def test_swapback_best_ranks_by_score_then_key_nll():
+    from linearize.evals import swapback
+
+    cfg = _cfg(lengths=[256], depths=[0.5], seeds=[0, 1])
+
+    def rows(layer, scores, nll):
+        return [{"layer": layer, "length": 256, "depth": 0.5, "seed": s, "score": v, "strict": v, "key_nll": nll}
+                for s, v in enumerate(scores)]
+
+    out = swapback.summarize(rows(None, [0, 0], 3.0) + rows(4, [0, 0], 2.0) + rows(5, [1, 0], 2.9)
+                             + rows(6, [0, 0], 1.0), cfg)
+    assert out["score"] == 0 and out["key_nll"] == 3.0 and list(out["layers"]) == ["4", "5", "6"]
+    assert [b["layer"] for b in out["best"]] == [5, 6, 4] and out["best"][0]["gain"] == 0.5
+    assert out["layers"]["6"] == {"score": 0.0, "n": 2, "by_length": {"256": 0.0}, "key_nll": 1.0}

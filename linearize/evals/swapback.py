@@ -49,6 +49,7 @@ def run(handle: ModelHandle, cfg: EvalConfig, args: dict, progress: Progress, sh
     model = handle.model
     linear = model.linear_modules() if hasattr(model, "linear_modules") else []
     layouts = [None] + [m.layer_idx for m in linear]  # None: the model as it is
+    before = [m.mode for m in linear]
     rows = []
     try:
         for layer in layouts:
@@ -60,14 +61,14 @@ def run(handle: ModelHandle, cfg: EvalConfig, args: dict, progress: Progress, sh
                              "key_nll": round(nll, 6)})
                 progress.advance(1 / len(layouts))
     finally:
-        for m in linear:
-            m.mode = "linear"
+        for m, mode in zip(linear, before):
+            m.mode = mode
     return rows
 
 
 def summarize(rows: list[dict], cfg: EvalConfig) -> dict:
     """The model as it is (``score``, ``by_length``, ``n``, ``key_nll``) plus ``layers`` (per swapped layer: score,
-    by_length, key_nll) and ``best`` (the :data:`BEST` largest gains over the model as it is)."""
+    by_length, key_nll) and ``best`` (the :data:`BEST` swapped layers with the highest scores, then lowest key NLL)."""
 
     def part(sel: list[dict]) -> dict:
         out = grid_summary(sel, cfg, with_grid=False)
@@ -79,6 +80,8 @@ def summarize(rows: list[dict], cfg: EvalConfig) -> dict:
     out["layers"] = {str(i): part([r for r in rows if r["layer"] == i]) for i in layers}
     for v in out["layers"].values():
         del v["metric"], v["higher_is_better"], v["strict"]
-    gains = sorted(((v["score"] - out["score"], int(i)) for i, v in out["layers"].items()), key=lambda g: (-g[0], g[1]))
-    out["best"] = [{"layer": i, "score": out["layers"][str(i)]["score"], "gain": round(g, 6)} for g, i in gains[:BEST]]
+    # the largest accuracy gains; ties (e.g. no prompt flips) go to the lower key NLL
+    order = sorted(out["layers"], key=lambda i: (-out["layers"][i]["score"], out["layers"][i]["key_nll"], int(i)))
+    out["best"] = [{"layer": int(i), "score": out["layers"][i]["score"], "key_nll": out["layers"][i]["key_nll"],
+                    "gain": round(out["layers"][i]["score"] - out["score"], 6)} for i in order[:BEST]]
     return out
