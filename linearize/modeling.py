@@ -128,6 +128,12 @@ class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
         for m in self.linear_modules():
             m.mode = mode
 
+    def set_softmax_layers(self, layers) -> None:
+        """The linear layers whose index is in ``layers`` run their original softmax attention, every other one
+        linear attention (layer ablations: the probe, its swap check, ``eval --task swapback``)."""
+        for m in self.linear_modules():
+            m.mode = "softmax" if m.layer_idx in layers else "linear"
+
     def new_cache(self) -> HybridCache:
         return HybridCache(self.config.layer_types)
 

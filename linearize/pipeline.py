@@ -251,7 +251,7 @@ def plan_auto(base_config, rec, *, ratio: str, kv_budget: str | None, dtype, dev
 def run_auto_select(model, tokenizer, rec, plan: dict[str, Any], *, log: Callable[[str], None] = print):
     """Probe (or read the cached probe) and choose the softmax layers; ``(layer_types, probe result or None)``."""
     from .probe import run_probe, score_weights
-    from .select import choose_softmax_layers, layout_from_softmax_layers, selection_boundary
+    from .select import choose_softmax_layers, layout_from_softmax_layers, rank_layers, selection_boundary
 
     n, count = model.config.num_hidden_layers, plan["count"]
     if count in (0, n):
@@ -260,7 +260,7 @@ def run_auto_select(model, tokenizer, rec, plan: dict[str, Any], *, log: Callabl
     probe = run_probe(model, tokenizer, rec, probe_tokens=plan["probe_tokens"], log=log)
     scores = probe.scores(score_weights(rec))
     softmax = choose_softmax_layers(scores, count)
-    top = sorted(range(n), key=lambda i: (-scores[i], i))[: min(n, count + 3)]
+    top = rank_layers(scores)[: min(n, count + 3)]
     log(f"select: keeps softmax layers {','.join(map(str, softmax))} (interleave would keep "
         f"{','.join(map(str, plan['interleave']))}); top scores " + ", ".join(f"L{i} {scores[i]:.3f}" for i in top))
     edge = selection_boundary(scores, count)

@@ -62,7 +62,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import SelectionError
-from .select import LINEAR, selection_boundary
+from .select import LINEAR, rank_layers, selection_boundary
 
 #: bump when a measurement changes meaning (invalidates cached probes)
 PROBE_VERSION = 2  # 2: retrieval prompts use seeds disjoint from `linearize eval`'s
@@ -259,12 +259,6 @@ def all_linear(model, recipe):
             p.requires_grad_(g)
 
 
-def _only_linear(hybrid, layer: int | None) -> None:
-    """Layer ``layer`` runs linear attention, every other layer its original softmax attention."""
-    for m in hybrid.linear_modules():
-        m.mode = "linear" if m.layer_idx == layer else "softmax"
-
-
 @torch.no_grad()
 def _heldout_loss(model, ids: torch.Tensor, batch_size: int = 4) -> float:
     """Mean next-token cross-entropy (nats/token) over ``ids [N, T]``."""
@@ -430,12 +424,12 @@ def _measure(model, tokenizer, recipe, probe_tokens: int, *, progress: bool, log
             if weights[term] <= 0:
                 continue
             log(f"probe: {term} with one linear layer at a time ({n + 1} passes of {tokens:,} tokens)")
-            _only_linear(hybrid, None)
+            hybrid.set_attention_mode("softmax")
             base = fn()
             baseline[base_name] = base
             values = []
             for i in range(n):
-                _only_linear(hybrid, i)
+                hybrid.set_softmax_layers(set(range(n)) - {i})  # only layer i linear
                 values.append(fn() - base)
             measurements[term] = values
             eval_tokens += (n + 1) * tokens
@@ -447,12 +441,6 @@ def _measure(model, tokenizer, recipe, probe_tokens: int, *, progress: bool, log
 
 #: a swap must lower the joint loss by more than this share to be kept (smaller differences are noise)
 MIN_SWAP_GAIN = 0.01
-
-
-def _softmax_only(hybrid, softmax) -> None:
-    """Layers in ``softmax`` run their original attention, every other layer linear attention."""
-    for m in hybrid.linear_modules():
-        m.mode = "softmax" if m.layer_idx in softmax else "linear"
 
 
 def swap_check(model, tokenizer, recipe, result: ProbeResult, softmax: list[int], scores: list[float], *,
@@ -469,7 +457,6 @@ def swap_check(model, tokenizer, recipe, result: ProbeResult, softmax: list[int]
     from .data import heldout_sequences
 
     sel, d = recipe["select"], recipe["distill"]
-    n = len(scores)
     heldout = heldout_sequences(tokenizer, d["data"], seq_len=d["seq_len"], n_seqs=d["eval_seqs"])
     samples = retrieval_samples(tokenizer, recipe, getattr(model.config, "max_position_embeddings", None))
     t0 = time.time()
@@ -481,17 +468,18 @@ def swap_check(model, tokenizer, recipe, result: ProbeResult, softmax: list[int]
         def joint(layout) -> float:
             key = frozenset(layout)
             if key not in seen:
-                _softmax_only(hybrid, key)
+                hybrid.set_softmax_layers(key)
                 seen[key] = {"heldout_loss": _heldout_loss(hybrid, heldout),
                              "retrieval_loss": _retrieval_loss(hybrid, samples)}
             return seen[key]["heldout_loss"] + seen[key]["retrieval_loss"]
 
         current = sorted(softmax)
+        start_layers = ",".join(map(str, current))
         start = best = joint(current)
         rounds = []
         for _ in range(sel["swap_rounds"]):
             kept = sorted(current, key=lambda i: (scores[i], i))[: sel["swap_pool"]]
-            dropped = sorted(set(range(n)) - set(current), key=lambda i: (-scores[i], i))[: sel["swap_pool"]]
+            dropped = [i for i in rank_layers(scores) if i not in current][: sel["swap_pool"]]
             trials = sorted((joint(set(current) - {k} | {a}), k, a) for k in kept for a in dropped)
             loss, k, a = trials[0]
             gain = (best - loss) / best if best > 0 else 0.0
@@ -505,7 +493,7 @@ def swap_check(model, tokenizer, recipe, result: ProbeResult, softmax: list[int]
                 f"({100 * gain:.1f}%)")
             current, best = sorted(set(current) - {k} | {a}), loss
         hybrid.set_attention_mode("linear")
-    report = {"rounds": rounds, "start_layers": ",".join(map(str, sorted(softmax))),
+    report = {"rounds": rounds, "start_layers": start_layers,
               "final_layers": ",".join(map(str, current)), "start_joint_loss": start, "final_joint_loss": best,
               "layouts_evaluated": len(seen), "seconds": round(time.time() - t0, 1), "min_gain": MIN_SWAP_GAIN}
     return current, report
@@ -543,8 +531,7 @@ def select_report(result: ProbeResult, recipe, softmax: list[int], *, count_from
     """The ``select`` stage report: scores, chosen layout and the probe's cost."""
     weights = score_weights(recipe)
     scores = result.scores(weights)
-    order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
-    rank = {i: r + 1 for r, i in enumerate(order)}
+    rank = {i: r + 1 for r, i in enumerate(rank_layers(scores))}
     rows = []
     for i in range(result.num_layers):
         m = {t: (result.measurements[t][i] if result.measurements.get(t) is not None else None) for t in TERMS}

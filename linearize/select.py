@@ -196,12 +196,16 @@ def softmax_count_for_budget(base_config: Any, attention: dict, budget: str, dty
     return k, detail
 
 
+def rank_layers(scores: list[float]) -> list[int]:
+    """Layer indices, highest score first (ties: the lower index)."""
+    return sorted(range(len(scores)), key=lambda i: (-scores[i], i))
+
+
 def choose_softmax_layers(scores: list[float], count: int) -> list[int]:
     """The ``count`` layers with the highest scores (ties: the lower index), sorted."""
     if not 0 <= count <= len(scores):
         raise SelectionError(f"cannot keep {count} softmax layers of {len(scores)}")
-    order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
-    return sorted(order[:count])
+    return sorted(rank_layers(scores)[:count])
 
 
 #: a kept and a dropped layer whose scores are closer than this (relative to the kept one) are a close call
@@ -217,11 +221,16 @@ def selection_boundary(scores: list[float], count: int) -> dict | None:
     warning."""
     if not 0 < count < len(scores):
         return None
-    order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
+    order = rank_layers(scores)
     kept, dropped = order[count - 1], order[count]
     margin = (scores[kept] - scores[dropped]) / scores[kept] if scores[kept] > 0 else 0.0
     return {"kept": kept, "dropped": dropped, "kept_score": scores[kept], "dropped_score": scores[dropped],
             "relative_margin": round(margin, 4), "close_call": margin < CLOSE_CALL}
+
+
+def describe_swap(r: dict) -> str:
+    """One kept round of ``--select auto``'s swap check, for reports and ``info``."""
+    return f"layer {r['add']} for {r['drop']} (joint loss {r['previous']:.4f} -> {r['joint_loss']:.4f})"
 
 
 def scores_markdown(report: dict) -> list[str]:
@@ -252,7 +261,6 @@ def scores_markdown(report: dict) -> list[str]:
     if sw:
         done = [r for r in sw["rounds"] if r["kept"]]
         lines += ["", f"Swap check ({sw['layouts_evaluated']} layouts on the probe's hybrid, {sw['seconds']}s): "
-                      + ("; ".join(f"layer {r['add']} for {r['drop']} ({r['previous']:.4f} -> {r['joint_loss']:.4f})"
-                                   for r in done) or "no swap kept")
+                      + ("; ".join(describe_swap(r) for r in done) or "no swap kept")
                       + f"; softmax layers {sw['final_layers']} (scores alone: {sw['start_layers']})."]
     return lines + [""]

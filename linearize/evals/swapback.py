@@ -53,8 +53,8 @@ def run(handle: ModelHandle, cfg: EvalConfig, args: dict, progress: Progress, sh
     rows = []
     try:
         for layer in layouts:
-            for m in linear:
-                m.mode = "softmax" if m.layer_idx == layer else "linear"
+            if linear:
+                model.set_softmax_layers(set() if layer is None else {layer})
             for s in samples:
                 ok, nll = score_key(handle, s["ids"], enc.encode_one(" " + s["row"]["expected"][0]))
                 rows.append({**s["row"], "task": NAME, "layer": layer, "score": float(ok), "strict": float(ok),
