@@ -13,6 +13,7 @@ and prints (:func:`is_main`). Without torchrun every helper is a no-op and nothi
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 
 import torch
@@ -69,8 +70,13 @@ def init(device: str | None = None) -> str | None:
 
 
 def destroy() -> None:
-    """Leave the process group (registered at exit by :func:`init`)."""
+    """Leave the process group (registered at exit by :func:`init`).
+
+    Garbage (the trained model is usually only held by reference cycles by now) is collected first: FSDP keeps
+    gloo work handles and their tensors; freed during interpreter finalization instead, after the group is gone,
+    they aborted a rank ("terminate called without an active exception") in about one run in eight (CPU, gloo)."""
     if _ready():
+        gc.collect()
         torch.distributed.destroy_process_group()
 
 
