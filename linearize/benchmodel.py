@@ -467,7 +467,9 @@ def _decode_phase(model, cache, T, B, steps, backends, dev, timing: Timing, gen)
     mode, note = modes[best]
     row = {"decode_s_per_step": round(results[best], 7), "decode_tok_s": round(B / results[best], 2),
            "decode_mode": mode, "decode_sdpa": best or "default",
-           "decode_sdpa_s": {(k or "default"): round(v, 7) for k, v in results.items()} | errors}
+           "decode_sdpa_s": {(k or "default"): round(v, 7) for k, v in results.items()} | errors,
+           # each backend's mode, and why capture failed where it did (the row's note is the fastest one's)
+           "decode_modes": {(k or "default"): (n or m) for k, (m, n) in modes.items()}}
     if note:
         row["decode_note"] = note
     return row

@@ -35,7 +35,7 @@ def default_output_name(spec: str, ratio: str | None, softmax_layers: str | None
     return f"{name}-{(ratio or '3:1').replace(':', 'to')}-{recipe_name}"
 
 
-def convert(spec: str, *, ratio: str | None = None, softmax_layers: str | None = None, select: str = "interleave",
+def convert(spec: str, *, ratio: str | None = None, softmax_layers: str | None = None, select: str | None = None,
             kv_budget: str | None = None, recipe: str = "lolcats",
             overrides: dict[str, Any] | None = None, train: bool = True, out: Path | None = None,
             overwrite: bool = False, dtype: str | None = None, device: str | None = None,
@@ -46,17 +46,25 @@ def convert(spec: str, *, ratio: str | None = None, softmax_layers: str | None =
 
     ``ratio`` (default 3:1) gives the interleave pattern, or with ``select="auto"`` only the number of
     softmax layers; ``kv_budget`` (``BYTES@LENGTH``, auto only) gives that number from a cache budget
-    instead. ``softmax_layers`` overrides both. Everything the user can get wrong is checked before the
+    instead. ``softmax_layers`` overrides both. ``select=None`` takes the recipe's ``select.method``
+    (lolcats: auto) where auto can run: training, not ``fsdp``, a count strictly between 0 and every
+    layer, a budget the probe fits, scoring (forward tokens) no larger than the training budget;
+    interleave otherwise. Everything the user can get wrong is checked before the
     model is loaded, so a bad call writes nothing. ``fsdp`` (under torchrun) shards the model over the
     ranks with FSDP2 instead of replicating it (:mod:`linearize.fsdp`).
     """
     rec = recipes.load(recipe, overrides)
-    mode = check_select(select, kv_budget=kv_budget, ratio_given=ratio is not None)
+    from_recipe = select is None and kv_budget is None  # the recipe's select.method, where it can run
+    mode = check_select(select, kv_budget=kv_budget, ratio_given=ratio is not None, default=rec["select"]["method"])
     ratio = ratio or "3:1"
     if softmax_layers is not None:
         parse_layer_list(softmax_layers)
     else:
         parse_ratio(ratio)
+    if from_recipe and mode == "auto" and (softmax_layers is not None or not train or fsdp):
+        if fsdp and softmax_layers is None and train:
+            log("select: interleave (the recipe's auto selection does not run under --fsdp)")
+        mode = "interleave"  # named layers, or surgery only (the probe trains)
     auto = mode == "auto" and softmax_layers is None
     if mode == "auto" and softmax_layers is not None:
         log("select: --softmax-layers overrides --select auto (no probe)")
@@ -83,8 +91,24 @@ def convert(spec: str, *, ratio: str | None = None, softmax_layers: str | None =
     base_config = load_base_config(spec, local_dir(resolved))  # encoder-only, no attention, ...: one line
     plan = None
     if auto:
-        plan = plan_auto(base_config, rec, ratio=ratio, kv_budget=kv_budget, dtype=dtype, device=device, train=train,
-                         finetune=finetune, distill_tokens=distill_tokens, finetune_tokens=finetune_tokens)
+        try:
+            plan = plan_auto(base_config, rec, ratio=ratio, kv_budget=kv_budget, dtype=dtype, device=device,
+                             train=train, finetune=finetune, distill_tokens=distill_tokens,
+                             finetune_tokens=finetune_tokens)
+        except SelectionError as e:
+            if not from_recipe:
+                raise
+            log(f"select: interleave (the recipe's auto selection does not fit: {e})")
+        if from_recipe and plan is not None and plan["count"] in (0, base_config.num_hidden_layers):
+            plan = None  # nothing to choose
+        if from_recipe and plan is not None and plan["scoring_tokens"] > plan["total_tokens"]:
+            log(f"select: interleave (the recipe's auto selection would score the layers on about "
+                f"{plan['scoring_tokens']:,} forward tokens, more than the {plan['total_tokens']:,} training tokens; "
+                f"--select auto runs it anyway)")
+            plan = None
+        if plan is None:
+            mode = "interleave"
+    if plan is not None:
         layer_types = None
     else:
         layer_types = select_layout(base_config.num_hidden_layers, ratio=ratio, softmax_layers=softmax_layers)
@@ -213,7 +237,7 @@ def plan_auto(base_config, rec, *, ratio: str, kv_budget: str | None, dtype, dev
     that cannot work. Nothing is loaded."""
     import torch
 
-    from .probe import plan_probe_tokens
+    from .probe import plan_probe_tokens, plan_scoring_tokens
     from .select import softmax_count_for_budget, softmax_count_from_ratio
 
     n = base_config.num_hidden_layers
@@ -232,7 +256,8 @@ def plan_auto(base_config, rec, *, ratio: str, kv_budget: str | None, dtype, dev
     stage1 = parse_tokens(distill_tokens if distill_tokens is not None else d["tokens"])
     stage2 = parse_tokens(finetune_tokens if finetune_tokens is not None else rec["finetune"]["tokens"]) if finetune else 0
     probe_tokens = plan_probe_tokens(rec, stage1)
-    plan.update(stage1_tokens=stage1, probe_tokens=probe_tokens, total_tokens=stage1 + stage2 if train else None)
+    plan.update(stage1_tokens=stage1, probe_tokens=probe_tokens, total_tokens=stage1 + stage2 if train else None,
+                scoring_tokens=plan_scoring_tokens(rec, n, getattr(base_config, "max_position_embeddings", None)))
     if train and 0 < plan["count"] < n:
         batch = d["seq_len"] * d["batch_size"]
         if stage1 - probe_tokens < batch:

@@ -139,6 +139,24 @@ def plan_probe_tokens(recipe, stage1_tokens: int) -> int:
     return steps * step
 
 
+def plan_scoring_tokens(recipe, num_layers: int, max_positions: int | None) -> int:
+    """About how many forward-only tokens scoring the layers and the swap check cost, before any prompt is
+    built: :func:`_measure`'s held-out and passkey passes with each layer alone linear and the original's
+    attention onto the key, and :func:`swap_check`'s up to ``1 + rounds * pool**2`` joint layouts (prompts
+    are counted at ``select.retrieval_length``; chat templates and answers add a few percent)."""
+    sel, d = recipe["select"], recipe["distill"]
+    weights = score_weights(recipe)
+    heldout = d["eval_seqs"] * d["seq_len"]
+    length = min(sel["retrieval_length"], max_positions - 16) if max_positions else sel["retrieval_length"]
+    retrieval = sel["retrieval_prompts"] * length if weights["retrieval"] > 0 or weights["attention"] > 0 else 0
+    tokens = heldout + (retrieval if weights["attention"] > 0 else 0)
+    tokens += (num_layers + 1) * ((heldout if weights["loss"] > 0 else 0)
+                                  + (retrieval if weights["retrieval"] > 0 else 0))
+    if sel["swap_rounds"] > 0:
+        tokens += (1 + sel["swap_rounds"] * sel["swap_pool"] ** 2) * (heldout + sel["retrieval_prompts"] * length)
+    return int(tokens)
+
+
 # ----------------------------------------------------------------------------------------------
 # identity and cache
 

@@ -108,6 +108,9 @@ SCHEMA: dict[str, dict[str, Field]] = {
         **_run_fields(),
     },
     "select": {  # --select auto: the probe (linearize/probe.py)
+        # what convert does without --select: interleave, or auto where it can run (training, not --fsdp, a layer
+        # count to choose, a budget the probe fits; otherwise interleave, with a log line saying why)
+        "method": Field(str, "interleave", "interleave or auto", lambda v: v in ("interleave", "auto")),
         "probe_fraction": Field(float, 0.1, "a number in (0, 0.25] (share of the stage-1 token budget)",
                                 lambda v: 0.0 < v <= 0.25),
         "mse_weight": Field(float, 1.0, "a number in [0, 1000]", lambda v: 0.0 <= v <= 1000.0),
@@ -121,7 +124,7 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "seed": Field(int, 1, "an integer >= 0", lambda v: v >= 0),
         # joint check of the choice on the probe's hybrid (linearize.probe.swap_check): rounds of trying to swap one
         # of the swap_pool lowest-scoring kept layers for one of the swap_pool highest-scoring dropped ones
-        "swap_rounds": Field(int, 0, "an integer in [0, 8] (0 = no swap check)", lambda v: 0 <= v <= 8),
+        "swap_rounds": Field(int, 2, "an integer in [0, 8] (0 = no swap check)", lambda v: 0 <= v <= 8),
         "swap_pool": Field(int, 4, "an integer in [1, 16]", lambda v: 1 <= v <= 16),
     },
 }

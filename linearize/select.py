@@ -107,9 +107,14 @@ def softmax_indices(layer_types: list[str]) -> list[int]:
 # --select auto: how many softmax layers, and which
 
 
-def check_select(select: str | None, *, kv_budget: str | None = None, ratio_given: bool = False) -> str:
-    """Validate ``--select`` and its combination with ``--kv-budget`` / ``--ratio``; return the mode."""
-    mode = "interleave" if select is None else str(select).strip().lower()
+def check_select(select: str | None, *, kv_budget: str | None = None, ratio_given: bool = False,
+                 default: str = "interleave") -> str:
+    """Validate ``--select`` and its combination with ``--kv-budget`` / ``--ratio``; return the mode.
+
+    Not given (None): auto with ``--kv-budget`` (it only means something there), else ``default``."""
+    if select is None:
+        select = "auto" if kv_budget is not None else default
+    mode = str(select).strip().lower()
     if mode not in SELECT_MODES:
         raise SelectionError(f"--select {select!r}: expected one of {', '.join(SELECT_MODES)}")
     if kv_budget is not None:

@@ -52,6 +52,7 @@ def test_cli_tiny_config_on_cpu(tiny_config, tmp_path):
         assert x["status"] == "ok", x
         assert x["prefill_tok_s"] > 0 and x["decode_tok_s"] > 0
         assert x["decode_mode"] == "eager" and "CPU" in x["decode_note"]
+        assert set(x["decode_modes"]) == set(x["decode_sdpa_s"]) and all("CPU" in v for v in x["decode_modes"].values())
         assert x["peak_bytes"] == "n/a"
         # measured cache == the closed form of surgery.cache_bytes (plus each window's 8-byte step counter)
         assert 0 <= x["cache_bytes"] - x["cache_bytes_formula"] <= 8 * 3

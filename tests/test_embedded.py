@@ -143,7 +143,10 @@ def test_short_all_stages_end_to_end(tmp_path, embedded_dir):
     res = run_cli("convert", "smollm2-135m", "--ratio", "3:1", "--tokens", "512", *small, "--set", "attention.window=32",
                   "-o", str(out))
     assert res.returncode == 0, res.stderr[-3000:]
+    # lolcats' select.method auto does not pay at 512 tokens (scoring alone would take ~1.6M): the ratio's layers
+    assert "select: interleave (the recipe's auto selection would score the layers" in res.stdout
     report = json.loads((out / "report.json").read_text())
+    assert "select" not in report["stages"]
     d, f = report["stages"]["distill"], report["stages"]["finetune"]
     assert d["steps"] == 2 and d["tokens"] == 256 and len(d["per_layer"]) == 23
     assert f["steps"] == 2 and f["tokens"] == 256 and f["merged"]

@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+import yaml
 
 from conftest import char_tokenizer, run_cli, tiny_model, tiny_workspace
 from linearize import pipeline
@@ -59,6 +60,8 @@ def test_bad_kv_budget_is_one_line(bad):
 
 def test_select_combinations():
     assert check_select(None) == "interleave" and check_select("AUTO") == "auto"
+    assert check_select(None, default="auto") == "auto" and check_select(None, kv_budget="2GB@32K") == "auto"
+    assert check_select("interleave", default="auto") == "interleave"
     assert check_select("auto", kv_budget="2GB@32K") == "auto"
     with pytest.raises(SelectionError, match="--select 'best'"):
         check_select("best")
@@ -123,7 +126,7 @@ def test_plan_probe_tokens():
 
 BAD_CONVERT = [
     (dict(select="best"), "--select"),
-    (dict(kv_budget="2GB@32K"), "needs --select auto"),
+    (dict(select="interleave", kv_budget="2GB@32K"), "needs --select auto"),
     (dict(select="auto", ratio="3:1", kv_budget="2GB@32K"), "pass one"),
     (dict(select="auto", kv_budget="2 lots@32K"), "not a byte size"),
     (dict(select="auto", kv_budget="2GB@soon"), "not a context length"),
@@ -212,18 +215,54 @@ def test_probe_keeps_the_layer_linear_attention_cannot_imitate(ws):
 # ---------------------------------------------------------------------------------------------------- CLI
 
 
-def _convert(ws, out, *extra):
+def _convert(ws, out, *extra, select=("--select", "auto")):
     sets = []
     for k, v in _overrides(ws, **{"distill.seq_len": 32, "finetune.seq_len": 32, "finetune.batch_size": 2,
                                   "finetune.eval_seqs": 2, "finetune.data": str(ws / "corpus.txt")}).items():
         sets += ["--set", f"{k}={v}"]
-    return run_cli("convert", str(ws / "tiny"), "--select", "auto", *sets, "-o", str(out), *extra)
+    return run_cli("convert", str(ws / "tiny"), *select, *sets, "-o", str(out), *extra)
+
+
+def test_convert_takes_select_from_the_recipe(ws, tmp_path, monkeypatch):
+    """No --select: lolcats' select.method (auto) runs where it can, interleave where it cannot."""
+    monkeypatch.setenv("LINEARIZE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    res = _convert(ws, tmp_path / "A", "--ratio", "1:1", "--tokens", "6400", "--set", "select.swap_rounds=0",
+                   select=())
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "select: auto, 2 softmax layers of 4" in res.stdout
+    sel = json.loads((tmp_path / "A" / "report.json").read_text())["stages"]["select"]
+    assert sel["method"] == "auto" and sel["probe_tokens"] == 320
+    # the scoring estimate the fallback below uses is close to what the probe ran
+    rec = R.load("lolcats", {**_overrides(ws), "distill.seq_len": 32, "select.swap_rounds": 0})
+    estimate = P.plan_scoring_tokens(rec, 4, 1024)
+    assert 0.8 < sel["probe_eval_tokens"] / estimate < 1.25, (sel["probe_eval_tokens"], estimate)
+    assert yaml.safe_load((tmp_path / "A" / "linearize_recipe.yaml").read_text())["resolved"]["select"] == "auto"
+    # the same with select.method=interleave: the --ratio pattern, no probe
+    res = _convert(ws, tmp_path / "I", "--ratio", "1:1", "--tokens", "2560", "--set", "select.method=interleave",
+                   select=())
+    assert res.returncode == 0 and "select:" not in res.stdout, res.stderr[-3000:]
+    layers = json.loads((tmp_path / "I" / "config.json").read_text())["layer_types"]
+    assert [i for i, t in enumerate(layers) if t == FULL] == [1, 3]
+    # a budget the probe does not fit (stage 1 of 96 tokens: one 64-token step, none left after the probe's)
+    res = _convert(ws, tmp_path / "S", "--ratio", "1:1", "--tokens", "192", select=())
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "select: interleave (the recipe's auto selection does not fit: --select auto: the stage-1" in res.stdout
+    assert "select" not in json.loads((tmp_path / "S" / "report.json").read_text())["stages"]
+    # scoring (with the default 2-round swap check: ~28K forward tokens) costlier than the 2,560 training tokens
+    res = _convert(ws, tmp_path / "C", "--ratio", "1:1", "--tokens", "2560", select=())
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "select: interleave (the recipe's auto selection would score the layers on about" in res.stdout
+    assert "probe:" not in res.stdout
+    # the explicit flag still refuses that budget, in one line, writing nothing
+    res = _convert(ws, tmp_path / "E", "--ratio", "1:1", "--tokens", "192")
+    assert res.returncode != 0 and "less than one batch" in res.stderr and not (tmp_path / "E").exists()
 
 
 def test_convert_select_auto_cli(ws, tmp_path, monkeypatch):
     monkeypatch.setenv("LINEARIZE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    res = _convert(ws, tmp_path / "A", "--ratio", "1:1", "--tokens", "2560")
+    res = _convert(ws, tmp_path / "A", "--ratio", "1:1", "--tokens", "2560", "--set", "select.swap_rounds=0")
     assert res.returncode == 0, res.stderr[-3000:]
     assert "select: keeps softmax layers" in res.stdout and "probe: cached" not in res.stdout
     cfg = json.loads((tmp_path / "A" / "config.json").read_text())
@@ -253,7 +292,8 @@ def test_convert_select_auto_cli(ws, tmp_path, monkeypatch):
 
     # the same inputs again, the count now from a KV budget (fp32 on CPU: 2 softmax layers fit exactly)
     budget = 2 * 262_144 + 2 * (2_176 + 3_072)
-    res = _convert(ws, tmp_path / "B", "--kv-budget", f"{budget}B@1K", "--tokens", "2560")
+    res = _convert(ws, tmp_path / "B", "--kv-budget", f"{budget}B@1K", "--tokens", "2560", "--set",
+                   "select.swap_rounds=0")
     assert res.returncode == 0, res.stderr[-3000:]
     assert "probe: cached" in res.stdout and "attention transfer on" not in res.stdout
     assert json.loads((tmp_path / "B" / "config.json").read_text())["layer_types"] == cfg["layer_types"]
