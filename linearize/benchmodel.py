@@ -210,6 +210,41 @@ def _sdpa(name: str | None):
     return sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[name]))
 
 
+#: an attention implementation for the decode timing: transformers' SDPA forward, registered under a name that
+#: has no mask function, so no mask is built (every decode step attends to all T slots of the fixed-slot cache)
+MASKLESS_SDPA = "linearize_sdpa_maskless"
+
+
+def _maskless_sdpa(model):
+    """Run ``model``'s SDPA layers without an attention mask for the duration of the context.
+
+    transformers builds a boolean mask whenever a CUDA stream is capturing (it cannot read the padding mask
+    to prove one unnecessary), and flash attention refuses masks: on the H200 every decode capture failed
+    with "No available kernel" (2026-12-01). Each decode step attends to every slot of the fixed-slot cache,
+    so the mask is all True; without it SDPA computes the same step, captured or eager.
+    """
+    import contextlib
+
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    AttentionInterface.register(MASKLESS_SDPA, sdpa_attention_forward)
+    configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None
+               and getattr(c, "_attn_implementation", None) == "sdpa"}
+
+    @contextlib.contextmanager
+    def swap():
+        for c in configs.values():
+            c._attn_implementation = MASKLESS_SDPA
+        try:
+            yield
+        finally:
+            for c in configs.values():
+                c._attn_implementation = "sdpa"
+
+    return swap()
+
+
 def _forward_params(model) -> set[str]:
     fn = getattr(model, "_base_forward", None) or type(model).forward
     return set(inspect.signature(inspect.unwrap(fn)).parameters)
@@ -454,7 +489,7 @@ def _decode_phase(model, cache, T, B, steps, backends, dev, timing: Timing, gen)
     modes: dict[str | None, tuple[str, str | None]] = {}
 
     def run(be):
-        with _sdpa(be):
+        with _sdpa(be), _maskless_sdpa(model):
             s, mode, note = _time_steps(step, steps, dev, timing)
         modes[be] = (mode, note)
         return s

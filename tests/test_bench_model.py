@@ -178,10 +178,14 @@ HOST_SYNC_OPS = {"_local_scalar_dense", "item", "nonzero", "masked_select", "uni
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("capturing", [False, True], ids=["eager", "capturing"])
 @pytest.mark.parametrize("kind", ["original", "hybrid"])
-def test_decode_step_is_graph_capturable(kind, monkeypatch):
+def test_decode_step_is_graph_capturable(kind, capturing, monkeypatch):
     """What the CUDA-graph capture on the GPU needs, checked on CPU: the decode step reads nothing back to the
-    host, and SDPA runs without a mask (so flash / cuDNN are eligible)."""
+    host, and SDPA runs without a mask (so flash / cuDNN are eligible), also while a stream is capturing (where
+    transformers 5.17 builds a mask unless the attention implementation has no mask function) and with the
+    same logits as without the maskless implementation."""
+    import transformers.utils.import_utils as tf_import_utils
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from linearize import recipe as recipes
@@ -192,10 +196,16 @@ def test_decode_step_is_graph_capturable(kind, monkeypatch):
         model = bm._surgery(model, ["linear_attention"] * 3 + ["full_attention"], recipes.load("lolcats")["attention"])
     T = 40
     ids = torch.randint(0, 256, (2, T), generator=torch.Generator().manual_seed(1))
-    dcache = bm.decode_cache(bm.prefill(model, ids), T)
-    kw = dict(input_ids=ids[:, -1:], position_ids=torch.full((2, 1), T - 1), use_cache=True, logits_to_keep=1,
-              **bm._cache_kwargs(model, dcache))
-    model(**kw)
+
+    def first_step():  # a fresh decode cache each time: the linear layers advance their state in place
+        dcache = bm.decode_cache(bm.prefill(model, ids), T)
+        return dict(input_ids=ids[:, -1:], position_ids=torch.full((2, 1), T - 1), use_cache=True, logits_to_keep=1,
+                    **bm._cache_kwargs(model, dcache))
+
+    reference = model(**first_step()).logits
+    kw = first_step()
+    if capturing:  # what transformers sees inside torch.cuda.graph(...)
+        monkeypatch.setattr(tf_import_utils, "is_cuda_stream_capturing", lambda: True)
     sdpa_masks = []
     real_sdpa = torch.nn.functional.scaled_dot_product_attention
 
@@ -212,8 +222,10 @@ def test_decode_step_is_graph_capturable(kind, monkeypatch):
             Ops.seen.add(func.__name__.split(".")[0])
             return func(*args, **(kwargs or {}))
 
-    with Ops():
-        model(**kw)
+    with Ops(), bm._maskless_sdpa(model):
+        logits = model(**kw).logits
+    assert model.config._attn_implementation == "sdpa"  # restored
+    torch.testing.assert_close(logits, reference, rtol=1e-5, atol=1e-5)
     assert not (Ops.seen & HOST_SYNC_OPS), Ops.seen & HOST_SYNC_OPS
     assert sdpa_masks and all(m is None for m in sdpa_masks)
     assert len(sdpa_masks) == (1 if kind == "hybrid" else 4)
