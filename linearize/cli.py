@@ -83,7 +83,7 @@ def convert(
     ratio: Optional[str] = typer.Option(None, "--ratio", help="A:B = A linear layers per B softmax layers, repeating (default 3:1); with --select auto only the count is kept."),
     softmax_layers: Optional[str] = typer.Option(None, "--softmax-layers", help="Explicit softmax layers, e.g. 3,7,11 (overrides --ratio and --select)."),
     select: Optional[str] = typer.Option(None, "--select", help="interleave (the --ratio pattern) or auto (probe every layer, keep the ones that matter most as softmax); default: the recipe's select.method (lolcats: auto when training)."),
-    kv_budget: Optional[str] = typer.Option(None, "--kv-budget", help="With --select auto: BYTES@LENGTH, e.g. 2GB@32K: keep the most softmax layers whose KV cache + linear state at LENGTH tokens (batch 1) fits BYTES."),
+    kv_budget: Optional[str] = typer.Option(None, "--kv-budget", help="Implies --select auto. BYTES@LENGTH, e.g. 2GB@32K: keep the most softmax layers whose KV cache + linear state at LENGTH tokens (batch 1) fits BYTES."),
     recipe: str = typer.Option("lolcats", "--recipe", help="Recipe name (see `linearize recipes`) or YAML path."),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a recipe field: section.field=value (repeatable)."),
     no_train: bool = typer.Option(False, "--no-train", help="Surgery only: write the untrained hybrid."),
