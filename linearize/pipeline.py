@@ -91,23 +91,10 @@ def convert(spec: str, *, ratio: str | None = None, softmax_layers: str | None =
     base_config = load_base_config(spec, local_dir(resolved))  # encoder-only, no attention, ...: one line
     plan = None
     if auto:
-        try:
-            plan = plan_auto(base_config, rec, ratio=ratio, kv_budget=kv_budget, dtype=dtype, device=device,
-                             train=train, finetune=finetune, distill_tokens=distill_tokens,
-                             finetune_tokens=finetune_tokens)
-        except SelectionError as e:
-            if not from_recipe:
-                raise
-            log(f"select: interleave (the recipe's auto selection does not fit: {e})")
-        if from_recipe and plan is not None and plan["count"] in (0, base_config.num_hidden_layers):
-            plan = None  # nothing to choose
-        if from_recipe and plan is not None and plan["scoring_tokens"] > plan["total_tokens"]:
-            log(f"select: interleave (the recipe's auto selection would score the layers on about "
-                f"{plan['scoring_tokens']:,} forward tokens, more than the {plan['total_tokens']:,} training tokens; "
-                f"--select auto runs it anyway)")
-            plan = None
-        if plan is None:
-            mode = "interleave"
+        kw = dict(ratio=ratio, kv_budget=kv_budget, dtype=dtype, device=device, train=train, finetune=finetune,
+                  distill_tokens=distill_tokens, finetune_tokens=finetune_tokens)
+        plan = plan_recipe_auto(base_config, rec, log=log, **kw) if from_recipe else plan_auto(base_config, rec, **kw)
+        mode = "auto" if plan is not None else "interleave"
     if plan is not None:
         layer_types = None
     else:
@@ -229,6 +216,25 @@ class RecallCheck:
         self.log(f"recall check (copy, {self.length} tokens, {rep['samples']} held-out samples): teacher "
                  f"{100 * rep['teacher']:.1f}% -> hybrid {100 * rep['hybrid']:.1f}%")
         return rep
+
+
+def plan_recipe_auto(base_config, rec, *, log: Callable[[str], None] = print, **kwargs) -> dict[str, Any] | None:
+    """:func:`plan_auto` for the recipe's ``select.method: auto`` (not the flag): None, for interleave, where
+    there is nothing to choose, the probe does not fit the budget, or scoring the layers would take more forward
+    tokens than the whole training budget (the last two with a log line)."""
+    try:
+        plan = plan_auto(base_config, rec, **kwargs)
+    except SelectionError as e:
+        log(f"select: interleave (the recipe's auto selection does not fit: {e})")
+        return None
+    if plan["count"] in (0, base_config.num_hidden_layers):
+        return None
+    if plan["scoring_tokens"] > plan["total_tokens"]:
+        log(f"select: interleave (the recipe's auto selection would score the layers on about "
+            f"{plan['scoring_tokens']:,} forward tokens, more than the {plan['total_tokens']:,} training tokens; "
+            f"--select auto runs it anyway)")
+        return None
+    return plan
 
 
 def plan_auto(base_config, rec, *, ratio: str, kv_budget: str | None, dtype, device, train: bool, finetune: bool,
