@@ -108,8 +108,9 @@ SCHEMA: dict[str, dict[str, Field]] = {
         **_run_fields(),
     },
     "select": {  # --select auto: the probe (linearize/probe.py)
-        # what convert does without --select: interleave, or auto where it can run (training, not --fsdp, a layer
-        # count to choose, a budget the probe fits; otherwise interleave, with a log line saying why)
+        # what convert does without --select: interleave, or auto where it can run and pays (training, not --fsdp,
+        # a layer count to choose, a budget the probe fits, no more scoring than training tokens:
+        # pipeline.plan_recipe_auto; otherwise interleave)
         "method": Field(str, "interleave", "interleave or auto", lambda v: v in ("interleave", "auto")),
         "probe_fraction": Field(float, 0.1, "a number in (0, 0.25] (share of the stage-1 token budget)",
                                 lambda v: 0.0 < v <= 0.25),
