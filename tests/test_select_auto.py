@@ -149,6 +149,26 @@ def test_bad_select_writes_nothing(ws, tmp_path, monkeypatch, kwargs, needle):
     assert "\n" not in str(e.value) and not loaded and not list(tmp_path.iterdir())
 
 
+def test_recipe_auto_gives_way_under_fsdp(ws, tmp_path, monkeypatch):
+    """--fsdp refuses an explicit --select auto, but the recipe's own auto becomes interleave (with a log line)."""
+    from linearize import fsdp
+
+    seen, logs = [], []
+
+    def check(**kw):
+        seen.append(kw)
+        raise LinearizeError("stop here")
+
+    monkeypatch.setattr(fsdp, "check_options", check)
+    for select in (None, "auto"):
+        with pytest.raises(LinearizeError, match="stop here"):
+            pipeline.convert(str(ws / "tiny"), select=select, fsdp=True, out=tmp_path / "OUT", log=logs.append,
+                             overrides=_overrides(ws))
+    assert [kw["select_auto"] for kw in seen] == [False, True]
+    assert logs == ["select: interleave (the recipe's auto selection does not run under --fsdp)"]
+    assert not (tmp_path / "OUT").exists()
+
+
 # ------------------------------------------------------------------------------------------------ the probe
 
 
