@@ -30,6 +30,8 @@ def test_convert_writes_design_layout(converted):
     cfg = json.loads((converted / "config.json").read_text())
     assert cfg["layer_types"].count("linear_attention") == 23
     assert cfg["layer_types"].count("full_attention") == 7
+    # --no-train: the lolcats recipe's auto selection (it trains a probe) gives way to the ratio's pattern
+    assert [i for i, t in enumerate(cfg["layer_types"]) if t == "full_attention"] == [3, 7, 11, 15, 19, 23, 27]
 
 
 def test_fresh_process_loads_and_generates(converted):
