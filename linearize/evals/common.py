@@ -157,6 +157,13 @@ def parse_seeds(value: Any) -> list[int]:
     return list(dict.fromkeys(out))
 
 
+def no_args(task: str, arg: str | None) -> dict:
+    """``parse_args`` of a task that takes no ``:ARGS``: ``{}``, or one line naming the task."""
+    if arg:
+        raise EvalError(f"bad task '{task}:{arg}': {task} takes no arguments")
+    return {}
+
+
 def format_length(n: int) -> str:
     """1024 -> '1K', 1536 -> '1536', 1048576 -> '1M' (for labels)."""
     if n % (1024**2) == 0:

@@ -33,11 +33,9 @@ DEFAULT_MAX_NEW_TOKENS = 12
 
 
 def parse_args(arg: str | None) -> dict:
-    from .common import EvalError  # noqa: PLC0415
+    from .common import no_args  # noqa: PLC0415
 
-    if arg:
-        raise EvalError(f"bad task 'passkey:{arg}': passkey takes no arguments")
-    return {}
+    return no_args(NAME, arg)
 
 
 def count(cfg: EvalConfig, args: dict) -> int:

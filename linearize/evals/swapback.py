@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from . import passkey
-from .common import EvalConfig, EvalError, ModelHandle, Progress, grid_summary, tail_logits
+from .common import EvalConfig, ModelHandle, Progress, grid_summary, no_args, tail_logits
 from .prompts import PieceEncoder
 
 NAME = "swapback"
@@ -26,9 +26,7 @@ BEST = 5
 
 
 def parse_args(arg: str | None) -> dict:
-    if arg:
-        raise EvalError(f"bad task 'swapback:{arg}': swapback takes no arguments")
-    return {}
+    return no_args(NAME, arg)
 
 
 def count(cfg: EvalConfig, args: dict) -> int:
