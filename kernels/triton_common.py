@@ -65,7 +65,12 @@ def prec(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def pow2(n: int, lo: int = 16) -> int:
+#: smallest tile side; masked loads pad smaller dimensions with zeros. 32 is what ran on an H200 (2026-12-01:
+#: the window check at D = K = V = 16 passed with 32-wide tiles; 16-wide ones were never run on a GPU)
+MIN_TILE = 32
+
+
+def pow2(n: int, lo: int = MIN_TILE) -> int:
     return max(lo, triton.next_power_of_2(int(n)))
 
 
@@ -103,7 +108,7 @@ def plan_segments(cfg: dict, N: int, progs: int, device: torch.device) -> tuple[
 def fwd_blocks(cfg: dict, BK: int, V: int, dtype: torch.dtype, fused: bool = False):
     """(BV, num_stages, num_warps) of a forward kernel: fp32 tiles are twice as large, wide K needs a narrower BV.
     ``fused`` (Hedgehog features computed in the kernel, more live tiles): ``fused_bv`` / ``fused_warps``."""
-    BV = min(cfg["fused_bv" if fused else "fwd_bv"], pow2(V), max(16, 16384 // BK))
+    BV = max(MIN_TILE, min(cfg["fused_bv" if fused else "fwd_bv"], pow2(V), 16384 // BK))
     stages = cfg["fwd_stages"]
     if dtype == torch.float32:
         BV, stages = min(BV, 64), min(stages, 2)
@@ -275,8 +280,8 @@ def scan_states(
     G = HXY // heads
     N = triton.cdiv(T, BT)
     dev = x.device
-    BK = min(BK, pow2(K))
-    BV = min(BV, pow2(V))
+    BK = max(MIN_TILE, min(BK, pow2(K)))
+    BV = max(MIN_TILE, min(BV, pow2(V)))
     if segments == 1:
         seg_chunks = N + seg_off
     f32 = torch.float32
@@ -307,18 +312,19 @@ def scan_states(
 
 
 def segment_sum_launch(cfg: dict) -> dict:
-    """``segment_starts`` keyword arguments from a kernel family's CONFIG (``seg_warps``)."""
-    return {"scan_warps": cfg.get("seg_warps", cfg.get("scan_warps", 4))}
+    """``segment_starts`` keyword arguments from a kernel family's CONFIG (``seg_warps``, ``seg_bk``, ``seg_bv``)."""
+    return {"scan_warps": cfg.get("seg_warps", cfg.get("scan_warps", 4)),
+            "BK": cfg.get("seg_bk", 64), "BV": cfg.get("seg_bv", 64)}
 
 
 def segment_starts(x, y, heads, init, nseg, seg_chunks, BT, *, reverse=False, a=None, u=None, scan_warps=4,
-                   seg_off=0):
+                   seg_off=0, BK=64, BV=64):
     """State entering each segment: ``init`` plus the sum over the segments before it (after it when
     ``reverse``) of ``(a x)^T y`` and ``sum u x``. Returns ``(S [B,heads,NSEG,K,V], z [B,heads,NSEG,K])``
     fp32, or ``(None, None)`` for one segment and no ``init``; ``init = (S, z or None)``. ``seg_off``
     shifts the summed chunks one segment boundary earlier (the window kernel's state lags one chunk).
-    Each summing program holds a ``[64, 64]`` state tile, so at K = V = 128 ``x`` and ``y`` are read twice each
-    (``[128, 128]`` tiles, which would read them once, gave wrong gradients on an H200)."""
+    Each summing program holds a ``[BK, BV]`` state tile, so ``x`` is read ``V / BV`` times and ``y`` ``K / BK``
+    times (the CONFIG's ``seg_bk`` / ``seg_bv``; ``[128, 128]`` tiles once gave wrong gradients on an H200)."""
     f32 = torch.float32
     S0, z0 = init if init is not None else (None, None)
     if nseg == 1:
@@ -329,7 +335,7 @@ def segment_starts(x, y, heads, init, nseg, seg_chunks, BT, *, reverse=False, a=
         return S0.to(f32).contiguous().unsqueeze(2), z0.to(f32).contiguous().unsqueeze(2)
     _, _, part, partz = scan_states(x, y, heads=heads, a=a, u=u, per_chunk=False, store_final=True, do_z=True,
                                     segments=nseg, seg_chunks=seg_chunks, seg_off=seg_off, BT=BT,
-                                    BK=64, BV=64, num_warps=scan_warps)
+                                    BK=BK, BV=BV, num_warps=scan_warps)
     if reverse:  # exclusive: the segments after each one
         seg_S = part.flip(2).cumsum(2).flip(2) - part
         seg_z = partz.flip(2).cumsum(2).flip(2) - partz

@@ -284,12 +284,18 @@ CONFIG = {  # picked by linearize.bench.tune_kernels on an H200 (triton 3.6), se
     "fwd_waves": 4.0,  # ... and then into enough segments for this many (H200 sweep, 2026-11-30)
     # normaliser reductions as tensor-core products: 1.08-1.13x faster forwards at 2K-32K on an H200
     "fwd_norm_mma": True,
+    # with 16-bit inputs, also add q times the rounding residual of z (hi + lo split) to the normaliser: off,
+    # 1.09-1.15x faster at 2K-32K on an H200 at the same error vs fp32 (1.9e-3; the numerator's q.S is unsplit)
+    "fwd_norm_split": False,
     "bwd_bk": 128,
     "bwd_bv": 128,
     "bwd_warps": 8,
     "scan_warps": 4,
-    # warps of the forward's segment sums (long T, small batch; [64, 64] state tiles per program)
+    # the forward's segment sums (long T, small batch): warps and [seg_bk, seg_bv] state tile per program;
+    # 64 x 128 (k read twice, v once): 1.05-1.13x faster forwards at 32K x 1 and 128K x 1 than 64 x 64 (H200)
     "seg_warps": 4,
+    "seg_bk": 64,
+    "seg_bv": 128,
     # forwards that compute Hedgehog features in the kernel hold more live tiles: their own value block and
     # warps (the window's took 4.3x the unfused time with the fwd_* ones on an H200; swept by --tune)
     "fused_bv": 128,
@@ -299,6 +305,13 @@ CONFIG = {  # picked by linearize.bench.tune_kernels on an H200 (triton 3.6), se
     "scan_split_below_waves": 0.0,
     "scan_waves": 8.0,
 }
+
+
+def norm_mma(cfg: dict, warps: int) -> bool:
+    """Whether the forward's normaliser runs as tensor-core products (``fwd_norm_mma``): only with 8 or more warps.
+    With 4, triton 3.6 miscompiled it on an H200 (wrong outputs, or an out-of-range shared address at a value
+    block of 64; bisected 2026-12-01); 8 warps gave the reference's result at value blocks 64 and 128."""
+    return bool(cfg["fwd_norm_mma"]) and warps >= 8
 
 
 def _fwd(q, k, v, S0, z0, normalize, eps, want_final, store_den, wqx=None, wkx=None, feps=0.0, make_fk=None):
@@ -336,8 +349,8 @@ def _fwd(q, k, v, S0, z0, normalize, eps, want_final, store_den, wqx=None, wkx=N
         wqx if wqx is not None else dummy, wkx if wkx is not None else dummy,
         T, H, HK, nseg, seg_chunks, eps, feps,
         K=K, V=V, BK=BK, BV=BV, BT=BT, NORMALIZE=normalize, HAS_SEG=seg_S is not None,
-        STORE_FINAL=want_final, STORE_DEN=den is not None, NORM_MMA=CONFIG["fwd_norm_mma"],
-        SPLIT=q.dtype != torch.float32, PREC=prec(q.dtype),
+        STORE_FINAL=want_final, STORE_DEN=den is not None, NORM_MMA=norm_mma(CONFIG, warps),
+        SPLIT=q.dtype != torch.float32 and CONFIG["fwd_norm_split"], PREC=prec(q.dtype),
         D=D, BD=pow2(D), FUSE_Q=wqx is not None, FUSE_K=fuse_k,
         num_warps=warps, num_stages=stages,
     )

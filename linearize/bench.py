@@ -284,15 +284,19 @@ def tune_kernels(heads: int = 32, dim: int = 128, progress: Optional[Callable[[s
             continue
         reference[name] = {key: [x.detach().clone() for x in fn(*args)] for key, args in data.items()}
         baseline[name] = {key: timer(lambda: fn(*args)) for key, args in data.items()}
-    sweep("lin_fwd", tlin, {"fwd_norm_mma": [False, True]}, lin_fwd)
+    sweep("lin_fwd", tlin, {"fwd_norm_mma": [False, True], "fwd_norm_split": [False, True]}, lin_fwd)
     # a narrower value block doubles the programs per head: at B = 1 fewer sequences need the segment split
     sweep("lin_fwd", tlin, {"fwd_bv": [64, 128], "fwd_warps": [4, 8]}, lin_fwd)
     sweep("lin_fwd", tlin, {"split_below_waves": [0.5, 2.0], "fwd_waves": [2.0, 4.0, 8.0, 16.0]}, lin_fwd)
     sweep("lin_fwd", tlin, {"seg_warps": [4, 8]}, lin_fwd)
+    # wider segment-sum tiles read k, v fewer times (K / seg_bk, V / seg_bv)
+    sweep("lin_fwd", tlin, {"seg_bk": [64, 128], "seg_bv": [64, 128]}, lin_fwd)
     sweep("lin_fb", tlin, {"bwd_bk": [64, 128], "bwd_warps": [4, 8], "bwd_bt": [64, 128]}, lin_fb)
     sweep("lin_fb", tlin, {"scan_split_below_waves": [2.0, 8.0], "scan_waves": [4.0, 8.0, 16.0]}, lin_fb)
     sweep("win_fwd", twin, {"split_below_waves": [0.5, 2.0], "fwd_waves": [2.0, 4.0, 8.0, 16.0]}, win_fwd)
+    sweep("win_fwd", twin, {"fwd_bv": [64, 128], "fwd_warps": [4, 8], "fwd_stages": [1, 2, 3]}, win_fwd)
     sweep("win_fwd", twin, {"seg_warps": [4, 8]}, win_fwd)
+    sweep("win_fwd", twin, {"seg_bk": [64, 128], "seg_bv": [64, 128]}, win_fwd)
     sweep("win_fb", twin, {"bwd_warps": [4, 8]}, win_fb)
     sweep("win_fb", twin, {"scan_split_below_waves": [2.0, 8.0], "scan_waves": [8.0]}, win_fb)
     fused = {"fused_bv": [32, 64, 128], "fused_warps": [4, 8, 16]}

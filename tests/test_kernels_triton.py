@@ -79,6 +79,28 @@ def test_linear_triton_normaliser_as_lane_reductions(dtype, normalize, monkeypat
     check_linear("triton", 1, 300, 2, 1, 32, 16, dtype, normalize=normalize, state=True, device=DEV)
 
 
+def test_linear_triton_normaliser_with_split_z(monkeypatch):
+    """CONFIG fwd_norm_split (off by default): q.z on tensor cores also adds q times z's 16-bit rounding residual."""
+    from linearize.kernels import triton_linear
+
+    monkeypatch.setitem(triton_linear.CONFIG, "fwd_norm_split", True)
+    check_linear("triton", 2, 130, 4, 2, 32, 32, torch.bfloat16, state=True, device=DEV)
+
+
+@pytest.mark.parametrize("warps", [4, 8])
+@pytest.mark.parametrize("bv", [64, 128])
+def test_linear_forward_launch_shapes_the_tune_sweeps(bv, warps, monkeypatch):
+    """Every fwd_bv x fwd_warps the tune sweep tries gives the reference's forward at K = V = 128, plain and
+    segmented (on an H200, 4 warps with the tensor-core normaliser gave wrong outputs or an illegal address)."""
+    from linearize.kernels import triton_linear
+
+    monkeypatch.setitem(triton_linear.CONFIG, "fwd_bv", bv)
+    monkeypatch.setitem(triton_linear.CONFIG, "fwd_warps", warps)
+    check_linear("triton", 1, 130, 2, 1, 128, 128, torch.bfloat16, state=True, device=DEV)
+    monkeypatch.setitem(triton_linear.CONFIG, "force_segments", 3)
+    check_linear("triton", 1, 300, 2, 1, 128, 128, torch.bfloat16, state=True, device=DEV)
+
+
 @pytest.mark.parametrize("normalize", [True, False], ids=["norm", "num"])
 def test_linear_triton_64_token_backward_chunks(normalize, monkeypatch):
     """The backward with 64-token chunks (CONFIG bwd_bt; the default is 128), plain and segmented."""
@@ -174,13 +196,17 @@ def test_window_step_triton(prefill, W, dtype):
 
 
 @pytest.mark.parametrize("kind", ["linear", "window"])
-def test_segment_sums_over_several_state_tiles(kind, monkeypatch):
-    """Segment sums where K = 128 spans two [64, 64] state tiles of a summing program and V = 32 part of one."""
+@pytest.mark.parametrize("tile", [64, 128])
+def test_segment_sums_over_several_state_tiles(kind, tile, monkeypatch):
+    """Segment sums where K = 128 spans two [64, 64] state tiles of a summing program (or one [128, 128]
+    tile: CONFIG seg_bk / seg_bv) and V = 32 part of one."""
     from linearize.kernels import triton_linear, triton_window
 
     mod = triton_linear if kind == "linear" else triton_window
     monkeypatch.setitem(mod.CONFIG, "force_segments", 3)
     monkeypatch.setitem(mod.CONFIG, "seg_warps", 8)
+    monkeypatch.setitem(mod.CONFIG, "seg_bk", tile)
+    monkeypatch.setitem(mod.CONFIG, "seg_bv", tile)
     if kind == "linear":
         check_linear("triton", 1, 300, 2, 1, 128, 32, torch.bfloat16, state=True, device=DEV)
     else:
@@ -397,9 +423,9 @@ def test_fused_hedgehog_launch_with_its_own_value_block(kind, monkeypatch):
     from linearize.kernels import triton_linear, triton_window
 
     mod = triton_window if kind == "window" else triton_linear
-    monkeypatch.setitem(mod.CONFIG, "fused_bv", 16)
+    monkeypatch.setitem(mod.CONFIG, "fused_bv", 32)
     monkeypatch.setitem(mod.CONFIG, "fused_warps", 2)
-    q, k, v, wf, wq, wk, init = _hedgehog_case(2, 130, 4, 2, 32, 16, 32, 16, torch.float32, state=True)
+    q, k, v, wf, wq, wk, init = _hedgehog_case(2, 130, 4, 2, 32, 16, 64, 16, torch.float32, state=True)
     with torch.no_grad():
         if kind == "window":
             _, (ro, (rS, _)) = _hedgehog_expected(q, k, v, wf, wq, wk, init, 16)
