@@ -50,8 +50,8 @@ def _la_fwd_kernel(
     T, H, HK, NSEG, SEG_CHUNKS, eps, feps,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     NORMALIZE: tl.constexpr, HAS_SEG: tl.constexpr, STORE_FINAL: tl.constexpr,
-    STORE_DEN: tl.constexpr, NORM_MMA: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
-    D: tl.constexpr, BD: tl.constexpr, FUSE_Q: tl.constexpr, FUSE_K: tl.constexpr,
+    STORE_DEN: tl.constexpr, NORM_MMA: tl.constexpr, SPLIT: tl.constexpr, ROWSUM_LANES: tl.constexpr,
+    PREC: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, FUSE_Q: tl.constexpr, FUSE_K: tl.constexpr,
 ):
     # NORM_MMA: the normaliser's reductions (rowsum(A), q.z, the column sums of k that update z) run as
     # tensor-core products against a [BT, 16] block of ones, with z carried as a [BK, 16] block whose
@@ -108,10 +108,13 @@ def _la_fwd_kernel(
         if NORMALIZE:
             if NORM_MMA:
                 Z_hi = Z16.to(q.dtype)
-                d16 = mm(A, ones, PREC) + mm(q, Z_hi, PREC)  # [BT, 16], every column = rowsum(A) + q.z
+                d16 = mm(q, Z_hi, PREC)  # [BT, 16], every column = q.z
                 if SPLIT:
                     d16 += mm(q, (Z16 - Z_hi.to(tl.float32)).to(q.dtype), PREC)
-                d = tl.max(d16, 1) + eps
+                if ROWSUM_LANES:  # rowsum(A) from the accumulator already in registers: one product fewer
+                    d = tl.max(d16, 1) + tl.sum(A.to(tl.float32), 1) + eps
+                else:
+                    d = tl.max(d16 + mm(A, ones, PREC), 1) + eps
             else:
                 d = tl.sum(A.to(tl.float32), 1) + tl.sum(q.to(tl.float32) * z[None, :], 1) + eps
             o = o / d[:, None]
@@ -287,6 +290,9 @@ CONFIG = {  # picked by linearize.bench.tune_kernels on an H200 (triton 3.6), se
     # with 16-bit inputs, also add q times the rounding residual of z (hi + lo split) to the normaliser: off,
     # 1.09-1.15x faster at 2K-32K on an H200 at the same error vs fp32 (1.9e-3; the numerator's q.S is unsplit)
     "fwd_norm_split": False,
+    # ... and rowsum(A) as a lane reduction of the accumulator instead of a product (252 registers and no spills
+    # instead of 255 and 8 bytes, offline for sm_90a; not yet timed on a GPU)
+    "fwd_rowsum_lanes": False,
     "bwd_bk": 128,
     "bwd_bv": 128,
     "bwd_warps": 8,
@@ -350,7 +356,8 @@ def _fwd(q, k, v, S0, z0, normalize, eps, want_final, store_den, wqx=None, wkx=N
         T, H, HK, nseg, seg_chunks, eps, feps,
         K=K, V=V, BK=BK, BV=BV, BT=BT, NORMALIZE=normalize, HAS_SEG=seg_S is not None,
         STORE_FINAL=want_final, STORE_DEN=den is not None, NORM_MMA=norm_mma(CONFIG, warps),
-        SPLIT=q.dtype != torch.float32 and CONFIG["fwd_norm_split"], PREC=prec(q.dtype),
+        SPLIT=q.dtype != torch.float32 and CONFIG["fwd_norm_split"], ROWSUM_LANES=CONFIG["fwd_rowsum_lanes"],
+        PREC=prec(q.dtype),
         D=D, BD=pow2(D), FUSE_Q=wqx is not None, FUSE_K=fuse_k,
         num_warps=warps, num_stages=stages,
     )

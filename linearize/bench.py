@@ -284,7 +284,8 @@ def tune_kernels(heads: int = 32, dim: int = 128, progress: Optional[Callable[[s
             continue
         reference[name] = {key: [x.detach().clone() for x in fn(*args)] for key, args in data.items()}
         baseline[name] = {key: timer(lambda: fn(*args)) for key, args in data.items()}
-    sweep("lin_fwd", tlin, {"fwd_norm_mma": [False, True], "fwd_norm_split": [False, True]}, lin_fwd)
+    sweep("lin_fwd", tlin, {"fwd_norm_mma": [False, True], "fwd_norm_split": [False, True],
+                            "fwd_rowsum_lanes": [False, True]}, lin_fwd)
     # a narrower value block doubles the programs per head: at B = 1 fewer sequences need the segment split
     sweep("lin_fwd", tlin, {"fwd_bv": [64, 128], "fwd_warps": [4, 8]}, lin_fwd)
     sweep("lin_fwd", tlin, {"split_below_waves": [0.5, 2.0], "fwd_waves": [2.0, 4.0, 8.0, 16.0]}, lin_fwd)

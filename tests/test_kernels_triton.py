@@ -79,12 +79,15 @@ def test_linear_triton_normaliser_as_lane_reductions(dtype, normalize, monkeypat
     check_linear("triton", 1, 300, 2, 1, 32, 16, dtype, normalize=normalize, state=True, device=DEV)
 
 
-def test_linear_triton_normaliser_with_split_z(monkeypatch):
-    """CONFIG fwd_norm_split (off by default): q.z on tensor cores also adds q times z's 16-bit rounding residual."""
+@pytest.mark.parametrize("option", ["fwd_norm_split", "fwd_rowsum_lanes"])
+def test_linear_triton_normaliser_options(option, monkeypatch):
+    """CONFIG options of the tensor-core normaliser, off by default: fwd_norm_split (q.z also adds q times z's
+    16-bit rounding residual), fwd_rowsum_lanes (rowsum(A) as a lane reduction instead of a product)."""
     from linearize.kernels import triton_linear
 
-    monkeypatch.setitem(triton_linear.CONFIG, "fwd_norm_split", True)
+    monkeypatch.setitem(triton_linear.CONFIG, option, True)
     check_linear("triton", 2, 130, 4, 2, 32, 32, torch.bfloat16, state=True, device=DEV)
+    check_linear("triton", 1, 70, 2, 1, 32, 32, torch.float32, normalize=True, state=True, device=DEV)
 
 
 @pytest.mark.parametrize("warps", [4, 8])
