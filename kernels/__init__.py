@@ -8,7 +8,8 @@ Layout ``[B, T, H, D]`` (like flash-attn / fla). Public entry points:
 - :func:`linear_attention_hedgehog`, :func:`window_linear_attention_hedgehog` -- the same with
   Hedgehog feature maps computed inside the forward kernel from ``q``, ``k`` (inference).
 - :func:`linear_attention_step`, :func:`window_linear_attention_step` -- one decode
-  token, state updated in place (CUDA-graph friendly).
+  token, state updated in place (CUDA-graph friendly); :func:`window_linear_attention_step_hedgehog` with
+  the Hedgehog features computed inside the step kernel.
 - :func:`window_state_from_prefill`, :func:`empty_window_state`,
   :func:`empty_linear_state` -- decode-state helpers.
 
@@ -46,6 +47,7 @@ __all__ = [
     "hedgehog_features",
     "linear_attention_step",
     "window_linear_attention_step",
+    "window_linear_attention_step_hedgehog",
     "window_state_from_prefill",
     "empty_window_state",
     "empty_linear_state",
@@ -228,6 +230,41 @@ def window_linear_attention_hedgehog(
 
     return window_linear_attention_hedgehog_triton(q, k, v, window_factor, weight_q, weight_k, fk=fk,
                                                    feature_eps=feature_eps, **kw)
+
+
+def window_linear_attention_step_hedgehog(
+    q: torch.Tensor,  # [B, H, D] raw post-rotary query
+    k: torch.Tensor,  # [B, Hk, D]
+    v: torch.Tensor,  # [B, Hk, V]
+    window_factor: torch.Tensor,  # [H] in (0, 1)
+    weight_q: torch.Tensor,  # [H, D, f]
+    weight_k: torch.Tensor,  # [Hk, D, f]
+    state: WindowState,  # updated in place
+    *,
+    scale: Optional[float] = None,
+    eps: float = 1e-12,
+    feature_eps: float = 1e-12,
+    out: Optional[torch.Tensor] = None,  # [B, H, V]
+    backend: Optional[str] = None,
+    signed: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+) -> torch.Tensor:
+    """:func:`window_linear_attention_step` of ``hedgehog_features(q, weight_q)``, ``hedgehog_features(k,
+    weight_k)``. On the Triton path the step kernel computes both from the raw rows (no feature tensors, no
+    separate launches for the maps); ``signed`` passes ``signed_projections(weight_q, weight_k, q.dtype)``
+    when the caller keeps them (otherwise they are made per call). Elsewhere the features are computed first.
+    """
+    _hedgehog_shapes("window_linear_attention_step_hedgehog", q.unsqueeze(1), k.unsqueeze(1), weight_q, weight_k)
+    if _resolve_backend(backend, q) != "triton":
+        fq, fk = _features_first(q.unsqueeze(1), k.unsqueeze(1), weight_q, weight_k, feature_eps)
+        return window_linear_attention_step(q, k, fq[:, 0], fk[:, 0], v, window_factor, state, scale=scale, eps=eps,
+                                            out=out, backend=backend)
+    from .triton_common import signed_projections
+    from .triton_step import window_step_triton
+
+    wqx, wkx = signed if signed is not None else signed_projections(weight_q, weight_k, q.dtype)
+    return window_step_triton(q, k, None, None, v, window_factor, WindowState(*state),
+                              scale=q.shape[-1] ** -0.5 if scale is None else scale, eps=eps, out=out,
+                              wqx=wqx, wkx=wkx, feps=feature_eps)
 
 
 def _hedgehog_shapes(name: str, q, k, weight_q, weight_k) -> int:

@@ -147,6 +147,21 @@ def hedgehog_tile(x, W, wrow, od, ok, md, mk, D: tl.constexpr, K: tl.constexpr, 
 
 
 @triton.jit
+def hedgehog_row(x, W, wrow, od, ok, md, mk, D: tl.constexpr, K: tl.constexpr, F: tl.constexpr, feps):
+    """:func:`hedgehog_tile` for one row ``x [BD]`` (fp32), as lane reductions (a decode step has no tile for a
+    tensor-core product): ``[BK]`` fp32 features, zero past ``K``."""
+    w = tl.load(W + wrow * D * K + od[:, None] * K + ok[None, :], mask=md[:, None] & mk[None, :], other=0.0)
+    u = tl.sum(x[:, None] * w.to(tl.float32), 0)  # [BK] = [x Wh, -x Wh, 0...]
+    pos = ok < F
+    neg = (ok >= F) & mk
+    m_pos = tl.max(tl.where(pos, u, _NEG_INF), 0)
+    m_neg = tl.max(tl.where(neg, u, _NEG_INF), 0)
+    e = tl.where(mk, tl.exp(u - tl.where(pos, m_pos, m_neg)), 0.0)
+    f = e / tl.where(pos, tl.sum(tl.where(pos, e, 0.0), 0), tl.sum(tl.where(neg, e, 0.0), 0))
+    return tl.where(mk, tl.maximum(f, feps), 0.0)
+
+
+@triton.jit
 def _scan_kernel(
     X, Y, A, U,  # X [B,T,HXY,K], Y [B,T,HXY,V], A/U [B,T,HXY] row scalars
     INIT_S, INIT_Z,  # [B,HS,K,V], [B,HS,K]

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import pow2
+from .triton_common import hedgehog_row, pow2
 
 
 @triton.jit
@@ -56,9 +56,11 @@ def _window_step_kernel(
     Q, Kr, FQ, FK, Vp, WF,  # q [B,H,D], k [B,HK,D], fq [B,H,K], fk [B,HK,K], v [B,HK,V], wf [H] fp32
     S, Z, KR, FKR, VR, SEEN,  # state; rings [B,HK,W,*]; seen int64 [1]
     O,
-    H, HK, W, scale, eps,
+    WQX, WKX,  # FUSE: Hedgehog maps [Wq, -Wq] [H,D,K], [Wk, -Wk] [HK,D,K]; fq / fk are then not read
+    H, HK, W, scale, eps, feps,
     D: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr, G: tl.constexpr,
+    FUSE: tl.constexpr,
 ):
     pbh = tl.program_id(0)
     b = pbh // HK
@@ -82,7 +84,10 @@ def _window_step_kernel(
     z = tl.load(Z + base * K + ok, mask=mk, other=0.0) + fk_old
     tl.store(Z + base * K + ok, z, mask=mk)
     k_new = tl.load(Kr + base * D + od, mask=md, other=0.0)
-    fk_new = tl.load(FK + base * K + ok, mask=mk, other=0.0)
+    if FUSE:  # the features the layer would compute: fp32, rounded to the ring's dtype
+        fk_new = hedgehog_row(k_new.to(tl.float32), WKX, hk, od, ok, md, mk, D, K, K // 2, feps)
+    else:
+        fk_new = tl.load(FK + base * K + ok, mask=mk, other=0.0)
     v_new = tl.load(Vp + base * V + ov, mask=mv, other=0.0)
     tl.store(KR + (base * W + slot) * D + od, k_new.to(KR.dtype.element_ty), mask=md)
     tl.store(FKR + (base * W + slot) * K + ok, fk_new.to(FKR.dtype.element_ty), mask=mk)
@@ -95,7 +100,10 @@ def _window_step_kernel(
         qrow = b.to(tl.int64) * H + h
         w = tl.load(WF + h).to(tl.float32)
         q = tl.load(Q + qrow * D + od, mask=md, other=0.0).to(tl.float32)
-        fq = tl.load(FQ + qrow * K + ok, mask=mk, other=0.0).to(tl.float32)
+        if FUSE:  # rounded to q's dtype, as the layer's feature map returns them
+            fq = hedgehog_row(q, WQX, h, od, ok, md, mk, D, K, K // 2, feps).to(Q.dtype.element_ty).to(tl.float32)
+        else:
+            fq = tl.load(FQ + qrow * K + ok, mask=mk, other=0.0).to(tl.float32)
         sc = tl.where(valid, tl.sum(kr * q[None, :], 1) * scale, float("-inf"))
         m = tl.maximum(tl.max(sc, 0), 0.0)
         p = tl.where(valid, tl.exp(sc - m), 0.0)
@@ -123,7 +131,9 @@ def linear_step_triton(q, k, v, S, z, *, normalize=True, eps=1e-6, out=None):
     return out
 
 
-def window_step_triton(q, k, fq, fk, v, wf, st, *, scale, eps=1e-12, out=None):
+def window_step_triton(q, k, fq, fk, v, wf, st, *, scale, eps=1e-12, out=None, wqx=None, wkx=None, feps=0.0):
+    """The window step; with ``wqx`` / ``wkx`` (``signed_projections``) ``fq`` / ``fk`` are None and the kernel
+    computes the Hedgehog features of ``q`` and ``k`` itself."""
     B, H, D = q.shape
     HK, W = st.k_ring.shape[1], st.k_ring.shape[2]
     K, V = st.fk_ring.shape[-1], st.v_ring.shape[-1]
@@ -132,10 +142,13 @@ def window_step_triton(q, k, fq, fk, v, wf, st, *, scale, eps=1e-12, out=None):
     if wf.dtype != torch.float32:
         wf = wf.float()
     BD, BK, BV, BW = pow2(D), pow2(K), pow2(V), pow2(W)
+    fuse = wqx is not None
+    q = q.contiguous()
     _window_step_kernel[(B * HK,)](
-        q.contiguous(), k.contiguous(), fq.contiguous(), fk.contiguous(), v.contiguous(), wf.contiguous(),
-        st.S, st.z, st.k_ring, st.fk_ring, st.v_ring, st.seen, out,
-        H, HK, W, float(scale), eps, D=D, K=K, V=V, BD=BD, BK=BK, BV=BV, BW=BW, G=H // HK,
+        q, k.contiguous(), q if fuse else fq.contiguous(), q if fuse else fk.contiguous(), v.contiguous(),
+        wf.contiguous(), st.S, st.z, st.k_ring, st.fk_ring, st.v_ring, st.seen, out,
+        wqx if fuse else q, wkx if fuse else q,
+        H, HK, W, float(scale), eps, float(feps), D=D, K=K, V=V, BD=BD, BK=BK, BV=BV, BW=BW, G=H // HK, FUSE=fuse,
         num_warps=_warps(BK * BV * 4 + BW * (BD + BK + BV) * 4),
     )
     st.seen.add_(1)

@@ -32,12 +32,13 @@ from .kernels import (
     window_linear_attention,
     window_linear_attention_hedgehog,
     window_linear_attention_step,
+    window_linear_attention_step_hedgehog,
     window_state_from_prefill,
 )
 
 #: ``LINEARIZE_FUSED_FEATURE_MAPS=1``: GPU inference of layers with Hedgehog maps computes the features inside
-#: the (window or plain) linear-attention kernel. Off by default until it has been compiled and timed on a GPU (tested under the
-#: Triton interpreter); otherwise the features are computed first, as training does.
+#: the (window or plain) linear-attention kernel, and inside the window layers' decode step. Off by default until
+#: timed on a GPU (tested under the Triton interpreter); otherwise the features are computed first, as training does.
 FUSE_HEDGEHOG = os.environ.get("LINEARIZE_FUSED_FEATURE_MAPS", "0") == "1"
 
 
@@ -185,15 +186,31 @@ class LinearAttention(nn.Module):
         grads = (q, k, self.feature_map_q.weight, self.feature_map_k.weight, self.window_logit)
         return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in grads))
 
+    def signed_feature_weights(self, dtype: torch.dtype):
+        """``([Wq, -Wq], [Wk, -Wk])`` of the Hedgehog maps in ``dtype``, kept between decode steps (remade when
+        a weight changes: a new tensor or an in-place update)."""
+        from .kernels.triton_common import signed_projections
+
+        wq, wk = self.feature_map_q.weight, self.feature_map_k.weight
+        key = (wq.data_ptr(), wk.data_ptr(), wq._version, wk._version, dtype)
+        cached = getattr(self, "_signed_weights", None)
+        if cached is None or cached[0] != key:
+            cached = (key, signed_projections(wq.detach(), wk.detach(), dtype))
+            self._signed_weights = cached
+        return cached[1]
+
     def linear_attention(self, q, k, v, layer_cache=None) -> torch.Tensor:
         """The converted attention over ``[B, T, *, D]`` inputs, continuing ``layer_cache`` if given."""
         T = q.shape[1]
         state = layer_cache.state if layer_cache is not None else None
         want_state = layer_cache is not None
-        fused = T > 1 and self.fused_features(q, k)
+        decode = state is not None and T == 1
+        # fused Hedgehog features: prefill of both kinds, and the window layer's decode step
+        fused = (T > 1 or self.window > 0) and self.fused_features(q, k)
         fq = None if fused else self.feature_map_q(q)
-        # key features stay in memory without fusion, and for a window layer's cache (its ring buffer)
-        fk = None if (fused and (self.window == 0 or (state is None and not want_state))) else self.feature_map_k(k)
+        # key features stay in memory without fusion, and for a window layer's prefill into a cache (its ring)
+        fk = (None if (fused and (decode or self.window == 0 or (state is None and not want_state)))
+              else self.feature_map_k(k))
         if self.window == 0:
             if state is not None and T == 1:
                 o = linear_attention_step(fq[:, 0], fk[:, 0], v[:, 0], state, eps=self.eps)
@@ -210,9 +227,15 @@ class LinearAttention(nn.Module):
                 layer_cache.set_state(new_state, T)
             return o
         wf = self.window_factor
-        if state is not None and T == 1:
-            o = window_linear_attention_step(q[:, 0], k[:, 0], fq[:, 0], fk[:, 0], v[:, 0], wf, state,
-                                             scale=self.scaling, eps=self.eps)
+        if decode:
+            if fused:
+                o = window_linear_attention_step_hedgehog(
+                    q[:, 0], k[:, 0], v[:, 0], wf, self.feature_map_q.weight, self.feature_map_k.weight, state,
+                    scale=self.scaling, eps=self.eps, feature_eps=self.feature_map_q.eps,
+                    signed=self.signed_feature_weights(q.dtype))
+            else:
+                o = window_linear_attention_step(q[:, 0], k[:, 0], fq[:, 0], fk[:, 0], v[:, 0], wf, state,
+                                                 scale=self.scaling, eps=self.eps)
             layer_cache.set_state(state, 1)
             return o.unsqueeze(1)
         n_prev = 0

@@ -25,6 +25,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 from linearize.kernels import (  # noqa: E402
+    WindowState,
     empty_window_state,
     hedgehog_features,
     linear_attention_hedgehog,
@@ -35,6 +36,7 @@ from linearize.kernels import (  # noqa: E402
     window_linear_attention_hedgehog,
     window_linear_attention_reference,
     window_linear_attention_step,
+    window_linear_attention_step_hedgehog,
     window_state_from_prefill,
 )
 from linearize.kernels import triton_common  # noqa: E402
@@ -240,6 +242,40 @@ HH_SHAPES = [
 ]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("Hk", [2, 1])
+def test_window_step_with_hedgehog_features_in_the_kernel(dtype, Hk):
+    """The decode step that computes the Hedgehog features itself matches the step fed the layer's features
+    (outputs, S, z, rings), across the fold of tokens leaving the window, and one forward over the sequence."""
+    B, T, H, D, f, V, W, prefill = 2, 30, 4, 32, 16, 32, 8, 5
+    q, k, v, wf, wq, wk, _ = _hedgehog_case(B, T, H, Hk, D, f, V, W, dtype, state=False, seed=3)
+    fq, fk = (hedgehog_features(x.float(), w.float()).to(dtype) for x, w in ((q, wq), (k, wk)))
+    o_full = window_linear_attention(q, k, fq, fk, v, wf, window=W, backend="reference")[0]
+    _, st = window_linear_attention(q[:, :prefill], k[:, :prefill], fq[:, :prefill], fk[:, :prefill], v[:, :prefill],
+                                    wf, window=W, output_final_state=True, backend="triton")
+    fused = window_state_from_prefill(k[:, :prefill], fk[:, :prefill], v[:, :prefill], st, W)
+    plain = WindowState(*(x.clone() for x in fused))
+    signed = triton_common.signed_projections(wq, wk, dtype)
+    outs, ref = [], []
+    for t in range(prefill, T):
+        outs.append(window_linear_attention_step_hedgehog(q[:, t], k[:, t], v[:, t], wf, wq, wk, fused,
+                                                          backend="triton", signed=signed if t % 2 else None).clone())
+        ref.append(window_linear_attention_step(q[:, t], k[:, t], fq[:, t], fk[:, t], v[:, t], wf, plain,
+                                                backend="triton").clone())
+    # bf16: the interpreter truncates fp32 -> bf16 casts (README), so in-kernel features are ~0.2% off there
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert rel_err(torch.stack(outs, 1), torch.stack(ref, 1)) < tol
+    assert rel_err(torch.stack(outs, 1), o_full[:, prefill:]) < (2e-5 if dtype == torch.float32 else 2e-2)
+    for name, a, b in zip(WindowState._fields, fused, plain):
+        assert rel_err(a.float(), b.float()) < tol, name
+    # the other backends compute the features first: the same step as the plain one
+    again = WindowState(*(x.clone() for x in window_state_from_prefill(k[:, :prefill], fk[:, :prefill],
+                                                                     v[:, :prefill], st, W)))
+    o = window_linear_attention_step_hedgehog(q[:, prefill], k[:, prefill], v[:, prefill], wf, wq, wk, again,
+                                              backend="torch")
+    assert rel_err(o, ref[0]) < tol
+
+
 def _hedgehog_case(B, T, H, Hk, D, f, V, W, dtype, *, state, seed=0):
     g = torch.Generator().manual_seed(seed)
     q, k = (torch.randn(B, T, h, D, generator=g).to(DEV, dtype) for h in (H, Hk))
@@ -313,8 +349,9 @@ def test_window_hedgehog_with_gradients_runs_unfused():
 
 @pytest.mark.parametrize("window", [8, 0])
 def test_hybrid_layers_with_fused_features_match_unfused(monkeypatch, window):
-    """Layers whose Triton kernel computes the Hedgehog features (GPU inference; window and plain linear) give
-    the logits of the unfused path: a full forward, prefill + decode through the cache, a two-part prefill."""
+    """Layers whose Triton kernel computes the Hedgehog features (GPU inference; window and plain linear, and
+    the window layers' decode step) give the logits of the unfused path: a full forward, prefill + decode through
+    the cache, a two-part prefill."""
     import functools
 
     from conftest import tiny_model
@@ -356,11 +393,20 @@ def test_hybrid_layers_with_fused_features_match_unfused(monkeypatch, window):
 
     monkeypatch.setattr(attention, "window_linear_attention_hedgehog", fused_triton(window_linear_attention_hedgehog))
     monkeypatch.setattr(attention, "linear_attention_hedgehog", fused_triton(linear_attention_hedgehog))
+    steps = []
+
+    def fused_step(*args, **kw):
+        steps.append(kw.get("signed") is not None)
+        return window_linear_attention_step_hedgehog(*args, **kw, backend="triton")
+
+    monkeypatch.setattr(attention, "window_linear_attention_step_hedgehog", fused_step)
     monkeypatch.setattr(attention.LinearAttention, "fused_features",
                         functools.partialmethod(lambda self, q, k: True))  # any device
     fused = run()
     # window layers: both the fused-key and the given-key (cache ring) launches ran; plain layers: always fused
     assert (True in calls and False in calls) if window else (calls and all(calls))
+    # window layers' decode steps compute the features in the step kernel (signed weights kept by the layer)
+    assert (len(steps) == 20 * 2 and all(steps)) if window else not steps
     for x, ref in zip(fused, unfused):
         assert (x - ref).abs().max().item() <= 1e-4
 
