@@ -8,8 +8,8 @@ Layout ``[B, T, H, D]`` (like flash-attn / fla). Public entry points:
 - :func:`linear_attention_hedgehog`, :func:`window_linear_attention_hedgehog` -- the same with
   Hedgehog feature maps computed inside the forward kernel from ``q``, ``k`` (inference).
 - :func:`linear_attention_step`, :func:`window_linear_attention_step` -- one decode
-  token, state updated in place (CUDA-graph friendly); :func:`window_linear_attention_step_hedgehog` with
-  the Hedgehog features computed inside the step kernel.
+  token, state updated in place (CUDA-graph friendly); :func:`linear_attention_step_hedgehog`,
+  :func:`window_linear_attention_step_hedgehog` with the Hedgehog features computed inside the step kernel.
 - :func:`window_state_from_prefill`, :func:`empty_window_state`,
   :func:`empty_linear_state` -- decode-state helpers.
 
@@ -48,6 +48,7 @@ __all__ = [
     "linear_attention_step",
     "window_linear_attention_step",
     "window_linear_attention_step_hedgehog",
+    "linear_attention_step_hedgehog",
     "window_state_from_prefill",
     "empty_window_state",
     "empty_linear_state",
@@ -230,6 +231,39 @@ def window_linear_attention_hedgehog(
 
     return window_linear_attention_hedgehog_triton(q, k, v, window_factor, weight_q, weight_k, fk=fk,
                                                    feature_eps=feature_eps, **kw)
+
+
+def linear_attention_step_hedgehog(
+    q: torch.Tensor,  # [B, H, D] raw query
+    k: torch.Tensor,  # [B, Hk, D]
+    v: torch.Tensor,  # [B, Hk, V]
+    weight_q: torch.Tensor,  # [H, D, f]
+    weight_k: torch.Tensor,  # [Hk, D, f]
+    state: State,  # (S [B, Hk, 2f, V] fp32, z [B, Hk, 2f] fp32), updated in place
+    *,
+    normalize: bool = True,
+    eps: float = 1e-6,
+    feature_eps: float = 1e-12,
+    out: Optional[torch.Tensor] = None,  # [B, H, V]
+    backend: Optional[str] = None,
+    signed: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+) -> torch.Tensor:
+    """:func:`linear_attention_step` of the Hedgehog features of ``q`` and ``k``, computed inside the step kernel
+    on the Triton path (see :func:`window_linear_attention_step_hedgehog`), first elsewhere."""
+    _hedgehog_shapes("linear_attention_step_hedgehog", q.unsqueeze(1), k.unsqueeze(1), weight_q, weight_k)
+    if _resolve_backend(backend, q) != "triton":
+        fq, fk = _features_first(q.unsqueeze(1), k.unsqueeze(1), weight_q, weight_k, feature_eps)
+        return linear_attention_step(fq[:, 0], fk[:, 0], v, state, normalize=normalize, eps=eps, out=out,
+                                     backend=backend)
+    from .triton_common import signed_projections
+    from .triton_step import linear_step_triton
+
+    S, z = state
+    if not (S.is_contiguous() and z.is_contiguous()):
+        raise ValueError("linear_attention_step_hedgehog: state tensors must be contiguous (updated in place)")
+    wqx, wkx = signed if signed is not None else signed_projections(weight_q, weight_k, q.dtype)
+    return linear_step_triton(q, k, v, S, z, normalize=normalize, eps=eps, out=out, wqx=wqx, wkx=wkx,
+                              feps=feature_eps)
 
 
 def window_linear_attention_step_hedgehog(

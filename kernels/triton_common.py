@@ -125,16 +125,8 @@ def signed_projections(weight_q: torch.Tensor, weight_k: torch.Tensor, dtype: to
 
 
 @triton.jit
-def hedgehog_tile(x, W, wrow, od, ok, md, mk, D: tl.constexpr, K: tl.constexpr, F: tl.constexpr, feps,
-                  PREC: tl.constexpr):
-    """Hedgehog features of a ``[BT, BD]`` tile: ``[softmax(x Wh), softmax(-x Wh)]``, clamped to ``>= feps``.
-
-    ``W`` holds ``[Wh, -Wh]`` per head (``[D, K]``, ``K = 2F``; ``wrow`` = head index); returns ``[BT, BK]``
-    fp32 with zero padding columns (``>= K``). Rows of ``x`` that are zero padding get features too: the
-    caller masks them where they would count.
-    """
-    w = tl.load(W + wrow * D * K + od[:, None] * K + ok[None, :], mask=md[:, None] & mk[None, :], other=0.0)
-    u = mm(x, w, PREC)  # [BT, BK] = [x Wh, -x Wh, 0...]
+def _hedgehog_halves(u, ok, mk, F: tl.constexpr, feps):
+    """``[softmax(u[:, :F]), softmax(u[:, F:K])]`` per row of ``u [R, BK]``, clamped to ``>= feps``, zero past K."""
     pos = ok < F
     neg = (ok >= F) & mk
     m_pos = tl.max(tl.where(pos[None, :], u, _NEG_INF), 1)
@@ -147,18 +139,25 @@ def hedgehog_tile(x, W, wrow, od, ok, md, mk, D: tl.constexpr, K: tl.constexpr, 
 
 
 @triton.jit
-def hedgehog_row(x, W, wrow, od, ok, md, mk, D: tl.constexpr, K: tl.constexpr, F: tl.constexpr, feps):
-    """:func:`hedgehog_tile` for one row ``x [BD]`` (fp32), as lane reductions (a decode step has no tile for a
-    tensor-core product): ``[BK]`` fp32 features, zero past ``K``."""
+def hedgehog_tile(x, W, wrow, od, ok, md, mk, D: tl.constexpr, K: tl.constexpr, F: tl.constexpr, feps,
+                  PREC: tl.constexpr):
+    """Hedgehog features of a ``[BT, BD]`` tile: ``[softmax(x Wh), softmax(-x Wh)]``, clamped to ``>= feps``.
+
+    ``W`` holds ``[Wh, -Wh]`` per head (``[D, K]``, ``K = 2F``; ``wrow`` = head index); returns ``[BT, BK]``
+    fp32 with zero padding columns (``>= K``). Rows of ``x`` that are zero padding get features too: the
+    caller masks them where they would count.
+    """
     w = tl.load(W + wrow * D * K + od[:, None] * K + ok[None, :], mask=md[:, None] & mk[None, :], other=0.0)
-    u = tl.sum(x[:, None] * w.to(tl.float32), 0)  # [BK] = [x Wh, -x Wh, 0...]
-    pos = ok < F
-    neg = (ok >= F) & mk
-    m_pos = tl.max(tl.where(pos, u, _NEG_INF), 0)
-    m_neg = tl.max(tl.where(neg, u, _NEG_INF), 0)
-    e = tl.where(mk, tl.exp(u - tl.where(pos, m_pos, m_neg)), 0.0)
-    f = e / tl.where(pos, tl.sum(tl.where(pos, e, 0.0), 0), tl.sum(tl.where(neg, e, 0.0), 0))
-    return tl.where(mk, tl.maximum(f, feps), 0.0)
+    return _hedgehog_halves(mm(x, w, PREC), ok, mk, F, feps)  # u = [x Wh, -x Wh, 0...]
+
+
+@triton.jit
+def hedgehog_row(x, W, wrow, od, ok, md, mk, D: tl.constexpr, K: tl.constexpr, F: tl.constexpr, feps):
+    """:func:`hedgehog_tile` for one row ``x [BD]`` (fp32), the projection as lane reductions (a decode step has
+    no tile for a tensor-core product): ``[BK]`` fp32 features, zero past ``K``."""
+    w = tl.load(W + wrow * D * K + od[:, None] * K + ok[None, :], mask=md[:, None] & mk[None, :], other=0.0)
+    u = tl.sum(x[:, None] * w.to(tl.float32), 0)  # [BK]
+    return tl.sum(_hedgehog_halves(u[None, :], ok, mk, F, feps), 0)  # the one row
 
 
 @triton.jit

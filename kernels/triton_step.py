@@ -22,18 +22,24 @@ from .triton_common import hedgehog_row, pow2
 @triton.jit
 def _linear_step_kernel(
     Q, Kp, Vp, S, Z, O,  # q [B,H,K], k [B,HK,K], v [B,HK,V], S [B,HK,K,V], z [B,HK,K], o [B,H,V]
-    H, HK, eps,
+    WQX, WKX,  # FUSE: q, k are raw [B,H|HK,D] and these the Hedgehog maps [Wq, -Wq] [H,D,K], [Wk, -Wk] [HK,D,K]
+    H, HK, eps, feps,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, G: tl.constexpr,
-    NORMALIZE: tl.constexpr,
+    NORMALIZE: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, FUSE: tl.constexpr,
 ):
     pbh = tl.program_id(0)
     b = pbh // HK
     hk = pbh % HK
     ok = tl.arange(0, BK)
     ov = tl.arange(0, BV)
-    mk, mv = ok < K, ov < V
+    od = tl.arange(0, BD)
+    mk, mv, md = ok < K, ov < V, od < D
     base = pbh.to(tl.int64)
-    k = tl.load(Kp + base * K + ok, mask=mk, other=0.0).to(tl.float32)
+    if FUSE:  # the features the layer would compute: fp32, rounded to the input dtype
+        k = tl.load(Kp + base * D + od, mask=md, other=0.0)
+        k = hedgehog_row(k.to(tl.float32), WKX, hk, od, ok, md, mk, D, K, K // 2, feps).to(k.dtype).to(tl.float32)
+    else:
+        k = tl.load(Kp + base * K + ok, mask=mk, other=0.0).to(tl.float32)
     v = tl.load(Vp + base * V + ov, mask=mv, other=0.0).to(tl.float32)
     sp = S + base * K * V + ok[:, None] * V + ov[None, :]
     s = tl.load(sp, mask=mk[:, None] & mv[None, :], other=0.0)
@@ -44,7 +50,11 @@ def _linear_step_kernel(
     for g in tl.static_range(G):
         h = hk * G + g
         qrow = b.to(tl.int64) * H + h
-        q = tl.load(Q + qrow * K + ok, mask=mk, other=0.0).to(tl.float32)
+        if FUSE:
+            q = tl.load(Q + qrow * D + od, mask=md, other=0.0)
+            q = hedgehog_row(q.to(tl.float32), WQX, h, od, ok, md, mk, D, K, K // 2, feps).to(q.dtype).to(tl.float32)
+        else:
+            q = tl.load(Q + qrow * K + ok, mask=mk, other=0.0).to(tl.float32)
         o = tl.sum(q[:, None] * s, 0)
         if NORMALIZE:
             o = o / (tl.sum(q * z, 0) + eps)
@@ -118,15 +128,21 @@ def _warps(nbytes: int) -> int:
     return 4 if nbytes <= 32 * 1024 else (8 if nbytes <= 96 * 1024 else 16)
 
 
-def linear_step_triton(q, k, v, S, z, *, normalize=True, eps=1e-6, out=None):
-    B, H, K = q.shape
+def linear_step_triton(q, k, v, S, z, *, normalize=True, eps=1e-6, out=None, wqx=None, wkx=None, feps=0.0):
+    """The linear step; with ``wqx`` / ``wkx`` (``signed_projections``) ``q`` / ``k`` are the raw rows and the
+    kernel computes their Hedgehog features itself."""
+    fuse = wqx is not None
+    B, H, D = q.shape
+    K = wqx.shape[-1] if fuse else D
     HK, V = k.shape[1], v.shape[-1]
     if out is None:
         out = torch.empty((B, H, V), dtype=v.dtype, device=q.device)
     BK, BV = pow2(K), pow2(V)
+    q = q.contiguous()
     _linear_step_kernel[(B * HK,)](
-        q.contiguous(), k.contiguous(), v.contiguous(), S, z, out, H, HK, eps,
-        K=K, V=V, BK=BK, BV=BV, G=H // HK, NORMALIZE=normalize, num_warps=_warps(BK * BV * 4),
+        q, k.contiguous(), v.contiguous(), S, z, out, wqx if fuse else q, wkx if fuse else q, H, HK, eps, float(feps),
+        K=K, V=V, BK=BK, BV=BV, G=H // HK, NORMALIZE=normalize, D=D, BD=pow2(D), FUSE=fuse,
+        num_warps=_warps(BK * BV * 4),
     )
     return out
 

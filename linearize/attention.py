@@ -29,6 +29,7 @@ from .kernels import (
     linear_attention,
     linear_attention_hedgehog,
     linear_attention_step,
+    linear_attention_step_hedgehog,
     window_linear_attention,
     window_linear_attention_hedgehog,
     window_linear_attention_step,
@@ -37,7 +38,7 @@ from .kernels import (
 )
 
 #: ``LINEARIZE_FUSED_FEATURE_MAPS=1``: GPU inference of layers with Hedgehog maps computes the features inside
-#: the (window or plain) linear-attention kernel, and inside the window layers' decode step. Off by default until
+#: the (window or plain) linear-attention kernel and inside the decode-step kernels. Off by default until
 #: timed on a GPU (tested under the Triton interpreter); otherwise the features are computed first, as training does.
 FUSE_HEDGEHOG = os.environ.get("LINEARIZE_FUSED_FEATURE_MAPS", "0") == "1"
 
@@ -205,15 +206,19 @@ class LinearAttention(nn.Module):
         state = layer_cache.state if layer_cache is not None else None
         want_state = layer_cache is not None
         decode = state is not None and T == 1
-        # fused Hedgehog features: prefill of both kinds, and the window layer's decode step
-        fused = (T > 1 or self.window > 0) and self.fused_features(q, k)
+        fused = self.fused_features(q, k)  # Hedgehog features inside the kernels (prefill and decode steps)
         fq = None if fused else self.feature_map_q(q)
         # key features stay in memory without fusion, and for a window layer's prefill into a cache (its ring)
         fk = (None if (fused and (decode or self.window == 0 or (state is None and not want_state)))
               else self.feature_map_k(k))
         if self.window == 0:
-            if state is not None and T == 1:
-                o = linear_attention_step(fq[:, 0], fk[:, 0], v[:, 0], state, eps=self.eps)
+            if decode:
+                if fused:
+                    o = linear_attention_step_hedgehog(
+                        q[:, 0], k[:, 0], v[:, 0], self.feature_map_q.weight, self.feature_map_k.weight, state,
+                        eps=self.eps, feature_eps=self.feature_map_q.eps, signed=self.signed_feature_weights(q.dtype))
+                else:
+                    o = linear_attention_step(fq[:, 0], fk[:, 0], v[:, 0], state, eps=self.eps)
                 layer_cache.set_state(state, 1)
                 return o.unsqueeze(1)
             if fused:

@@ -32,6 +32,7 @@ from linearize.kernels import (  # noqa: E402
     linear_attention_reference,
     linear_attention,
     linear_attention_step,
+    linear_attention_step_hedgehog,
     window_linear_attention,
     window_linear_attention_hedgehog,
     window_linear_attention_reference,
@@ -276,6 +277,30 @@ def test_window_step_with_hedgehog_features_in_the_kernel(dtype, Hk):
     assert rel_err(o, ref[0]) < tol
 
 
+@pytest.mark.parametrize("normalize", [True, False], ids=["norm", "num"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_linear_step_with_hedgehog_features_in_the_kernel(dtype, normalize):
+    """The plain linear decode step computing the Hedgehog features itself: as the step fed the layer's features
+    (outputs and state) and as one forward over the sequence; GQA."""
+    B, T, H, Hk, D, f, V, prefill = 2, 12, 4, 2, 32, 16, 32, 3
+    q, k, v, _, wq, wk, _ = _hedgehog_case(B, T, H, Hk, D, f, V, 64, dtype, state=False, seed=4)
+    fq, fk = (hedgehog_features(x.float(), w.float()).to(dtype) for x, w in ((q, wq), (k, wk)))
+    o_full = linear_attention(fq, fk, v, normalize=normalize, backend="reference")[0]
+    _, st = linear_attention(fq[:, :prefill], fk[:, :prefill], v[:, :prefill], normalize=normalize,
+                             output_final_state=True, backend="triton")
+    fused, plain = (tuple(x.clone() for x in st) for _ in range(2))
+    outs, ref = [], []
+    for t in range(prefill, T):
+        outs.append(linear_attention_step_hedgehog(q[:, t], k[:, t], v[:, t], wq, wk, fused, normalize=normalize,
+                                                   backend="triton").clone())
+        ref.append(linear_attention_step(fq[:, t], fk[:, t], v[:, t], plain, normalize=normalize,
+                                         backend="triton").clone())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the interpreter truncates in-kernel casts (README)
+    assert rel_err(torch.stack(outs, 1), torch.stack(ref, 1)) < tol
+    assert rel_err(torch.stack(outs, 1), o_full[:, prefill:]) < tol
+    assert rel_err(fused[0], plain[0]) < tol and rel_err(fused[1], plain[1]) < tol
+
+
 def _hedgehog_case(B, T, H, Hk, D, f, V, W, dtype, *, state, seed=0):
     g = torch.Generator().manual_seed(seed)
     q, k = (torch.randn(B, T, h, D, generator=g).to(DEV, dtype) for h in (H, Hk))
@@ -349,8 +374,8 @@ def test_window_hedgehog_with_gradients_runs_unfused():
 
 @pytest.mark.parametrize("window", [8, 0])
 def test_hybrid_layers_with_fused_features_match_unfused(monkeypatch, window):
-    """Layers whose Triton kernel computes the Hedgehog features (GPU inference; window and plain linear, and
-    the window layers' decode step) give the logits of the unfused path: a full forward, prefill + decode through
+    """Layers whose Triton kernels compute the Hedgehog features (GPU inference; window and plain linear, prefill
+    and decode steps) give the logits of the unfused path: a full forward, prefill + decode through
     the cache, a two-part prefill."""
     import functools
 
@@ -395,18 +420,22 @@ def test_hybrid_layers_with_fused_features_match_unfused(monkeypatch, window):
     monkeypatch.setattr(attention, "linear_attention_hedgehog", fused_triton(linear_attention_hedgehog))
     steps = []
 
-    def fused_step(*args, **kw):
-        steps.append(kw.get("signed") is not None)
-        return window_linear_attention_step_hedgehog(*args, **kw, backend="triton")
+    def fused_step(fn):
+        def call(*args, **kw):
+            steps.append(kw.get("signed") is not None)
+            return fn(*args, **kw, backend="triton")
+        return call
 
-    monkeypatch.setattr(attention, "window_linear_attention_step_hedgehog", fused_step)
+    monkeypatch.setattr(attention, "window_linear_attention_step_hedgehog", fused_step(
+        window_linear_attention_step_hedgehog))
+    monkeypatch.setattr(attention, "linear_attention_step_hedgehog", fused_step(linear_attention_step_hedgehog))
     monkeypatch.setattr(attention.LinearAttention, "fused_features",
                         functools.partialmethod(lambda self, q, k: True))  # any device
     fused = run()
     # window layers: both the fused-key and the given-key (cache ring) launches ran; plain layers: always fused
     assert (True in calls and False in calls) if window else (calls and all(calls))
-    # window layers' decode steps compute the features in the step kernel (signed weights kept by the layer)
-    assert (len(steps) == 20 * 2 and all(steps)) if window else not steps
+    # decode steps compute the features in the step kernel (signed weights kept by the layer)
+    assert len(steps) == 20 * 2 and all(steps)
     for x, ref in zip(fused, unfused):
         assert (x - ref).abs().max().item() <= 1e-4
 
