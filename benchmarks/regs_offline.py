@@ -28,7 +28,8 @@ DIV16 = {"T", "H", "HK", "SEG_CHUNKS"}  # as the device specialises them at the 
 
 def compile_stats(fn, pointers: dict, ints: set, floats: set, consts: dict, warps: int, stages: int):
     """(registers, spill store bytes, spill load bytes, shared bytes) of ``fn`` compiled for sm_90a."""
-    consts = dict(consts, NSEG=1)  # one segment: the device specialises an argument equal to 1
+    if "NSEG" in fn.arg_names:
+        consts = dict(consts, NSEG=1)  # one segment: the device specialises an argument equal to 1
     sig = {}
     for name in fn.arg_names:
         sig[name] = ("constexpr" if name in consts else pointers.get(name) or
