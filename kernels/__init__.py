@@ -30,6 +30,7 @@ from .chunked import linear_attention_chunked, window_linear_attention_chunked
 from .reference import hedgehog_features, linear_attention_reference, window_linear_attention_reference
 from .step import (
     WindowState,
+    check_linear_state,
     empty_linear_state,
     empty_window_state,
     linear_attention_step,
@@ -258,9 +259,7 @@ def linear_attention_step_hedgehog(
     from .triton_common import signed_projections
     from .triton_step import linear_step_triton
 
-    S, z = state
-    if not (S.is_contiguous() and z.is_contiguous()):
-        raise ValueError("linear_attention_step_hedgehog: state tensors must be contiguous (updated in place)")
+    S, z = check_linear_state("linear_attention_step_hedgehog", state)
     wqx, wkx = signed if signed is not None else signed_projections(weight_q, weight_k, q.dtype)
     return linear_step_triton(q, k, v, S, z, normalize=normalize, eps=eps, out=out, wqx=wqx, wkx=wkx,
                               feps=feature_eps)

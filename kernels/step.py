@@ -139,6 +139,14 @@ def _linear_step_torch(q, k, v, S, z, normalize, eps, out):
     return out
 
 
+def check_linear_state(name: str, state: State) -> State:
+    """``(S, z)``, which a step updates in place: both must be contiguous."""
+    S, z = state
+    if not (S.is_contiguous() and z.is_contiguous()):
+        raise ValueError(f"{name}: state tensors must be contiguous (updated in place)")
+    return S, z
+
+
 def linear_attention_step(
     q: torch.Tensor,  # [B, H, K]
     k: torch.Tensor,  # [B, Hk, K]
@@ -151,9 +159,7 @@ def linear_attention_step(
     backend: Optional[str] = None,
 ) -> torch.Tensor:
     """One decode token: ``S += k v^T; z += k`` in place, then ``o = q.S / (q.z + eps)``."""
-    S, z = state
-    if not (S.is_contiguous() and z.is_contiguous()):
-        raise ValueError("linear_attention_step: state tensors must be contiguous (updated in place)")
+    S, z = check_linear_state("linear_attention_step", state)
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
     if _use_triton(q, backend):
