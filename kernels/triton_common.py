@@ -91,8 +91,11 @@ def launch(kernel, grid, *args, **kw):
 def plan_segments(cfg: dict, N: int, progs: int, device: torch.device) -> tuple[int, int]:
     """Split each sequence of ``N`` chunks into segments so ``progs`` programs fill the GPU.
 
-    Returns ``(segments, chunks_per_segment)``; one segment off CUDA or when there are enough programs.
+    Returns ``(segments, chunks_per_segment)``; one segment off CUDA, when there are enough programs, or for
+    empty inputs.
     """
+    if N == 0 or progs == 0:
+        return 1, 1
     nseg = 1
     if cfg.get("force_segments"):
         nseg = min(N, int(cfg["force_segments"]))

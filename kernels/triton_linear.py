@@ -313,11 +313,13 @@ CONFIG = {  # picked by linearize.bench.tune_kernels on an H200 (triton 3.6), se
 }
 
 
-def norm_mma(cfg: dict, warps: int) -> bool:
-    """Whether the forward's normaliser runs as tensor-core products (``fwd_norm_mma``): only with 8 or more warps.
-    With 4, triton 3.6 miscompiled it on an H200 (wrong outputs, or an out-of-range shared address at a value
-    block of 64; bisected 2026-12-01); 8 warps gave the reference's result at value blocks 64 and 128."""
-    return bool(cfg["fwd_norm_mma"]) and warps >= 8
+def norm_mma(cfg: dict, warps: int, fused: bool = False) -> bool:
+    """Whether the forward's normaliser runs as tensor-core products (``fwd_norm_mma``): only with 8 or more
+    warps and features read from memory. triton 3.6 miscompiled it on an H200 (bisected 2026-12-01): with 4
+    warps (wrong outputs, or an out-of-range shared address at a value block of 64), and with the Hedgehog
+    features computed in the kernel (normalised outputs off by 18-54% at D = 16 / 32, f = 12 / 16, and illegal
+    addresses under compute-sanitizer); lane reductions gave the reference's result in both cases."""
+    return bool(cfg["fwd_norm_mma"]) and warps >= 8 and not fused
 
 
 def _fwd(q, k, v, S0, z0, normalize, eps, want_final, store_den, wqx=None, wkx=None, feps=0.0, make_fk=None):
@@ -355,7 +357,7 @@ def _fwd(q, k, v, S0, z0, normalize, eps, want_final, store_den, wqx=None, wkx=N
         wqx if wqx is not None else dummy, wkx if wkx is not None else dummy,
         T, H, HK, nseg, seg_chunks, eps, feps,
         K=K, V=V, BK=BK, BV=BV, BT=BT, NORMALIZE=normalize, HAS_SEG=seg_S is not None,
-        STORE_FINAL=want_final, STORE_DEN=den is not None, NORM_MMA=norm_mma(CONFIG, warps),
+        STORE_FINAL=want_final, STORE_DEN=den is not None, NORM_MMA=norm_mma(CONFIG, warps, fused=wqx is not None),
         SPLIT=q.dtype != torch.float32 and CONFIG["fwd_norm_split"], ROWSUM_LANES=CONFIG["fwd_rowsum_lanes"],
         PREC=prec(q.dtype),
         D=D, BD=pow2(D), FUSE_Q=wqx is not None, FUSE_K=fuse_k,

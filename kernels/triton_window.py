@@ -1,6 +1,6 @@
 """Triton kernels for the LoLCATs sliding-window hybrid, forward and backward.
 
-Chunks of ``BT >= W`` tokens (64, or 128 for 64 < W <= 128). A query in chunk
+Chunks of ``BT >= W`` tokens (64, or 128 for 64 < W <= 128 with 16-bit inputs). A query in chunk
 ``n`` sees its window inside chunks ``n-1`` and ``n``; everything older than the
 window in chunk ``n-1`` (and in chunk ``n`` when ``W < BT``) is handled through
 masked feature-map scores, and all tokens before chunk ``n-1`` through the
@@ -319,17 +319,20 @@ CONFIG = {  # picked by linearize.bench.tune_kernels on an H200 (triton 3.6), se
 }
 
 
-def _chunk_for(window: int) -> Optional[int]:
-    """The chunk for window ``W``: 64 when ``W`` fits it, 128 up to 128, else None (the chunked PyTorch path)."""
+def _chunk_for(window: int, dtype: torch.dtype) -> Optional[int]:
+    """The chunk for window ``W``: 64 when ``W`` fits it, 128 up to 128 (16-bit inputs only), else None (the
+    chunked PyTorch path). fp32 128-token chunks are not built: with exact fp32 products their kernels spill
+    50-120 KB per thread, ptxas (triton 3.6) ran past 150 s on each, and the key-side backward needs 320 KB of
+    shared memory (sm_90a, compiled offline, 2026-12-01)."""
     if window <= 64:
         return 64
-    if window <= 128:
+    if window <= 128 and dtype != torch.float32:
         return 128
     return None
 
 
-def supported(window: int) -> bool:
-    return _chunk_for(window) is not None
+def supported(window: int, dtype: torch.dtype) -> bool:
+    return _chunk_for(window, dtype) is not None
 
 
 def _fwd(q, k, fq, fk, v, wf, W, scale, eps, S0, z0, store_stats, wqx=None, wkx=None, feps=0.0, make_fk=None):
@@ -338,7 +341,7 @@ def _fwd(q, k, fq, fk, v, wf, W, scale, eps, S0, z0, store_stats, wqx=None, wkx=
     B, T, H, D = q.shape
     HK, K, V = k.shape[2], (fq if fq is not None else wqx).shape[-1], v.shape[-1]
     dev = q.device
-    BT = _chunk_for(W)
+    BT = _chunk_for(W, q.dtype)
     BD, BK = pow2(D), pow2(K)
     BV, stages, warps = fwd_blocks(CONFIG, BK, V, q.dtype, fused=wqx is not None)
     NVB = triton.cdiv(V, BV)
@@ -384,7 +387,7 @@ def _bwd(q, k, fq, fk, v, wf, o, ms, den, W, scale, S0, z0, do, dS_f, dz_f, need
     HK, K, V = k.shape[2], fk.shape[-1], v.shape[-1]
     G = H // HK
     dev = q.device
-    BT = _chunk_for(W)
+    BT = _chunk_for(W, q.dtype)
     f32 = torch.float32
     N = triton.cdiv(T, BT)
     do = do.contiguous()
@@ -466,10 +469,11 @@ def window_linear_attention_triton(
     q, k, fq, fk, v, window_factor, *, window: int = 64, scale: Optional[float] = None, eps: float = 1e-12,
     initial_state: Optional[Tuple[torch.Tensor, torch.Tensor]] = None, output_final_state: bool = False,
 ):
-    """Triton path of :func:`linearize.kernels.window_linear_attention` (``window <= 128``)."""
+    """Triton path of :func:`linearize.kernels.window_linear_attention` (``window <= 128``, fp32 ``<= 64``; other
+    windows run the chunked PyTorch path)."""
     ensure_applied(q.device)  # this GPU's saved launch configuration (bench kernels --tune), once
     W = int(window)
-    if not supported(W):
+    if not supported(W, q.dtype):
         from .chunked import window_linear_attention_chunked
 
         return window_linear_attention_chunked(q, k, fq, fk, v, window_factor, window=W, scale=scale, eps=eps,
@@ -505,7 +509,7 @@ def window_linear_attention_hedgehog_triton(
             made.append(hedgehog_features(k.float(), weight_k.float(), feature_eps).to(dt).contiguous())
         return made[0]
 
-    if not supported(W):
+    if not supported(W, q.dtype):
         from .chunked import window_linear_attention_chunked
 
         fq = hedgehog_features(q.float(), weight_q.float(), feature_eps).to(dt)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -37,10 +38,17 @@ from .kernels import (
     window_state_from_prefill,
 )
 
-#: ``LINEARIZE_FUSED_FEATURE_MAPS=1``: GPU inference of layers with Hedgehog maps computes the features inside
-#: the (window or plain) linear-attention kernel and inside the decode-step kernels. Off by default until
-#: timed on a GPU (tested under the Triton interpreter); otherwise the features are computed first, as training does.
-FUSE_HEDGEHOG = os.environ.get("LINEARIZE_FUSED_FEATURE_MAPS", "0") == "1"
+#: Where GPU inference of Hedgehog layers computes the features inside the kernels instead of first
+#: (``LINEARIZE_FUSED_FEATURE_MAPS``): ``decode`` (the default) in the decode-step kernels only (the hybrid
+#: Llama-3-8B-shaped step at 32K x 8 took 10.27 ms against 11.05 unfused, CUDA graphs, H200, 2026-12-01),
+#: ``all`` in the prefill forwards too (those were slower on the H200: kernels/README.md), ``none`` nowhere.
+#: ``1`` / ``0`` mean ``all`` / ``none``. Training always computes the features first.
+_fused_env = os.environ.get("LINEARIZE_FUSED_FEATURE_MAPS", "decode")
+FUSED_FEATURE_MAPS = {"1": "all", "0": "none"}.get(_fused_env, _fused_env)
+if FUSED_FEATURE_MAPS not in ("decode", "all", "none"):
+    warnings.warn(f"LINEARIZE_FUSED_FEATURE_MAPS={FUSED_FEATURE_MAPS!r} is not one of decode, all, none (or 1, 0): "
+                  "using decode", stacklevel=1)
+    FUSED_FEATURE_MAPS = "decode"
 
 
 @dataclass(frozen=True)
@@ -177,10 +185,10 @@ class LinearAttention(nn.Module):
     def window_factor(self) -> torch.Tensor | None:
         return None if self.window_logit is None else torch.sigmoid(self.window_logit)
 
-    def fused_features(self, q, k) -> bool:
+    def fused_features(self, q, k, decode: bool) -> bool:
         """Whether the kernel computes this layer's Hedgehog features itself: inference on a GPU (no gradient
-        needed), Hedgehog maps on both sides, ``FUSE_HEDGEHOG`` on."""
-        if not (FUSE_HEDGEHOG and q.is_cuda):
+        needed), Hedgehog maps on both sides, and ``FUSED_FEATURE_MAPS`` covering this call (decode step or not)."""
+        if not (FUSED_FEATURE_MAPS == "all" or (FUSED_FEATURE_MAPS == "decode" and decode)) or not q.is_cuda:
             return False
         if not (isinstance(self.feature_map_q, HedgehogFeatureMap) and isinstance(self.feature_map_k, HedgehogFeatureMap)):
             return False
@@ -206,7 +214,7 @@ class LinearAttention(nn.Module):
         state = layer_cache.state if layer_cache is not None else None
         want_state = layer_cache is not None
         decode = state is not None and T == 1
-        fused = self.fused_features(q, k)  # Hedgehog features inside the kernels (prefill and decode steps)
+        fused = self.fused_features(q, k, decode)  # Hedgehog features inside the kernels
         fq = None if fused else self.feature_map_q(q)
         # key features stay in memory without fusion, and for a window layer's prefill into a cache (its ring)
         fk = (None if (fused and (decode or self.window == 0 or (state is None and not want_state)))

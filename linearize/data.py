@@ -442,9 +442,10 @@ def _empty_split_error(src: DataSource, split: str) -> DataError:
 
 
 def data_cache_dir() -> Path:
-    """``$LINEARIZE_CACHE/data`` (the root defaults to ``~/.cache/linearize``, as in sources.py)."""
-    root = os.environ.get("LINEARIZE_CACHE") or str(Path.home() / ".cache" / "linearize")
-    return Path(root).expanduser() / "data"
+    """``$LINEARIZE_CACHE/data`` (the root defaults to ``~/.cache/linearize``: :func:`sources.cache_root`)."""
+    from .sources import cache_root
+
+    return cache_root() / "data"
 
 
 def _eos_id(tokenizer: Any) -> int:

@@ -54,7 +54,7 @@ DEFAULT_MODEL = "smollm2-135m"
 
 def cache_root() -> Path:
     """Where linearize keeps derived files (``$LINEARIZE_CACHE`` or ``~/.cache/linearize``)."""
-    return Path(os.environ.get("LINEARIZE_CACHE", Path.home() / ".cache" / "linearize"))
+    return Path(os.environ.get("LINEARIZE_CACHE") or Path.home() / ".cache" / "linearize").expanduser()
 
 
 @dataclass

@@ -147,3 +147,24 @@ def test_trust_remote_code_in_fresh_process(tmp_path):
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "LinearizeForCausalLM torch.Size([1, 6])" in res.stdout
+
+
+@pytest.mark.parametrize("mode,expect", [("decode", (False, True)), ("all", (True, True)), ("none", (False, False))])
+def test_fused_feature_maps_setting(monkeypatch, mode, expect):
+    """LINEARIZE_FUSED_FEATURE_MAPS: which calls of a Hedgehog layer (prefill, decode step) compute the features
+    in the kernel on a GPU; never with gradients, on CPU tensors, or for elu layers."""
+    from types import SimpleNamespace
+
+    from linearize import attention
+
+    hybrid = linearize_model(tiny_model("llama"), select_layout(4, ratio="1:1"), R.load("lolcats"))
+    layer = next(iter(hybrid.linear_modules()))
+    monkeypatch.setattr(attention, "FUSED_FEATURE_MAPS", mode)
+    on_gpu = SimpleNamespace(is_cuda=True, requires_grad=False)
+    with torch.no_grad():
+        assert (layer.fused_features(on_gpu, on_gpu, False), layer.fused_features(on_gpu, on_gpu, True)) == expect
+        assert not layer.fused_features(torch.zeros(1), torch.zeros(1), True)
+    assert not layer.fused_features(on_gpu, on_gpu, True)  # gradients enabled: the maps are trainable
+    elu = next(iter(linearize_model(tiny_model("llama"), select_layout(4, ratio="1:1"), R.load("elu")).linear_modules()))
+    with torch.no_grad():
+        assert not elu.fused_features(on_gpu, on_gpu, True)

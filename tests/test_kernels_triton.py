@@ -134,6 +134,24 @@ def test_window_triton_vs_reference(shape, dtype):
     check_window("triton", *shape, dtype, state=shape[1] % 2 == 0, device=DEV)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_window_fp32_over_64_runs_the_chunked_path(dtype, monkeypatch):
+    """fp32 windows of 65-128 tokens run the chunked PyTorch path (their 128-token Triton chunks are not
+    built); 16-bit ones launch the window kernel."""
+    from linearize.kernels import triton_window
+
+    launched = []
+    real = triton_window._fwd
+    monkeypatch.setattr(triton_window, "_fwd", lambda *a, **kw: launched.append(1) or real(*a, **kw))
+    inp = window_inputs(1, 150, 2, 1, 16, 16, 16, dtype=dtype, device=DEV)
+    o, _ = window_linear_attention(inp["q"], inp["k"], inp["fq"], inp["fk"], inp["v"], inp["window_factor"],
+                                   window=100, backend="triton")
+    ro, _ = window_linear_attention(inp["q"], inp["k"], inp["fq"], inp["fk"], inp["v"], inp["window_factor"],
+                                    window=100, backend="reference")
+    assert bool(launched) == (dtype != torch.float32)
+    assert rel_err(o, ro) <= (1e-5 if dtype == torch.float32 else 1e-2)
+
+
 def test_linear_triton_continuation_two_halves():
     inp = linear_inputs(1, 140, 4, 2, 16, 16, device=DEV)
     q, k, v = inp["q"], inp["k"], inp["v"]
@@ -372,11 +390,12 @@ def test_window_hedgehog_with_gradients_runs_unfused():
         assert rel_err(a.grad, b.grad) <= 1e-4
 
 
+@pytest.mark.parametrize("mode", ["all", "decode"])
 @pytest.mark.parametrize("window", [8, 0])
-def test_hybrid_layers_with_fused_features_match_unfused(monkeypatch, window):
+def test_hybrid_layers_with_fused_features_match_unfused(monkeypatch, window, mode):
     """Layers whose Triton kernels compute the Hedgehog features (GPU inference; window and plain linear, prefill
-    and decode steps) give the logits of the unfused path: a full forward, prefill + decode through
-    the cache, a two-part prefill."""
+    and decode steps, or decode steps only after an unfused prefill: the default) give the logits of the unfused
+    path: a full forward, prefill + decode through the cache, a two-part prefill."""
     import functools
 
     from conftest import tiny_model
@@ -429,11 +448,14 @@ def test_hybrid_layers_with_fused_features_match_unfused(monkeypatch, window):
     monkeypatch.setattr(attention, "window_linear_attention_step_hedgehog", fused_step(
         window_linear_attention_step_hedgehog))
     monkeypatch.setattr(attention, "linear_attention_step_hedgehog", fused_step(linear_attention_step_hedgehog))
-    monkeypatch.setattr(attention.LinearAttention, "fused_features",
-                        functools.partialmethod(lambda self, q, k: True))  # any device
+    monkeypatch.setattr(attention, "FUSED_FEATURE_MAPS", mode)
+    monkeypatch.setattr(attention.LinearAttention, "fused_features",  # as on a GPU, for any device
+                        functools.partialmethod(lambda self, q, k, decode: mode == "all" or decode))
     fused = run()
-    # window layers: both the fused-key and the given-key (cache ring) launches ran; plain layers: always fused
-    assert (True in calls and False in calls) if window else (calls and all(calls))
+    if mode == "decode":
+        assert not calls  # prefill computed the features first
+    else:  # window layers: both the fused-key and the given-key (cache ring) launches ran; plain: always fused
+        assert (True in calls and False in calls) if window else (calls and all(calls))
     # decode steps compute the features in the step kernel (signed weights kept by the layer)
     assert len(steps) == 20 * 2 and all(steps)
     for x, ref in zip(fused, unfused):
@@ -516,3 +538,15 @@ def test_fused_hedgehog_launch_with_its_own_value_block(kind, monkeypatch):
             o, (S, _) = linear_attention_hedgehog(q, k, v, wq, wk, initial_state=init, output_final_state=True,
                                                   backend="triton")
     assert rel_err(o, ro) <= 1e-5 and rel_err(S, rS) <= 1e-5
+
+
+@pytest.mark.parametrize("B,T", [(0, 64), (1, 0)])
+def test_empty_inputs(B, T):
+    """An empty batch or sequence gives empty outputs and passes an initial state through unchanged."""
+    q = torch.rand(B, T, 2, 16, device=DEV)
+    init = (torch.rand(B, 2, 16, 16, device=DEV), torch.rand(B, 2, 16, device=DEV))
+    o, (S, z) = linear_attention(q, q, q, initial_state=init, output_final_state=True, backend="triton")
+    assert o.shape == q.shape and torch.equal(S, init[0]) and torch.equal(z, init[1])
+    o, (S, z) = window_linear_attention(q, q, q, q, q, torch.rand(2, device=DEV), window=8, initial_state=init,
+                                        output_final_state=True, backend="triton")
+    assert o.shape == q.shape and torch.equal(S, init[0]) and torch.equal(z, init[1])
