@@ -4,6 +4,8 @@ launch configuration; median of ``do_bench`` (warmup 25 ms, rep 150 ms). The for
 ``linearize bench kernels`` without its other rows and checks. Needs a GPU and fla-core 0.6.0:
 
     LINEARIZE_KERNEL_TUNING=0 FLA_DISABLE_BACKEND_DISPATCH=1 python benchmarks/linear_fwd_vs_fla.py
+
+``CONFIG="fwd_rowsum_lanes=1 seg_warps=8"`` overrides ``triton_linear.CONFIG`` entries (ints; booleans as 0 / 1).
 """
 import os
 
@@ -12,6 +14,12 @@ from fla.ops.linear_attn import chunk_linear_attn
 from triton.testing import do_bench
 
 from linearize.kernels import linear_attention
+from linearize.kernels import triton_linear as TL
+
+for item in os.environ.get("CONFIG", "").split():
+    key, val = item.split("=")
+    TL.CONFIG[key] = bool(int(val)) if isinstance(TL.CONFIG[key], bool) else type(TL.CONFIG[key])(float(val))
+print("CONFIG overrides:", os.environ.get("CONFIG", "none"))
 
 torch.manual_seed(0)
 dev, bf, H, D = "cuda", torch.bfloat16, 32, 128
