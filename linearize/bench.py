@@ -496,17 +496,26 @@ def bench_kernels(
                 _row(rows, bench="linear", impl=nm, T=T, B=B, passes="fwd", ms=float("nan"), note=str(e)[:120])
         del qs, ks, vs, dos
         say(f"sdpa T={T} done")
+        if out_json is not None:  # a run cut short (a time limit) keeps the lengths it finished
+            write_rows(out_json, meta, checks, rows, complete=False)
 
     if decode:
         _bench_decode(rows, heads, dim, window, decode_batch, copy_gbs, fla, warmup, rep, say)
 
     if out_json is not None:
-        out_json = Path(out_json)
-        out_json.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out_json.with_suffix(out_json.suffix + ".tmp")
-        tmp.write_text(json.dumps({"meta": meta, "checks": checks, "rows": rows}, indent=1))
-        tmp.replace(out_json)
+        write_rows(out_json, meta, checks, rows, complete=True)
     return [dict(meta=meta)] + checks + rows
+
+
+def write_rows(out_json, meta: dict, checks: list, rows: list, *, complete: bool) -> Path:
+    """Write ``{"meta", "checks", "rows", "complete"}`` to ``out_json`` atomically (``complete`` false while the
+    benchmark is still running: after each length, so an interrupted run keeps what it measured)."""
+    out_json = Path(out_json)
+    out_json.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_json.with_suffix(out_json.suffix + ".tmp")
+    tmp.write_text(json.dumps({"meta": meta, "checks": checks, "rows": rows, "complete": complete}, indent=1))
+    tmp.replace(out_json)
+    return out_json
 
 
 def _bench_decode(rows, heads, dim, window, decode_batch, copy_gbs, fla, warmup, rep, say):

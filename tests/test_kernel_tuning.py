@@ -145,3 +145,18 @@ def test_sweep_stops_when_a_configuration_kills_the_gpu_context():
         sweep_configs(config, {"tile": [128, 256]}, run, {(1, 4): (x,)}, {(1, 4): [x]}, {(1, 4): 1.0},
                       lambda fn: 1.0, lambda m: None)
     assert config == {"tile": 64} and 256 not in tried
+
+
+def test_bench_rows_written_as_they_come(tmp_path):
+    """`bench kernels -o`: the JSON is rewritten atomically after each length (complete: false) and at the end."""
+    from linearize.bench import write_rows
+
+    out = tmp_path / "sub" / "bench.json"
+    rows = [{"bench": "copy", "ms": 0.5}]
+    write_rows(out, {"date": "d"}, [], rows, complete=False)
+    assert json.loads(out.read_text()) == {"meta": {"date": "d"}, "checks": [], "rows": rows, "complete": False}
+    rows.append({"bench": "linear", "ms": 1.0})
+    write_rows(out, {"date": "d"}, [], rows, complete=True)
+    blob = json.loads(out.read_text())
+    assert blob["complete"] and len(blob["rows"]) == 2
+    assert [p.name for p in out.parent.iterdir()] == ["bench.json"]  # no temporary file left
