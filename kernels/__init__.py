@@ -164,7 +164,8 @@ def window_linear_attention(
     computed stably (shift by ``m_i = max(0, max_win s_ij)``). The final state covers
     tokens ``j <= T-1-W`` (the linear set of the last query). To continue a sequence,
     prepend the previous ``W`` tokens yourself and pass the state returned for the
-    tokens before them.
+    tokens before them. The Triton backend runs ``W <= 128`` (fp32: ``W <= 64``) in its own kernels and
+    other windows on the chunked PyTorch path.
     """
     _check("window_linear_attention(q,k,v)", q, k, v, None)
     _check("window_linear_attention(fq,fk,v)", fq, fk, v, initial_state)
