@@ -168,3 +168,20 @@ def test_fused_feature_maps_setting(monkeypatch, mode, expect):
     elu = next(iter(linearize_model(tiny_model("llama"), select_layout(4, ratio="1:1"), R.load("elu")).linear_modules()))
     with torch.no_grad():
         assert not elu.fused_features(on_gpu, on_gpu, True)
+
+
+@pytest.mark.parametrize("value,mode,warns", [("1", "all", False), ("0", "none", False), ("decode", "decode", False),
+                                              ("bogus", "decode", True)])
+def test_fused_feature_maps_environment(value, mode, warns):
+    """LINEARIZE_FUSED_FEATURE_MAPS is read once at import: 1 / 0 mean all / none; an unknown value warns and
+    keeps the default."""
+    import os
+
+    code = ("import warnings; warnings.simplefilter('always')\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    from linearize import attention\n"
+            "print(attention.FUSED_FEATURE_MAPS, any('LINEARIZE_FUSED_FEATURE_MAPS' in str(x.message) for x in w))")
+    env = dict(os.environ, LINEARIZE_FUSED_FEATURE_MAPS=value)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == [mode, str(warns)]
