@@ -391,6 +391,11 @@ def bench_kernels(
     for c in checks:
         say(f"check {c['check']}: {'ok' if c['ok'] else 'FAIL'} {c.get('rel_err', '')} {c.get('error', '')}")
 
+    def block_done(message: str) -> None:  # a run cut short (a time limit) keeps the blocks it finished
+        say(message)
+        if out_json is not None:
+            write_rows(out_json, meta, checks, rows, complete=False)
+
     # device ceilings: device-to-device copy
     x = torch.empty(1 << 28, dtype=torch.float32, device=dev)  # 1 GiB
     y = torch.empty_like(x)
@@ -445,7 +450,7 @@ def bench_kernels(
                         ms = _bench(lambda: linear_attention_hedgehog(qr, kr, v, wq, wk)[0], warmup, rep)
                     _row(rows, bench="linear" + tag, impl="ours fused hedgehog", T=T, B=B, passes="fwd", ms=ms)
                     del qr, kr
-                say(f"linear{tag} T={T} done")
+                block_done(f"linear{tag} T={T} done")
                 # window hybrid: raw q/k of size dim, features of size K
                 qr = torch.randn(B, T, heads, dim, device=dev, dtype=bf)
                 kr = torch.randn(B, T, heads, dim, device=dev, dtype=bf)
@@ -468,7 +473,7 @@ def bench_kernels(
                     _row(rows, bench="window" + tag, impl=f"ours W={window} fused hedgehog", T=T, B=B, passes="fwd",
                          ms=ms)
                 del qr, kr, q, k, v, do
-                say(f"window{tag} T={T} done")
+                block_done(f"window{tag} T={T} done")
             except Exception as e:  # pragma: no cover - device only
                 _row(rows, bench="error", impl=f"K={K}", T=T, B=B, passes="-", ms=float("nan"), note=str(e)[:300])
                 say(f"ERROR K={K} T={T}: {type(e).__name__}: {str(e)[:300]}")
@@ -495,9 +500,7 @@ def bench_kernels(
             except Exception as e:  # pragma: no cover - backend availability
                 _row(rows, bench="linear", impl=nm, T=T, B=B, passes="fwd", ms=float("nan"), note=str(e)[:120])
         del qs, ks, vs, dos
-        say(f"sdpa T={T} done")
-        if out_json is not None:  # a run cut short (a time limit) keeps the lengths it finished
-            write_rows(out_json, meta, checks, rows, complete=False)
+        block_done(f"sdpa T={T} done")
 
     if decode:
         _bench_decode(rows, heads, dim, window, decode_batch, copy_gbs, fla, warmup, rep, say)
@@ -509,7 +512,7 @@ def bench_kernels(
 
 def write_rows(out_json, meta: dict, checks: list, rows: list, *, complete: bool) -> Path:
     """Write ``{"meta", "checks", "rows", "complete"}`` to ``out_json`` atomically (``complete`` false while the
-    benchmark is still running: after each length, so an interrupted run keeps what it measured)."""
+    benchmark is still running: after each block of rows, so an interrupted run keeps what it measured)."""
     out_json = Path(out_json)
     out_json.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_json.with_suffix(out_json.suffix + ".tmp")

@@ -148,7 +148,7 @@ def test_sweep_stops_when_a_configuration_kills_the_gpu_context():
 
 
 def test_bench_rows_written_as_they_come(tmp_path):
-    """`bench kernels -o`: the JSON is rewritten atomically after each length (complete: false) and at the end."""
+    """`bench kernels -o`: the JSON is rewritten atomically after each block of rows (complete: false) and at the end."""
     from linearize.bench import write_rows
 
     out = tmp_path / "sub" / "bench.json"
