@@ -10,6 +10,7 @@ Layout ``[B, T, H, D]`` (like flash-attn / fla). Public entry points:
 - :func:`linear_attention_step`, :func:`window_linear_attention_step` -- one decode
   token, state updated in place (CUDA-graph friendly); :func:`linear_attention_step_hedgehog`,
   :func:`window_linear_attention_step_hedgehog` with the Hedgehog features computed inside the step kernel.
+- :func:`hedgehog_feature_map` -- the Hedgehog features alone (a Triton kernel for inference on the GPU).
 - :func:`window_state_from_prefill`, :func:`empty_window_state`,
   :func:`empty_linear_state` -- decode-state helpers.
 
@@ -46,6 +47,7 @@ __all__ = [
     "window_linear_attention_hedgehog",
     "linear_attention_hedgehog",
     "hedgehog_features",
+    "hedgehog_feature_map",
     "linear_attention_step",
     "window_linear_attention_step",
     "window_linear_attention_step_hedgehog",
@@ -314,6 +316,30 @@ def _hedgehog_shapes(name: str, q, k, weight_q, weight_k) -> int:
 
 def _needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def hedgehog_feature_map(
+    x: torch.Tensor,  # [B, T, H, D]
+    weight: torch.Tensor,  # [H, D, f]
+    *,
+    eps: float = 1e-12,
+    backend: Optional[str] = None,
+) -> torch.Tensor:
+    """Hedgehog features ``[softmax(x W), softmax(-x W)]`` per head, clamped to ``>= eps``: ``[B, T, H, 2f]`` in
+    ``x``'s dtype, as :class:`linearize.feature_maps.HedgehogFeatureMap` computes them (fp32 math, or fp64 for
+    fp64 inputs). The Triton path is one kernel that reads ``x`` once and writes the features once (fp32
+    accumulation of a product with the weight rounded to ``x``'s dtype); it has no backward, so when a
+    gradient is needed the features are computed by PyTorch on every backend."""
+    if x.dim() != 4 or weight.dim() != 3 or weight.shape[:2] != (x.shape[2], x.shape[3]):
+        raise ValueError(f"hedgehog_feature_map: x [B,T,H,D] and weight [H,D,f] expected, got {tuple(x.shape)} "
+                         f"and {tuple(weight.shape)}")
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    if _resolve_backend(backend, x) != "triton" or needs_grad:
+        cd = torch.float64 if x.dtype == torch.float64 else torch.float32
+        return hedgehog_features(x.to(cd), weight.to(cd), eps).to(x.dtype)
+    from .triton_features import hedgehog_feature_map_triton
+
+    return hedgehog_feature_map_triton(x, weight, eps)
 
 
 def _features_first(q, k, weight_q, weight_k, feature_eps, fk=None):

@@ -27,6 +27,7 @@ from .cache import HybridCache
 from .errors import UnsupportedModelError
 from .feature_maps import HedgehogFeatureMap, build_feature_map
 from .kernels import (
+    hedgehog_feature_map,
     linear_attention,
     linear_attention_hedgehog,
     linear_attention_step,
@@ -38,15 +39,17 @@ from .kernels import (
     window_state_from_prefill,
 )
 
-#: Where GPU inference of Hedgehog layers computes the features inside the kernels instead of first
-#: (``LINEARIZE_FUSED_FEATURE_MAPS``): ``decode`` (the default) in the decode-step kernels only (the hybrid
-#: Llama-3-8B-shaped step at 32K x 8 took 10.27 ms against 11.05 unfused, CUDA graphs, H200, 2026-12-01),
-#: ``all`` in the prefill forwards too (those were slower on the H200: kernels/README.md), ``none`` nowhere.
-#: ``1`` / ``0`` mean ``all`` / ``none``. Training always computes the features first.
+#: Where GPU inference of Hedgehog layers computes the features in Triton kernels instead of the PyTorch map
+#: (``LINEARIZE_FUSED_FEATURE_MAPS``), in increasing order: ``none``; ``decode`` (the default) inside the
+#: decode-step kernels (the hybrid Llama-3-8B-shaped step at 32K x 8 took 10.27 ms against 11.05 unfused, CUDA
+#: graphs, H200, 2026-12-01); ``maps`` also for prefill, by a standalone feature-map kernel whose output the
+#: attention kernels read (one read of q / k and one write of the features instead of the PyTorch map's fp32
+#: passes; not yet timed on a GPU); ``all`` inside the prefill forwards instead (slower on the H200:
+#: kernels/README.md). ``1`` / ``0`` mean ``all`` / ``none``. Training always uses the PyTorch map.
 _fused_env = os.environ.get("LINEARIZE_FUSED_FEATURE_MAPS", "decode")
 FUSED_FEATURE_MAPS = {"1": "all", "0": "none"}.get(_fused_env, _fused_env)
-if FUSED_FEATURE_MAPS not in ("decode", "all", "none"):
-    warnings.warn(f"LINEARIZE_FUSED_FEATURE_MAPS={FUSED_FEATURE_MAPS!r} is not one of decode, all, none (or 1, 0): "
+if FUSED_FEATURE_MAPS not in ("none", "decode", "maps", "all"):
+    warnings.warn(f"LINEARIZE_FUSED_FEATURE_MAPS={FUSED_FEATURE_MAPS!r} is not one of none, decode, maps, all (or 0, 1): "
                   "using decode", stacklevel=1)
     FUSED_FEATURE_MAPS = "decode"
 
@@ -188,12 +191,23 @@ class LinearAttention(nn.Module):
     def fused_features(self, q, k, decode: bool) -> bool:
         """Whether the kernel computes this layer's Hedgehog features itself: inference on a GPU (no gradient
         needed), Hedgehog maps on both sides, and ``FUSED_FEATURE_MAPS`` covering this call (decode step or not)."""
-        if not (FUSED_FEATURE_MAPS == "all" or (FUSED_FEATURE_MAPS == "decode" and decode)) or not q.is_cuda:
+        if not (FUSED_FEATURE_MAPS == "all" or (FUSED_FEATURE_MAPS != "none" and decode)) or not q.is_cuda:
             return False
         if not (isinstance(self.feature_map_q, HedgehogFeatureMap) and isinstance(self.feature_map_k, HedgehogFeatureMap)):
             return False
         grads = (q, k, self.feature_map_q.weight, self.feature_map_k.weight, self.window_logit)
         return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in grads))
+
+    def features(self, feature_map, x: torch.Tensor) -> torch.Tensor:
+        """``feature_map(x)``, by the standalone Triton kernel where :meth:`map_in_kernel` says so
+        (:func:`linearize.kernels.hedgehog_feature_map`, which leaves gradients to the PyTorch map)."""
+        if self.map_in_kernel(feature_map, x):
+            return hedgehog_feature_map(x, feature_map.weight, eps=feature_map.eps, backend="triton")
+        return feature_map(x)
+
+    def map_in_kernel(self, feature_map, x: torch.Tensor) -> bool:
+        """Hedgehog maps on a GPU with ``FUSED_FEATURE_MAPS`` ``maps`` or ``all``."""
+        return FUSED_FEATURE_MAPS in ("maps", "all") and x.is_cuda and isinstance(feature_map, HedgehogFeatureMap)
 
     def signed_feature_weights(self, dtype: torch.dtype):
         """``([Wq, -Wq], [Wk, -Wk])`` of the Hedgehog maps in ``dtype``, kept between decode steps (remade when
@@ -215,10 +229,10 @@ class LinearAttention(nn.Module):
         want_state = layer_cache is not None
         decode = state is not None and T == 1
         fused = self.fused_features(q, k, decode)  # Hedgehog features inside the kernels
-        fq = None if fused else self.feature_map_q(q)
+        fq = None if fused else self.features(self.feature_map_q, q)
         # key features stay in memory without fusion, and for a window layer's prefill into a cache (its ring)
         fk = (None if (fused and (decode or self.window == 0 or (state is None and not want_state)))
-              else self.feature_map_k(k))
+              else self.features(self.feature_map_k, k))
         if self.window == 0:
             if decode:
                 if fused:

@@ -149,7 +149,8 @@ def test_trust_remote_code_in_fresh_process(tmp_path):
     assert "LinearizeForCausalLM torch.Size([1, 6])" in res.stdout
 
 
-@pytest.mark.parametrize("mode,expect", [("decode", (False, True)), ("all", (True, True)), ("none", (False, False))])
+@pytest.mark.parametrize("mode,expect", [("decode", (False, True)), ("maps", (False, True)), ("all", (True, True)),
+                                         ("none", (False, False))])
 def test_fused_feature_maps_setting(monkeypatch, mode, expect):
     """LINEARIZE_FUSED_FEATURE_MAPS: which calls of a Hedgehog layer (prefill, decode step) compute the features
     in the kernel on a GPU; never with gradients, on CPU tensors, or for elu layers."""
@@ -165,12 +166,16 @@ def test_fused_feature_maps_setting(monkeypatch, mode, expect):
         assert (layer.fused_features(on_gpu, on_gpu, False), layer.fused_features(on_gpu, on_gpu, True)) == expect
         assert not layer.fused_features(torch.zeros(1), torch.zeros(1), True)
     assert not layer.fused_features(on_gpu, on_gpu, True)  # gradients enabled: the maps are trainable
+    # the standalone map kernel for prefill features: "maps" and "all", Hedgehog maps on a GPU only
+    assert layer.map_in_kernel(layer.feature_map_q, on_gpu) == (mode in ("maps", "all"))
+    assert not layer.map_in_kernel(layer.feature_map_q, torch.zeros(1))
     elu = next(iter(linearize_model(tiny_model("llama"), select_layout(4, ratio="1:1"), R.load("elu")).linear_modules()))
     with torch.no_grad():
         assert not elu.fused_features(on_gpu, on_gpu, True)
+    assert not elu.map_in_kernel(elu.feature_map_q, on_gpu)
 
 
-@pytest.mark.parametrize("value,mode,warns", [("1", "all", False), ("0", "none", False), ("decode", "decode", False),
+@pytest.mark.parametrize("value,mode,warns", [("1", "all", False), ("0", "none", False), ("maps", "maps", False),
                                               ("bogus", "decode", True)])
 def test_fused_feature_maps_environment(value, mode, warns):
     """LINEARIZE_FUSED_FEATURE_MAPS is read once at import: 1 / 0 mean all / none; an unknown value warns and

@@ -27,6 +27,7 @@ pytestmark = pytest.mark.skipif(
 from linearize.kernels import (  # noqa: E402
     WindowState,
     empty_window_state,
+    hedgehog_feature_map,
     hedgehog_features,
     linear_attention_hedgehog,
     linear_attention_reference,
@@ -390,12 +391,13 @@ def test_window_hedgehog_with_gradients_runs_unfused():
         assert rel_err(a.grad, b.grad) <= 1e-4
 
 
-@pytest.mark.parametrize("mode", ["all", "decode"])
+@pytest.mark.parametrize("mode", ["all", "maps", "decode"])
 @pytest.mark.parametrize("window", [8, 0])
 def test_hybrid_layers_with_fused_features_match_unfused(monkeypatch, window, mode):
     """Layers whose Triton kernels compute the Hedgehog features (GPU inference; window and plain linear, prefill
-    and decode steps, or decode steps only after an unfused prefill: the default) give the logits of the unfused
-    path: a full forward, prefill + decode through the cache, a two-part prefill."""
+    and decode steps, or decode steps only after a prefill whose features come from the standalone map kernel
+    or from PyTorch: the default) give the logits of the unfused path: a full forward, prefill + decode through
+    the cache, a two-part prefill."""
     import functools
 
     from conftest import tiny_model
@@ -448,11 +450,22 @@ def test_hybrid_layers_with_fused_features_match_unfused(monkeypatch, window, mo
     monkeypatch.setattr(attention, "window_linear_attention_step_hedgehog", fused_step(
         window_linear_attention_step_hedgehog))
     monkeypatch.setattr(attention, "linear_attention_step_hedgehog", fused_step(linear_attention_step_hedgehog))
+    maps = []
+
+    def map_kernel(x, weight, **kw):
+        maps.append(x.shape[1])
+        return hedgehog_feature_map(x, weight, **kw)
+
+    monkeypatch.setattr(attention, "hedgehog_feature_map", map_kernel)
     monkeypatch.setattr(attention, "FUSED_FEATURE_MAPS", mode)
     monkeypatch.setattr(attention.LinearAttention, "fused_features",  # as on a GPU, for any device
                         functools.partialmethod(lambda self, q, k, decode: mode == "all" or decode))
+    monkeypatch.setattr(attention.LinearAttention, "map_in_kernel",
+                        functools.partialmethod(lambda self, fm, x: mode in ("maps", "all")))
     fused = run()
-    if mode == "decode":
+    # the standalone map kernel: every prefill's features with "maps"; with "all", only the window ring's keys
+    assert (maps and all(n > 1 for n in maps)) if mode == "maps" else (bool(maps) == (mode == "all" and window > 0))
+    if mode != "all":
         assert not calls  # prefill computed the features first
     else:  # window layers: both the fused-key and the given-key (cache ring) launches ran; plain: always fused
         assert (True in calls and False in calls) if window else (calls and all(calls))
@@ -550,3 +563,26 @@ def test_empty_inputs(B, T):
     o, (S, z) = window_linear_attention(q, q, q, q, q, torch.rand(2, device=DEV), window=8, initial_state=init,
                                         output_final_state=True, backend="triton")
     assert o.shape == q.shape and torch.equal(S, init[0]) and torch.equal(z, init[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [(1, 1, 2, 16, 8), (2, 65, 4, 16, 12), (1, 130, 2, 32, 16), (0, 5, 2, 16, 8)],
+                         ids=lambda s: "B{}T{}H{}D{}f{}".format(*s))
+def test_hedgehog_feature_map_kernel(shape, dtype):
+    """The standalone Hedgehog feature-map kernel: the float64 map's features (outputs poisoned before the
+    launch), in the input dtype; with a gradient needed it is the PyTorch map (autograd works)."""
+    B, T, H, D, f = shape
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(B, T, H, D, generator=g).to(DEV, dtype)
+    w = (0.4 * torch.randn(H, D, f, generator=g)).to(DEV, dtype)
+    ref = hedgehog_features(x.double(), w.double())
+    with torch.no_grad():
+        out = hedgehog_feature_map(x, w, backend="triton")
+    assert out.dtype == dtype and out.shape == (B, T, H, 2 * f) and not out.isnan().any()
+    if B * T:
+        # bf16: one rounding of the features (the interpreter truncates instead: ~2x the GPU's error)
+        assert rel_err(out, ref) <= (1e-6 if dtype == torch.float32 else 1e-2)
+    wg = w.float().clone().requires_grad_()
+    y = hedgehog_feature_map(x.float(), wg, backend="triton")
+    y.square().sum().backward()
+    assert wg.grad is not None and rel_err(y, ref) <= 1e-6
