@@ -58,9 +58,9 @@ def linear(normalize: bool):
     f32 = {"DEN", "SEG_S", "SEG_Z", "FIN_S", "FIN_Z"}
     ptrs = {n: "*fp32" if n in f32 else "*bf16" for n in ("Q", "Kp", "Vp", "O", *f32, "WQX", "WKX")}
     consts = dict(K=128, V=128, BK=128, BV=cfg["fwd_bv"], BT=64, NORMALIZE=normalize, HAS_SEG=False,
-                  STORE_FINAL=False, STORE_DEN=False, NORM_MMA=TL.norm_mma(cfg, cfg["fwd_warps"]),
+                  STORE_FINAL=False, SHIFTED=False, STORE_DEN=False, NORM_MMA=TL.norm_mma(cfg, cfg["fwd_warps"]),
                   SPLIT=cfg["fwd_norm_split"], ROWSUM_LANES=cfg["fwd_rowsum_lanes"], PREC="tf32", D=128, BD=128, FUSE_Q=False, FUSE_K=False)
-    return compile_stats(TL._la_fwd_kernel, ptrs, {"T", "H", "HK", "SEG_CHUNKS"}, {"eps", "feps"}, consts,
+    return compile_stats(TL._la_fwd_kernel, ptrs, {"T", "H", "HK", "SEG_CHUNKS", "SHIFT"}, {"eps", "feps"}, consts,
                          cfg["fwd_warps"], cfg["fwd_stages"])
 
 

@@ -47,9 +47,9 @@ def _la_fwd_kernel(
     SEG_S, SEG_Z,  # starting state per segment [B,HK,NSEG,K,V], [B,HK,NSEG,K]
     FIN_S, FIN_Z,  # final state [B,HK,K,V], [B,HK,K]
     WQX, WKX,  # fused Hedgehog maps [Wq, -Wq] [H,D,K], [Wk, -Wk] [HK,D,K]: then q (FUSE_Q) / k (FUSE_K) are raw [.., D]
-    T, H, HK, NSEG, SEG_CHUNKS, eps, feps,
+    T, H, HK, NSEG, SEG_CHUNKS, eps, feps, SHIFT,  # SHIFT (SHIFTED): query t sees keys/values j <= t - SHIFT
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-    NORMALIZE: tl.constexpr, HAS_SEG: tl.constexpr, STORE_FINAL: tl.constexpr,
+    NORMALIZE: tl.constexpr, HAS_SEG: tl.constexpr, STORE_FINAL: tl.constexpr, SHIFTED: tl.constexpr,
     STORE_DEN: tl.constexpr, NORM_MMA: tl.constexpr, SPLIT: tl.constexpr, ROWSUM_LANES: tl.constexpr,
     PREC: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, FUSE_Q: tl.constexpr, FUSE_K: tl.constexpr,
 ):
@@ -88,19 +88,24 @@ def _la_fwd_kernel(
         ot = i * BT + ar
         mt = ot < T
         qrow = (b.to(tl.int64) * T + ot) * H + h
-        krow = (b.to(tl.int64) * T + ot) * HK + hk
+        if SHIFTED:  # row r of the key tiles holds token ot_r - SHIFT (zero before the sequence)
+            mkey = mt & (ot >= SHIFT)
+            krow = (b.to(tl.int64) * T + ot - SHIFT) * HK + hk
+        else:
+            mkey = mt
+            krow = (b.to(tl.int64) * T + ot) * HK + hk
         if FUSE_Q:  # rows past T get features too; their outputs are never stored
             q = tl.load(Q + qrow[:, None] * D + od[None, :], mask=mt[:, None] & md[None, :], other=0.0)
             q = hedgehog_tile(q, WQX, h, od, ok, md, mk, D, K, K // 2, feps, PREC).to(q.dtype)
         else:
             q = tl.load(Q + qrow[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
-        if FUSE_K:  # keys past T must add nothing to the state: zero their features
-            k = tl.load(Kp + krow[:, None] * D + od[None, :], mask=mt[:, None] & md[None, :], other=0.0)
-            k = tl.where(mt[:, None], hedgehog_tile(k, WKX, hk, od, ok, md, mk, D, K, K // 2, feps, PREC), 0.0)
+        if FUSE_K:  # keys past T (or before 0, shifted) must add nothing to the state: zero their features
+            k = tl.load(Kp + krow[:, None] * D + od[None, :], mask=mkey[:, None] & md[None, :], other=0.0)
+            k = tl.where(mkey[:, None], hedgehog_tile(k, WKX, hk, od, ok, md, mk, D, K, K // 2, feps, PREC), 0.0)
             k = k.to(Kp.dtype.element_ty)
         else:
-            k = tl.load(Kp + krow[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
-        v = tl.load(Vp + krow[:, None] * V + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
+            k = tl.load(Kp + krow[:, None] * K + ok[None, :], mask=mkey[:, None] & mk[None, :], other=0.0)
+        v = tl.load(Vp + krow[:, None] * V + ov[None, :], mask=mkey[:, None] & mv[None, :], other=0.0)
         A = mm(q, tl.trans(k), PREC)
         A = tl.where(causal, A, 0.0).to(v.dtype)  # rounded once: numerator and normaliser agree
         o = mm(A, v, PREC)
@@ -322,10 +327,13 @@ def norm_mma(cfg: dict, warps: int, fused: bool = False) -> bool:
     return bool(cfg["fwd_norm_mma"]) and warps >= 8 and not fused
 
 
-def _fwd(q, k, v, S0, z0, normalize, eps, want_final, store_den, wqx=None, wkx=None, feps=0.0, make_fk=None):
+def _fwd(q, k, v, S0, z0, normalize, eps, want_final, store_den, wqx=None, wkx=None, feps=0.0, make_fk=None,
+         shift=0):
     """Launch the forward. With ``wqx`` (Hedgehog ``[W, -W]`` per head) ``q`` is raw and its features are
     computed in the kernel; so are ``k``'s unless the launch is segmented, whose segment sums need the key
-    features in memory (``make_fk()``; the kernel then reads them instead of raw ``k``)."""
+    features in memory (``make_fk()``; the kernel then reads them instead of raw ``k``). ``shift > 0``: query
+    ``t`` sees keys and values ``j <= t - shift`` only (the linear part of the window hybrid's two-pass forward;
+    one segment)."""
     B, T, H, D = q.shape
     HK, V = k.shape[2], v.shape[-1]
     K = wqx.shape[-1] if wqx is not None else D
@@ -336,7 +344,7 @@ def _fwd(q, k, v, S0, z0, normalize, eps, want_final, store_den, wqx=None, wkx=N
     NVB = triton.cdiv(V, BV)
     N = triton.cdiv(T, BT)
     progs = B * H * NVB
-    nseg, seg_chunks = plan_segments(CONFIG, N, progs, dev)
+    nseg, seg_chunks = plan_segments(CONFIG, N, progs, dev) if not shift else (1, max(N, 1))
     fuse_k = wkx is not None and nseg == 1
     if wkx is not None and not fuse_k:
         k = make_fk()
@@ -355,9 +363,9 @@ def _fwd(q, k, v, S0, z0, normalize, eps, want_final, store_den, wqx=None, wkx=N
         seg_S if seg_S is not None else dummy, seg_z if seg_z is not None else dummy,
         fin_S if want_final else dummy, fin_z if want_final else dummy,
         wqx if wqx is not None else dummy, wkx if wkx is not None else dummy,
-        T, H, HK, nseg, seg_chunks, eps, feps,
+        T, H, HK, nseg, seg_chunks, eps, feps, shift,
         K=K, V=V, BK=BK, BV=BV, BT=BT, NORMALIZE=normalize, HAS_SEG=seg_S is not None,
-        STORE_FINAL=want_final, STORE_DEN=den is not None, NORM_MMA=norm_mma(CONFIG, warps, fused=wqx is not None),
+        STORE_FINAL=want_final, SHIFTED=shift > 0, STORE_DEN=den is not None, NORM_MMA=norm_mma(CONFIG, warps, fused=wqx is not None),
         SPLIT=q.dtype != torch.float32 and CONFIG["fwd_norm_split"], ROWSUM_LANES=CONFIG["fwd_rowsum_lanes"],
         PREC=prec(q.dtype),
         D=D, BD=pow2(D), FUSE_Q=wqx is not None, FUSE_K=fuse_k,

@@ -148,6 +148,70 @@ def _win_fwd_kernel(
 
 
 @triton.jit
+def _chunk_rows(b, i, h, hk, T, H, HK, BT: tl.constexpr):
+    """Rows of chunk ``i``: the masks of this chunk's and the previous chunk's positions, and the flat row indices
+    of the queries (head ``h``) and of this and the previous chunk's keys (head ``hk``)."""
+    ot = i * BT + tl.arange(0, BT)
+    otp = ot - BT
+    qrow = (b.to(tl.int64) * T + ot) * H + h
+    krow = (b.to(tl.int64) * T + ot) * HK + hk
+    prow = (b.to(tl.int64) * T + otp) * HK + hk
+    return ot < T, otp >= 0, qrow, krow, prow
+
+
+@triton.jit
+def _win_softmax_kernel(
+    Q, Kr, Vp, WF,  # q [B,T,H,D], k [B,T,HK,D], v [B,T,HK,V], wf [H] fp32
+    OL, DL,  # the linear part from the shifted plain forward: o_lin = num_lin / den_lin [B,T,H,V], den_lin [B,T,H]
+    O, MS, DEN,  # o [B,T,H,V]; m, den [B,T,H] fp32 (STORE_STATS)
+    T, H, HK, W, scale, eps,
+    D: tl.constexpr, V: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+    STORE_STATS: tl.constexpr, PREC: tl.constexpr,
+):
+    """Second pass of the two-pass window forward (W <= BT): one program per chunk, head and value block adds the
+    exact softmax over the window (keys of this chunk and the previous one) to the linear part and normalises.
+    No carried state, so chunks run in parallel."""
+    i = tl.program_id(0)
+    pbh = tl.program_id(1)
+    pv = tl.program_id(2)
+    b = pbh // H
+    h = pbh % H
+    hk = h // (H // HK)
+    od = tl.arange(0, BD)
+    ov = pv * BV + tl.arange(0, BV)
+    md, mv = od < D, ov < V
+    w = tl.load(WF + h).to(tl.float32)
+    ar = tl.arange(0, BT)
+    diff_c = ar[:, None] - ar[None, :]
+    mt, mtp, qrow, krow, prow = _chunk_rows(b, i, h, hk, T, H, HK, BT)
+    q = tl.load(Q + qrow[:, None] * D + od[None, :], mask=mt[:, None] & md[None, :], other=0.0)
+    kc = tl.load(Kr + krow[:, None] * D + od[None, :], mask=mt[:, None] & md[None, :], other=0.0)
+    kp = tl.load(Kr + prow[:, None] * D + od[None, :], mask=mtp[:, None] & md[None, :], other=0.0)
+    vc = tl.load(Vp + krow[:, None] * V + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
+    vp = tl.load(Vp + prow[:, None] * V + ov[None, :], mask=mtp[:, None] & mv[None, :], other=0.0)
+    s_c = mm(q, tl.trans(kc), PREC) * scale
+    s_p = mm(q, tl.trans(kp), PREC) * scale
+    win_c = (diff_c >= 0) & (diff_c < W)
+    win_p = (diff_c + BT < W) & mtp[None, :]
+    m = tl.maximum(tl.max(tl.where(win_c, s_c, NEG_INF), 1), tl.max(tl.where(win_p, s_p, NEG_INF), 1))
+    m = tl.maximum(m, 0.0)
+    em = tl.exp(-m)
+    c = (1.0 - w) * em
+    P_c = tl.where(win_c, w * tl.exp(s_c - m[:, None]), 0.0).to(vc.dtype)  # rounded once: num and den agree
+    P_p = tl.where(win_p, w * tl.exp(s_p - m[:, None]), 0.0).to(vp.dtype)
+    dl = tl.load(DL + qrow, mask=mt, other=0.0)
+    ol = tl.load(OL + qrow[:, None] * V + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.0).to(tl.float32)
+    num = mm(P_c, vc, PREC) + mm(P_p, vp, PREC) + (c * dl)[:, None] * ol
+    den = tl.sum(P_c.to(tl.float32), 1) + tl.sum(P_p.to(tl.float32), 1) + c * dl + eps * em
+    o = num / den[:, None]
+    tl.store(O + qrow[:, None] * V + ov[None, :], o.to(O.dtype.element_ty), mask=mt[:, None] & mv[None, :])
+    if STORE_STATS:
+        if pv == 0:
+            tl.store(MS + qrow, m, mask=mt)
+            tl.store(DEN + qrow, den, mask=mt)
+
+
+@triton.jit
 def _win_bwd_q_kernel(
     Q, Kr, FQ, FK, Vp, WF, DO, MS, INVD, DDEN,
     ST_S, ST_Z,  # forward exclusive per-chunk states of (fk, v) [B,HK,N,K,V], [B,HK,N,K]
@@ -170,13 +234,7 @@ def _win_bwd_q_kernel(
     ar = tl.arange(0, BT)
     diff_c = ar[:, None] - ar[None, :]
     diff_p = diff_c + BT
-    ot = i * BT + ar
-    mt = ot < T
-    otp = ot - BT
-    mtp = otp >= 0
-    qrow = (b.to(tl.int64) * T + ot) * H + h
-    krow = (b.to(tl.int64) * T + ot) * HK + hk
-    prow = (b.to(tl.int64) * T + otp) * HK + hk
+    mt, mtp, qrow, krow, prow = _chunk_rows(b, i, h, hk, T, H, HK, BT)
     q = tl.load(Q + qrow[:, None] * D + od[None, :], mask=mt[:, None] & md[None, :], other=0.0)
     fq = tl.load(FQ + qrow[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
     kc = tl.load(Kr + krow[:, None] * D + od[None, :], mask=mt[:, None] & md[None, :], other=0.0)
@@ -316,6 +374,12 @@ CONFIG = {  # picked by linearize.bench.tune_kernels on an H200 (triton 3.6), se
     "fused_warps": 8,
     "scan_split_below_waves": 0.0,  # as in triton_linear.CONFIG (not yet measured on a GPU)
     "scan_waves": 8.0,
+    # two-pass forward for W <= 64 when the launch is not segmented: the plain linear forward on keys and values
+    # shifted by W (no window), then a chunk-parallel softmax-window kernel that adds the window and normalises;
+    # no carried state next to the score tiles (the single pass spills 452 bytes; the window kernel of this one
+    # takes 204-211 registers without spills, offline for sm_90a). Off: not yet timed on a GPU
+    "fwd_two_pass": False,
+    "softmax_warps": 8,  # warps of that window kernel (4: 168-208 registers, room for 2 programs per SM)
 }
 
 
@@ -354,6 +418,9 @@ def _fwd(q, k, fq, fk, v, wf, W, scale, eps, S0, z0, store_stats, wqx=None, wkx=
     o = new_empty((B, T, H, V), dtype=v.dtype, device=dev)
     ms = new_empty((B, T, H), dtype=f32, device=dev) if store_stats else None
     den = new_empty((B, T, H), dtype=f32, device=dev) if store_stats else None
+    if CONFIG["fwd_two_pass"] and BT == 64 and nseg == 1 and fq is not None and fk is not None:
+        _fwd_two_pass(q, k, fq, fk, v, wf, W, scale, eps, S0, z0, o, ms, den)
+        return o, ms, den
     # the carried linear state lags one chunk: each segment starts from the chunks before its first one's predecessor
     seg_S, seg_z = segment_starts(fk, v, HK, (S0, z0) if S0 is not None else None, nseg, seg_chunks, BT,
                                   **segment_sum_launch(CONFIG), seg_off=1)
@@ -370,6 +437,27 @@ def _fwd(q, k, fq, fk, v, wf, W, scale, eps, S0, z0, store_stats, wqx=None, wkx=
         num_warps=warps, num_stages=stages,
     )
     return o, ms, den
+
+
+def _fwd_two_pass(q, k, fq, fk, v, wf, W, scale, eps, S0, z0, o, ms, den):
+    """``CONFIG["fwd_two_pass"]``: the linear part ``sum_{j <= t-W} (fq_t.fk_j) v_j`` and its normaliser by the
+    plain forward with keys and values shifted by ``W`` (``o_lin``, ``den_lin``), then :func:`_win_softmax_kernel`
+    (writes ``o`` and, if given, the backward's ``ms`` / ``den``)."""
+    from .triton_linear import _fwd as linear_fwd
+
+    B, T, H, D = q.shape
+    HK, V = k.shape[2], v.shape[-1]
+    # eps 1e-30: a query with no linear token gets o_lin = 0 / 1e-30 = 0 (den_lin is added to the window's below)
+    o_lin, den_lin, _, _ = linear_fwd(fq, fk, v, S0, z0, True, 1e-30, False, True, shift=W)
+    BV = min(128 if q.dtype != torch.float32 else 64, pow2(V))
+    dummy = o
+    launch(
+        _win_softmax_kernel, (triton.cdiv(T, 64), B * H, triton.cdiv(V, BV)),
+        q, k, v, wf, o_lin, den_lin, o, ms if ms is not None else dummy, den if den is not None else dummy,
+        T, H, HK, W, scale, eps,
+        D=D, V=V, BD=pow2(D), BV=BV, BT=64, STORE_STATS=ms is not None, PREC=prec(q.dtype),
+        num_warps=CONFIG["softmax_warps"],
+    )
 
 
 def _final_state(fk, v, W, S0, z0):

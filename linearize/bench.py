@@ -294,6 +294,7 @@ def tune_kernels(heads: int = 32, dim: int = 128, progress: Optional[Callable[[s
     sweep("lin_fwd", tlin, {"seg_bk": [64, 128], "seg_bv": [64, 128]}, lin_fwd)
     sweep("lin_fb", tlin, {"bwd_bk": [64, 128], "bwd_warps": [4, 8], "bwd_bt": [64, 128]}, lin_fb)
     sweep("lin_fb", tlin, {"scan_split_below_waves": [2.0, 8.0], "scan_waves": [4.0, 8.0, 16.0]}, lin_fb)
+    sweep("win_fwd", twin, {"fwd_two_pass": [False, True], "softmax_warps": [4, 8]}, win_fwd)
     sweep("win_fwd", twin, {"split_below_waves": [0.5, 2.0], "fwd_waves": [2.0, 4.0, 8.0, 16.0]}, win_fwd)
     sweep("win_fwd", twin, {"fwd_bv": [64, 128], "fwd_warps": [4, 8], "fwd_stages": [1, 2, 3]}, win_fwd)
     sweep("win_fwd", twin, {"seg_warps": [4, 8]}, win_fwd)

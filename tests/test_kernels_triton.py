@@ -153,6 +153,33 @@ def test_window_fp32_over_64_runs_the_chunked_path(dtype, monkeypatch):
     assert rel_err(o, ro) <= (1e-5 if dtype == torch.float32 else 1e-2)
 
 
+@pytest.mark.parametrize("shape", WIN_SHAPES[:4], ids=lambda s: "B{}T{}H{}Hk{}D{}K{}V{}W{}".format(*s))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_window_two_pass_forward(shape, dtype, monkeypatch):
+    """CONFIG fwd_two_pass (off by default): the plain forward on keys and values shifted by W, then the
+    chunk-parallel softmax-window kernel; outputs, final state and every gradient as the reference."""
+    from linearize.kernels import triton_linear, triton_window
+
+    launched = []
+    real = triton_window._fwd_two_pass
+    monkeypatch.setattr(triton_window, "_fwd_two_pass", lambda *a: launched.append(1) or real(*a))
+    monkeypatch.setitem(triton_window.CONFIG, "fwd_two_pass", True)
+    check_window("triton", *shape, dtype, state=True, device=DEV)
+    assert launched
+    # the shifted plain forward alone: query t sees keys j <= t - W and the initial state
+    inp = linear_inputs(2, 150, 4, 2, 16, 32, dtype=dtype, device=DEV, state=True)
+    W = 40
+    o, den, S, z = triton_linear._fwd(inp["q"], inp["k"], inp["v"], *inp["initial_state"], True, 1e-30, True, True,
+                                      shift=W)
+    pad = lambda x: torch.cat([torch.zeros_like(x[:, :W]), x[:, :-W]], 1)  # noqa: E731
+    d = lambda x: x.double()  # noqa: E731
+    ro, (rS, rz) = linear_attention_reference(d(inp["q"]), pad(d(inp["k"])), pad(d(inp["v"])), eps=1e-30,
+                                              initial_state=tuple(map(d, inp["initial_state"])),
+                                              output_final_state=True)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert rel_err(o, ro) <= tol and rel_err(S, rS) <= tol and rel_err(z, rz) <= tol
+
+
 def test_linear_triton_continuation_two_halves():
     inp = linear_inputs(1, 140, 4, 2, 16, 16, device=DEV)
     q, k, v = inp["q"], inp["k"], inp["v"]
