@@ -1,7 +1,7 @@
 """The window hybrid's forward (W = 64): the single fused pass (default) vs the two-pass forward
 (``fwd_two_pass``: the plain forward on keys and values shifted by W, then the chunk-parallel softmax-window
 kernel; ``softmax_warps`` 4 / 8), against our plain linear forward, in one process. bf16, H = 32, D = K = V = 128,
-B * T = 32768 at the unsegmented shapes (2K x 16, 8K x 4); errors against an fp32 PyTorch forward. Needs a GPU:
+B * T = 32768 (2K x 16, 8K x 4, and 32K x 1, which runs in segments); errors against an fp32 PyTorch forward. Needs a GPU:
 
     LINEARIZE_KERNEL_TUNING=0 python benchmarks/window_two_pass.py
 """
@@ -14,7 +14,7 @@ from linearize.kernels import triton_window as TW
 torch.manual_seed(0)
 dev, bf, H, D = "cuda", torch.bfloat16, 32, 128
 base = dict(TW.CONFIG)
-for B, T in ((16, 2048), (4, 8192)):
+for B, T in ((16, 2048), (4, 8192), (1, 32768)):
     qr, kr = torch.randn(B, T, H, D, device=dev, dtype=bf), torch.randn(B, T, H, D, device=dev, dtype=bf)
     fq, fk = torch.rand_like(qr), torch.rand_like(qr)
     v = torch.randn_like(qr)

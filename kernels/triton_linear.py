@@ -333,7 +333,7 @@ def _fwd(q, k, v, S0, z0, normalize, eps, want_final, store_den, wqx=None, wkx=N
     computed in the kernel; so are ``k``'s unless the launch is segmented, whose segment sums need the key
     features in memory (``make_fk()``; the kernel then reads them instead of raw ``k``). ``shift > 0``: query
     ``t`` sees keys and values ``j <= t - shift`` only (the linear part of the window hybrid's two-pass forward;
-    one segment)."""
+    segmented only for a shift of one chunk)."""
     B, T, H, D = q.shape
     HK, V = k.shape[2], v.shape[-1]
     K = wqx.shape[-1] if wqx is not None else D
@@ -344,7 +344,9 @@ def _fwd(q, k, v, S0, z0, normalize, eps, want_final, store_den, wqx=None, wkx=N
     NVB = triton.cdiv(V, BV)
     N = triton.cdiv(T, BT)
     progs = B * H * NVB
-    nseg, seg_chunks = plan_segments(CONFIG, N, progs, dev) if not shift else (1, max(N, 1))
+    # a shift of one chunk reuses the segment sums' one-chunk lag (seg_off); other shifts run one segment
+    seg_off = 1 if shift == BT else 0
+    nseg, seg_chunks = plan_segments(CONFIG, N, progs, dev) if shift in (0, BT) else (1, max(N, 1))
     fuse_k = wkx is not None and nseg == 1
     if wkx is not None and not fuse_k:
         k = make_fk()
@@ -352,7 +354,7 @@ def _fwd(q, k, v, S0, z0, normalize, eps, want_final, store_den, wqx=None, wkx=N
     den = new_empty((B, T, H), dtype=torch.float32, device=dev) if (store_den and normalize) else None
     f32 = torch.float32
     seg_S, seg_z = segment_starts(k, v, HK, (S0, z0) if S0 is not None else None, nseg, seg_chunks, BT,
-                                  **segment_sum_launch(CONFIG))
+                                  **segment_sum_launch(CONFIG), seg_off=seg_off)
     fin_S = new_empty((B, HK, K, V), dtype=f32, device=dev) if want_final else None
     fin_z = new_empty((B, HK, K), dtype=f32, device=dev) if want_final else None
     dummy = o

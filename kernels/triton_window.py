@@ -418,7 +418,7 @@ def _fwd(q, k, fq, fk, v, wf, W, scale, eps, S0, z0, store_stats, wqx=None, wkx=
     o = new_empty((B, T, H, V), dtype=v.dtype, device=dev)
     ms = new_empty((B, T, H), dtype=f32, device=dev) if store_stats else None
     den = new_empty((B, T, H), dtype=f32, device=dev) if store_stats else None
-    if CONFIG["fwd_two_pass"] and BT == 64 and nseg == 1 and fq is not None and fk is not None:
+    if CONFIG["fwd_two_pass"] and BT == 64 and (nseg == 1 or W == BT) and fq is not None and fk is not None:
         _fwd_two_pass(q, k, fq, fk, v, wf, W, scale, eps, S0, z0, o, ms, den)
         return o, ms, den
     # the carried linear state lags one chunk: each segment starts from the chunks before its first one's predecessor

@@ -166,6 +166,14 @@ def test_window_two_pass_forward(shape, dtype, monkeypatch):
     monkeypatch.setitem(triton_window.CONFIG, "fwd_two_pass", True)
     check_window("triton", *shape, dtype, state=True, device=DEV)
     assert launched
+    if shape[-1] == 64:  # W = one chunk: segmented launches too (the shifted forward's segment sums lag a chunk)
+        monkeypatch.setitem(triton_window.CONFIG, "force_segments", 3)
+        monkeypatch.setitem(triton_linear.CONFIG, "force_segments", 3)
+        n = len(launched)
+        check_window("triton", 1, 300, 2, 1, 16, 32, 16, 64, dtype, state=True, device=DEV)
+        assert len(launched) == n + 1
+        monkeypatch.setitem(triton_window.CONFIG, "force_segments", None)
+        monkeypatch.setitem(triton_linear.CONFIG, "force_segments", None)
     # the shifted plain forward alone: query t sees keys j <= t - W and the initial state
     inp = linear_inputs(2, 150, 4, 2, 16, 32, dtype=dtype, device=DEV, state=True)
     W = 40
