@@ -418,8 +418,8 @@ def _fwd(q, k, fq, fk, v, wf, W, scale, eps, S0, z0, store_stats, wqx=None, wkx=
     o = new_empty((B, T, H, V), dtype=v.dtype, device=dev)
     ms = new_empty((B, T, H), dtype=f32, device=dev) if store_stats else None
     den = new_empty((B, T, H), dtype=f32, device=dev) if store_stats else None
-    if CONFIG["fwd_two_pass"] and BT == 64 and (nseg == 1 or W == BT) and fq is not None and fk is not None:
-        _fwd_two_pass(q, k, fq, fk, v, wf, W, scale, eps, S0, z0, o, ms, den)
+    if CONFIG["fwd_two_pass"] and BT == 64 and (nseg == 1 or W == BT):
+        _fwd_two_pass(q, k, fq, fk, v, wf, W, scale, eps, S0, z0, o, ms, den, wqx, wkx, feps, make_fk)
         return o, ms, den
     # the carried linear state lags one chunk: each segment starts from the chunks before its first one's predecessor
     seg_S, seg_z = segment_starts(fk, v, HK, (S0, z0) if S0 is not None else None, nseg, seg_chunks, BT,
@@ -439,16 +439,23 @@ def _fwd(q, k, fq, fk, v, wf, W, scale, eps, S0, z0, store_stats, wqx=None, wkx=
     return o, ms, den
 
 
-def _fwd_two_pass(q, k, fq, fk, v, wf, W, scale, eps, S0, z0, o, ms, den):
+def _fwd_two_pass(q, k, fq, fk, v, wf, W, scale, eps, S0, z0, o, ms, den, wqx=None, wkx=None, feps=0.0,
+                  make_fk=None):
     """``CONFIG["fwd_two_pass"]``: the linear part ``sum_{j <= t-W} (fq_t.fk_j) v_j`` and its normaliser by the
-    plain forward with keys and values shifted by ``W`` (``o_lin``, ``den_lin``), then :func:`_win_softmax_kernel`
-    (writes ``o`` and, if given, the backward's ``ms`` / ``den``)."""
+    plain forward with keys and values shifted by ``W`` (``o_lin``, ``den_lin``; with ``fq`` None it computes
+    the Hedgehog features itself, as in :func:`_fwd`), then :func:`_win_softmax_kernel` (writes ``o`` and, if
+    given, the backward's ``ms`` / ``den``)."""
     from .triton_linear import _fwd as linear_fwd
 
     B, T, H, D = q.shape
     HK, V = k.shape[2], v.shape[-1]
     # eps 1e-30: a query with no linear token gets o_lin = 0 / 1e-30 = 0 (den_lin is added to the window's below)
-    o_lin, den_lin, _, _ = linear_fwd(fq, fk, v, S0, z0, True, 1e-30, False, True, shift=W)
+    if fq is not None:
+        o_lin, den_lin, _, _ = linear_fwd(fq, fk, v, S0, z0, True, 1e-30, False, True, shift=W)
+    else:  # raw q; raw k too unless its features are given
+        o_lin, den_lin, _, _ = linear_fwd(q, fk if fk is not None else k, v, S0, z0, True, 1e-30, False, True,
+                                          wqx=wqx, wkx=None if fk is not None else wkx, feps=feps,
+                                          make_fk=make_fk, shift=W)
     BV = min(128 if q.dtype != torch.float32 else 64, pow2(V))
     dummy = o
     launch(

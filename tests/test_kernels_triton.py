@@ -377,12 +377,22 @@ def _hedgehog_expected(q, k, v, wf, wq, wk, init, W):
         initial_state=None if init is None else (d(init[0]), d(init[1])))
 
 
+@pytest.mark.parametrize("two_pass", [False, True], ids=["one-pass", "two-pass"])
 @pytest.mark.parametrize("shape", HH_SHAPES, ids=lambda s: "B{}T{}H{}Hk{}D{}f{}V{}W{}".format(*s))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_window_hedgehog_fused_forward_vs_reference(shape, dtype):
-    """Hedgehog maps computed inside the window forward kernel: outputs and final state as the float64
-    reference on the layer's own features, with key features fused or given, with and without a state."""
+def test_window_hedgehog_fused_forward_vs_reference(shape, dtype, two_pass, monkeypatch):
+    """Hedgehog maps computed inside the window forward kernel (or, two-pass, inside its shifted linear forward):
+    outputs and final state as the float64 reference on the layer's own features, with key features fused or
+    given, with and without a state."""
+    from linearize.kernels import triton_window
+
     W = shape[-1]
+    if two_pass and W > 64:
+        pytest.skip("the two-pass forward covers W <= 64")
+    monkeypatch.setitem(triton_window.CONFIG, "fwd_two_pass", two_pass)
+    launched = []
+    real = triton_window._fwd_two_pass
+    monkeypatch.setattr(triton_window, "_fwd_two_pass", lambda *a: launched.append(1) or real(*a))
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     for state, give_fk in ((False, False), (True, False), (True, True)):
         q, k, v, wf, wq, wk, init = _hedgehog_case(*shape, dtype, state=state)
@@ -395,6 +405,7 @@ def test_window_hedgehog_fused_forward_vs_reference(shape, dtype):
         assert rel_err(o, ro) <= tol, (state, give_fk, rel_err(o, ro))
         if shape[1] > W or state:
             assert rel_err(S, rS) <= tol and rel_err(z, rz) <= tol
+    assert bool(launched) == two_pass
 
 
 def test_window_hedgehog_fused_forward_segmented(monkeypatch):
