@@ -148,18 +148,6 @@ def _win_fwd_kernel(
 
 
 @triton.jit
-def _chunk_rows(b, i, h, hk, T, H, HK, BT: tl.constexpr):
-    """Rows of chunk ``i``: the masks of this chunk's and the previous chunk's positions, and the flat row indices
-    of the queries (head ``h``) and of this and the previous chunk's keys (head ``hk``)."""
-    ot = i * BT + tl.arange(0, BT)
-    otp = ot - BT
-    qrow = (b.to(tl.int64) * T + ot) * H + h
-    krow = (b.to(tl.int64) * T + ot) * HK + hk
-    prow = (b.to(tl.int64) * T + otp) * HK + hk
-    return ot < T, otp >= 0, qrow, krow, prow
-
-
-@triton.jit
 def _win_softmax_kernel(
     Q, Kr, Vp, WF,  # q [B,T,H,D], k [B,T,HK,D], v [B,T,HK,V], wf [H] fp32
     OL, DL,  # the linear part from the shifted plain forward: o_lin = num_lin / den_lin [B,T,H,V], den_lin [B,T,H]
@@ -183,7 +171,12 @@ def _win_softmax_kernel(
     w = tl.load(WF + h).to(tl.float32)
     ar = tl.arange(0, BT)
     diff_c = ar[:, None] - ar[None, :]
-    mt, mtp, qrow, krow, prow = _chunk_rows(b, i, h, hk, T, H, HK, BT)
+    ot = i * BT + ar
+    mt = ot < T
+    mtp = ot >= BT  # the previous chunk's rows exist
+    qrow = (b.to(tl.int64) * T + ot) * H + h
+    krow = (b.to(tl.int64) * T + ot) * HK + hk
+    prow = krow - BT * HK
     q = tl.load(Q + qrow[:, None] * D + od[None, :], mask=mt[:, None] & md[None, :], other=0.0)
     kc = tl.load(Kr + krow[:, None] * D + od[None, :], mask=mt[:, None] & md[None, :], other=0.0)
     kp = tl.load(Kr + prow[:, None] * D + od[None, :], mask=mtp[:, None] & md[None, :], other=0.0)
@@ -234,8 +227,6 @@ def _win_bwd_q_kernel(
     ar = tl.arange(0, BT)
     diff_c = ar[:, None] - ar[None, :]
     diff_p = diff_c + BT
-    # row setup written out, not _chunk_rows: with the helper ptxas spilled 1,352 bytes here instead of 1,132
-    # (sm_90a, triton 3.6, offline)
     ot = i * BT + ar
     mt = ot < T
     otp = ot - BT
