@@ -28,7 +28,12 @@ from typing import Optional, Tuple
 import torch
 
 from .chunked import linear_attention_chunked, window_linear_attention_chunked
-from .reference import hedgehog_features, linear_attention_reference, window_linear_attention_reference
+from .reference import (
+    hedgehog_features,
+    hedgehog_features_rounded,
+    linear_attention_reference,
+    window_linear_attention_reference,
+)
 from .step import (
     WindowState,
     check_linear_state,
@@ -335,21 +340,16 @@ def hedgehog_feature_map(
                          f"and {tuple(weight.shape)}")
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     if _resolve_backend(backend, x) != "triton" or needs_grad:
-        cd = torch.float64 if x.dtype == torch.float64 else torch.float32
-        return hedgehog_features(x.to(cd), weight.to(cd), eps).to(x.dtype)
+        return hedgehog_features_rounded(x, weight, eps)
     from .triton_features import hedgehog_feature_map_triton
 
     return hedgehog_feature_map_triton(x, weight, eps)
 
 
 def _features_first(q, k, weight_q, weight_k, feature_eps, fk=None):
-    """``hedgehog_features`` of ``q`` and ``k`` as the layers compute them (fp32, or fp64 for fp64 inputs);
-    ``fk`` when the caller already has the key features."""
-    cd = torch.float64 if q.dtype == torch.float64 else torch.float32
-    fq = hedgehog_features(q.to(cd), weight_q.to(cd), feature_eps).to(q.dtype)
-    if fk is None:
-        fk = hedgehog_features(k.to(cd), weight_k.to(cd), feature_eps).to(k.dtype)
-    return fq, fk
+    """:func:`hedgehog_features_rounded` of ``q`` and ``k``; ``fk`` when the caller already has the key features."""
+    fq = hedgehog_features_rounded(q, weight_q, feature_eps)
+    return fq, (fk if fk is not None else hedgehog_features_rounded(k, weight_k, feature_eps))
 
 
 def linear_attention_hedgehog(

@@ -37,6 +37,13 @@ def hedgehog_features(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-12)
     return out.clamp(min=eps) if eps > 0 else out  # [B, T, H, 2f]
 
 
+def hedgehog_features_rounded(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
+    """:func:`hedgehog_features` as the layers compute them: fp32 math (fp64 for fp64 inputs), rounded to ``x``'s
+    dtype."""
+    cd = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return hedgehog_features(x.to(cd), weight.to(cd), eps).to(x.dtype)
+
+
 def linear_attention_reference(
     q: torch.Tensor,  # [B, T, H, K]
     k: torch.Tensor,  # [B, T, Hk, K]

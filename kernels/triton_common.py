@@ -121,10 +121,15 @@ def fwd_blocks(cfg: dict, BK: int, V: int, dtype: torch.dtype, fused: bool = Fal
 _NEG_INF = tl.constexpr(float("-inf"))
 
 
+def signed_projection(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[W, -W]`` (``[H, D, 2f]``) in ``dtype``: the weight :func:`hedgehog_tile` reads, one product giving both
+    halves of the Hedgehog features."""
+    return torch.cat([weight, -weight], -1).to(dtype).contiguous()
+
+
 def signed_projections(weight_q: torch.Tensor, weight_k: torch.Tensor, dtype: torch.dtype):
-    """``([Wq, -Wq], [Wk, -Wk])`` (``[H, D, 2f]``, ``[Hk, D, 2f]``) in ``dtype``: the weights
-    :func:`hedgehog_tile` reads, one product giving both halves of the Hedgehog features."""
-    return tuple(torch.cat([w, -w], -1).to(dtype).contiguous() for w in (weight_q, weight_k))
+    """:func:`signed_projection` of the query and key maps: ``([Wq, -Wq], [Wk, -Wk])``."""
+    return signed_projection(weight_q, dtype), signed_projection(weight_k, dtype)
 
 
 @triton.jit

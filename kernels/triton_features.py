@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import hedgehog_tile, launch, new_empty, pow2, prec
+from .triton_common import hedgehog_tile, launch, new_empty, pow2, prec, signed_projection
 
 BR = 64  # rows per program
 
@@ -42,7 +42,7 @@ def hedgehog_feature_map_triton(x: torch.Tensor, weight: torch.Tensor, feature_e
     B, T, H, D = x.shape
     f = weight.shape[-1]
     x = x.contiguous()
-    wx = torch.cat([weight, -weight], -1).to(x.dtype).contiguous()  # [H, D, 2f]
+    wx = signed_projection(weight, x.dtype)  # [H, D, 2f]
     out = new_empty((B, T, H, 2 * f), dtype=x.dtype, device=x.device)
     R = B * T
     if R == 0:

@@ -488,15 +488,14 @@ def linear_attention_hedgehog_triton(
 ):
     """Triton path of :func:`linearize.kernels.linear_attention_hedgehog`: forward only (no autograd), the
     Hedgehog features of the raw ``q``, ``k`` computed inside the kernel."""
-    from .reference import hedgehog_features
+    from .reference import hedgehog_features_rounded
 
     ensure_applied(q.device)
-    dt = q.dtype
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    wqx, wkx = signed_projections(weight_q, weight_k, dt)  # [H, D, 2f], [Hk, D, 2f]
+    wqx, wkx = signed_projections(weight_q, weight_k, q.dtype)  # [H, D, 2f], [Hk, D, 2f]
 
     def make_fk():  # a segmented launch: as HedgehogFeatureMap (fp32 features, rounded to the inputs' dtype)
-        return hedgehog_features(k.float(), weight_k.float(), feature_eps).to(dt).contiguous()
+        return hedgehog_features_rounded(k, weight_k, feature_eps).contiguous()
 
     S0 = z0 = None
     if initial_state is not None:

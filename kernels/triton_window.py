@@ -590,30 +590,29 @@ def window_linear_attention_hedgehog_triton(
 ):
     """Triton path of :func:`linearize.kernels.window_linear_attention_hedgehog`: forward only (no autograd),
     the query features (and the key features unless ``fk`` is given) computed inside the kernel."""
-    from .reference import hedgehog_features
+    from .reference import hedgehog_features_rounded
 
     ensure_applied(q.device)
     W = int(window)
-    dt = q.dtype
 
     made = []
 
     def make_fk():  # as HedgehogFeatureMap: fp32 features, rounded to the inputs' dtype; computed once
         if not made:
-            made.append(hedgehog_features(k.float(), weight_k.float(), feature_eps).to(dt).contiguous())
+            made.append(hedgehog_features_rounded(k, weight_k, feature_eps).contiguous())
         return made[0]
 
     if not supported(W, q.dtype):
         from .chunked import window_linear_attention_chunked
 
-        fq = hedgehog_features(q.float(), weight_q.float(), feature_eps).to(dt)
+        fq = hedgehog_features_rounded(q, weight_q, feature_eps)
         return window_linear_attention_chunked(q, k, fq, fk if fk is not None else make_fk(), v, window_factor,
                                                window=W, scale=scale, eps=eps, initial_state=initial_state,
                                                output_final_state=output_final_state)
     if scale is None:
         scale = q.shape[-1] ** -0.5
     q, k, v = (x.contiguous() for x in (q, k, v))
-    wqx, wkx = signed_projections(weight_q, weight_k, dt)  # [H, D, 2f], [Hk, D, 2f]
+    wqx, wkx = signed_projections(weight_q, weight_k, q.dtype)  # [H, D, 2f], [Hk, D, 2f]
     fk = fk.contiguous() if fk is not None else None
     wf = window_factor.float().contiguous()
     S0 = z0 = None
