@@ -46,7 +46,7 @@ with torch.no_grad():
         t_kernel = bench(lambda: hedgehog_feature_map(x, fmap.weight, eps=fmap.eps))
         gb = x.numel() * 2 * 2 / 1e9  # bytes the kernel must move: x in, features (2f = D) out
         print(f"heads {heads}: PyTorch map {t_torch:.3f} ms, kernel {t_kernel:.3f} ms ({t_torch / t_kernel:.2f}x; "
-              f"kernel at {gb / t_kernel:.0f} GB/s), rel err {err:.1e}", flush=True)
+              f"kernel at {gb / t_kernel * 1e3:.0f} GB/s), rel err {err:.1e}", flush=True)
         del x, ref, out
 
     cfg, _ = bm.load_config(os.environ.get("CFG", "llama-3-8b"))

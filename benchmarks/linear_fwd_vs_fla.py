@@ -5,7 +5,9 @@ launch configuration; median of ``do_bench`` (warmup 25 ms, rep 150 ms). The for
 
     LINEARIZE_KERNEL_TUNING=0 FLA_DISABLE_BACKEND_DISPATCH=1 python benchmarks/linear_fwd_vs_fla.py
 
-``CONFIG="fwd_rowsum_lanes=1 seg_warps=8"`` overrides ``triton_linear.CONFIG`` entries (ints; booleans as 0 / 1).
+``CONFIG="fwd_rowsum_lanes=1 seg_warps=8"`` overrides ``triton_linear.CONFIG`` entries (ints; booleans as 0 / 1);
+``VARIANTS="fwd_waves=4.13;fwd_rowsum_lanes=1"`` also times ours with each ``;``-separated set of overrides in the
+same process, after the shipped (or ``CONFIG``) launch configuration, against the same fla times.
 """
 import os
 
@@ -16,10 +18,21 @@ from triton.testing import do_bench
 from linearize.kernels import linear_attention
 from linearize.kernels import triton_linear as TL
 
-for item in os.environ.get("CONFIG", "").split():
-    key, val = item.split("=")
-    TL.CONFIG[key] = bool(int(val)) if isinstance(TL.CONFIG[key], bool) else type(TL.CONFIG[key])(float(val))
+
+
+def overrides(spec: str) -> dict:
+    """``"key=val key=val"`` -> CONFIG entries of the shipped entries' types."""
+    out = {}
+    for item in spec.split():
+        key, val = item.split("=")
+        out[key] = bool(int(val)) if isinstance(TL.CONFIG[key], bool) else type(TL.CONFIG[key])(float(val))
+    return out
+
+
+TL.CONFIG.update(overrides(os.environ.get("CONFIG", "")))
 print("CONFIG overrides:", os.environ.get("CONFIG", "none"))
+base = dict(TL.CONFIG)
+variants = [v.strip() for v in os.environ.get("VARIANTS", "").split(";") if v.strip()]
 
 torch.manual_seed(0)
 dev, bf, H, D = "cuda", torch.bfloat16, 32, 128
@@ -39,4 +52,13 @@ for T in [int(t) for t in os.environ.get("LENGTHS", "2048,8192,32768,131072").sp
     print(f"{T:7d} {B:3d} | {ms['ours']:7.3f} {ms['fla']:7.3f} {ms['fla'] / ms['ours']:5.2f} | "
           f"{ms['ours_un']:7.3f} {ms['fla_un']:7.3f} {ms['fla_un'] / ms['ours_un']:5.2f} | "
           f"{ms['fla_un'] / ms['ours']:5.2f} | {err:.2e}", flush=True)
+    for spec in variants:
+        TL.CONFIG.update(base, **overrides(spec))
+        with torch.no_grad():
+            err = ((linear_attention(q, k, v)[0].float() - ref).norm() / ref.norm()).item()
+            norm = do_bench(lambda: linear_attention(q, k, v)[0], warmup=25, rep=150)
+            un = do_bench(lambda: linear_attention(q, k, v, normalize=False)[0], warmup=25, rep=150)
+        print(f"  {spec:>24s}: ours {norm:7.3f} ({ms['ours'] / norm:.3f}x the row above), ours un {un:7.3f} "
+              f"({ms['ours_un'] / un:.3f}x); ours norm vs fla un {ms['fla_un'] / norm:5.2f} | {err:.2e}", flush=True)
+    TL.CONFIG.update(base)
     del q, k, v, ref

@@ -1,4 +1,4 @@
-"""The window hybrid's forward (W = 64): the single fused pass (default) vs the two-pass forward
+"""The window hybrid's forward (W = 64): the single fused pass vs the two-pass forward, now the default
 (``fwd_two_pass``: the plain forward on keys and values shifted by W, then the chunk-parallel softmax-window
 kernel; ``softmax_warps`` 4 / 8), against our plain linear forward, in one process; each also with the Hedgehog
 features computed in the kernels (``window_linear_attention_hedgehog``, f = 64). bf16, H = 32, D = K = V = 128,

@@ -373,12 +373,14 @@ CONFIG = {  # picked by linearize.bench.tune_kernels on an H200 (triton 3.6), se
     "fused_warps": 8,
     "scan_split_below_waves": 0.0,  # as in triton_linear.CONFIG (not yet measured on a GPU)
     "scan_waves": 8.0,
-    # two-pass forward for W <= 64 when the launch is not segmented: the plain linear forward on keys and values
-    # shifted by W (no window), then a chunk-parallel softmax-window kernel that adds the window and normalises;
-    # no carried state next to the score tiles (the single pass spills 452 bytes; the window kernel of this one
-    # takes 204-211 registers without spills, offline for sm_90a). Off: not yet timed on a GPU
-    "fwd_two_pass": False,
-    "softmax_warps": 8,  # warps of that window kernel (4: 168-208 registers, room for 2 programs per SM)
+    # two-pass forward for W <= 64 (segmented launches only at W = 64): the plain linear forward on keys and
+    # values shifted by W (no window), then a chunk-parallel softmax-window kernel that adds the window and
+    # normalises; no carried state next to the score tiles (the single pass spills 452 bytes; the window kernel
+    # takes 168-208 registers at 4 warps without spills, offline for sm_90a). With 4 warps: 1.25x / 1.29x faster
+    # than the single pass at 2K x 16 / 8K x 4, 1.23x at 32K x 1 (W = 64, D = 128, H200, 2026-12-01); 8 warps were
+    # slower than the single pass
+    "fwd_two_pass": True,
+    "softmax_warps": 4,
 }
 
 

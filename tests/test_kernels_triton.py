@@ -83,13 +83,14 @@ def test_linear_triton_normaliser_as_lane_reductions(dtype, normalize, monkeypat
     check_linear("triton", 1, 300, 2, 1, 32, 16, dtype, normalize=normalize, state=True, device=DEV)
 
 
-@pytest.mark.parametrize("option", ["fwd_norm_split", "fwd_rowsum_lanes"])
-def test_linear_triton_normaliser_options(option, monkeypatch):
-    """CONFIG options of the tensor-core normaliser, off by default: fwd_norm_split (q.z also adds q times z's
-    16-bit rounding residual), fwd_rowsum_lanes (rowsum(A) as a lane reduction instead of a product)."""
+@pytest.mark.parametrize("option,value", [("fwd_norm_split", True), ("fwd_rowsum_lanes", False)])
+def test_linear_triton_normaliser_options(option, value, monkeypatch):
+    """The tensor-core normaliser's CONFIG options away from their defaults: fwd_norm_split on (q.z also adds q
+    times z's 16-bit rounding residual), fwd_rowsum_lanes off (rowsum(A) as a product with ones instead of a
+    lane reduction of the accumulator)."""
     from linearize.kernels import triton_linear
 
-    monkeypatch.setitem(triton_linear.CONFIG, option, True)
+    monkeypatch.setitem(triton_linear.CONFIG, option, value)
     check_linear("triton", 2, 130, 4, 2, 32, 32, torch.bfloat16, state=True, device=DEV)
     check_linear("triton", 1, 70, 2, 1, 32, 32, torch.float32, normalize=True, state=True, device=DEV)
 
@@ -155,25 +156,29 @@ def test_window_fp32_over_64_runs_the_chunked_path(dtype, monkeypatch):
 
 @pytest.mark.parametrize("shape", WIN_SHAPES[:4], ids=lambda s: "B{}T{}H{}Hk{}D{}K{}V{}W{}".format(*s))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_window_two_pass_forward(shape, dtype, monkeypatch):
-    """CONFIG fwd_two_pass (off by default): the plain forward on keys and values shifted by W, then the
-    chunk-parallel softmax-window kernel; outputs, final state and every gradient as the reference."""
+@pytest.mark.parametrize("two_pass", [False, True], ids=["one-pass", "two-pass"])
+def test_window_forward_passes(shape, dtype, two_pass, monkeypatch):
+    """Both window forwards, whichever CONFIG fwd_two_pass picks: the single fused pass, and the two-pass one
+    (the default for W <= 64: the plain forward on keys and values shifted by W, then the chunk-parallel
+    softmax-window kernel); outputs, final state and every gradient as the reference, segmented launches too."""
     from linearize.kernels import triton_linear, triton_window
 
     launched = []
     real = triton_window._fwd_two_pass
     monkeypatch.setattr(triton_window, "_fwd_two_pass", lambda *a: launched.append(1) or real(*a))
-    monkeypatch.setitem(triton_window.CONFIG, "fwd_two_pass", True)
+    monkeypatch.setitem(triton_window.CONFIG, "fwd_two_pass", two_pass)
     check_window("triton", *shape, dtype, state=True, device=DEV)
-    assert launched
+    assert bool(launched) == two_pass
     if shape[-1] == 64:  # W = one chunk: segmented launches too (the shifted forward's segment sums lag a chunk)
         monkeypatch.setitem(triton_window.CONFIG, "force_segments", 3)
         monkeypatch.setitem(triton_linear.CONFIG, "force_segments", 3)
         n = len(launched)
         check_window("triton", 1, 300, 2, 1, 16, 32, 16, 64, dtype, state=True, device=DEV)
-        assert len(launched) == n + 1
+        assert len(launched) == n + two_pass
         monkeypatch.setitem(triton_window.CONFIG, "force_segments", None)
         monkeypatch.setitem(triton_linear.CONFIG, "force_segments", None)
+    if not two_pass:
+        return
     # the shifted plain forward alone: query t sees keys j <= t - W and the initial state
     inp = linear_inputs(2, 150, 4, 2, 16, 32, dtype=dtype, device=DEV, state=True)
     W = 40
