@@ -1,13 +1,16 @@
 """Triton decode-step kernels (one token, state updated in place).
 
-One program per (batch, KV head) owns the whole ``[K, V]`` state of that head:
-it reads it once, adds ``k v^T`` (and, for the window hybrid, folds the token
-leaving the window), writes it back, and answers every query head of the KV
-group from registers. Owning the whole state is what makes the in-place update
-race-free (``z`` is shared by all value columns). Nothing is allocated except
-the output (``out=`` avoids that too), so a CUDA graph can replay the call; the
-window step's token counter ``seen`` is read on the device and incremented by
-one in-place add after the kernel.
+Linear step: one program per (batch, KV head) owns the whole ``[K, V]`` state of that head: it reads it once,
+adds ``k v^T``, writes it back, and answers every query head of the KV group from registers; owning the whole
+state is what makes the in-place update race-free (``z`` is shared by all value columns).
+
+Window step: programs over (batch x KV head, value block) each fold the token leaving the window into their
+columns of ``S`` and answer the group's query heads for those columns, reading ``z`` and the key rings
+unchanged; a second, small kernel then updates ``z`` and writes the new key and key features into the rings
+(stream order makes that race-free without one program owning the whole state, so a batch of 8 with 8 KV
+heads fills the GPU). Nothing is allocated except the output (``out=`` avoids that too), so a CUDA graph can
+replay the call; the window step's token counter ``seen`` is read on the device and incremented by one in-place
+add after the kernels.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import hedgehog_row, pow2
+from .triton_common import hedgehog_row, num_sms, pow2
 
 
 @triton.jit
@@ -63,44 +66,42 @@ def _linear_step_kernel(
 
 @triton.jit
 def _window_step_kernel(
-    Q, Kr, FQ, FK, Vp, WF,  # q [B,H,D], k [B,HK,D], fq [B,H,K], fk [B,HK,K], v [B,HK,V], wf [H] fp32
+    Q, FQ, Kr, Vp, WF,  # q [B,H,D], fq [B,H,K] (not read with FUSE), k [B,HK,D], v [B,HK,V], wf [H] fp32
     S, Z, KR, FKR, VR, SEEN,  # state; rings [B,HK,W,*]; seen int64 [1]
     O,
-    WQX, WKX,  # FUSE: Hedgehog maps [Wq, -Wq] [H,D,K], [Wk, -Wk] [HK,D,K]; fq / fk are then not read
+    WQX,  # FUSE: Hedgehog map [Wq, -Wq] [H,D,K]; fq is then computed here
     H, HK, W, scale, eps, feps,
     D: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr, G: tl.constexpr,
     FUSE: tl.constexpr,
 ):
+    """Program (batch x KV head, value block): folds the token leaving the window into its columns of ``S``,
+    writes the new value into its columns of the value ring, and answers the KV group's query heads for its
+    value columns. ``z``, the key ring and the key-feature ring are shared by every value block, so they are
+    read here and written only by :func:`_window_step_commit_kernel`, launched after this kernel."""
     pbh = tl.program_id(0)
+    pv = tl.program_id(1)
     b = pbh // HK
     hk = pbh % HK
-    od, ok, ov, ow = tl.arange(0, BD), tl.arange(0, BK), tl.arange(0, BV), tl.arange(0, BW)
+    od, ok, ow = tl.arange(0, BD), tl.arange(0, BK), tl.arange(0, BW)
+    ov = pv * BV + tl.arange(0, BV)
     md, mk, mv, mw = od < D, ok < K, ov < V, ow < W
     base = pbh.to(tl.int64)
     t = tl.load(SEEN)
     slot = (t % W).to(tl.int32)
     # ring tiles before the write; the new token replaces row `slot` in registers
     kr = tl.load(KR + (base * W + ow[:, None]) * D + od[None, :], mask=mw[:, None] & md[None, :], other=0.0)
-    fkr = tl.load(FKR + (base * W + ow[:, None]) * K + ok[None, :], mask=mw[:, None] & mk[None, :], other=0.0)
     vr = tl.load(VR + (base * W + ow[:, None]) * V + ov[None, :], mask=mw[:, None] & mv[None, :], other=0.0)
     sel = ow == slot
     fold = (t >= W).to(tl.float32)
-    fk_old = tl.sum(tl.where(sel[:, None], fkr.to(tl.float32), 0.0), 0) * fold  # [BK]
+    fk_old = tl.load(FKR + (base * W + slot) * K + ok, mask=mk, other=0.0).to(tl.float32) * fold  # [BK]
     v_old = tl.sum(tl.where(sel[:, None], vr.to(tl.float32), 0.0), 0)  # [BV]
     sp = S + base * K * V + ok[:, None] * V + ov[None, :]
     s = tl.load(sp, mask=mk[:, None] & mv[None, :], other=0.0) + fk_old[:, None] * v_old[None, :]
     tl.store(sp, s, mask=mk[:, None] & mv[None, :])
     z = tl.load(Z + base * K + ok, mask=mk, other=0.0) + fk_old
-    tl.store(Z + base * K + ok, z, mask=mk)
     k_new = tl.load(Kr + base * D + od, mask=md, other=0.0)
-    if FUSE:  # the features the layer would compute: fp32, rounded to the ring's dtype
-        fk_new = hedgehog_row(k_new.to(tl.float32), WKX, hk, od, ok, md, mk, D, K, K // 2, feps)
-    else:
-        fk_new = tl.load(FK + base * K + ok, mask=mk, other=0.0)
     v_new = tl.load(Vp + base * V + ov, mask=mv, other=0.0)
-    tl.store(KR + (base * W + slot) * D + od, k_new.to(KR.dtype.element_ty), mask=md)
-    tl.store(FKR + (base * W + slot) * K + ok, fk_new.to(FKR.dtype.element_ty), mask=mk)
     tl.store(VR + (base * W + slot) * V + ov, v_new.to(VR.dtype.element_ty), mask=mv)
     kr = tl.where(sel[:, None], k_new.to(KR.dtype.element_ty)[None, :], kr).to(tl.float32)
     vr = tl.where(sel[:, None], v_new.to(VR.dtype.element_ty)[None, :], vr).to(tl.float32)
@@ -122,6 +123,57 @@ def _window_step_kernel(
         num = w * tl.sum(p[:, None] * vr, 0) + c * tl.sum(fq[:, None] * s, 0)
         den = w * tl.sum(p, 0) + c * tl.sum(fq * z, 0) + eps * em
         tl.store(O + qrow * V + ov, (num / den).to(O.dtype.element_ty), mask=mv)
+
+
+@triton.jit
+def _window_step_commit_kernel(
+    Kr, FK, KR, FKR, Z, SEEN,  # k [B,HK,D], fk [B,HK,K] (not read with FUSE); rings; z; seen
+    WKX,  # FUSE: Hedgehog map [Wk, -Wk] [HK,D,K]; fk is then computed here
+    HK, W, feps,
+    D: tl.constexpr, K: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, FUSE: tl.constexpr,
+):
+    """Program (batch x KV head), after :func:`_window_step_kernel`: ``z`` gains the key features leaving the
+    window, and the new token's key and key features take their ring slot."""
+    pbh = tl.program_id(0)
+    hk = pbh % HK
+    od, ok = tl.arange(0, BD), tl.arange(0, BK)
+    md, mk = od < D, ok < K
+    base = pbh.to(tl.int64)
+    t = tl.load(SEEN)
+    slot = (t % W).to(tl.int32)
+    fk_old = tl.load(FKR + (base * W + slot) * K + ok, mask=mk, other=0.0).to(tl.float32) * (t >= W).to(tl.float32)
+    tl.store(Z + base * K + ok, tl.load(Z + base * K + ok, mask=mk, other=0.0) + fk_old, mask=mk)
+    k_new = tl.load(Kr + base * D + od, mask=md, other=0.0)
+    if FUSE:  # the features the layer would compute: fp32, rounded to the ring's dtype
+        fk_new = hedgehog_row(k_new.to(tl.float32), WKX, hk, od, ok, md, mk, D, K, K // 2, feps)
+    else:
+        fk_new = tl.load(FK + base * K + ok, mask=mk, other=0.0)
+    tl.store(KR + (base * W + slot) * D + od, k_new.to(KR.dtype.element_ty), mask=md)
+    tl.store(FKR + (base * W + slot) * K + ok, fk_new.to(FKR.dtype.element_ty), mask=mk)
+
+
+CONFIG = {
+    # window step: each (batch, KV head)'s value columns are split over programs (value blocks of >= 16) until
+    # the grid has step_waves programs per SM, each with step_warps warps. Llama-3-8B shape at B = 8 (64 pairs),
+    # H200, CUDA graphs, 2026-12-01: one program per pair (the earlier kernel) 50.2 us; value blocks of 64 with
+    # 4 warps (128 programs) 21.7 us, of 32 24.1 us, of 16 41.3 us; 8 / 16 warps 26-55 us
+    "step_waves": 0.5,
+    "step_bv": 0,  # > 0: this value block (tests, sweeps)
+    "step_warps": 4,  # warps of the window step's main kernel (0: from its tile sizes)
+}
+
+
+def step_value_block(programs: int, V: int, device: torch.device) -> int:
+    """Value block of the window step for ``programs`` (batch x KV head) pairs: halved from the whole ``V``
+    while the grid stays under ``step_waves`` programs per SM (one program per pair off CUDA)."""
+    if CONFIG["step_bv"]:
+        return min(int(CONFIG["step_bv"]), pow2(V))
+    BV = pow2(V)
+    if device.type == "cuda":
+        target = CONFIG["step_waves"] * num_sms(device)
+        while BV > 16 and programs * triton.cdiv(V, BV) < target:
+            BV //= 2
+    return BV
 
 
 def _warps(nbytes: int) -> int:
@@ -148,8 +200,9 @@ def linear_step_triton(q, k, v, S, z, *, normalize=True, eps=1e-6, out=None, wqx
 
 
 def window_step_triton(q, k, fq, fk, v, wf, st, *, scale, eps=1e-12, out=None, wqx=None, wkx=None, feps=0.0):
-    """The window step; with ``wqx`` / ``wkx`` (``signed_projections``) ``fq`` / ``fk`` are None and the kernel
-    computes the Hedgehog features of ``q`` and ``k`` itself."""
+    """The window step: :func:`_window_step_kernel` over (batch x KV head, value block), then
+    :func:`_window_step_commit_kernel` and ``seen += 1``. With ``wqx`` / ``wkx`` (``signed_projections``)
+    ``fq`` / ``fk`` are None and the kernels compute the Hedgehog features of ``q`` and ``k`` themselves."""
     B, H, D = q.shape
     HK, W = st.k_ring.shape[1], st.k_ring.shape[2]
     K, V = st.fk_ring.shape[-1], st.v_ring.shape[-1]
@@ -157,15 +210,20 @@ def window_step_triton(q, k, fq, fk, v, wf, st, *, scale, eps=1e-12, out=None, w
         out = torch.empty((B, H, V), dtype=v.dtype, device=q.device)
     if wf.dtype != torch.float32:
         wf = wf.float()
-    BD, BK, BV, BW = pow2(D), pow2(K), pow2(V), pow2(W)
+    BD, BK, BW = pow2(D), pow2(K), pow2(W)
+    BV = step_value_block(B * HK, V, q.device)
     fuse = wqx is not None
-    q = q.contiguous()
-    _window_step_kernel[(B * HK,)](
-        q, k.contiguous(), q if fuse else fq.contiguous(), q if fuse else fk.contiguous(), v.contiguous(),
-        wf.contiguous(), st.S, st.z, st.k_ring, st.fk_ring, st.v_ring, st.seen, out,
-        wqx if fuse else q, wkx if fuse else q,
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    tiles = BK * BV + BW * (BD + BV) + (BD * BK if fuse else 0)  # fp32 values live at once
+    _window_step_kernel[(B * HK, triton.cdiv(V, BV))](
+        q, q if fuse else fq.contiguous(), k, v, wf.contiguous(), st.S, st.z, st.k_ring, st.fk_ring, st.v_ring,
+        st.seen, out, wqx if fuse else q,
         H, HK, W, float(scale), eps, float(feps), D=D, K=K, V=V, BD=BD, BK=BK, BV=BV, BW=BW, G=H // HK, FUSE=fuse,
-        num_warps=_warps(BK * BV * 4 + BW * (BD + BK + BV) * 4),
+        num_warps=CONFIG["step_warps"] or _warps(4 * tiles),
+    )
+    _window_step_commit_kernel[(B * HK,)](
+        k, k if fuse else fk.contiguous(), st.k_ring, st.fk_ring, st.z, st.seen, wkx if fuse else k,
+        HK, W, float(feps), D=D, K=K, BD=BD, BK=BK, FUSE=fuse, num_warps=_warps(4 * BD * BK if fuse else 0),
     )
     st.seen.add_(1)
     return out

@@ -1,0 +1,84 @@
+"""The window hybrid's decode step on the Llama-3-8B shape (B = 8, H = 32, Hk = 8, D = 128, Hedgehog f = 64 so
+K = 128, V = 128, W = 64, bf16 rings, fp32 state), features computed in the kernel as GPU inference does: the
+value columns of each (batch, KV head) in one program (``step_bv=128``, 64 programs) against the split over value
+blocks (the default: ``step_waves`` programs per SM) and a few warp counts, one process, CUDA-graph replays
+(``triton.testing.do_bench_cudagraph``); outputs checked against the PyTorch step. Needs a GPU:
+
+    python benchmarks/window_step_blocks.py
+
+(``DEV=cpu TRITON_INTERPRET=1 B=1 H=2 HK=1 D=16 F=8 V=32 W=8``: a dry run of the script under the interpreter.)
+"""
+import os
+import time
+
+import torch
+from triton.testing import do_bench_cudagraph
+
+from linearize.kernels import empty_window_state, triton_common, triton_step
+from linearize.kernels import window_linear_attention_step_hedgehog as step
+
+B, H, HK, D, F, V, W = (int(os.environ.get(n, d)) for n, d in
+                        (("B", 8), ("H", 32), ("HK", 8), ("D", 128), ("F", 64), ("V", 128), ("W", 64)))
+dev, bf = torch.device(os.environ.get("DEV", "cuda")), torch.bfloat16
+torch.manual_seed(0)
+q, k = torch.randn(B, H, D, device=dev, dtype=bf), torch.randn(B, HK, D, device=dev, dtype=bf)
+v = torch.randn(B, HK, V, device=dev, dtype=bf)
+wf = torch.full((H,), 0.3, device=dev)
+wq, wk = 0.1 * torch.randn(H, D, F, device=dev, dtype=bf), 0.1 * torch.randn(HK, D, F, device=dev, dtype=bf)
+signed = triton_common.signed_projections(wq, wk, bf)
+
+
+def fresh_state():
+    """A state past the window (folds every step), random contents."""
+    st = empty_window_state(B, HK, D, 2 * F, V, W, dtype=bf, device=dev)
+    for x in st[:5]:
+        x.copy_(torch.rand_like(x) if x.dtype == bf or x is st.z else 0.01 * torch.rand_like(x))
+    st.seen.fill_(5 * W + 3)
+    return st
+
+
+def check(fn) -> float:
+    """Relative error of one step against the PyTorch step from the same state."""
+    a, b = fresh_state(), None
+    b = type(a)(*(x.clone() for x in a))
+    out = fn(a)
+    ref = step(q, k, v, wf, wq, wk, b, backend="torch")
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def time_us(fn) -> float:
+    st = fresh_state()
+    out = torch.empty(B, H, V, device=dev, dtype=bf)
+    if dev.type != "cuda":
+        t0 = time.perf_counter()
+        fn(st, out)
+        return 1e6 * (time.perf_counter() - t0)
+    return 1e3 * do_bench_cudagraph(lambda: fn(st, out), rep=200)
+
+
+def ours(st, out=None):
+    return step(q, k, v, wf, wq, wk, st, out=out, backend="triton", signed=signed)
+
+
+state_mb = B * HK * (2 * F * V * 4 * 2 + W * (D + 2 * F + V) * 2 + 2 * F * 4) / 1e6  # S r+w, rings, z
+rows = [("one program per (batch, KV head)", {"step_bv": 128})] + [
+    (f"value blocks {bv or 'auto'}, warps {w or 'auto'}", {"step_bv": bv, "step_warps": w})
+    for bv in (0, 64, 32, 16) for w in (0, 8, 4)]
+base = dict(triton_step.CONFIG)
+
+
+def main(extra=()):
+    print(f"window step B={B} H={H} Hk={HK} D={D} K={2 * F} V={V} W={W}: ~{state_mb:.1f} MB of state and rings")
+    for name, fn in extra:
+        print(f"  {name:40s} {time_us(fn):7.2f} us  err {check(lambda s: fn(s, None)):.1e}", flush=True)
+    for name, cfg in rows:
+        triton_step.CONFIG.update(base, **cfg)
+        bv = triton_step.step_value_block(B * HK, V, dev)
+        us = time_us(ours)
+        print(f"  {name:40s} {us:7.2f} us  (BV {bv}; {state_mb / us * 1e3:6.0f} GB/s)  err {check(ours):.1e}",
+              flush=True)
+    triton_step.CONFIG.update(base)
+
+
+if __name__ == "__main__":
+    main()
