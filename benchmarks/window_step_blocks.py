@@ -2,7 +2,9 @@
 K = 128, V = 128, W = 64, bf16 rings, fp32 state), features computed in the kernel as GPU inference does: the
 value columns of each (batch, KV head) in one program (``step_bv=128``, 64 programs) against the split over value
 blocks (the default: ``step_waves`` programs per SM) and a few warp counts, one process, CUDA-graph replays
-(``triton.testing.do_bench_cudagraph``); outputs checked against the PyTorch step. Needs a GPU:
+(``triton.testing.do_bench_cudagraph``); outputs checked against the PyTorch step. Then the plain linear step
+(``linear_attention_step_hedgehog``, the same shape without rings) in one program per pair against the split
+over value blocks (``linear_step_waves``). Needs a GPU:
 
     python benchmarks/window_step_blocks.py
 
@@ -15,6 +17,7 @@ import torch
 from triton.testing import do_bench_cudagraph
 
 from linearize.kernels import empty_window_state, triton_common, triton_step
+from linearize.kernels import linear_attention_step_hedgehog as linear_step
 from linearize.kernels import window_linear_attention_step_hedgehog as step
 
 B, H, HK, D, F, V, W = (int(os.environ.get(n, d)) for n, d in
@@ -73,11 +76,36 @@ def main(extra=()):
         print(f"  {name:40s} {time_us(fn):7.2f} us  err {check(lambda s: fn(s, None)):.1e}", flush=True)
     for name, cfg in rows:
         triton_step.CONFIG.update(base, **cfg)
-        bv = triton_step.step_value_block(B * HK, V, dev)
+        bv = triton_step.step_value_block(B * HK, V, dev, triton_step.CONFIG["step_waves"])
         us = time_us(ours)
         print(f"  {name:40s} {us:7.2f} us  (BV {bv}; {state_mb / us * 1e3:6.0f} GB/s)  err {check(ours):.1e}",
               flush=True)
     triton_step.CONFIG.update(base)
+    linear_mb = B * HK * (2 * F * V * 4 * 2 + 2 * F * 4 * 2) / 1e6
+    print(f"linear step, same shape: ~{linear_mb:.1f} MB of state")
+    for name, cfg in linear_rows:
+        triton_step.CONFIG.update(base, **cfg)
+        bv = triton_step.step_value_block(B * HK, V, dev, triton_step.CONFIG["linear_step_waves"])
+        us = time_us(linear_ours)
+        err = check_linear()
+        print(f"  {name:40s} {us:7.2f} us  (BV {bv}; {linear_mb / us * 1e3:6.0f} GB/s)  err {err:.1e}", flush=True)
+    triton_step.CONFIG.update(base)
+
+
+def linear_ours(st, out=None):
+    return linear_step(q, k, v, wq, wk, (st.S, st.z), out=out, backend="triton", signed=signed)
+
+
+def check_linear() -> float:
+    a = fresh_state()
+    b = (a.S.clone(), a.z.clone())
+    out = linear_ours(a)
+    ref = linear_step(q, k, v, wq, wk, b, backend="torch")
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+linear_rows = [("one program per (batch, KV head)", {})] + [
+    (f"split, waves {w}", {"linear_step_waves": w}) for w in (0.5, 1.0, 2.0)]
 
 
 if __name__ == "__main__":

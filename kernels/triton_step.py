@@ -2,7 +2,9 @@
 
 Linear step: one program per (batch, KV head) owns the whole ``[K, V]`` state of that head: it reads it once,
 adds ``k v^T``, writes it back, and answers every query head of the KV group from registers; owning the whole
-state is what makes the in-place update race-free (``z`` is shared by all value columns).
+state is what makes the in-place update race-free (``z`` is shared by all value columns). With
+``CONFIG["linear_step_waves"]`` > 0 it is split over value blocks like the window step, and a second kernel
+adds ``phi(k)`` to ``z``.
 
 Window step: programs over (batch x KV head, value block) each fold the token leaving the window into their
 columns of ``S`` and answer the group's query heads for those columns, reading ``z`` and the key rings
@@ -28,13 +30,16 @@ def _linear_step_kernel(
     WQX, WKX,  # FUSE: q, k are raw [B,H|HK,D] and these the Hedgehog maps [Wq, -Wq] [H,D,K], [Wk, -Wk] [HK,D,K]
     H, HK, eps, feps,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, G: tl.constexpr,
-    NORMALIZE: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, FUSE: tl.constexpr,
+    NORMALIZE: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, FUSE: tl.constexpr, UPDATE_Z: tl.constexpr,
 ):
+    """Program (batch x KV head, value block): adds ``k v^T`` to its columns of ``S`` and answers the KV group's
+    query heads for them. ``z`` is shared by the value blocks: with one block (``UPDATE_Z``) it is written
+    here, otherwise read here and updated by :func:`_linear_step_z_kernel` after this kernel."""
     pbh = tl.program_id(0)
     b = pbh // HK
     hk = pbh % HK
     ok = tl.arange(0, BK)
-    ov = tl.arange(0, BV)
+    ov = tl.program_id(1) * BV + tl.arange(0, BV)
     od = tl.arange(0, BD)
     mk, mv, md = ok < K, ov < V, od < D
     base = pbh.to(tl.int64)
@@ -49,7 +54,8 @@ def _linear_step_kernel(
     s += k[:, None] * v[None, :]
     tl.store(sp, s, mask=mk[:, None] & mv[None, :])
     z = tl.load(Z + base * K + ok, mask=mk, other=0.0) + k
-    tl.store(Z + base * K + ok, z, mask=mk)
+    if UPDATE_Z:
+        tl.store(Z + base * K + ok, z, mask=mk)
     for g in tl.static_range(G):
         h = hk * G + g
         qrow = b.to(tl.int64) * H + h
@@ -62,6 +68,25 @@ def _linear_step_kernel(
         if NORMALIZE:
             o = o / (tl.sum(q * z, 0) + eps)
         tl.store(O + qrow * V + ov, o.to(O.dtype.element_ty), mask=mv)
+
+
+@triton.jit
+def _linear_step_z_kernel(
+    Kp, Z, WKX,  # k [B,HK,K] (raw [B,HK,D] with FUSE), z [B,HK,K], [Wk, -Wk] [HK,D,K]
+    HK, feps,
+    K: tl.constexpr, BK: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, FUSE: tl.constexpr,
+):
+    """Program (batch x KV head), after a split :func:`_linear_step_kernel`: ``z += phi(k)``."""
+    pbh = tl.program_id(0)
+    ok, od = tl.arange(0, BK), tl.arange(0, BD)
+    mk, md = ok < K, od < D
+    base = pbh.to(tl.int64)
+    if FUSE:  # as the step kernel computes them
+        k = tl.load(Kp + base * D + od, mask=md, other=0.0)
+        k = hedgehog_row(k.to(tl.float32), WKX, pbh % HK, od, ok, md, mk, D, K, K // 2, feps).to(k.dtype)
+    else:
+        k = tl.load(Kp + base * K + ok, mask=mk, other=0.0)
+    tl.store(Z + base * K + ok, tl.load(Z + base * K + ok, mask=mk, other=0.0) + k.to(tl.float32), mask=mk)
 
 
 @triton.jit
@@ -160,17 +185,20 @@ CONFIG = {
     "step_waves": 0.5,
     "step_bv": 0,  # > 0: this value block (tests, sweeps)
     "step_warps": 4,  # warps of the window step's main kernel (0: from its tile sizes)
+    # the linear step's split over value blocks (then z is added by a second kernel): 0 = one program per
+    # (batch, KV head), as measured so far (not yet timed split on a GPU)
+    "linear_step_waves": 0.0,
 }
 
 
-def step_value_block(programs: int, V: int, device: torch.device) -> int:
-    """Value block of the window step for ``programs`` (batch x KV head) pairs: halved from the whole ``V``
-    while the grid stays under ``step_waves`` programs per SM (one program per pair off CUDA)."""
+def step_value_block(programs: int, V: int, device: torch.device, waves: float) -> int:
+    """Value block of a decode step for ``programs`` (batch x KV head) pairs: halved from the whole ``V``
+    while the grid stays under ``waves`` programs per SM (one program per pair off CUDA or at 0 waves)."""
     if CONFIG["step_bv"]:
         return min(int(CONFIG["step_bv"]), pow2(V))
     BV = pow2(V)
     if device.type == "cuda":
-        target = CONFIG["step_waves"] * num_sms(device)
+        target = waves * num_sms(device)
         while BV > 16 and programs * triton.cdiv(V, BV) < target:
             BV //= 2
     return BV
@@ -189,13 +217,18 @@ def linear_step_triton(q, k, v, S, z, *, normalize=True, eps=1e-6, out=None, wqx
     HK, V = k.shape[1], v.shape[-1]
     if out is None:
         out = torch.empty((B, H, V), dtype=v.dtype, device=q.device)
-    BK, BV = pow2(K), pow2(V)
-    q = q.contiguous()
-    _linear_step_kernel[(B * HK,)](
-        q, k.contiguous(), v.contiguous(), S, z, out, wqx if fuse else q, wkx if fuse else q, H, HK, eps, float(feps),
-        K=K, V=V, BK=BK, BV=BV, G=H // HK, NORMALIZE=normalize, D=D, BD=pow2(D), FUSE=fuse,
+    BK, BD = pow2(K), pow2(D)
+    BV = step_value_block(B * HK, V, q.device, CONFIG["linear_step_waves"])
+    NV = triton.cdiv(V, BV)
+    q, k = q.contiguous(), k.contiguous()
+    _linear_step_kernel[(B * HK, NV)](
+        q, k, v.contiguous(), S, z, out, wqx if fuse else q, wkx if fuse else q, H, HK, eps, float(feps),
+        K=K, V=V, BK=BK, BV=BV, G=H // HK, NORMALIZE=normalize, D=D, BD=BD, FUSE=fuse, UPDATE_Z=NV == 1,
         num_warps=_warps(BK * BV * 4),
     )
+    if NV > 1:
+        _linear_step_z_kernel[(B * HK,)](k, z, wkx if fuse else k, HK, float(feps), K=K, BK=BK, D=D, BD=BD, FUSE=fuse,
+                                         num_warps=_warps(4 * BD * BK if fuse else 0))
     return out
 
 
@@ -211,7 +244,7 @@ def window_step_triton(q, k, fq, fk, v, wf, st, *, scale, eps=1e-12, out=None, w
     if wf.dtype != torch.float32:
         wf = wf.float()
     BD, BK, BW = pow2(D), pow2(K), pow2(W)
-    BV = step_value_block(B * HK, V, q.device)
+    BV = step_value_block(B * HK, V, q.device, CONFIG["step_waves"])
     fuse = wqx is not None
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     tiles = BK * BV + BW * (BD + BV) + (BD * BK if fuse else 0)  # fp32 values live at once
