@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from .triton_common import hedgehog_row, num_sms, pow2
+from .tuning import ensure_applied
 
 
 @triton.jit
@@ -211,6 +212,7 @@ def _warps(nbytes: int) -> int:
 def linear_step_triton(q, k, v, S, z, *, normalize=True, eps=1e-6, out=None, wqx=None, wkx=None, feps=0.0):
     """The linear step; with ``wqx`` / ``wkx`` (``signed_projections``) ``q`` / ``k`` are the raw rows and the
     kernel computes their Hedgehog features itself."""
+    ensure_applied(q.device)  # this GPU's saved launch configuration (bench kernels --tune), once
     fuse = wqx is not None
     B, H, D = q.shape
     K = wqx.shape[-1] if fuse else D
@@ -236,6 +238,7 @@ def window_step_triton(q, k, fq, fk, v, wf, st, *, scale, eps=1e-12, out=None, w
     """The window step: :func:`_window_step_kernel` over (batch x KV head, value block), then
     :func:`_window_step_commit_kernel` and ``seen += 1``. With ``wqx`` / ``wkx`` (``signed_projections``)
     ``fq`` / ``fk`` are None and the kernels compute the Hedgehog features of ``q`` and ``k`` themselves."""
+    ensure_applied(q.device)
     B, H, D = q.shape
     HK, W = st.k_ring.shape[1], st.k_ring.shape[2]
     K, V = st.fk_ring.shape[-1], st.v_ring.shape[-1]

@@ -1,8 +1,9 @@
 """Per-GPU launch configurations: measured by ``linearize bench kernels --tune``, saved, reloaded.
 
-The shipped defaults in ``triton_linear.CONFIG`` / ``triton_window.CONFIG`` were picked on an H200. A sweep on
+The shipped defaults in ``triton_linear.CONFIG`` / ``triton_window.CONFIG`` / ``triton_step.CONFIG`` were picked
+on an H200. A sweep on
 another GPU (:func:`linearize.bench.tune_kernels`) ends with :func:`save`, which writes
-``$LINEARIZE_CACHE/kernels/<gpu>.json`` (GPU name, Triton version, both configurations). The first Triton
+``$LINEARIZE_CACHE/kernels/<gpu>.json`` (GPU name, Triton version, the three configurations). The first Triton
 launch on a CUDA device calls :func:`ensure_applied`, which loads that file when it was written for the same
 GPU name and Triton version and holds only known keys, and updates the configurations in place; otherwise the
 defaults stay. ``LINEARIZE_KERNEL_TUNING=0`` ignores saved files (e.g. to benchmark the shipped defaults).
@@ -22,9 +23,9 @@ _STATE = {"checked": False, "source": None}
 
 
 def _modules():
-    from . import triton_linear, triton_window
+    from . import triton_linear, triton_step, triton_window
 
-    return {"linear": triton_linear, "window": triton_window}
+    return {"linear": triton_linear, "window": triton_window, "step": triton_step}
 
 
 def _triton_version() -> str:
@@ -59,7 +60,8 @@ def save(gpu_name: str) -> Path:
 
 
 def load(gpu_name: str) -> dict | None:
-    """The saved configurations for ``gpu_name`` if usable (same GPU and Triton version, only known keys)."""
+    """The saved configurations for ``gpu_name`` if usable (same GPU and Triton version, only known keys); a
+    module the file does not name keeps its defaults (files written before it was tuned)."""
     path = tuned_path(gpu_name)
     try:
         blob = json.loads(path.read_text())
@@ -69,7 +71,7 @@ def load(gpu_name: str) -> dict | None:
         return None
     out = {}
     for name, mod in _modules().items():
-        cfg = blob.get(name)
+        cfg = blob.get(name, {})
         if not isinstance(cfg, dict) or not set(cfg) <= set(mod.CONFIG):
             return None  # written by another version of the kernels
         out[name] = cfg

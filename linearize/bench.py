@@ -195,8 +195,9 @@ def sweep_configs(config: dict, grid: dict, run: Callable, cases: dict, referenc
     return results
 
 
-#: kernel families ``tune_kernels`` sweeps, in order: linear / window, forward / fwd+bwd, Hedgehog features fused
-TUNE_FAMILIES = ("lin_fwd", "lin_fb", "win_fwd", "win_fb", "lin_fused_fwd", "win_fused_fwd")
+#: kernel families ``tune_kernels`` sweeps, in order: linear / window, forward / fwd+bwd, Hedgehog features fused,
+#: decode steps (Hedgehog features in the step, GQA 4:1 at batch 8 and 1)
+TUNE_FAMILIES = ("lin_fwd", "lin_fb", "win_fwd", "win_fb", "lin_fused_fwd", "win_fused_fwd", "lin_step", "win_step")
 
 
 def parse_families(names) -> list[str]:
@@ -210,18 +211,23 @@ def parse_families(names) -> list[str]:
 
 
 def tune_kernels(heads: int = 32, dim: int = 128, progress: Optional[Callable[[str], None]] = None,
-                 families: Optional[Sequence[str]] = None) -> dict:
+                 families: Optional[Sequence[str]] = None, *, device: str = "cuda",
+                 timer: Optional[Callable[[Callable[[], object]], float]] = None) -> dict:
     """Time a small grid of launch configurations; set and return the best per kernel family (``families``, a
     subset of :data:`TUNE_FAMILIES`; default all). A configuration whose output or gradients differ from the
-    defaults' by more than ``TUNE_TOLERANCE`` is never kept."""
-    from linearize.kernels import (linear_attention, linear_attention_hedgehog, tuning, window_linear_attention,
-                                   window_linear_attention_hedgehog)
+    defaults' by more than ``TUNE_TOLERANCE`` is never kept. ``device`` / ``timer`` (ms of a call; default
+    ``do_bench``) let tests run the sweeps' plumbing on CPU."""
+    from linearize.kernels import (empty_window_state, linear_attention, linear_attention_hedgehog,
+                                   linear_attention_step_hedgehog, triton_common, tuning, window_linear_attention,
+                                   window_linear_attention_hedgehog, window_linear_attention_step_hedgehog)
     from linearize.kernels import triton_linear as tlin
+    from linearize.kernels import triton_step as tstep
     from linearize.kernels import triton_window as twin
 
     chosen = parse_families(families) if families else TUNE_FAMILIES
     say = progress or (lambda s: None)
-    dev = torch.device("cuda")
+    dev = torch.device(device)
+    gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type
     bf = torch.bfloat16
     shapes = [(1, 32768), (4, 8192), (16, 2048)]
     data = {}
@@ -235,17 +241,17 @@ def tune_kernels(heads: int = 32, dim: int = 128, progress: Optional[Callable[[s
         data[(B, T)] = (q, k, v, qr, kr, do)
     wf = torch.full((heads,), 0.3, device=dev)
     best = {}
-    timer = lambda fn: _bench(fn, 10, 40)  # noqa: E731
+    timer = timer or (lambda fn: _bench(fn, 10, 40))
 
     def sweep(name, cfg_mod, grid, fn):
         if name not in chosen:
             return []
-        results = sweep_configs(cfg_mod.CONFIG, grid, fn, data, reference[name], baseline[name], timer,
+        results = sweep_configs(cfg_mod.CONFIG, grid, fn, cases[name], reference[name], baseline[name], timer,
                                 lambda m: say(f"tune {name} {m}"))
         if results:
             cfg_mod.CONFIG.update(results[0][1])
             best[name] = results[0][1]
-        tuning.save(torch.cuda.get_device_name(dev))  # after every sweep: a run cut short keeps what it found
+        tuning.save(gpu)  # after every sweep: a run cut short keeps what it found
         return results
 
     # each returns what it computes (output, or gradients), compared against the defaults' before timing
@@ -276,14 +282,43 @@ def tune_kernels(heads: int = 32, dim: int = 128, progress: Optional[Callable[[s
         with torch.no_grad():
             return window_linear_attention_hedgehog(qr, kr, v, wf, wq, wk, window=64)[:1]
 
+    # decode steps: one token at batch B from a saved state (copied back first, so every call computes the same
+    # step; the copy is in every candidate's time), KV heads = heads / 4, a window of 64 past its fill
+    kv = max(1, heads // 4)
+    wsq, wsk = (0.1 * torch.randn(h, dim, dim // 2, device=dev, dtype=bf) for h in (heads, kv))
+    signed = triton_common.signed_projections(wsq, wsk, bf)
+    step_data = {}
+    for B in (8, 1):
+        saved = empty_window_state(B, kv, dim, dim, dim, 64, dtype=bf, device=dev)
+        for x in saved[:5]:
+            x.copy_(torch.rand_like(x) if x.dtype == bf else 0.01 * torch.rand_like(x))
+        saved.seen.fill_(1000)
+        qkv = (torch.randn(B, heads, dim, device=dev, dtype=bf), torch.randn(B, kv, dim, device=dev, dtype=bf),
+               torch.randn(B, kv, dim, device=dev, dtype=bf))
+        step_data[(B, 1)] = (saved, type(saved)(*(x.clone() for x in saved)), *qkv)
+
+    def restore(saved, st):
+        for x, y in zip(st, saved):
+            x.copy_(y)
+
+    def lin_step(saved, st, q, k, v):
+        restore(saved, st)
+        return linear_attention_step_hedgehog(q, k, v, wsq, wsk, (st.S, st.z), signed=signed), st.S, st.z
+
+    def win_step(saved, st, q, k, v):
+        restore(saved, st)
+        return window_linear_attention_step_hedgehog(q, k, v, wf, wsq, wsk, st, signed=signed), st.S, st.z
+
     runners = (("lin_fwd", lin_fwd), ("lin_fb", lin_fb), ("win_fwd", win_fwd), ("win_fb", win_fb),
-               ("lin_fused_fwd", lin_fused_fwd), ("win_fused_fwd", win_fused_fwd))
+               ("lin_fused_fwd", lin_fused_fwd), ("win_fused_fwd", win_fused_fwd), ("lin_step", lin_step),
+               ("win_step", win_step))
+    cases = {name: step_data if name.endswith("_step") else data for name, _ in runners}
     reference, baseline = {}, {}  # per family and case: the defaults' results and milliseconds
     for name, fn in runners:
         if name not in chosen:
             continue
-        reference[name] = {key: [x.detach().clone() for x in fn(*args)] for key, args in data.items()}
-        baseline[name] = {key: timer(lambda: fn(*args)) for key, args in data.items()}
+        reference[name] = {key: [x.detach().clone() for x in fn(*args)] for key, args in cases[name].items()}
+        baseline[name] = {key: timer(lambda: fn(*args)) for key, args in cases[name].items()}
     sweep("lin_fwd", tlin, {"fwd_norm_mma": [False, True], "fwd_norm_split": [False, True],
                             "fwd_rowsum_lanes": [False, True]}, lin_fwd)
     # a narrower value block doubles the programs per head: at B = 1 fewer sequences need the segment split
@@ -304,9 +339,13 @@ def tune_kernels(heads: int = 32, dim: int = 128, progress: Optional[Callable[[s
     fused = {"fused_bv": [32, 64, 128], "fused_warps": [4, 8, 16]}
     sweep("lin_fused_fwd", tlin, fused, lin_fused_fwd)
     sweep("win_fused_fwd", twin, fused, win_fused_fwd)
-    path = tuning.save(torch.cuda.get_device_name(dev))
-    say(f"tuned: linear {tlin.CONFIG} window {twin.CONFIG}; saved to {path} (used by later runs on this GPU)")
-    return {"linear": dict(tlin.CONFIG), "window": dict(twin.CONFIG), "saved": str(path)}
+    waves = [0.0, 0.5, 1.0, 2.0]  # 0: one program per (batch, KV head)
+    sweep("lin_step", tstep, {"linear_step_waves": waves}, lin_step)
+    sweep("win_step", tstep, {"step_waves": waves, "step_warps": [4, 8, 16]}, win_step)
+    path = tuning.save(gpu)
+    say(f"tuned: linear {tlin.CONFIG} window {twin.CONFIG} steps {tstep.CONFIG}; saved to {path} (used by later "
+        "runs on this GPU)")
+    return {"linear": dict(tlin.CONFIG), "window": dict(twin.CONFIG), "step": dict(tstep.CONFIG), "saved": str(path)}
 
 
 # ---------------------------------------------------------------------------

@@ -296,7 +296,7 @@ def bench_kernels_cmd(
     decode_batch: int = typer.Option(8, "--decode-batch", help="Batch of the decode-step rows."),
     check: str = typer.Option("full", "--check", help="Correctness check before timing: full | accuracy | none."),
     tune: bool = typer.Option(False, "--tune", help="Sweep launch configurations first."),
-    tune_only: Optional[str] = typer.Option(None, "--tune-only", help="Comma-separated kernel families to sweep (implies --tune): lin_fwd, lin_fb, win_fwd, win_fb, lin_fused_fwd, win_fused_fwd."),
+    tune_only: Optional[str] = typer.Option(None, "--tune-only", help="Comma-separated kernel families to sweep (implies --tune): lin_fwd, lin_fb, win_fwd, win_fb, lin_fused_fwd, win_fused_fwd, lin_step, win_step."),
     out: Optional[Path] = typer.Option(None, "-o", "--output", help="Write the rows as JSON here."),
 ):
     """Time our kernels against fla and SDPA on the GPU (median of triton.testing.do_bench)."""

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from linearize.kernels import triton_linear, triton_window, tuning
+from linearize.kernels import triton_linear, triton_step, triton_window, tuning
 
 
 @pytest.fixture()
@@ -16,6 +16,7 @@ def iso(tmp_path, monkeypatch):
     monkeypatch.setenv("LINEARIZE_CACHE", str(tmp_path))
     monkeypatch.setattr(triton_linear, "CONFIG", dict(triton_linear.CONFIG))
     monkeypatch.setattr(triton_window, "CONFIG", dict(triton_window.CONFIG))
+    monkeypatch.setattr(triton_step, "CONFIG", dict(triton_step.CONFIG))
     monkeypatch.setattr(tuning, "_STATE", {"checked": False, "source": None})
     monkeypatch.setattr(tuning, "_gpu_name", lambda device=None: "NVIDIA Test GPU 80GB")
     return tmp_path
@@ -24,14 +25,18 @@ def iso(tmp_path, monkeypatch):
 def test_save_then_apply_on_the_same_gpu(iso):
     triton_linear.CONFIG["fwd_warps"] = 4
     triton_window.CONFIG["fwd_warps"] = 4
+    triton_step.CONFIG["step_warps"] = 16
     path = tuning.save("NVIDIA Test GPU 80GB")
     assert path == iso / "kernels" / "nvidia-test-gpu-80gb.json"
     blob = json.loads(path.read_text())
     assert blob["gpu"] == "NVIDIA Test GPU 80GB" and blob["linear"]["fwd_warps"] == 4
+    assert blob["step"]["step_warps"] == 16
     triton_linear.CONFIG["fwd_warps"] = 8  # back to a default in memory
     triton_window.CONFIG["fwd_warps"] = 8
+    triton_step.CONFIG["step_warps"] = 4
     tuning.ensure_applied(torch.device("cuda", 0))
     assert triton_linear.CONFIG["fwd_warps"] == 4 and triton_window.CONFIG["fwd_warps"] == 4
+    assert triton_step.CONFIG["step_warps"] == 16
     assert tuning.applied_from() == str(path)
     triton_linear.CONFIG["fwd_warps"] = 2
     tuning.ensure_applied(torch.device("cuda", 0))  # once per process
@@ -53,6 +58,20 @@ def test_unusable_files_are_ignored(iso, edit):
     assert tuning.load("NVIDIA Test GPU 80GB") is None
     tuning.ensure_applied(torch.device("cuda", 0))
     assert triton_linear.CONFIG == before and tuning.applied_from() is None
+
+
+def test_files_from_before_the_step_sweeps_still_apply(iso):
+    """A file without the decode steps' section (written before they were tuned) applies its kernels' settings
+    and leaves the steps' defaults."""
+    triton_linear.CONFIG["fwd_warps"] = 4
+    path = tuning.save("NVIDIA Test GPU 80GB")
+    blob = json.loads(path.read_text())
+    del blob["step"]
+    path.write_text(json.dumps(blob))
+    triton_linear.CONFIG["fwd_warps"] = 8
+    steps = dict(triton_step.CONFIG)
+    tuning.ensure_applied(torch.device("cuda", 0))
+    assert triton_linear.CONFIG["fwd_warps"] == 4 and triton_step.CONFIG == steps
 
 
 def test_cpu_and_opt_out_leave_the_defaults(iso, monkeypatch):
@@ -160,3 +179,21 @@ def test_bench_rows_written_as_they_come(tmp_path):
     blob = json.loads(out.read_text())
     assert blob["complete"] and len(blob["rows"]) == 2
     assert [p.name for p in out.parent.iterdir()] == ["bench.json"]  # no temporary file left
+
+
+def test_decode_step_sweeps_run_and_save(iso):
+    """tune_kernels' decode-step families end to end (on CPU: the PyTorch steps, a fake timer): every candidate
+    gives the defaults' step (the saved state is restored before each call), the fastest is kept and saved."""
+    import itertools
+
+    from linearize.bench import tune_kernels
+
+    ticks = itertools.count()
+    # a timer under which later candidates look faster, so the sweep must move off the defaults
+    out = tune_kernels(heads=4, dim=16, families=["lin_step", "win_step"], device="cpu",
+                       timer=lambda fn: (fn(), 1000.0 - next(ticks))[1])
+    assert out["step"] == triton_step.CONFIG
+    assert (out["step"]["step_waves"], out["step"]["step_warps"]) == (2.0, 16)  # the last candidate of the grid
+    assert out["step"]["linear_step_waves"] == 2.0
+    saved = json.loads(tuning.tuned_path("cpu").read_text())
+    assert saved["step"] == out["step"]
