@@ -510,6 +510,30 @@ def _decode_phase(model, cache, T, B, steps, backends, dev, timing: Timing, gen)
     return row
 
 
+def cost_model(model) -> dict:
+    """What bounds a model's speed, from its shapes (``bound_*`` of :func:`ratios`).
+
+    ``matmul_flops_per_token``: 2 x the parameters a prefill token multiplies by (all but the embedding
+    tables: prefill keeps the last position's logits only); ``attention_flops_per_token_per_T``: causal
+    attention at context T costs this x T FLOPs per token (2 T H d per softmax layer: half of QK^T and PV;
+    linear layers counted as free); ``decode_weight_bytes``: weight bytes a decode step reads (all but the
+    input embedding table, which it only indexes, unless the output layer shares it)."""
+    cfg = model.config
+    inp, out = model.get_input_embeddings(), model.get_output_embeddings()
+    emb_in = inp.weight if inp is not None else None
+    emb_out = out.weight if out is not None else None
+    tied = emb_in is not None and emb_in is emb_out
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    tables = {id(t): t.numel() for t in (emb_in, emb_out) if t is not None}
+    heads = int(cfg.num_attention_heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    types = getattr(cfg, "layer_types", None) or ["full_attention"] * int(cfg.num_hidden_layers)
+    softmax_layers = sum(t != "linear_attention" for t in types)  # sliding-window layers counted as full
+    return {"matmul_flops_per_token": 2 * (sum(p.numel() for p in model.parameters()) - sum(tables.values())),
+            "attention_flops_per_token_per_T": 2 * softmax_layers * heads * head_dim,
+            "decode_weight_bytes": nbytes - (0 if tied or emb_in is None else emb_in.numel() * emb_in.element_size())}
+
+
 def bench_row(model, kind: str, T: int, B: int, *, steps: int, backends: list[str | None], dev: torch.device,
               timing: Timing, seed: int = 0) -> dict:
     """One (model, T, B) row: prefill, decode, peak memory, cache bytes. Out of memory is recorded."""
@@ -689,7 +713,9 @@ def _versions() -> dict[str, str]:
 
 
 def ratios(rows: list[dict]) -> list[dict]:
-    """Hybrid / original per (T, B): speed-ups (> 1 = hybrid faster) and memory fractions."""
+    """Hybrid / original per (T, B): speed-ups (> 1 = hybrid faster), memory fractions, and the speed-ups the
+    hybrid's shapes allow at the original's efficiency (``prefill_bound``: FLOPs per token; ``decode_bound``:
+    bytes a decode step reads, weights + cache), from each row's ``cost``."""
     by = {(r["model"], r["T"], r["B"]): r for r in rows}
     keys = sorted({(r["T"], r["B"]) for r in rows})
     out = []
@@ -700,15 +726,34 @@ def ratios(rows: list[dict]) -> list[dict]:
             return float(f"{a / b:.5g}")
         return None
 
+    def bounds(h, o, T):
+        """Speed-ups the hybrid could reach at the original's efficiency (``cost``: :func:`cost_model`)."""
+        ch, co = h.get("cost"), o.get("cost")
+        if not ch or not co:
+            return None, None
+
+        def flops(c):
+            return c["matmul_flops_per_token"] + c["attention_flops_per_token_per_T"] * T
+
+        def step_bytes(r, c):
+            cache = r.get("cache_bytes")
+            return c["decode_weight_bytes"] + cache if isinstance(cache, (int, float)) else None
+
+        sh, so = step_bytes(h, ch), step_bytes(o, co)
+        return (float(f"{flops(co) / flops(ch):.4g}"),
+                float(f"{so / sh:.4g}") if sh and so else None)
+
     for T, B in keys:
         h, o = by.get(("hybrid", T, B)), by.get(("original", T, B))
         if h is None or o is None:
             continue
+        prefill_bound, decode_bound = bounds(h, o, T)
         out.append({"T": T, "B": B,
                     "prefill_speedup": frac(h, o, "prefill_tok_s"),
                     "decode_speedup": frac(h, o, "decode_tok_s"),
                     "cache_ratio": frac(h, o, "cache_bytes"),
                     "peak_ratio": frac(h, o, "peak_bytes"),
+                    "prefill_bound": prefill_bound, "decode_bound": decode_bound,
                     "original": o["status"], "hybrid": h["status"]})
     return out
 
@@ -812,6 +857,8 @@ def bench_model(spec: str, *, against: str | None = None, random_weights: bool =
         model.eval()
         params = sum(p.numel() for p in model.parameters())
         meta[f"{kind}_parameters"] = params
+        cost = cost_model(model)
+        meta[f"{kind}_cost"] = cost
         meta[f"{kind}_attn_implementation"] = getattr(model.config, "_attn_implementation", None)
         failed: list[tuple[int, int]] = []
         for T in Ts:
@@ -824,6 +871,7 @@ def bench_model(spec: str, *, against: str | None = None, random_weights: bool =
                     row = bench_row(model, kind, T, B, steps=int(decode_steps), backends=backends, dev=dev,
                                     timing=timing)
                     row["wall_s"] = round(time.time() - t0, 2)
+                    row["cost"] = cost
                     if row["status"] == "oom" and row.get("oom_phase") == "prefill":
                         failed.append((T, B))
                 result["rows"].append(row)
@@ -927,6 +975,12 @@ def print_result(result: dict, console=None) -> None:
             notes.setdefault(text, []).append(f"{r['model']} T={r['T']} B={r['B']}")
     for text, where in notes.items():
         con.print(f"  {text}: {', '.join(where)}", highlight=False)
+    for x in result.get("ratios", []):
+        if x.get("prefill_bound") is not None:
+            con.print(f"  T={x['T']} B={x['B']}: at the original's efficiency the hybrid's shapes allow prefill "
+                      f"{_fmt(x['prefill_bound'], '.2f')}x (FLOPs per token; linear layers free), decode "
+                      f"{_fmt(x.get('decode_bound'), '.2f') or 'n/a'}x (bytes per step: weights + cache)",
+                      highlight=False)
     for tg in result.get("targets", []):
         mark = {True: "met", False: "NOT met", None: "n/a"}[tg["met"]]
         con.print(f"  target: {tg['target']}: {_fmt(tg['value'], '.3f') or 'n/a'} ({mark})", highlight=False)

@@ -66,6 +66,18 @@ def test_cli_tiny_config_on_cpu(tiny_config, tmp_path):
         assert q["decode_speedup"] == pytest.approx(h["decode_tok_s"] / o["decode_tok_s"], rel=1e-3)
         assert q["cache_ratio"] == pytest.approx(h["cache_bytes"] / o["cache_bytes"], rel=1e-3)
         assert q["peak_ratio"] is None
+        # the bounds: FLOPs per token and bytes per decode step of the original over the hybrid's
+        T, co, ch = q["T"], o["cost"], h["cost"]
+        flops = [c["matmul_flops_per_token"] + c["attention_flops_per_token_per_T"] * T for c in (co, ch)]
+        assert q["prefill_bound"] == pytest.approx(flops[0] / flops[1], rel=1e-3)
+        step = [c["decode_weight_bytes"] + x["cache_bytes"] for c, x in ((co, o), (ch, h))]
+        assert q["decode_bound"] == pytest.approx(step[0] / step[1], rel=1e-3)
+    # tied embeddings (TINY): the table is read every decode step as the output layer; 4 vs 1 softmax layers
+    co, ch = rows["original", 64]["cost"], rows["hybrid", 64]["cost"]
+    assert co["attention_flops_per_token_per_T"] == 2 * 4 * 4 * 16 and ch["attention_flops_per_token_per_T"] == 2 * 4 * 16
+    assert co["decode_weight_bytes"] == res["meta"]["original_parameters"] * 4  # fp32 on CPU, nothing left out
+    assert co["matmul_flops_per_token"] == 2 * (res["meta"]["original_parameters"] - 256 * 64)
+    assert "the hybrid's shapes allow prefill" in r.stdout
     assert "bench model: hybrid vs original" in r.stdout and "wrote" in r.stdout
 
 
@@ -84,6 +96,21 @@ def test_bad_inputs_one_line_exit_2(tmp_path, args, message):
     lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in r.stderr
     assert not out.exists()
+
+
+def test_cost_model_of_the_llama3_8b_shape():
+    """The bounds' inputs on the Llama-3-8B config (meta device, untied embeddings): ~14 GFLOP of products per
+    prefill token, 2 T H d of attention per softmax layer, every weight but the input table read per step."""
+    from transformers import AutoModelForCausalLM
+
+    cfg, _ = bm.load_config("llama-3-8b")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    c = bm.cost_model(model)
+    table = 128256 * 4096
+    assert c["matmul_flops_per_token"] == 2 * (PUBLISHED["llama-3-8b"] - 2 * table)
+    assert c["attention_flops_per_token_per_T"] == 2 * 32 * 32 * 128
+    assert c["decode_weight_bytes"] == 2 * (PUBLISHED["llama-3-8b"] - table)
 
 
 def test_llama3_8b_config_on_meta_has_the_published_shape():
