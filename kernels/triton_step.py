@@ -185,7 +185,9 @@ CONFIG = {
     # 4 warps (128 programs) 21.7 us, of 32 24.1 us, of 16 41.3 us; 8 / 16 warps 26-55 us
     "step_waves": 0.5,
     "step_bv": 0,  # > 0: this value block (tests, sweeps)
-    "step_warps": 4,  # warps of the window step's main kernel (0: from its tile sizes)
+    # warps of the window step's main kernel at value blocks <= 64 (0: from its tile sizes, as wider blocks
+    # always are: 16 at 128 (48.4 us above); 4 warps would spill ~7 KB per thread there, offline for sm_90a)
+    "step_warps": 4,
     # the linear step's split over value blocks (then z is added by a second kernel): 0 = one program per
     # (batch, KV head), as measured so far (not yet timed split on a GPU)
     "linear_step_waves": 0.0,
@@ -207,6 +209,13 @@ def step_value_block(programs: int, V: int, device: torch.device, waves: float) 
 
 def _warps(nbytes: int) -> int:
     return 4 if nbytes <= 32 * 1024 else (8 if nbytes <= 96 * 1024 else 16)
+
+
+def window_step_warps(BD: int, BK: int, BV: int, BW: int, fuse: bool) -> int:
+    """Warps of :func:`_window_step_kernel`: ``step_warps`` at value blocks <= 64, else from the tiles it holds."""
+    if BV <= 64 and CONFIG["step_warps"]:
+        return int(CONFIG["step_warps"])
+    return _warps(4 * (BK * BV + BW * (BD + BV) + (BD * BK if fuse else 0)))  # fp32 values live at once
 
 
 def linear_step_triton(q, k, v, S, z, *, normalize=True, eps=1e-6, out=None, wqx=None, wkx=None, feps=0.0):
@@ -250,12 +259,11 @@ def window_step_triton(q, k, fq, fk, v, wf, st, *, scale, eps=1e-12, out=None, w
     BV = step_value_block(B * HK, V, q.device, CONFIG["step_waves"])
     fuse = wqx is not None
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    tiles = BK * BV + BW * (BD + BV) + (BD * BK if fuse else 0)  # fp32 values live at once
     _window_step_kernel[(B * HK, triton.cdiv(V, BV))](
         q, q if fuse else fq.contiguous(), k, v, wf.contiguous(), st.S, st.z, st.k_ring, st.fk_ring, st.v_ring,
         st.seen, out, wqx if fuse else q,
         H, HK, W, float(scale), eps, float(feps), D=D, K=K, V=V, BD=BD, BK=BK, BV=BV, BW=BW, G=H // HK, FUSE=fuse,
-        num_warps=CONFIG["step_warps"] or _warps(4 * tiles),
+        num_warps=window_step_warps(BD, BK, BV, BW, fuse),
     )
     _window_step_commit_kernel[(B * HK,)](
         k, k if fuse else fk.contiguous(), st.k_ring, st.fk_ring, st.z, st.seen, wkx if fuse else k,

@@ -312,6 +312,25 @@ HH_SHAPES = [
 ]
 
 
+def test_window_step_launch_shape():
+    """Value blocks and warps of the window step at the Llama-3-8B shape on an H200-sized GPU (132 SMs): 64
+    (batch, KV head) pairs split into blocks of 64 with 4 warps; 128 pairs stay whole, with 16 warps (4 would
+    spill there)."""
+    from unittest import mock
+
+    from linearize.kernels import triton_step
+
+    cuda = torch.device("cuda", 0)
+    with mock.patch.object(triton_step, "num_sms", lambda device: 132):
+        assert triton_step.step_value_block(64, 128, cuda, triton_step.CONFIG["step_waves"]) == 64
+        assert triton_step.step_value_block(128, 128, cuda, triton_step.CONFIG["step_waves"]) == 128
+        assert triton_step.step_value_block(8, 128, cuda, triton_step.CONFIG["step_waves"]) == 16
+        assert triton_step.step_value_block(64, 128, cuda, 0.0) == 128  # 0 waves: one program per pair
+    assert triton_step.step_value_block(64, 128, torch.device("cpu"), 1.0) == 128
+    assert triton_step.window_step_warps(128, 128, 64, 64, True) == 4
+    assert triton_step.window_step_warps(128, 128, 128, 64, True) == 16
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("Hk,bv", [(2, 0), (1, 16)])
 def test_window_step_with_hedgehog_features_in_the_kernel(dtype, Hk, bv, monkeypatch):
