@@ -32,6 +32,7 @@ import datetime as _dt
 import gc
 import inspect
 import json
+import re
 import platform
 import statistics
 import time
@@ -473,8 +474,41 @@ def _time_steps(step: Callable[[], Any], steps: int, dev: torch.device, timing: 
     return (_now(dev) - t0) / steps, "eager", note
 
 
+#: where a decode step's time goes, by kernel (GPU) or operator (CPU) name, first match wins; the rest is "other"
+PROFILE_CATEGORIES = (
+    # our Triton kernels (on CPU the layers' PyTorch path shows as generic operators)
+    ("linear attention", re.compile(r"_la_|_win_|_window_step|_linear_step|_hedgehog_map|_scan_kernel|_row_stats")),
+    ("softmax attention", re.compile(r"attention|flash|fmha|sdpa|scaled_dot_product")),
+    ("matmul", re.compile(r"gemm|nvjet|cutlass|xmma|splitkreduce|aten::(mm|addmm|bmm|baddbmm)$")),
+)
+
+
+def profile_steps(step: Callable[[], Any], dev: torch.device, steps: int = 3) -> dict:
+    """Milliseconds per decode step by :data:`PROFILE_CATEGORIES` (and ``other``, ``total``) over ``steps`` eager
+    steps under ``torch.profiler``: GPU kernel time on CUDA, operators' own CPU time on CPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = dev.type == "cuda"
+    step()
+    _sync(dev)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        for _ in range(steps):
+            step()
+        _sync(dev)
+    out = {name: 0.0 for name, _ in PROFILE_CATEGORIES} | {"other": 0.0}
+    for ev in prof.key_averages():
+        us = getattr(ev, "self_device_time_total", 0.0) if cuda else ev.self_cpu_time_total
+        if not us:
+            continue
+        name = ev.key.lower()
+        cat = next((c for c, pattern in PROFILE_CATEGORIES if pattern.search(name)), "other")
+        out[cat] += us / 1e3 / steps
+    out["total"] = sum(out.values())
+    return {k: round(v, 4) for k, v in out.items()}
+
+
 @torch.no_grad()
-def _decode_phase(model, cache, T, B, steps, backends, dev, timing: Timing, gen) -> dict:
+def _decode_phase(model, cache, T, B, steps, backends, dev, timing: Timing, gen, profile: bool = False) -> dict:
     dcache = decode_cache(cache, T)
     vocab = int(model.config.vocab_size)
     ids = torch.randint(0, vocab, (B, 1), generator=gen).to(dev)
@@ -507,6 +541,9 @@ def _decode_phase(model, cache, T, B, steps, backends, dev, timing: Timing, gen)
            "decode_modes": {(k or "default"): (n or m) for k, (m, n) in modes.items()}}
     if note:
         row["decode_note"] = note
+    if profile:
+        with _sdpa(best), _maskless_sdpa(model):
+            row["decode_profile_ms"] = profile_steps(step, dev)
     return row
 
 
@@ -535,7 +572,7 @@ def cost_model(model) -> dict:
 
 
 def bench_row(model, kind: str, T: int, B: int, *, steps: int, backends: list[str | None], dev: torch.device,
-              timing: Timing, seed: int = 0) -> dict:
+              timing: Timing, seed: int = 0, profile: bool = False) -> dict:
     """One (model, T, B) row: prefill, decode, peak memory, cache bytes. Out of memory is recorded."""
     from .surgery import cache_bytes
 
@@ -556,7 +593,7 @@ def bench_row(model, kind: str, T: int, B: int, *, steps: int, backends: list[st
         row["cache_bytes_formula"] = cache_bytes(model.config, T, B, p.element_size())[
             "hybrid" if getattr(model.config, "model_type", "") == "linearize" else "original"]
         phase = "decode"
-        row.update(_decode_phase(model, holder["cache"], T, B, steps, backends, dev, timing, gen))
+        row.update(_decode_phase(model, holder["cache"], T, B, steps, backends, dev, timing, gen, profile))
     except Exception as e:  # noqa: BLE001 - one row's failure must not end the run
         if _is_oom(e):
             row["status"] = "oom"
@@ -786,13 +823,14 @@ def bench_model(spec: str, *, against: str | None = None, random_weights: bool =
                 recipe: str = "lolcats", lengths: Any = "4K,32K,128K", batches: Any = "1,8", decode_steps: int = 64,
                 dtype: str | None = None, device: str | None = None, sdpa: str = "flash,cudnn",
                 out_dir: Path | str = "bench-model", timing: Timing | None = None,
-                log: Callable[[str], None] = print) -> dict:
+                log: Callable[[str], None] = print, profile: bool = False) -> dict:
     """Benchmark the hybrid against the original; write ``out_dir/bench_model.json``; return the result.
 
     ``spec`` is a hybrid checkpoint directory (compared with ``against`` or the base model it names), or
     a model spec converted on the fly with surgery only (``ratio``, ``recipe``), compared with
     ``against`` or itself. With ``random_weights`` the models come from a shipped config (alias) or a
-    ``config.json`` path. See the module docstring for what each number means.
+    ``config.json`` path. ``profile``: also split a few eager decode steps per row by kernel category
+    (:func:`profile_steps`). See the module docstring for what each number means.
     """
     from . import recipe as recipes
     from .evals.common import parse_batch_sizes, parse_lengths
@@ -869,7 +907,7 @@ def bench_model(spec: str, *, against: str | None = None, random_weights: bool =
                 else:
                     t0 = time.time()
                     row = bench_row(model, kind, T, B, steps=int(decode_steps), backends=backends, dev=dev,
-                                    timing=timing)
+                                    timing=timing, profile=profile)
                     row["wall_s"] = round(time.time() - t0, 2)
                     row["cost"] = cost
                     if row["status"] == "oom" and row.get("oom_phase") == "prefill":
@@ -975,6 +1013,13 @@ def print_result(result: dict, console=None) -> None:
             notes.setdefault(text, []).append(f"{r['model']} T={r['T']} B={r['B']}")
     for text, where in notes.items():
         con.print(f"  {text}: {', '.join(where)}", highlight=False)
+    for r in result["rows"]:
+        prof = r.get("decode_profile_ms")
+        if prof:
+            where = "GPU kernel" if str(meta["device"]).startswith("cuda") else "CPU operator"
+            parts = ", ".join(f"{k} {v:.3f}" for k, v in prof.items() if k != "total")
+            con.print(f"  {r['model']} T={r['T']} B={r['B']} decode step, {where} time in ms (eager, profiled): "
+                      f"{parts} (total {prof['total']:.3f})", highlight=False)
     for x in result.get("ratios", []):
         if x.get("prefill_bound") is not None:
             con.print(f"  T={x['T']} B={x['B']}: at the original's efficiency the hybrid's shapes allow prefill "

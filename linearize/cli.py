@@ -333,6 +333,7 @@ def bench_model_cmd(
     dtype: Optional[str] = typer.Option(None, "--dtype", help="bfloat16 | float16 | float32 (default: bfloat16 on GPU, float32 on CPU)."),
     device: Optional[str] = typer.Option(None, "--device", help="cuda | cuda:N | cpu (default: cuda when available)."),
     out: Optional[Path] = typer.Option(None, "-o", "--output", help="Output directory for bench_model.json (default: bench-model-NAME)."),
+    profile: bool = typer.Option(False, "--profile", help="Also split a few eager decode steps per row by kernel category (matmul, softmax attention, linear attention, other)."),
 ):
     """Hybrid vs original: prefill and decode tokens/s, peak memory, cache + state bytes (JSON + table)."""
     from .benchmodel import RESULT_FILE, bench_model, print_result
@@ -340,7 +341,8 @@ def bench_model_cmd(
     out = out or Path(f"bench-model-{Path(spec).stem if spec.endswith('.json') else spec.rstrip('/').split('/')[-1]}")
     result = bench_model(spec, against=against, random_weights=random_weights, ratio=ratio, recipe=recipe,
                          lengths=lengths, batches=batch, decode_steps=decode_steps, dtype=dtype, device=device,
-                         sdpa=sdpa, out_dir=out, log=lambda m: err_console.print(m, highlight=False, soft_wrap=True))
+                         sdpa=sdpa, out_dir=out, log=lambda m: err_console.print(m, highlight=False, soft_wrap=True),
+                         profile=profile)
     print_result(result)
     console.print(f"wrote {out / RESULT_FILE}", highlight=False)
 

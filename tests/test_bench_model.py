@@ -98,6 +98,31 @@ def test_bad_inputs_one_line_exit_2(tmp_path, args, message):
     assert not out.exists()
 
 
+def test_decode_profile_categories(tiny_config, tmp_path):
+    """--profile: each row splits a few eager decode steps by category (CPU: operator time), the parts add up
+    to the total and are printed; kernel names of a GPU profile land where they belong."""
+    out = tmp_path / "bench"
+    r = run_cli("bench", "model", str(tiny_config), "--random-weights", "--device", "cpu", "--lengths", "64",
+                "--batch", "1", "--decode-steps", "2", "--profile", "-o", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads((out / "bench_model.json").read_text())
+    for row in res["rows"]:
+        prof = row["decode_profile_ms"]
+        assert set(prof) == {"linear attention", "softmax attention", "matmul", "other", "total"}
+        assert prof["total"] > 0 and prof["matmul"] > 0
+        assert prof["total"] == pytest.approx(sum(v for k, v in prof.items() if k != "total"), abs=1e-3)
+    assert "decode step, CPU operator time in ms" in r.stdout
+
+    def category(name):
+        return next((c for c, p in bm.PROFILE_CATEGORIES if p.search(name.lower())), "other")
+
+    assert category("_window_step_kernel") == category("_window_step_commit_kernel") == "linear attention"
+    assert category("_la_fwd_kernel") == category("_hedgehog_map_kernel") == "linear attention"
+    assert category("cudnn_generated_fort_native_sdpa_sm80_flash_fprop_wmma_f16") == "softmax attention"
+    assert category("nvjet_sm90_tst_64x8_64x16_2x1_v_bz_TNT") == category("aten::mm") == "matmul"
+    assert category("void at::native::vectorized_elementwise_kernel<4>") == category("aten::mul") == "other"
+
+
 def test_cost_model_of_the_llama3_8b_shape():
     """The bounds' inputs on the Llama-3-8B config (meta device, untied embeddings): ~14 GFLOP of products per
     prefill token, 2 T H d of attention per softmax layer, every weight but the input table read per step."""
