@@ -32,8 +32,8 @@ import datetime as _dt
 import gc
 import inspect
 import json
-import re
 import platform
+import re
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -541,14 +541,19 @@ def _decode_phase(model, cache, T, B, steps, backends, dev, timing: Timing, gen,
            "decode_modes": {(k or "default"): (n or m) for k, (m, n) in modes.items()}}
     if note:
         row["decode_note"] = note
-    if profile:
-        with _sdpa(best), _maskless_sdpa(model):
-            row["decode_profile_ms"] = profile_steps(step, dev)
+    if profile:  # a failing profile leaves the row's timings standing
+        try:
+            with _sdpa(best), _maskless_sdpa(model):
+                row["decode_profile_ms"] = profile_steps(step, dev)
+        except Exception as e:  # noqa: BLE001
+            if _is_oom(e):
+                raise
+            row["decode_profile_error"] = _first_line(e, 200)
     return row
 
 
 def cost_model(model) -> dict:
-    """What bounds a model's speed, from its shapes (``bound_*`` of :func:`ratios`).
+    """What bounds a model's speed, from its shapes (for the ``*_bound`` values of :func:`ratios`).
 
     ``matmul_flops_per_token``: 2 x the parameters a prefill token multiplies by (all but the embedding
     tables: prefill keeps the last position's logits only); ``attention_flops_per_token_per_T``: causal
