@@ -576,6 +576,11 @@ def cost_model(model) -> dict:
             "decode_weight_bytes": nbytes - (0 if tied or emb_in is None else emb_in.numel() * emb_in.element_size())}
 
 
+def flops_per_token(cost: dict, T: int) -> int:
+    """Prefill FLOPs per token at context ``T`` of a :func:`cost_model`."""
+    return cost["matmul_flops_per_token"] + cost["attention_flops_per_token_per_T"] * T
+
+
 def bench_row(model, kind: str, T: int, B: int, *, steps: int, backends: list[str | None], dev: torch.device,
               timing: Timing, seed: int = 0, profile: bool = False) -> dict:
     """One (model, T, B) row: prefill, decode, peak memory, cache bytes. Out of memory is recorded."""
@@ -774,15 +779,12 @@ def ratios(rows: list[dict]) -> list[dict]:
         if not ch or not co:
             return None, None
 
-        def flops(c):
-            return c["matmul_flops_per_token"] + c["attention_flops_per_token_per_T"] * T
-
         def step_bytes(r, c):
             cache = r.get("cache_bytes")
             return c["decode_weight_bytes"] + cache if isinstance(cache, (int, float)) else None
 
         sh, so = step_bytes(h, ch), step_bytes(o, co)
-        return (float(f"{flops(co) / flops(ch):.4g}"),
+        return (float(f"{flops_per_token(co, T) / flops_per_token(ch, T):.4g}"),
                 float(f"{so / sh:.4g}") if sh and so else None)
 
     for T, B in keys:

@@ -168,14 +168,25 @@ def info(spec: str = typer.Argument(..., help="Model spec or hybrid checkpoint d
     console.print(f"[bold]{data['name']}[/] ({data['model_type']}, {data['num_layers']} layers)", highlight=False)
     console.print(f"layers: {data['layout']}", highlight=False)
     console.print(f"parameters: {data['parameters']:,} (linear-attention extras: {data['extra_parameters']:,})")
-    table = Table(title="cache + state bytes per sequence (bf16 KV, fp32 state)")
+    table = Table(title="per sequence: cache + state bytes (bf16 KV, fp32 state)" + (" and speed bounds" if data.get("bounds") else ""))
     table.add_column("context")
     table.add_column("original", justify="right")
     table.add_column("hybrid", justify="right")
     table.add_column("hybrid / original", justify="right")
+    bounds = data.get("bounds")
+    if bounds:
+        table.add_column("prefill bound", justify="right")
+        table.add_column("decode bound", justify="right")
     for length, row in data["cache_bytes"].items():
-        table.add_row(length, _human(row["original"]), _human(row["hybrid"]), f"{row['hybrid'] / row['original']:.1%}")
+        cells = [length, _human(row["original"]), _human(row["hybrid"]), f"{row['hybrid'] / row['original']:.1%}"]
+        if bounds:
+            cells += [f"{bounds[length]['prefill']:.2f}x", f"{bounds[length]['decode']:.2f}x"]
+        table.add_row(*cells)
     console.print(table)
+    if bounds:
+        console.print("bounds: hybrid / original speed at equal efficiency, batch 1 (prefill: FLOPs per token, linear "
+                      "layers free; decode: weight + cache bytes read per step); `linearize bench model` measures "
+                      "both", highlight=False)
     q = data.get("quality") or {}
     if "ppl" in q:
         p = q["ppl"]

@@ -175,6 +175,13 @@ def test_info_and_recipes_commands(converted):
     res = run_cli("info", str(converted))
     assert res.returncode == 0, res.stderr
     assert "23 linear, 7 softmax" in res.stdout and "128K" in res.stdout
+    assert "decode bound" in res.stdout and "bounds: hybrid / original speed" in res.stdout
+    from linearize.info import model_info
+
+    b = model_info(str(converted))["bounds"]
+    # SmolLM2-135M (tied embeddings): the decode bound grows with context as the KV cache outweighs the weights
+    assert 1.0 <= b["4K"]["decode"] < b["32K"]["decode"] < b["128K"]["decode"]
+    assert 1.0 < b["4K"]["prefill"] < b["32K"]["prefill"] < b["128K"]["prefill"] < 30 / 7
     res = run_cli("recipes")
     assert res.returncode == 0 and "lolcats" in res.stdout
     res = run_cli("recipes", "elu")
