@@ -17,6 +17,7 @@ from linearize import benchmodel as bm
 from linearize import recipe as recipes
 from linearize.feature_maps import HedgehogFeatureMap
 from linearize.kernels import hedgehog_feature_map
+from linearize.select import select_layout
 
 dev = torch.device(os.environ.get("DEV", "cuda"))  # DEV=cpu: a dry run of the script (PyTorch maps only)
 
@@ -51,9 +52,7 @@ with torch.no_grad():
 
     cfg, _ = bm.load_config(os.environ.get("CFG", "llama-3-8b"))
     model = bm.random_model(cfg, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32, device=dev)
-    n = cfg.num_hidden_layers
-    model = bm._surgery(model, (["linear_attention"] * 3 + ["full_attention"]) * (n // 4),
-                        recipes.load("lolcats")["attention"])
+    model = bm._surgery(model, select_layout(cfg.num_hidden_layers, ratio="3:1"), recipes.load("lolcats")["attention"])
     ids = torch.randint(0, cfg.vocab_size, (B, T), device=dev)
     for rep in range(2):
         for mode in ("decode", "maps"):

@@ -12,13 +12,12 @@ import torch
 from linearize import attention
 from linearize import benchmodel as bm
 from linearize import recipe as recipes
+from linearize.select import select_layout
 
 dev = torch.device(os.environ.get("DEV", "cuda"))
 cfg, _ = bm.load_config(os.environ.get("CFG", "llama-3-8b"))
 model = bm.random_model(cfg, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32, device=dev)
-n = cfg.num_hidden_layers
-model = bm._surgery(model, (["linear_attention"] * 3 + ["full_attention"]) * (n // 4),
-                    recipes.load("lolcats")["attention"])
+model = bm._surgery(model, select_layout(cfg.num_hidden_layers, ratio="3:1"), recipes.load("lolcats")["attention"])
 T, B = int(os.environ.get("T", 32768)), int(os.environ.get("B", 8))
 ids = torch.randint(0, cfg.vocab_size, (B, T), device=dev)
 with torch.no_grad():

@@ -229,7 +229,8 @@ def tune_kernels(heads: int = 32, dim: int = 128, progress: Optional[Callable[[s
     dev = torch.device(device)
     gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type
     bf = torch.bfloat16
-    shapes = [(1, 32768), (4, 8192), (16, 2048)]
+    # forward / backward cases, made only when a family that uses them is swept
+    shapes = [(1, 32768), (4, 8192), (16, 2048)] if any(not f.endswith("_step") for f in chosen) else []
     data = {}
     for B, T in shapes:
         q = torch.rand(B, T, heads, dim, device=dev, dtype=bf, requires_grad=True)
@@ -288,7 +289,7 @@ def tune_kernels(heads: int = 32, dim: int = 128, progress: Optional[Callable[[s
     wsq, wsk = (0.1 * torch.randn(h, dim, dim // 2, device=dev, dtype=bf) for h in (heads, kv))
     signed = triton_common.signed_projections(wsq, wsk, bf)
     step_data = {}
-    for B in (8, 1):
+    for B in (8, 1) if any(f.endswith("_step") for f in chosen) else ():
         saved = empty_window_state(B, kv, dim, dim, dim, 64, dtype=bf, device=dev)
         for x in saved[:5]:
             x.copy_(torch.rand_like(x) if x.dtype == bf else 0.01 * torch.rand_like(x))
