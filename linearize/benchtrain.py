@@ -11,6 +11,10 @@ Per stage the result holds tokens/s and seconds per step of the timed run (its o
 held-out evaluation around it), the peak GPU memory, and from them the projected wall time of a conversion
 with ``tokens`` split evenly across the stages (or the recipe's budgets): the number issue 8 asks for
 (a 40M-token conversion of an 8B model in at most one hour of one H200).
+
+Under ``torchrun`` the stages train data parallel as ``convert`` does (:mod:`linearize.distributed`): ``batch``
+is the global micro-batch, split by rows over the processes, tokens/s are global, the peak memory is rank 0's
+and the target is judged on GPU-hours (wall time x processes). Rank 0 alone prints and writes.
 """
 
 from __future__ import annotations
@@ -89,6 +93,7 @@ def bench_train(spec: str, *, random_weights: bool = False, ratio: str = "3:1", 
                 dtype: str | None = None, device: str | None = None, out_dir: Path | str = "bench-train",
                 log: Callable[[str], None] = print) -> dict:
     """Time ``steps`` training steps of each stage after ``warmup`` steps; write ``out_dir/bench_train.json``."""
+    from . import distributed as dist
     from . import recipe as recipes
     from .benchmodel import _versions
     from .checkpoint import check_output_dir
@@ -102,10 +107,18 @@ def bench_train(spec: str, *, random_weights: bool = False, ratio: str = "3:1", 
     total = parse_tokens(tokens) if tokens is not None else None
     rec = recipes.load(recipe)
     check_device(device)
+    if batch % dist.world_size():  # torchrun: the global batch is split by rows
+        raise LinearizeError(f"--batch {batch} cannot be split over {dist.world_size()} torchrun processes; use a "
+                             f"multiple of {dist.world_size()}")
+    device = dist.init(device)  # torchrun: join the process group; this rank's device
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    main = dist.is_main()
+    if not main:
+        log = lambda m: None  # noqa: E731 - rank 0 alone prints
     dt = resolve_dtype(dtype, dev)
     out_dir = Path(out_dir)
-    check_output_dir(out_dir, overwrite=True)
+    if main:
+        check_output_dir(out_dir, overwrite=True)
     model, tok, name = _build(spec, random_weights=random_weights, tokenizer=tokenizer, dtype=dt, device=dev)
     layer_types = select_layout(model.config.num_hidden_layers, ratio=ratio)
     hybrid = linearize_model(model, layer_types, rec)
@@ -115,7 +128,7 @@ def bench_train(spec: str, *, random_weights: bool = False, ratio: str = "3:1", 
     result: dict[str, Any] = {
         "model": name, "recipe": rec.name, "layout": describe_layout(layer_types), "device": str(dev),
         "dtype": str(dt).replace("torch.", ""), "seq_len": seq_len, "batch": batch, "steps": steps,
-        "warmup_steps": warmup, "versions": _versions(), "date": time.strftime("%Y-%m-%d"), "stages": {},
+        "warmup_steps": warmup, "world_size": dist.world_size(), "versions": _versions(), "date": time.strftime("%Y-%m-%d"), "stages": {},
     }
     step_tokens = seq_len * batch
     quiet = lambda m: None  # noqa: E731 - the stages' own progress lines would drown the table
@@ -137,19 +150,24 @@ def bench_train(spec: str, *, random_weights: bool = False, ratio: str = "3:1", 
             if stage == "finetune":
                 row["loss"] = rep.get("loss")
         except ResourceError as e:
+            if dist.world_size() > 1:
+                raise  # the other ranks wait in a collective: end them all (torchrun stops the group)
             row = {"status": "oom", "note": str(e)}
         result["stages"][stage] = row
         log(f"{stage}: " + (f"{row['tokens_per_second']:,.0f} tokens/s ({row['seconds_per_step']} s/step"
                             + (f", peak {row['peak_gib']} GiB" if "peak_gib" in row else "") + ")"
                             if row["status"] == "ok" else row["note"]))
+        if main:
+            _write_result(out_dir, result)
+    result["projection"] = project(result["stages"], rec, total, processes=dist.world_size())
+    if main:
         _write_result(out_dir, result)
-    result["projection"] = project(result["stages"], rec, total)
-    _write_result(out_dir, result)
     return result
 
 
-def project(rows: dict[str, dict], rec, total: int | None) -> dict:
-    """Projected seconds of a conversion: each stage's budget over its measured tokens/s."""
+def project(rows: dict[str, dict], rec, total: int | None, processes: int = 1) -> dict:
+    """Projected seconds of a conversion: each stage's budget over its measured tokens/s (global over
+    ``processes`` GPUs, whose GPU-hours the target counts)."""
     if total is not None:
         budgets = {"distill": total // 2, "finetune": total - total // 2}
     else:
@@ -160,8 +178,9 @@ def project(rows: dict[str, dict], rec, total: int | None) -> dict:
         out["seconds"] = {s: round(v, 1) for s, v in secs.items()}
         out["total_seconds"] = round(sum(secs.values()), 1)
         if sum(budgets.values()) == TARGET_TOKENS:
+            out["gpu_seconds"] = round(out["total_seconds"] * processes, 1)
             out["target"] = {"what": "a 40M-token conversion in <= 1 hour of one GPU",
-                             "met": out["total_seconds"] <= TARGET_SECONDS}
+                             "met": out["gpu_seconds"] <= TARGET_SECONDS}
     return out
 
 
@@ -181,7 +200,8 @@ def print_result(result: dict, console=None) -> None:
     console = console or Console()
     table = Table(title=f"bench train: {result['model']} | {result['layout']} | {result['dtype']} on "
                         f"{result['versions'].get('gpu', result['device'])} | batch {result['batch']} x "
-                        f"{result['seq_len']}")
+                        f"{result['seq_len']}" + (f" over {result['world_size']} processes"
+                                                  if result.get("world_size", 1) > 1 else ""))
     for col in ("stage", "tokens/s", "s/step", "peak GiB", "projected"):
         table.add_column(col, justify="right" if col != "stage" else "left")
     proj = result.get("projection", {})
@@ -196,6 +216,8 @@ def print_result(result: dict, console=None) -> None:
     console.print(table)
     if "total_seconds" in proj:
         line = f"projected conversion: {sum(proj['budgets'].values()) / 1e6:g}M tokens in {proj['total_seconds'] / 60:.1f} min"
+        if proj.get("gpu_seconds", proj["total_seconds"]) != proj["total_seconds"]:
+            line += f" ({proj['gpu_seconds'] / 3600:.2f} GPU-hours)"
         if "target" in proj:
             line += f" ({'meets' if proj['target']['met'] else 'misses'} the 1-hour target)"
         console.print(line, highlight=False)

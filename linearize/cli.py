@@ -376,15 +376,18 @@ def bench_train_cmd(
     device: Optional[str] = typer.Option(None, "--device", help="cuda | cuda:N | cpu (default: cuda when available)."),
     out: Path = typer.Option(Path("bench-train"), "-o", "--output", help="Output directory for bench_train.json."),
 ):
-    """Training throughput of each conversion stage and the projected time of a whole conversion."""
+    """Training throughput per conversion stage and the projected conversion time (data parallel under torchrun)."""
     from .benchtrain import RESULT_FILE, bench_train, print_result
 
     result = bench_train(spec, random_weights=random_weights, ratio=ratio, recipe=recipe, stages=stages,
                          seq_len=seq_len, batch=batch, steps=steps, warmup=warmup_steps, tokens=tokens,
                          tokenizer=tokenizer, dtype=dtype, device=device, out_dir=out,
                          log=lambda m: err_console.print(m, highlight=False, soft_wrap=True))
-    print_result(result, console)
-    console.print(f"wrote {out / RESULT_FILE}", highlight=False)
+    from .distributed import is_main
+
+    if is_main():  # torchrun: rank 0 alone prints
+        print_result(result, console)
+        console.print(f"wrote {out / RESULT_FILE}", highlight=False)
 
 
 @app.command("recipes")

@@ -70,3 +70,39 @@ def test_vocabulary_too_small_for_the_tokenizer(tmp_path, embedded_dir):
     path.write_text(json.dumps({**TINY, "vocab_size": 256}))
     r = run_cli("bench", "train", str(path), "--random-weights", "--device", "cpu", "-o", str(tmp_path / "bt"))
     assert r.returncode == 2 and "do not fit" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_data_parallel_under_torchrun(tiny, tmp_path, embedded_dir):
+    """Two gloo processes share each step's global batch: global tokens, one printed table, GPU-hours judged."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "bt2"
+    args = ["-m", "linearize.cli", "bench", "train", str(tiny), "--random-weights", "--device", "cpu",
+            "--seq-len", "64", "--batch", "2", "--steps", "2", "--warmup-steps", "1", "--tokens", "40M", "-o", str(out)]
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", *args],
+                       capture_output=True, text=True, timeout=600, env={**os.environ, "COLUMNS": "200"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("wrote ") == 1 and "over 2 processes" in r.stdout  # rank 0 alone prints
+    res = json.loads((out / bt.RESULT_FILE).read_text())
+    assert res["world_size"] == 2
+    for stage in ("distill", "finetune"):
+        assert res["stages"][stage]["tokens"] == 2 * 2 * 64  # the global batch, not one rank's half
+    proj = res["projection"]
+    assert proj["gpu_seconds"] == pytest.approx(2 * proj["total_seconds"], rel=1e-3)
+    assert proj["target"]["met"] == (proj["gpu_seconds"] <= 3600)
+
+
+def test_indivisible_batch_under_torchrun_is_one_line(tiny, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "bt3"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", "-m",
+                        "linearize.cli", "bench", "train", str(tiny), "--random-weights", "--device", "cpu",
+                        "--batch", "3", "-o", str(out)], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "COLUMNS": "200"})
+    assert r.returncode != 0 and "--batch 3 cannot be split over 2 torchrun processes" in r.stderr
+    assert not out.exists()  # (torchrun adds its own report of the failed processes)
