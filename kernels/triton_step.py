@@ -1,10 +1,9 @@
 """Triton decode-step kernels (one token, state updated in place).
 
-Linear step: one program per (batch, KV head) owns the whole ``[K, V]`` state of that head: it reads it once,
-adds ``k v^T``, writes it back, and answers every query head of the KV group from registers; owning the whole
-state is what makes the in-place update race-free (``z`` is shared by all value columns). With
-``CONFIG["linear_step_waves"]`` > 0 it is split over value blocks like the window step, and a second kernel
-adds ``phi(k)`` to ``z``.
+Linear step: programs over (batch x KV head, value block) read their columns of the ``[K, V]`` state once, add
+``k v^T``, write them back and answer every query head of the KV group from registers; ``z`` is shared by all
+value columns, so with more than one block a second kernel adds ``phi(k)`` to it afterwards (with one block,
+``CONFIG["linear_step_waves"]`` 0, the program updates it itself).
 
 Window step: programs over (batch x KV head, value block) each fold the token leaving the window into their
 columns of ``S`` and answer the group's query heads for those columns, reading ``z`` and the key rings
@@ -188,10 +187,16 @@ CONFIG = {
     # warps of the window step's main kernel at value blocks <= 64 (0: from its tile sizes, as wider blocks
     # always are: 16 at 128 (48.4 us above); 4 warps would spill ~7 KB per thread there, offline for sm_90a)
     "step_warps": 4,
-    # the linear step's split over value blocks (then z is added by a second kernel): 0 = one program per
-    # (batch, KV head), as measured so far (not yet timed split on a GPU)
-    "linear_step_waves": 0.0,
+    # the linear step's split over value blocks (then z is added by a second kernel; 0 = one program per
+    # (batch, KV head)): Llama-3-8B shape, B 8, Hedgehog features in the kernel: one program 20.8 us, 0.5 waves
+    # (value blocks of 64) 18.2 us, 1.0 21.1, 2.0 29.4 (H200, CUDA graphs, 2026-12-01)
+    "linear_step_waves": 0.5,
 }
+
+
+#: widest value block of the linear step when it computes Hedgehog features: 64 matched the PyTorch step exactly
+#: on an H200 (bf16, every warp count), 128 with 8 / 16 warps did not (7.8e-3 / 8.5e-3 relative error)
+FUSED_LINEAR_STEP_MAX_BV = 64
 
 
 def step_value_block(programs: int, V: int, device: torch.device, waves: float) -> int:
@@ -230,6 +235,8 @@ def linear_step_triton(q, k, v, S, z, *, normalize=True, eps=1e-6, out=None, wqx
         out = torch.empty((B, H, V), dtype=v.dtype, device=q.device)
     BK, BD = pow2(K), pow2(D)
     BV = step_value_block(B * HK, V, q.device, CONFIG["linear_step_waves"])
+    if fuse:  # bf16 at BV 128 with 8 or 16 warps: outputs ~8e-3 off (q features; S, z exact), H200, triton 3.6
+        BV = min(BV, FUSED_LINEAR_STEP_MAX_BV)
     NV = triton.cdiv(V, BV)
     q, k = q.contiguous(), k.contiguous()
     _linear_step_kernel[(B * HK, NV)](

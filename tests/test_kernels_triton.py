@@ -397,6 +397,27 @@ def test_linear_step_with_hedgehog_features_in_the_kernel(dtype, normalize, bv, 
     assert rel_err(fused[0], plain[0]) < tol and rel_err(fused[1], plain[1]) < tol
 
 
+@pytest.mark.parametrize("bv", [0, 128], ids=["auto", "whole"])
+def test_linear_step_hedgehog_full_width(bv, monkeypatch):
+    """Llama-sized heads (D 128, f 64 so K 128, V 128), bf16: the step computing the features matches the step
+    fed them. On an H200 one 128-wide value block with 8+ warps was 8e-3 off (the q features), so the fused step
+    never takes a block wider than ``FUSED_LINEAR_STEP_MAX_BV`` (``whole`` asks for 128)."""
+    from linearize.kernels import triton_step
+
+    monkeypatch.setitem(triton_step.CONFIG, "step_bv", bv)
+    B, T, H, Hk, D, f, V = 1, 3, 2, 1, 128, 64, 128
+    q, k, v, _, wq, wk, init = _hedgehog_case(B, T, H, Hk, D, f, V, 64, torch.bfloat16, state=True, seed=5)
+    wq, wk = 0.25 * wq, 0.25 * wk
+    fq, fk = (hedgehog_features(x.float(), w.float()).bfloat16() for x, w in ((q, wq), (k, wk)))
+    fused, plain = (tuple(x.clone() for x in init) for _ in range(2))
+    tol = 2e-2 if DEV == "cpu" else 1e-3  # the interpreter truncates in-kernel casts (README)
+    for t in range(T):
+        a = linear_attention_step_hedgehog(q[:, t], k[:, t], v[:, t], wq, wk, fused, backend="triton")
+        b = linear_attention_step(fq[:, t], fk[:, t], v[:, t], plain, backend="triton")
+        assert rel_err(a, b) < tol, t
+    assert rel_err(fused[0], plain[0]) < tol and rel_err(fused[1], plain[1]) < tol
+
+
 def _hedgehog_case(B, T, H, Hk, D, f, V, W, dtype, *, state, seed=0):
     g = torch.Generator().manual_seed(seed)
     q, k = (torch.randn(B, T, h, D, generator=g).to(DEV, dtype) for h in (H, Hk))
