@@ -71,9 +71,9 @@ def _build(spec: str, *, random_weights: bool, tokenizer: str, dtype, device):
     return random_model(config, dtype=dtype, device=device), tok, f"{name} (random weights)"
 
 
-def _stage_recipe(rec, stage: str, *, seq_len: int, batch: int, tokens: int):
+def _stage_recipe(rec, stage: str, *, seq_len: int, batch: int, tokens: int, grad_accum: int = 1):
     return rec.with_overrides({f"{stage}.seq_len": seq_len, f"{stage}.batch_size": batch,
-                               f"{stage}.grad_accum": 1, f"{stage}.tokens": tokens, f"{stage}.eval_seqs": 1,
+                               f"{stage}.grad_accum": grad_accum, f"{stage}.tokens": tokens, f"{stage}.eval_seqs": 1,
                                f"{stage}.checkpoint_every": 1_000_000, f"{stage}.warmup_steps": 0})
 
 
@@ -88,7 +88,8 @@ def _run_stage(model, tok, rec, stage: str, tokens: int, quiet: Callable[[str], 
 
 
 def bench_train(spec: str, *, random_weights: bool = False, ratio: str = "3:1", recipe: str = "lolcats",
-                stages: str = "distill,finetune", seq_len: int = 2048, batch: int = 4, steps: int = 10,
+                stages: str = "distill,finetune", seq_len: int = 2048, batch: int = 4, grad_accum: int = 1,
+                steps: int = 10,
                 warmup: int = 2, tokens: str | int | None = None, tokenizer: str = "smollm2-135m",
                 dtype: str | None = None, device: str | None = None, out_dir: Path | str = "bench-train",
                 log: Callable[[str], None] = print) -> dict:
@@ -103,6 +104,7 @@ def bench_train(spec: str, *, random_weights: bool = False, ratio: str = "3:1", 
 
     names = parse_stages(stages)
     seq_len, batch, steps = _positive("--seq-len", seq_len), _positive("--batch", batch), _positive("--steps", steps)
+    grad_accum = _positive("--grad-accum", grad_accum)
     warmup = _positive("--warmup-steps", warmup)
     total = parse_tokens(tokens) if tokens is not None else None
     rec = recipes.load(recipe)
@@ -127,24 +129,29 @@ def bench_train(spec: str, *, random_weights: bool = False, ratio: str = "3:1", 
     log(f"{name}: {describe_layout(layer_types)}, {size} parameters, {str(dt).replace('torch.', '')} on {dev}")
     result: dict[str, Any] = {
         "model": name, "recipe": rec.name, "layout": describe_layout(layer_types), "device": str(dev),
-        "dtype": str(dt).replace("torch.", ""), "seq_len": seq_len, "batch": batch, "steps": steps,
+        "dtype": str(dt).replace("torch.", ""), "seq_len": seq_len, "batch": batch, "grad_accum": grad_accum,
+        "steps": steps,
         "warmup_steps": warmup, "world_size": dist.world_size(), "versions": _versions(), "date": time.strftime("%Y-%m-%d"), "stages": {},
     }
-    step_tokens = seq_len * batch
+    step_tokens = seq_len * batch * grad_accum  # one optimizer step
     quiet = lambda m: None  # noqa: E731 - the stages' own progress lines would drown the table
     for stage in names:
         row: dict[str, Any] = {"status": "ok"}
         try:
-            srec = _stage_recipe(rec, stage, seq_len=seq_len, batch=batch, tokens=warmup * step_tokens)
+            srec = _stage_recipe(rec, stage, seq_len=seq_len, batch=batch, tokens=warmup * step_tokens,
+                                 grad_accum=grad_accum)
             hybrid, _ = _run_stage(hybrid, tok, srec, stage, warmup * step_tokens, quiet)
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
                 torch.cuda.reset_peak_memory_stats(dev)
-            srec = _stage_recipe(rec, stage, seq_len=seq_len, batch=batch, tokens=steps * step_tokens)
+            srec = _stage_recipe(rec, stage, seq_len=seq_len, batch=batch, tokens=steps * step_tokens,
+                                 grad_accum=grad_accum)
             hybrid, rep = _run_stage(hybrid, tok, srec, stage, steps * step_tokens, quiet)
             tps = float(rep["tokens_per_second"])  # from the unrounded training time of the timed run
             row.update({"tokens": int(rep["tokens"]), "train_seconds": rep["train_seconds"],
-                        "tokens_per_second": tps, "seconds_per_step": round(step_tokens / max(tps, 1e-9), 4)})
+                        "tokens_per_second": tps, "seconds_per_step": round(step_tokens / max(tps, 1e-9), 4),
+                        # the timed steps' global losses: a run on N GPUs should log the 1-GPU run's
+                        "losses": [h["loss"] for h in rep.get("history", [])]})
             if dev.type == "cuda":
                 row["peak_gib"] = round(torch.cuda.max_memory_allocated(dev) / 2**30, 2)
             if stage == "finetune":
@@ -198,10 +205,13 @@ def print_result(result: dict, console=None) -> None:
     from rich.table import Table
 
     console = console or Console()
+    shape = f"batch {result['batch']} x {result['seq_len']}"
+    if result.get("grad_accum", 1) > 1:
+        shape += f" x {result['grad_accum']} micro-batches"
+    if result.get("world_size", 1) > 1:
+        shape += f" over {result['world_size']} processes"
     table = Table(title=f"bench train: {result['model']} | {result['layout']} | {result['dtype']} on "
-                        f"{result['versions'].get('gpu', result['device'])} | batch {result['batch']} x "
-                        f"{result['seq_len']}" + (f" over {result['world_size']} processes"
-                                                  if result.get("world_size", 1) > 1 else ""))
+                        f"{result['versions'].get('gpu', result['device'])} | {shape}")
     for col in ("stage", "tokens/s", "s/step", "peak GiB", "projected"):
         table.add_column(col, justify="right" if col != "stage" else "left")
     proj = result.get("projection", {})

@@ -367,7 +367,8 @@ def bench_train_cmd(
     recipe: str = typer.Option("lolcats", "--recipe", help="Recipe (name or YAML path): layers, data, losses."),
     stages: str = typer.Option("distill,finetune", "--stages", help="Stages to time: distill, finetune."),
     seq_len: int = typer.Option(2048, "--seq-len", help="Tokens per sequence."),
-    batch: int = typer.Option(4, "--batch", help="Sequences per step."),
+    batch: int = typer.Option(4, "--batch", help="Sequences per micro-batch (under torchrun: over all processes)."),
+    grad_accum: int = typer.Option(1, "--grad-accum", help="Micro-batches per optimizer step."),
     steps: int = typer.Option(10, "--steps", help="Timed steps per stage."),
     warmup_steps: int = typer.Option(2, "--warmup-steps", help="Untimed steps first (compilation, autotuning)."),
     tokens: Optional[str] = typer.Option(None, "--tokens", help="Conversion budget to project, split evenly (default: the recipe's)."),
@@ -380,7 +381,8 @@ def bench_train_cmd(
     from .benchtrain import RESULT_FILE, bench_train, print_result
 
     result = bench_train(spec, random_weights=random_weights, ratio=ratio, recipe=recipe, stages=stages,
-                         seq_len=seq_len, batch=batch, steps=steps, warmup=warmup_steps, tokens=tokens,
+                         seq_len=seq_len, batch=batch, grad_accum=grad_accum, steps=steps, warmup=warmup_steps,
+                         tokens=tokens,
                          tokenizer=tokenizer, dtype=dtype, device=device, out_dir=out,
                          log=lambda m: err_console.print(m, highlight=False, soft_wrap=True))
     from .distributed import is_main

@@ -95,6 +95,9 @@ class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
         base_cfg = config.base_config()
         if base_model is None:
             base_model = AutoModelForCausalLM.from_config(base_cfg, dtype=config.dtype if isinstance(config.dtype, torch.dtype) else None)
+        else:  # adopted weights stay as they are: post_init below initialises only the modules added here
+            for module in base_model.modules():
+                module._is_hf_initialized = True
         self._base_forward = type(base_model).forward
         self.model = base_model.model
         self.lm_head = base_model.lm_head

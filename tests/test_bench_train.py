@@ -73,23 +73,31 @@ def test_vocabulary_too_small_for_the_tokenizer(tmp_path, embedded_dir):
 
 
 def test_data_parallel_under_torchrun(tiny, tmp_path, embedded_dir):
-    """Two gloo processes share each step's global batch: global tokens, one printed table, GPU-hours judged."""
+    """Two gloo processes share each global micro-batch: global tokens, one printed table, GPU-hours judged, and
+    the per-step losses of the one-process run (2 micro-batches of 2 rows per step in both)."""
     import os
     import subprocess
     import sys
 
-    out = tmp_path / "bt2"
-    args = ["-m", "linearize.cli", "bench", "train", str(tiny), "--random-weights", "--device", "cpu",
-            "--seq-len", "64", "--batch", "2", "--steps", "2", "--warmup-steps", "1", "--tokens", "40M", "-o", str(out)]
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", *args],
-                       capture_output=True, text=True, timeout=600, env={**os.environ, "COLUMNS": "200"})
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.count("wrote ") == 1 and "over 2 processes" in r.stdout  # rank 0 alone prints
-    res = json.loads((out / bt.RESULT_FILE).read_text())
-    assert res["world_size"] == 2
+    def run(out, *launcher):
+        args = ["-m", "linearize.cli", "bench", "train", str(tiny), "--random-weights", "--device", "cpu",
+                "--seq-len", "128", "--batch", "2", "--grad-accum", "2", "--steps", "2", "--warmup-steps", "1",
+                "--tokens", "40M", "-o", str(out)]
+        r = subprocess.run([sys.executable, *launcher, *args], capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "COLUMNS": "200"})
+        assert r.returncode == 0, r.stderr[-3000:]
+        return r, json.loads((out / bt.RESULT_FILE).read_text())
+
+    r2, two = run(tmp_path / "bt2", "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone")
+    assert r2.stdout.count("wrote ") == 1 and "x 2 micro-batches over 2 processes" in r2.stdout  # rank 0 prints
+    r1, one = run(tmp_path / "bt1")
+    assert (one["world_size"], two["world_size"], two["grad_accum"]) == (1, 2, 2)
     for stage in ("distill", "finetune"):
-        assert res["stages"][stage]["tokens"] == 2 * 2 * 64  # the global batch, not one rank's half
-    proj = res["projection"]
+        rows = one["stages"][stage], two["stages"][stage]
+        assert rows[0]["tokens"] == rows[1]["tokens"] == 2 * 2 * 2 * 128  # steps x global batch x micro-batches
+        assert len(rows[1]["losses"]) == 2
+        assert rows[1]["losses"] == pytest.approx(rows[0]["losses"], rel=1e-4, abs=1e-7), stage  # as test_distributed
+    proj = two["projection"]
     assert proj["gpu_seconds"] == pytest.approx(2 * proj["total_seconds"], rel=1e-3)
     assert proj["target"]["met"] == (proj["gpu_seconds"] <= 3600)
 
