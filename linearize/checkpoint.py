@@ -4,7 +4,8 @@ A checkpoint is written into a temporary sibling directory and renamed into plac
 complete, so an interrupted run never leaves a directory that looks finished. Layout (DESIGN.md):
 ``config.json`` (+ ``auto_map``), ``model-0000k-of-0000N.safetensors`` + ``model.safetensors.index.json``
 (with per-shard sizes and sha256), tokenizer files, ``generation_config.json``,
-``configuration_linearize.py``/``modeling_linearize.py`` (for ``trust_remote_code=True``),
+``configuration_linearize.py``/``modeling_linearize.py`` and the ``linearize_*.py`` they import (the bundled
+modeling code, :mod:`linearize.bundle`: ``trust_remote_code=True`` without the package),
 ``linearize_recipe.yaml``, ``README.md`` (model card) and stage reports.
 """
 
@@ -28,14 +29,6 @@ from .errors import OutputError
 
 INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_SHARD_BYTES = 2 * 1024**3
-
-_REMOTE_CONFIG = '''"""Loader shim: the hybrid's config class lives in the `linearize` package (pip install linearize)."""
-from linearize.modeling import LinearizeConfig  # noqa: F401
-'''
-_REMOTE_MODELING = '''"""Loader shim: the hybrid's model class lives in the `linearize` package (pip install linearize)."""
-from linearize.modeling import LinearizeConfig, LinearizeForCausalLM  # noqa: F401
-'''
-
 
 def check_writable(out: Path) -> None:
     """Fail in one line unless ``out`` can be created: its nearest existing ancestor must be a directory
@@ -274,6 +267,7 @@ def save_checkpoint(model, tokenizer, out: Path, *, base: str, recipe, overwrite
                     max_shard_bytes: int = DEFAULT_SHARD_BYTES, state_dict: dict[str, torch.Tensor] | None = None) -> Path:
     """Write the complete checkpoint directory atomically; return its path. ``state_dict`` replaces the
     model's own (``--fsdp``: the full weights gathered on rank 0 by :func:`linearize.fsdp.full_state_dict`)."""
+    from .bundle import remote_code_files
     from .recipe import resolved_yaml
 
     out = Path(out)
@@ -289,8 +283,8 @@ def save_checkpoint(model, tokenizer, out: Path, *, base: str, recipe, overwrite
         tokenizer.save_pretrained(tmp)
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(tmp)
-        (tmp / "configuration_linearize.py").write_text(_REMOTE_CONFIG)
-        (tmp / "modeling_linearize.py").write_text(_REMOTE_MODELING)
+        for name, text in remote_code_files().items():  # trust_remote_code=True without the package
+            (tmp / name).write_text(text)
         (tmp / "linearize_recipe.yaml").write_text(resolved_yaml(recipe, {"base_model": base, **(resolved or {})}))
         (tmp / "README.md").write_text(model_card(model, base=base, recipe_name=recipe.name, reports=reports))
         for stage, rep in reports.items():

@@ -133,20 +133,46 @@ def test_checkpoint_round_trip(tmp_path, family):
         load_model(str(out), device="cpu")
 
 
-def test_trust_remote_code_in_fresh_process(tmp_path):
-    hybrid = linearize_model(tiny_model("llama"), select_layout(4, ratio="1:1"), R.load("elu"))
+# a fresh interpreter in which `import linearize` (and `import triton`) fail, as on a CPU-only machine without
+# the package
+_NO_PACKAGE = (
+    "import sys\n"
+    "class _Block:\n"
+    "    def find_spec(self, name, path=None, target=None):\n"
+    "        if name.split('.')[0] in ('linearize', 'triton'):\n"
+    "            raise ImportError(name + ' is not installed here')\n"
+    "sys.meta_path.insert(0, _Block())\n"
+)
+
+
+@pytest.mark.parametrize("family,recipe", [("llama", "elu"), ("qwen3", "lolcats"), ("qwen2", "hedgehog")])
+def test_trust_remote_code_without_the_package(tmp_path, family, recipe):
+    """The checkpoint carries its modeling code: a process that cannot import linearize (nor triton) loads it with
+    trust_remote_code=True and computes the same logits (prefill and cached decode) as the package's class."""
+    rec = R.load(recipe, {"attention.window": 4} if recipe == "lolcats" else {})
+    hybrid = linearize_model(tiny_model(family), select_layout(4, ratio="1:1"), rec)
     out = tmp_path / "ckpt"
-    save_checkpoint(hybrid, _tiny_tokenizer(tmp_path), out, base="tiny", recipe=R.load("elu"))
-    code = (
-        "import sys, torch\n"
+    save_checkpoint(hybrid, _tiny_tokenizer(tmp_path), out, base="tiny", recipe=rec)
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = hybrid(ids).logits
+        greedy = hybrid.generate(ids[:, :6], max_new_tokens=6, do_sample=False)
+    torch.save({"ids": ids, "want": want, "greedy": greedy}, tmp_path / "want.pt")
+    code = _NO_PACKAGE + (
+        "import torch\n"
         "from transformers import AutoModelForCausalLM\n"
         f"m = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)\n"
-        "assert 'linearize' not in sys.modules or True\n"
-        "print(type(m).__name__, m.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=3, do_sample=False).shape)\n"
+        f"d = torch.load({str(tmp_path / 'want.pt')!r})\n"
+        "with torch.no_grad():\n"
+        "    diff = (m(d['ids']).logits - d['want']).abs().max().item()\n"
+        "    same = torch.equal(m.generate(d['ids'][:, :6], max_new_tokens=6, do_sample=False), d['greedy'])\n"
+        "print(type(m).__module__.split('.')[0], type(m).__name__, diff, same, 'linearize' in sys.modules)\n"
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert "LinearizeForCausalLM torch.Size([1, 6])" in res.stdout
+    assert res.returncode == 0, res.stderr[-3000:]
+    where, name, diff, same, imported = res.stdout.split()[-5:]
+    assert (where, name, same, imported) == ("transformers_modules", "LinearizeForCausalLM", "True", "False")
+    assert float(diff) <= 1e-5
 
 
 @pytest.mark.parametrize("mode,expect", [("decode", (False, True)), ("maps", (False, True)), ("all", (True, True)),
@@ -190,3 +216,24 @@ def test_fused_feature_maps_environment(value, mode, warns):
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout.split() == [mode, str(warns)]
+
+
+def test_bundled_remote_code_is_complete():
+    """Every bundled file compiles and imports only bundled files or the standard stack; an import of a module
+    that is not bundled is refused when the checkpoint is written, not when a user loads it."""
+    import ast
+
+    from linearize import bundle
+
+    files = bundle.remote_code_files()
+    assert {"configuration_linearize.py", "modeling_linearize.py"} <= set(files)
+    for name, text in files.items():
+        for node in ast.walk(ast.parse(text, name)):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                targets = [node.module] if node.module else [a.name for a in node.names]
+                assert all(f"{t}.py" in files for t in targets), (name, targets)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
+                assert not any(m.split(".")[0] == "linearize" for m in mods), (name, mods)
+    with pytest.raises(RuntimeError, match="surgery"):
+        bundle._rewrite("linearize.attention", "from .surgery import linearize_model\n")
