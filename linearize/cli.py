@@ -382,8 +382,7 @@ def bench_train_cmd(
 
     result = bench_train(spec, random_weights=random_weights, ratio=ratio, recipe=recipe, stages=stages,
                          seq_len=seq_len, batch=batch, grad_accum=grad_accum, steps=steps, warmup=warmup_steps,
-                         tokens=tokens,
-                         tokenizer=tokenizer, dtype=dtype, device=device, out_dir=out,
+                         tokens=tokens, tokenizer=tokenizer, dtype=dtype, device=device, out_dir=out,
                          log=lambda m: err_console.print(m, highlight=False, soft_wrap=True))
     from .distributed import is_main
 

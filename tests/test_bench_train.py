@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -75,10 +78,6 @@ def test_vocabulary_too_small_for_the_tokenizer(tmp_path, embedded_dir):
 def test_data_parallel_under_torchrun(tiny, tmp_path, embedded_dir):
     """Two gloo processes share each global micro-batch: global tokens, one printed table, GPU-hours judged, and
     the per-step losses of the one-process run (2 micro-batches of 2 rows per step in both)."""
-    import os
-    import subprocess
-    import sys
-
     def run(out, *launcher):
         args = ["-m", "linearize.cli", "bench", "train", str(tiny), "--random-weights", "--device", "cpu",
                 "--seq-len", "128", "--batch", "2", "--grad-accum", "2", "--steps", "2", "--warmup-steps", "1",
@@ -103,10 +102,6 @@ def test_data_parallel_under_torchrun(tiny, tmp_path, embedded_dir):
 
 
 def test_indivisible_batch_under_torchrun_is_one_line(tiny, tmp_path):
-    import os
-    import subprocess
-    import sys
-
     out = tmp_path / "bt3"
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", "-m",
                         "linearize.cli", "bench", "train", str(tiny), "--random-weights", "--device", "cpu",
