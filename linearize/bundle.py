@@ -53,8 +53,8 @@ _FROM = re.compile(r"^(?P<indent>[ \t]*)from (?P<mod>\.*[\w.]*) import (?P<names
                    re.MULTILINE)
 
 
-def _absolute(module: str, package: str, target: str) -> str:
-    """``target`` of ``from TARGET import`` inside ``module`` (a package's ``__init__`` when module == package)."""
+def _absolute(package: str, target: str) -> str:
+    """The module ``from TARGET import`` names inside a module of ``package`` (its ``__init__`` included)."""
     if not target.startswith("."):
         return target
     dots = len(target) - len(target.lstrip("."))
@@ -83,7 +83,7 @@ def _rewrite(module: str, source: str) -> str:
         indent, target, names = m["indent"], m["mod"], _names(m["names"])
         if target == "__future__" or not (target.startswith(".") or target.split(".")[0] == "linearize"):
             return m[0]
-        absolute = _absolute(module, package, target)
+        absolute = _absolute(package, target)
         if all(f"{absolute}.{n}" in BUNDLE for n, _ in names):  # from . import triton_linear, ...
             return f"{indent}from . import " + ", ".join(f"{BUNDLE[f'{absolute}.{n}']} as {a}" for n, a in names)
         if absolute in BUNDLE:
