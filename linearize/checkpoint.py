@@ -236,11 +236,13 @@ def model_card(model, *, base: str, recipe_name: str, reports: dict[str, Any]) -
         "```python",
         "import linearize  # registers the hybrid with transformers' Auto classes",
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
-        'model = AutoModelForCausalLM.from_pretrained("PATH")  # or trust_remote_code=True without the import',
+        'model = AutoModelForCausalLM.from_pretrained("PATH")  # or trust_remote_code=True, no import',
         'tokenizer = AutoTokenizer.from_pretrained("PATH")',
         "```",
         "",
-        "Loading needs the `linearize` package installed (`pip install linearize`); it holds the layer code.",
+        "The directory carries its modeling code (`modeling_linearize.py`, `linearize_*.py`), so with "
+        "`trust_remote_code=True` it loads without the `linearize` package; the import above needs "
+        "`pip install linearize`.",
         "",
         "## Stages",
         "",
