@@ -199,12 +199,13 @@ CONFIG = {
 FUSED_LINEAR_STEP_MAX_BV = 64
 
 
-def step_value_block(programs: int, V: int, device: torch.device, waves: float) -> int:
+def step_value_block(programs: int, V: int, device: torch.device, waves: float, max_bv: int | None = None) -> int:
     """Value block of a decode step for ``programs`` (batch x KV head) pairs: halved from the whole ``V``
-    while the grid stays under ``waves`` programs per SM (one program per pair off CUDA or at 0 waves)."""
+    while the grid stays under ``waves`` programs per SM (one program per pair off CUDA or at 0 waves), and
+    never wider than ``max_bv``."""
+    BV = pow2(V) if max_bv is None else min(pow2(V), max_bv)
     if CONFIG["step_bv"]:
-        return min(int(CONFIG["step_bv"]), pow2(V))
-    BV = pow2(V)
+        return min(int(CONFIG["step_bv"]), BV)
     if device.type == "cuda":
         target = waves * num_sms(device)
         while BV > 16 and programs * triton.cdiv(V, BV) < target:
@@ -234,9 +235,8 @@ def linear_step_triton(q, k, v, S, z, *, normalize=True, eps=1e-6, out=None, wqx
     if out is None:
         out = torch.empty((B, H, V), dtype=v.dtype, device=q.device)
     BK, BD = pow2(K), pow2(D)
-    BV = step_value_block(B * HK, V, q.device, CONFIG["linear_step_waves"])
-    if fuse:  # bf16 at BV 128 with 8 or 16 warps: outputs ~8e-3 off (q features; S, z exact), H200, triton 3.6
-        BV = min(BV, FUSED_LINEAR_STEP_MAX_BV)
+    BV = step_value_block(B * HK, V, q.device, CONFIG["linear_step_waves"],
+                          max_bv=FUSED_LINEAR_STEP_MAX_BV if fuse else None)
     NV = triton.cdiv(V, BV)
     q, k = q.contiguous(), k.contiguous()
     _linear_step_kernel[(B * HK, NV)](

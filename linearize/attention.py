@@ -46,12 +46,13 @@ from .kernels import (
 #: attention kernels read (13x faster than the PyTorch map on [8, 32K, 32, 128]; the hybrid's 32K x 8 prefill
 #: 1.06x faster than with ``decode``, H200, 2026-12-01); ``all`` inside the prefill forwards instead (slower on
 #: the H200: kernels/README.md). ``1`` / ``0`` mean ``all`` / ``none``. Training always uses the PyTorch map.
-_fused_env = os.environ.get("LINEARIZE_FUSED_FEATURE_MAPS", "maps")
+_FUSED_DEFAULT = "maps"
+_fused_env = os.environ.get("LINEARIZE_FUSED_FEATURE_MAPS", _FUSED_DEFAULT)
 FUSED_FEATURE_MAPS = {"1": "all", "0": "none"}.get(_fused_env, _fused_env)
 if FUSED_FEATURE_MAPS not in ("none", "decode", "maps", "all"):
     warnings.warn(f"LINEARIZE_FUSED_FEATURE_MAPS={FUSED_FEATURE_MAPS!r} is not one of none, decode, maps, all (or 0, 1): "
-                  "using maps", stacklevel=1)
-    FUSED_FEATURE_MAPS = "maps"
+                  f"using {_FUSED_DEFAULT}", stacklevel=1)
+    FUSED_FEATURE_MAPS = _FUSED_DEFAULT
 
 
 @dataclass(frozen=True)

@@ -581,6 +581,16 @@ def flops_per_token(cost: dict, T: int) -> int:
     return cost["matmul_flops_per_token"] + cost["attention_flops_per_token_per_T"] * T
 
 
+def speedup_bounds(hybrid: dict, original: dict, T: int, cache_hybrid, cache_original) -> tuple[float, float | None]:
+    """``(prefill, decode)``: the speed-ups over ``original`` that ``hybrid`` (both :func:`cost_model`) allows at
+    equal efficiency at context ``T``: prefill from FLOPs per token, decode from the bytes a step reads (weights
+    + cache bytes; None when a cache size is unknown)."""
+    prefill = flops_per_token(original, T) / flops_per_token(hybrid, T)
+    if not isinstance(cache_hybrid, (int, float)) or not isinstance(cache_original, (int, float)):
+        return prefill, None
+    return prefill, (original["decode_weight_bytes"] + cache_original) / (hybrid["decode_weight_bytes"] + cache_hybrid)
+
+
 def bench_row(model, kind: str, T: int, B: int, *, steps: int, backends: list[str | None], dev: torch.device,
               timing: Timing, seed: int = 0, profile: bool = False) -> dict:
     """One (model, T, B) row: prefill, decode, peak memory, cache bytes. Out of memory is recorded."""
@@ -778,14 +788,8 @@ def ratios(rows: list[dict]) -> list[dict]:
         ch, co = h.get("cost"), o.get("cost")
         if not ch or not co:
             return None, None
-
-        def step_bytes(r, c):
-            cache = r.get("cache_bytes")
-            return c["decode_weight_bytes"] + cache if isinstance(cache, (int, float)) else None
-
-        sh, so = step_bytes(h, ch), step_bytes(o, co)
-        return (float(f"{flops_per_token(co, T) / flops_per_token(ch, T):.4g}"),
-                float(f"{so / sh:.4g}") if sh and so else None)
+        prefill, decode = speedup_bounds(ch, co, T, h.get("cache_bytes"), o.get("cache_bytes"))
+        return float(f"{prefill:.4g}"), float(f"{decode:.4g}") if decode else None
 
     for T, B in keys:
         h, o = by.get(("hybrid", T, B)), by.get(("original", T, B))

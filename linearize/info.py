@@ -51,21 +51,22 @@ def speed_bounds(model, config, extra_parameters: int) -> dict[str, dict[str, fl
     equal efficiency (``bench model``'s bounds): ``prefill`` from FLOPs per token, ``decode`` from the bytes a
     step reads (weights + cache). The original: the same shapes with every layer softmax, without the
     linear-attention extras."""
-    from .benchmodel import cost_model, flops_per_token
+    from .benchmodel import cost_model, speedup_bounds
 
     hybrid = cost_model(model)
     dtype_bytes = 2
     weights_h = hybrid["decode_weight_bytes"] // next(model.parameters()).element_size() * dtype_bytes
     heads = int(config.num_attention_heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    hybrid = {**hybrid, "decode_weight_bytes": weights_h}
     original = {"matmul_flops_per_token": hybrid["matmul_flops_per_token"] - 2 * extra_parameters,
-                "attention_flops_per_token_per_T": 2 * int(config.num_hidden_layers) * heads * head_dim}
-    weights_o = weights_h - extra_parameters * dtype_bytes
+                "attention_flops_per_token_per_T": 2 * int(config.num_hidden_layers) * heads * head_dim,
+                "decode_weight_bytes": weights_h - extra_parameters * dtype_bytes}
     out = {}
     for name, n in CONTEXTS.items():
         cache = cache_bytes(config, n, dtype_bytes=dtype_bytes)
-        out[name] = {"prefill": flops_per_token(original, n) / flops_per_token(hybrid, n),
-                     "decode": (weights_o + cache["original"]) / (weights_h + cache["hybrid"])}
+        prefill, decode = speedup_bounds(hybrid, original, n, cache["hybrid"], cache["original"])
+        out[name] = {"prefill": prefill, "decode": decode}
     return out
 
 
