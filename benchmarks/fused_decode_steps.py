@@ -32,5 +32,5 @@ with torch.no_grad():
         for mode in ("none", "decode"):
             attention.FUSED_FEATURE_MAPS = mode
             with bm._maskless_sdpa(model):
-                s, how, note = bm._time_steps(step, 32, dev, bm.Timing())
+                s, how, note, _ = bm._time_steps(step, 32, dev, bm.Timing())
             print(f"rep {rep} fused={mode}: {1e3 * s:.3f} ms/step = {B / s:.0f} tokens/s ({how}; {note})", flush=True)

@@ -431,19 +431,25 @@ def _prefill_phase(model, ids, backends, dev, timing: Timing, holder: dict) -> d
             "prefill_sdpa_s": {(k or "default"): round(v, 6) for k, v in results.items()} | errors}
 
 
-def _time_steps(step: Callable[[], Any], steps: int, dev: torch.device, timing: Timing) -> tuple[float, str, str | None]:
-    """Seconds per decode step: a captured CUDA graph replayed ``steps`` times, or eager steps.
+def _time_steps(step: Callable[[], Any], steps: int, dev: torch.device, timing: Timing,
+                profile: bool = False) -> tuple[float, str, str | None, dict | None]:
+    """``(seconds per step, mode, note, profile)`` of decode steps: a captured CUDA graph replayed ``steps``
+    times, or eager steps. ``profile``: also :func:`profile_steps` of what was timed (the graph's replays, or
+    the eager steps), else None.
 
     An error in the warm-up (e.g. an SDPA backend that cannot run this shape) propagates; an error in the
     capture falls back to eager steps with a note saying why.
     """
+    def timed(run: Callable[[], Any], mode: str, note: str | None):
+        t0 = _now(dev)
+        for _ in range(steps):
+            run()
+        return (_now(dev) - t0) / steps, mode, note, (_profile_or_error(run, dev) if profile else None)
+
     if dev.type != "cuda":
         for _ in range(timing.warmup_steps):
             step()
-        t0 = _now(dev)
-        for _ in range(steps):
-            step()
-        return (_now(dev) - t0) / steps, "eager", "CPU: eager steps (CUDA graphs need a GPU)"
+        return timed(step, "eager", "CPU: eager steps (CUDA graphs need a GPU)")
     side = torch.cuda.Stream(dev)
     side.wait_stream(torch.cuda.current_stream(dev))
     with torch.cuda.stream(side):  # warm-up off the default stream, as capture requires (compilation, allocator)
@@ -456,10 +462,7 @@ def _time_steps(step: Callable[[], Any], steps: int, dev: torch.device, timing: 
         with torch.cuda.graph(graph):
             step()
         graph.replay()
-        t0 = _now(dev)
-        for _ in range(steps):
-            graph.replay()
-        return (_now(dev) - t0) / steps, "cuda-graph", None
+        return timed(graph.replay, "cuda-graph", None)
     except Exception as e:  # noqa: BLE001 - fall back to eager steps, say why
         if _is_oom(e):
             raise
@@ -468,10 +471,7 @@ def _time_steps(step: Callable[[], Any], steps: int, dev: torch.device, timing: 
         del graph
     _sync(dev)
     step()
-    t0 = _now(dev)
-    for _ in range(steps):
-        step()
-    return (_now(dev) - t0) / steps, "eager", note
+    return timed(step, "eager", note)
 
 
 #: where a decode step's time goes, by kernel (GPU) or operator (CPU) name, first match wins; the rest is "other"
@@ -484,8 +484,9 @@ PROFILE_CATEGORIES = (
 
 
 def profile_steps(step: Callable[[], Any], dev: torch.device, steps: int = 3) -> dict:
-    """Milliseconds per decode step by :data:`PROFILE_CATEGORIES` (and ``other``, ``total``) over ``steps`` eager
-    steps under ``torch.profiler``: GPU kernel time on CUDA, operators' own CPU time on CPU."""
+    """Milliseconds per decode step by :data:`PROFILE_CATEGORIES` (and ``other``, ``total``) over ``steps`` calls
+    of ``step`` (an eager step or a CUDA graph's replay) under ``torch.profiler``: GPU kernel time on CUDA,
+    operators' own CPU time on CPU."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = dev.type == "cuda"
@@ -507,6 +508,16 @@ def profile_steps(step: Callable[[], Any], dev: torch.device, steps: int = 3) ->
     return {k: round(v, 4) for k, v in out.items()}
 
 
+def _profile_or_error(step: Callable[[], Any], dev: torch.device) -> dict:
+    """:func:`profile_steps`, or ``{"error": first line}`` when profiling fails (the timings stand)."""
+    try:
+        return profile_steps(step, dev)
+    except Exception as e:  # noqa: BLE001
+        if _is_oom(e):
+            raise
+        return {"error": _first_line(e, 200)}
+
+
 @torch.no_grad()
 def _decode_phase(model, cache, T, B, steps, backends, dev, timing: Timing, gen, profile: bool = False) -> dict:
     dcache = decode_cache(cache, T)
@@ -520,12 +531,12 @@ def _decode_phase(model, cache, T, B, steps, backends, dev, timing: Timing, gen,
     def step():
         return model(**kwargs).logits
 
-    modes: dict[str | None, tuple[str, str | None]] = {}
+    modes: dict[str | None, tuple[str, str | None, dict | None]] = {}
 
     def run(be):
         with _sdpa(be), _maskless_sdpa(model):
-            s, mode, note = _time_steps(step, steps, dev, timing)
-        modes[be] = (mode, note)
+            s, mode, note, prof = _time_steps(step, steps, dev, timing, profile)
+        modes[be] = (mode, note, prof)
         return s
 
     # capture can fail under one pinned backend (H200 run of 2026-11-30: "No available kernel" from SDPA inside
@@ -533,22 +544,16 @@ def _decode_phase(model, cache, T, B, steps, backends, dev, timing: Timing, gen,
     tried = list(backends) + ([None] if dev.type == "cuda" and None not in backends else [])
     results, errors = _try_backends(tried, run)
     best = min(results, key=results.get)
-    mode, note = modes[best]
+    mode, note, prof = modes[best]
     row = {"decode_s_per_step": round(results[best], 7), "decode_tok_s": round(B / results[best], 2),
            "decode_mode": mode, "decode_sdpa": best or "default",
            "decode_sdpa_s": {(k or "default"): round(v, 7) for k, v in results.items()} | errors,
            # each backend's mode, and why capture failed where it did (the row's note is the fastest one's)
-           "decode_modes": {(k or "default"): (n or m) for k, (m, n) in modes.items()}}
+           "decode_modes": {(k or "default"): (n or m) for k, (m, n, _) in modes.items()}}
     if note:
         row["decode_note"] = note
-    if profile:  # a failing profile leaves the row's timings standing
-        try:
-            with _sdpa(best), _maskless_sdpa(model):
-                row["decode_profile_ms"] = profile_steps(step, dev)
-        except Exception as e:  # noqa: BLE001
-            if _is_oom(e):
-                raise
-            row["decode_profile_error"] = _first_line(e, 200)
+    if prof is not None:  # of the fastest backend's timed steps, in their mode (a failing profile: the error)
+        row["decode_profile_error" if "error" in prof else "decode_profile_ms"] = prof.get("error", prof)
     return row
 
 
@@ -1028,7 +1033,8 @@ def print_result(result: dict, console=None) -> None:
         if prof:
             where = "GPU kernel" if str(meta["device"]).startswith("cuda") else "CPU operator"
             parts = ", ".join(f"{k} {v:.3f}" for k, v in prof.items() if k != "total")
-            con.print(f"  {r['model']} T={r['T']} B={r['B']} decode step, {where} time in ms (eager, profiled): "
+            con.print(f"  {r['model']} T={r['T']} B={r['B']} decode step, {where} time in ms "
+                      f"({r.get('decode_mode', 'eager')}, profiled): "
                       f"{parts} (total {prof['total']:.3f})", highlight=False)
     for x in result.get("ratios", []):
         if x.get("prefill_bound") is not None:

@@ -99,7 +99,7 @@ def test_bad_inputs_one_line_exit_2(tmp_path, args, message):
 
 
 def test_decode_profile_categories(tiny_config, tmp_path):
-    """--profile: each row splits a few eager decode steps by category (CPU: operator time), the parts add up
+    """--profile: each row splits a few of its timed decode steps by category (CPU: operator time), the parts add up
     to the total and are printed; kernel names of a GPU profile land where they belong."""
     out = tmp_path / "bench"
     r = run_cli("bench", "model", str(tiny_config), "--random-weights", "--device", "cpu", "--lengths", "64",
