@@ -71,6 +71,10 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "mistral": ArchSpec(),
     "qwen2": ArchSpec(),  # q/k/v biases live inside the adopted nn.Linear modules
     "qwen3": ArchSpec(q_norm="q_norm", k_norm="k_norm"),
+    # mixture-of-experts variants: attention laid out as their dense family; the expert MLPs are left as they are
+    "mixtral": ArchSpec(),
+    "qwen2_moe": ArchSpec(),
+    "qwen3_moe": ArchSpec(q_norm="q_norm", k_norm="k_norm"),
 }
 
 

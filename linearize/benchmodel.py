@@ -561,10 +561,13 @@ def cost_model(model) -> dict:
     """What bounds a model's speed, from its shapes (for the ``*_bound`` values of :func:`ratios`).
 
     ``matmul_flops_per_token``: 2 x the parameters a prefill token multiplies by (all but the embedding
-    tables: prefill keeps the last position's logits only); ``attention_flops_per_token_per_T``: causal
-    attention at context T costs this x T FLOPs per token (2 T H d per softmax layer: half of QK^T and PV;
-    linear layers counted as free); ``decode_weight_bytes``: weight bytes a decode step reads (all but the
-    input embedding table, which it only indexes, unless the output layer shares it)."""
+    tables: prefill keeps the last position's logits only; of a mixture of experts' routed experts, the share a
+    token is routed to); ``attention_flops_per_token_per_T``: causal attention at context T costs this x T FLOPs
+    per token (2 T H d per softmax layer: half of QK^T and PV; linear layers counted as free);
+    ``decode_weight_bytes``: weight bytes every decode step reads (all but the input embedding table, which it
+    only indexes unless the output layer shares it, and the routed experts); ``expert_bytes``: the routed
+    experts' bytes, of which a step reads the share :func:`decode_read_bytes` estimates; ``expert_share``: the
+    experts one token uses, k / E (1 for a dense model)."""
     cfg = model.config
     inp, out = model.get_input_embeddings(), model.get_output_embeddings()
     emb_in = inp.weight if inp is not None else None
@@ -572,13 +575,20 @@ def cost_model(model) -> dict:
     tied = emb_in is not None and emb_in is emb_out
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     tables = {id(t): t.numel() for t in (emb_in, emb_out) if t is not None}
+    experts = [p for n, p in model.named_parameters() if ".experts." in n]  # routed experts (not shared_expert)
+    share = (int(cfg.num_experts_per_tok) / int(cfg.num_experts)) if experts else 1.0
+    expert_numel = sum(p.numel() for p in experts)
+    expert_bytes = sum(p.numel() * p.element_size() for p in experts)
     heads = int(cfg.num_attention_heads)
     head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
     types = getattr(cfg, "layer_types", None) or ["full_attention"] * int(cfg.num_hidden_layers)
     softmax_layers = sum(t != "linear_attention" for t in types)  # sliding-window layers counted as full
-    return {"matmul_flops_per_token": 2 * (sum(p.numel() for p in model.parameters()) - sum(tables.values())),
+    active = sum(p.numel() for p in model.parameters()) - sum(tables.values()) - expert_numel * (1 - share)
+    return {"matmul_flops_per_token": int(2 * active),
             "attention_flops_per_token_per_T": 2 * softmax_layers * heads * head_dim,
-            "decode_weight_bytes": nbytes - (0 if tied or emb_in is None else emb_in.numel() * emb_in.element_size())}
+            "decode_weight_bytes": nbytes - expert_bytes
+            - (0 if tied or emb_in is None else emb_in.numel() * emb_in.element_size()),
+            "expert_bytes": expert_bytes, "expert_share": share}
 
 
 def flops_per_token(cost: dict, T: int) -> int:
@@ -586,14 +596,23 @@ def flops_per_token(cost: dict, T: int) -> int:
     return cost["matmul_flops_per_token"] + cost["attention_flops_per_token_per_T"] * T
 
 
-def speedup_bounds(hybrid: dict, original: dict, T: int, cache_hybrid, cache_original) -> tuple[float, float | None]:
+def decode_read_bytes(cost: dict, batch: int) -> float:
+    """Weight bytes a decode step of ``batch`` sequences reads (a :func:`cost_model`): every dense weight, and of
+    the routed experts the expected share that at least one of the ``batch`` tokens is routed to, with routing
+    taken as uniform: 1 - (1 - k/E)^batch."""
+    return cost["decode_weight_bytes"] + cost.get("expert_bytes", 0) * (1 - (1 - cost.get("expert_share", 1.0)) ** batch)
+
+
+def speedup_bounds(hybrid: dict, original: dict, T: int, cache_hybrid, cache_original,
+                   batch: int = 1) -> tuple[float, float | None]:
     """``(prefill, decode)``: the speed-ups over ``original`` that ``hybrid`` (both :func:`cost_model`) allows at
-    equal efficiency at context ``T``: prefill from FLOPs per token, decode from the bytes a step reads (weights
-    + cache bytes; None when a cache size is unknown)."""
+    equal efficiency at context ``T``: prefill from FLOPs per token, decode from the bytes a step of ``batch``
+    sequences reads (weights + cache bytes; None when a cache size is unknown)."""
     prefill = flops_per_token(original, T) / flops_per_token(hybrid, T)
     if not isinstance(cache_hybrid, (int, float)) or not isinstance(cache_original, (int, float)):
         return prefill, None
-    return prefill, (original["decode_weight_bytes"] + cache_original) / (hybrid["decode_weight_bytes"] + cache_hybrid)
+    return prefill, ((decode_read_bytes(original, batch) + cache_original)
+                     / (decode_read_bytes(hybrid, batch) + cache_hybrid))
 
 
 def bench_row(model, kind: str, T: int, B: int, *, steps: int, backends: list[str | None], dev: torch.device,
@@ -788,19 +807,19 @@ def ratios(rows: list[dict]) -> list[dict]:
             return float(f"{a / b:.5g}")
         return None
 
-    def bounds(h, o, T):
+    def bounds(h, o, T, B):
         """Speed-ups the hybrid could reach at the original's efficiency (``cost``: :func:`cost_model`)."""
         ch, co = h.get("cost"), o.get("cost")
         if not ch or not co:
             return None, None
-        prefill, decode = speedup_bounds(ch, co, T, h.get("cache_bytes"), o.get("cache_bytes"))
+        prefill, decode = speedup_bounds(ch, co, T, h.get("cache_bytes"), o.get("cache_bytes"), B)
         return float(f"{prefill:.4g}"), float(f"{decode:.4g}") if decode else None
 
     for T, B in keys:
         h, o = by.get(("hybrid", T, B)), by.get(("original", T, B))
         if h is None or o is None:
             continue
-        prefill_bound, decode_bound = bounds(h, o, T)
+        prefill_bound, decode_bound = bounds(h, o, T, B)
         out.append({"T": T, "B": B,
                     "prefill_speedup": frac(h, o, "prefill_tok_s"),
                     "decode_speedup": frac(h, o, "decode_tok_s"),

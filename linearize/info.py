@@ -55,11 +55,12 @@ def speed_bounds(model, config, extra_parameters: int) -> dict[str, dict[str, fl
 
     hybrid = cost_model(model)
     dtype_bytes = 2
-    weights_h = hybrid["decode_weight_bytes"] // next(model.parameters()).element_size() * dtype_bytes
+    to_bf16 = dtype_bytes / next(model.parameters()).element_size()
+    weights_h = int(hybrid["decode_weight_bytes"] * to_bf16)
     heads = int(config.num_attention_heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-    hybrid = {**hybrid, "decode_weight_bytes": weights_h}
-    original = {"matmul_flops_per_token": hybrid["matmul_flops_per_token"] - 2 * extra_parameters,
+    hybrid = {**hybrid, "decode_weight_bytes": weights_h, "expert_bytes": int(hybrid["expert_bytes"] * to_bf16)}
+    original = {**hybrid, "matmul_flops_per_token": hybrid["matmul_flops_per_token"] - 2 * extra_parameters,
                 "attention_flops_per_token_per_T": 2 * int(config.num_hidden_layers) * heads * head_dim,
                 "decode_weight_bytes": weights_h - extra_parameters * dtype_bytes}
     out = {}

@@ -14,7 +14,19 @@ import torch
 os.environ.setdefault("LINEARIZE_CACHE", str(Path.home() / ".cache" / "linearize"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"]
+#: configuration class of each family, and what its tiny model needs beyond the shared sizes
+_TINY_FAMILIES = {
+    "llama": ("LlamaConfig", {"tie_word_embeddings": True}),
+    "mistral": ("MistralConfig", {}),
+    "qwen2": ("Qwen2Config", {"attention_bias": True}),
+    "qwen3": ("Qwen3Config", {"tie_word_embeddings": True}),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32}),
+    "qwen2_moe": ("Qwen2MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                     "shared_expert_intermediate_size": 32, "qkv_bias": True}),
+    "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                     "tie_word_embeddings": True}),
+}
 
 
 def char_tokenizer(alphabet: str = "abcdefghijklmnopqrstuvwxyz .,", lowercase: bool = False):
@@ -32,16 +44,15 @@ def char_tokenizer(alphabet: str = "abcdefghijklmnopqrstuvwxyz .,", lowercase: b
 
 
 def tiny_model(family: str, layers: int = 4, seed: int = 0):
-    """A 2-4 layer, hidden-64 random causal LM of ``family`` (GQA: 4 heads, 2 KV heads, head_dim 16)."""
+    """A 2-4 layer, hidden-64 random causal LM of ``family`` (GQA: 4 heads, 2 KV heads, head_dim 16; the MoE
+    families with 4 experts, 2 per token)."""
     import transformers
 
-    cls_cfg = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}[family]
+    cls_cfg, extra = _TINY_FAMILIES[family]
     cls_lm = cls_cfg.replace("Config", "ForCausalLM")
     kwargs = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=1024,
-                  tie_word_embeddings=family in ("llama", "qwen3"))
-    if family == "qwen2":
-        kwargs["attention_bias"] = True
+                  tie_word_embeddings=False) | extra
     torch.manual_seed(seed)
     cfg = getattr(transformers, cls_cfg)(**kwargs)
     model = getattr(transformers, cls_lm)(cfg).eval()

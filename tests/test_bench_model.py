@@ -9,7 +9,7 @@ import resource
 import pytest
 import torch
 
-from conftest import run_cli
+from conftest import run_cli, tiny_model
 from linearize import benchmodel as bm
 
 TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
@@ -18,7 +18,7 @@ TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num
 
 #: published parameter counts of the shipped configs
 PUBLISHED = {"llama-3-8b": 8_030_261_248, "llama-3.2-1b": 1_235_814_400, "mistral-7b": 7_248_023_552,
-             "qwen2.5-7b": 7_615_616_512, "qwen3-8b": 8_190_735_360}
+             "qwen2.5-7b": 7_615_616_512, "qwen3-8b": 8_190_735_360, "qwen3-30b-a3b": 30_532_122_624}
 
 
 @pytest.fixture(autouse=True)
@@ -136,6 +136,29 @@ def test_cost_model_of_the_llama3_8b_shape():
     assert c["matmul_flops_per_token"] == 2 * (PUBLISHED["llama-3-8b"] - 2 * table)
     assert c["attention_flops_per_token_per_T"] == 2 * 32 * 32 * 128
     assert c["decode_weight_bytes"] == 2 * (PUBLISHED["llama-3-8b"] - table)
+
+
+def test_cost_model_of_a_mixture_of_experts():
+    """Qwen3-30B-A3B (48 layers of 128 experts, 8 per token): a prefill token multiplies by the dense weights and
+    1/16 of the routed experts (~3B); a decode step reads every dense weight and the experts at least one of its
+    tokens is routed to (1/16 at batch 1, 1 - (15/16)^8 at batch 8)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg, _ = bm.load_config("qwen3-30b-a3b")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    c = bm.cost_model(model)
+    experts = 48 * 128 * (2 * 768 * 2048 + 2048 * 768)
+    table = 151936 * 2048
+    dense = PUBLISHED["qwen3-30b-a3b"] - experts
+    assert c["expert_bytes"] == 2 * experts and c["expert_share"] == 8 / 128
+    assert c["matmul_flops_per_token"] == 2 * (dense - 2 * table + experts // 16)
+    assert c["decode_weight_bytes"] == 2 * (dense - table)
+    assert bm.decode_read_bytes(c, 1) == pytest.approx(2 * (dense - table) + 2 * experts / 16)
+    assert bm.decode_read_bytes(c, 8) == pytest.approx(2 * (dense - table) + 2 * experts * (1 - (15 / 16) ** 8))
+    tiny = tiny_model("qwen3")  # dense, tied table, fp32: a step reads every weight at any batch
+    dense = bm.cost_model(tiny)
+    assert dense["expert_bytes"] == 0 and bm.decode_read_bytes(dense, 8) == sum(p.numel() * 4 for p in tiny.parameters())
 
 
 def test_llama3_8b_config_on_meta_has_the_published_shape():
