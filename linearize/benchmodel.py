@@ -576,7 +576,11 @@ def cost_model(model) -> dict:
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     tables = {id(t): t.numel() for t in (emb_in, emb_out) if t is not None}
     experts = [p for n, p in model.named_parameters() if ".experts." in n]  # routed experts (not shared_expert)
-    share = (int(cfg.num_experts_per_tok) / int(cfg.num_experts)) if experts else 1.0
+    if experts:  # a hybrid's config keeps its base's fields, not the base class's aliases (num_experts in Mixtral)
+        base = cfg.base_config() if hasattr(cfg, "base_config") else cfg
+        share = int(base.num_experts_per_tok) / int(getattr(base, "num_experts", None) or base.num_local_experts)
+    else:
+        share = 1.0
     expert_numel = sum(p.numel() for p in experts)
     expert_bytes = sum(p.numel() * p.element_size() for p in experts)
     heads = int(cfg.num_attention_heads)

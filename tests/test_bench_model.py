@@ -11,6 +11,9 @@ import torch
 
 from conftest import run_cli, tiny_model
 from linearize import benchmodel as bm
+from linearize import recipe as R
+from linearize.select import select_layout
+from linearize.surgery import linearize_model
 
 TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256,
@@ -156,6 +159,9 @@ def test_cost_model_of_a_mixture_of_experts():
     assert c["decode_weight_bytes"] == 2 * (dense - table)
     assert bm.decode_read_bytes(c, 1) == pytest.approx(2 * (dense - table) + 2 * experts / 16)
     assert bm.decode_read_bytes(c, 8) == pytest.approx(2 * (dense - table) + 2 * experts * (1 - (15 / 16) ** 8))
+    for family in ("mixtral", "qwen2_moe", "qwen3_moe"):  # a hybrid reads the routing from its base config
+        hybrid = linearize_model(tiny_model(family), select_layout(4, ratio="3:1"), R.load("lolcats"))
+        assert bm.cost_model(hybrid)["expert_share"] == 2 / 4
     tiny = tiny_model("qwen3")  # dense, tied table, fp32: a step reads every weight at any batch
     dense = bm.cost_model(tiny)
     assert dense["expert_bytes"] == 0 and bm.decode_read_bytes(dense, 8) == sum(p.numel() * 4 for p in tiny.parameters())
