@@ -156,15 +156,21 @@ def finetune(
 @app.command()
 @user_errors
 def info(spec: str = typer.Argument(..., help="Model spec or hybrid checkpoint directory."),
+         ratio: Optional[str] = typer.Option(None, "--ratio", help="Plan a conversion: show the hybrid A:B would build (no weights loaded; an alias not on this machine uses its shipped published config)."),
+         softmax_layers: Optional[str] = typer.Option(None, "--softmax-layers", help="Plan a conversion with these softmax layers, e.g. 3,7,11 (overrides --ratio)."),
+         recipe: Optional[str] = typer.Option(None, "--recipe", help="With --ratio / --softmax-layers: the recipe (default lolcats)."),
          retrieval: Optional[str] = typer.Option(None, "--retrieval", help="LENGTHS (e.g. 1K,2K): load the original model and show, per layer, its attention from the answer position onto a hidden pass key (the layers that retrieve)."),
          dtype: Optional[str] = typer.Option(None, "--dtype", help="With --retrieval: float32, bfloat16 or float16."),
          device: Optional[str] = typer.Option(None, "--device", help="With --retrieval: cpu, cuda or cuda:N.")):
-    """Show the layer map, parameter counts and cache bytes at 4K/32K/128K."""
+    """Show the layer map, parameter counts and cache bytes at 4K/32K/128K (of a conversion, planned with --ratio)."""
     from .info import model_info
 
     if retrieval is None and (dtype is not None or device is not None):
         raise LinearizeError("info: --dtype and --device only apply with --retrieval (nothing else loads weights)")
-    data = model_info(spec)
+    if retrieval is not None and (ratio is not None or softmax_layers is not None):
+        raise LinearizeError("info: --retrieval measures the original model; it does not combine with --ratio / "
+                             "--softmax-layers")
+    data = model_info(spec, ratio=ratio, softmax_layers=softmax_layers, recipe=recipe)
     console.print(f"[bold]{data['name']}[/] ({data['model_type']}, {data['num_layers']} layers)", highlight=False)
     console.print(f"layers: {data['layout']}", highlight=False)
     console.print(f"parameters: {data['parameters']:,} (linear-attention extras: {data['extra_parameters']:,})")

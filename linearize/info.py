@@ -14,35 +14,74 @@ from .surgery import cache_bytes
 CONTEXTS = {"4K": 4096, "32K": 32768, "128K": 131072}
 
 
-def model_info(spec: str) -> dict[str, Any]:
-    """Layer map, parameters (total and added by linearization) and cache bytes for a spec or hybrid dir."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def base_config(spec: str):
+    """``(config, name, local directory or None)`` of a spec, without weights. An alias that is not on this
+    machine falls back to its published config shipped with the package (``linearize/model_configs``), so a
+    conversion can be planned offline; anything else missing raises the usual one-line :class:`SpecError`."""
+    from transformers import AutoConfig
 
     from . import modeling  # noqa: F401  (registers the hybrid)
+    from .benchmodel import load_config, shipped_configs
+    from .errors import SpecError
 
-    r = resolve(spec)
-    config = AutoConfig.from_pretrained(local_dir(r))
+    try:
+        r = resolve(spec)
+        path = local_dir(r)
+    except SpecError:
+        if spec not in shipped_configs():
+            raise
+        return load_config(spec)[0], f"{spec} (published config; weights not on this machine)", None
+    return AutoConfig.from_pretrained(path), r.name, path
+
+
+def model_info(spec: str, *, ratio: str | None = None, softmax_layers: str | None = None,
+               recipe: str | None = None) -> dict[str, Any]:
+    """Layer map, parameters (total and added by linearization) and cache bytes for a spec or hybrid dir.
+
+    ``ratio`` / ``softmax_layers`` (and ``recipe``, default ``lolcats``) plan a conversion of an original model:
+    the report is then the hybrid ``convert`` would build with that layout, computed on the meta device."""
+    from transformers import AutoModelForCausalLM
+
+    from . import recipe as recipes
+    from .errors import SelectionError
+    from .select import select_layout
+    from .surgery import check_config_supported, linearize_model
+
+    config, name, path = base_config(spec)
+    planned = ratio is not None or softmax_layers is not None
+    if planned and config.model_type == "linearize":
+        raise SelectionError(f"{spec} is already a hybrid; --ratio / --softmax-layers plan the conversion of an "
+                             "original model")
+    if recipe is not None and not planned:
+        raise SelectionError("info: --recipe only applies with --ratio or --softmax-layers (a planned conversion)")
+    if planned:
+        check_config_supported(config, spec)
+        layout = select_layout(config.num_hidden_layers, ratio=ratio, softmax_layers=softmax_layers)
+        rec = recipes.load(recipe or "lolcats")  # validated before anything is built
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
+        if planned:
+            model = linearize_model(model, layout, rec)
+            config = model.config
     total = sum(p.numel() for p in model.parameters())
     extra = sum(p.numel() for n, p in model.named_parameters() if "feature_map" in n or "window_logit" in n)
     if config.model_type == "linearize":
-        layout = describe_layout(config.layer_types)
+        layout_line = describe_layout(config.layer_types) + (f" (planned, recipe {rec.name})" if planned else "")
         base_type = config.base_model_type
     else:
-        layout = describe_layout(["full_attention"] * config.num_hidden_layers) + " (not converted)"
+        layout_line = describe_layout(["full_attention"] * config.num_hidden_layers) + " (not converted)"
         base_type = config.model_type
     return {
-        "name": r.name,
+        "name": name,
         "model_type": base_type,
         "num_layers": config.num_hidden_layers,
-        "layout": layout,
+        "layout": layout_line,
         "layer_types": getattr(config, "layer_types", None),
         "parameters": total,
         "extra_parameters": extra,
-        "cache_bytes": {name: cache_bytes(config, n) for name, n in CONTEXTS.items()},
+        "cache_bytes": {ctx: cache_bytes(config, n) for ctx, n in CONTEXTS.items()},
         "bounds": speed_bounds(model, config, extra) if config.model_type == "linearize" else None,
-        "quality": conversion_quality(local_dir(r)),
+        "quality": conversion_quality(path) if path is not None and not planned else {},
     }
 
 

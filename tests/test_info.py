@@ -1,0 +1,73 @@
+"""`linearize info`: planning a conversion with --ratio / --softmax-layers (no weights), offline from a shipped
+published config, and its one-line errors."""
+
+import pytest
+
+from conftest import char_tokenizer, run_cli, tiny_model
+from linearize import recipe as R
+from linearize.checkpoint import save_checkpoint
+from linearize.info import model_info
+from linearize.select import select_layout
+from linearize.surgery import cache_bytes, linearize_model
+
+
+def test_plan_from_a_shipped_config_offline():
+    """llama-3-8b is not on this machine: its shipped config stands in, and the planned 3:1 hybrid's layout,
+    extras, cache and bounds are those of the surgery on the meta device."""
+    r = run_cli("info", "llama-3-8b", "--ratio", "3:1")
+    assert r.returncode == 0, r.stderr
+    assert "published config" in r.stdout and "(24 linear, 8 softmax) (planned, recipe lolcats)" in r.stdout
+    assert "prefill bound" in r.stdout and "decode bound" in r.stdout
+    data = model_info("llama-3-8b", ratio="3:1")
+    assert data["layer_types"] == select_layout(32, ratio="3:1")
+    # lolcats: a Hedgehog map [head_dim, head_dim / 2] per query and KV head, and a window logit per query head
+    assert data["extra_parameters"] == 24 * ((32 + 8) * 128 * 64 + 32)
+    assert data["parameters"] == 8_030_261_248 + data["extra_parameters"]
+    assert data["bounds"]["128K"]["prefill"] > data["bounds"]["4K"]["prefill"] > 1.0
+    assert data["quality"] == {}
+
+
+def test_plan_matches_the_converted_model(tmp_path):
+    """A planned layout reports what the converted checkpoint of the same layout and recipe reports."""
+    model = tiny_model("qwen3")
+    base = tmp_path / "base"
+    model.save_pretrained(base)
+    hybrid = linearize_model(tiny_model("qwen3"), select_layout(4, softmax_layers="1"), R.load("elu"))
+    save_checkpoint(hybrid, char_tokenizer(), tmp_path / "hybrid", base="tiny", recipe=R.load("elu"))
+    planned = model_info(str(base), softmax_layers="1", recipe="elu")
+    converted = model_info(str(tmp_path / "hybrid"))
+    for key in ("layer_types", "parameters", "extra_parameters", "cache_bytes", "bounds"):
+        assert planned[key] == converted[key], key
+    assert planned["cache_bytes"]["32K"] == cache_bytes(hybrid.config, 32768)
+    assert "(planned, recipe elu)" in planned["layout"] and "planned" not in converted["layout"]
+
+
+def test_mixture_of_experts_plan():
+    data = model_info("qwen3-30b-a3b", ratio="3:1")
+    assert data["model_type"] == "qwen3_moe" and data["layout"].startswith("LLLS" * 12)
+    assert 2.0 < data["bounds"]["32K"]["prefill"] < 2.3  # the experts a token uses, not all 30B parameters
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--recipe", "elu"], "--recipe only applies"),
+    (["--ratio", "3:1", "--retrieval", "1K"], "does not combine"),
+    (["--ratio", "3:0:1"], "--ratio"),
+    (["--softmax-layers", "40"], "out of range"),
+    (["--ratio", "3:1", "--recipe", "nope"], "unknown recipe"),
+], ids=["recipe-alone", "retrieval", "bad-ratio", "layer-range", "recipe"])
+def test_plan_errors_are_one_line(args, needle):
+    r = run_cli("info", "llama-3-8b", *args)
+    lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+    assert r.returncode != 0 and len(lines) == 1 and needle in lines[0] and "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_hybrid_cannot_be_planned_again(tmp_path):
+    hybrid = linearize_model(tiny_model("llama"), select_layout(4, ratio="3:1"), R.load("elu"))
+    save_checkpoint(hybrid, char_tokenizer(), tmp_path / "hybrid", base="tiny", recipe=R.load("elu"))
+    r = run_cli("info", str(tmp_path / "hybrid"), "--ratio", "1:1")
+    assert r.returncode != 0 and "already a hybrid" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_missing_model_without_a_shipped_config_still_says_how_to_get_it():
+    r = run_cli("info", "qwen2.5-0.5b", "--ratio", "3:1")
+    assert r.returncode != 0 and "not found" in r.stderr and "huggingface-cli download" in r.stderr
