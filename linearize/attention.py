@@ -61,8 +61,11 @@ class ArchSpec:
 
     attention: str = "self_attn"  # attribute of a decoder layer
     projections: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
-    q_norm: str | None = None  # per-head norm applied before rotary (Qwen3)
+    q_norm: str | None = None  # norm applied before rotary (Qwen3, OLMo 2)
     k_norm: str | None = None
+    # what q_norm / k_norm normalise: "head", each head's vector (Qwen3); "projection", the whole projection before
+    # it is split into heads (OLMo 2)
+    qk_norm_over: str = "head"
 
 
 #: model_type -> how its attention is laid out
@@ -71,6 +74,9 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "mistral": ArchSpec(),
     "qwen2": ArchSpec(),  # q/k/v biases live inside the adopted nn.Linear modules
     "qwen3": ArchSpec(q_norm="q_norm", k_norm="k_norm"),
+    "granite": ArchSpec(),  # softmax scale = attention_multiplier (read from the module); other multipliers in the base
+    "gemma": ArchSpec(),
+    "olmo2": ArchSpec(q_norm="q_norm", k_norm="k_norm", qk_norm_over="projection"),
     # mixture-of-experts variants: attention laid out as their dense family; the expert MLPs are left as they are
     "mixtral": ArchSpec(),
     "qwen2_moe": ArchSpec(),
@@ -115,11 +121,12 @@ class LinearAttention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        self.scaling = self.head_dim**-0.5
+        self.scaling = float(getattr(original, "scaling", None) or self.head_dim**-0.5)  # softmax scale of q.k
         for name in arch.projections:
             setattr(self, name, getattr(original, name))
         self.q_norm = getattr(original, arch.q_norm) if arch.q_norm else None
         self.k_norm = getattr(original, arch.k_norm) if arch.k_norm else None
+        self.qk_norm_over = arch.qk_norm_over
         self.window = int(settings.get("window") or 0)
         self.eps = float(settings.get("eps", 1e-6))
         fm_params = {}
@@ -148,10 +155,13 @@ class LinearAttention(nn.Module):
     def project(self, hidden_states: torch.Tensor, position_embeddings):
         """Post-rotary ``q [B,T,H,D]``, ``k [B,T,Hk,D]`` and ``v [B,T,Hk,D]``."""
         B, T, _ = hidden_states.shape
-        q = self.q_proj(hidden_states).view(B, T, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden_states).view(B, T, self.num_kv_heads, self.head_dim)
+        q, k = self.q_proj(hidden_states), self.k_proj(hidden_states)
+        if self.q_norm is not None and self.qk_norm_over == "projection":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(B, T, self.num_heads, self.head_dim)
+        k = k.view(B, T, self.num_kv_heads, self.head_dim)
         v = self.v_proj(hidden_states).view(B, T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.qk_norm_over == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = position_embeddings
         q, k = apply_rotary(q, k, cos, sin)

@@ -89,6 +89,7 @@ class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
     _supports_attention_backend = True
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _no_split_modules = ["LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
+                         "GraniteDecoderLayer", "GemmaDecoderLayer", "Olmo2DecoderLayer",
                          "MixtralDecoderLayer", "Qwen2MoeDecoderLayer", "Qwen3MoeDecoderLayer"]
 
     def __init__(self, config: LinearizeConfig, base_model: PreTrainedModel | None = None):

@@ -14,13 +14,18 @@ import torch
 os.environ.setdefault("LINEARIZE_CACHE", str(Path.home() / ".cache" / "linearize"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "granite", "gemma", "olmo2", "mixtral", "qwen2_moe", "qwen3_moe"]
 #: configuration class of each family, and what its tiny model needs beyond the shared sizes
 _TINY_FAMILIES = {
     "llama": ("LlamaConfig", {"tie_word_embeddings": True}),
     "mistral": ("MistralConfig", {}),
     "qwen2": ("Qwen2Config", {"attention_bias": True}),
     "qwen3": ("Qwen3Config", {"tie_word_embeddings": True}),
+    # a softmax scale that is not 1/sqrt(head_dim), and scaled embeddings, residuals and logits
+    "granite": ("GraniteConfig", {"attention_multiplier": 0.5, "embedding_multiplier": 4.0,
+                                  "residual_multiplier": 0.5, "logits_scaling": 2.0}),
+    "gemma": ("GemmaConfig", {"tie_word_embeddings": True}),
+    "olmo2": ("Olmo2Config", {"pad_token_id": 1}),  # q/k norms over the whole projection
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32}),
     "qwen2_moe": ("Qwen2MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                                      "shared_expert_intermediate_size": 32, "qkv_bias": True}),

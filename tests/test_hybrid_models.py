@@ -51,8 +51,9 @@ def test_prefill_then_decode_equals_full_forward(family, recipe):
         assert (torch.cat([out.logits, out2.logits], 1) - full).abs().max().item() <= 1e-4
 
 
-def test_linear_layers_differ_from_softmax_and_modes():
-    model = tiny_model("llama")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_linear_layers_differ_from_softmax_and_modes(family):
+    model = tiny_model(family)
     ids = torch.randint(0, 128, (1, 50))
     ref = model(ids).logits
     hybrid = linearize_model(model, select_layout(4, ratio="1:0"), R.load("elu"))
