@@ -2,7 +2,8 @@
 K = 128, V = 128, W = 64, bf16 rings, fp32 state), features computed in the kernel as GPU inference does: the
 value columns of each (batch, KV head) in one program (``step_bv=128``, 64 programs) against the split over value
 blocks (the default: ``step_waves`` programs per SM) and a few warp counts, one process, CUDA-graph replays
-(``triton.testing.do_bench_cudagraph``); outputs checked against the PyTorch step. Then the plain linear step
+(``triton.testing.do_bench_cudagraph``), and the KV group's query heads spread over several programs
+(``step_heads``); outputs checked against the PyTorch step. Then the plain linear step
 (``linear_attention_step_hedgehog``, the same shape without rings) split over value blocks for a few
 ``linear_step_waves`` (with the features computed in the kernel its blocks are at most
 ``FUSED_LINEAR_STEP_MAX_BV`` = 64 wide, so one program per pair is no longer an option here). Needs a GPU:
@@ -67,7 +68,8 @@ def ours(st, out=None):
 state_mb = B * HK * (2 * F * V * 4 * 2 + W * (D + 2 * F + V) * 2 + 2 * F * 4) / 1e6  # S r+w, rings, z
 rows = [("one program per (batch, KV head)", {"step_bv": 128})] + [
     (f"value blocks {bv or 'auto'}, warps {w or 'auto'}", {"step_bv": bv, "step_warps": w})
-    for bv in (0, 64, 32, 16) for w in (0, 8, 4)]
+    for bv in (0, 64, 32, 16) for w in (0, 8, 4)] + [
+    (f"value blocks auto, {n} query heads per program", {"step_heads": n}) for n in (4, 2, 1) if n < H // HK]
 base = dict(triton_step.CONFIG)
 
 

@@ -9,7 +9,8 @@ Window step: programs over (batch x KV head, value block) each fold the token le
 columns of ``S`` and answer the group's query heads for those columns, reading ``z`` and the key rings
 unchanged; a second, small kernel then updates ``z`` and writes the new key and key features into the rings
 (stream order makes that race-free without one program owning the whole state, so a batch of 8 with 8 KV
-heads fills the GPU). Nothing is allocated except the output (``out=`` avoids that too), so a CUDA graph can
+heads fills the GPU). With ``CONFIG["step_heads"]`` a group's query heads are also spread over programs; those
+only read the state, and the second kernel writes the fold into ``S`` and the new value as well. Nothing is allocated except the output (``out=`` avoids that too), so a CUDA graph can
 replay the call; the window step's token counter ``seen`` is read on the device and incremented by one in-place
 add after the kernels.
 """
@@ -98,14 +99,17 @@ def _window_step_kernel(
     H, HK, W, scale, eps, feps,
     D: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr, G: tl.constexpr,
-    FUSE: tl.constexpr,
+    FUSE: tl.constexpr, GH: tl.constexpr, OWN: tl.constexpr,
 ):
-    """Program (batch x KV head, value block): folds the token leaving the window into its columns of ``S``,
-    writes the new value into its columns of the value ring, and answers the KV group's query heads for its
-    value columns. ``z``, the key ring and the key-feature ring are shared by every value block, so they are
-    read here and written only by :func:`_window_step_commit_kernel`, launched after this kernel."""
+    """Program (batch x KV head, value block, head group): answers ``GH`` of the KV group's ``G`` query heads for
+    its value columns, with the token leaving the window folded into ``S`` and the new value in the ring. With
+    one head group (``OWN``) it also writes that fold and value into its columns of ``S`` and the value ring;
+    with several, every program only reads the state and :func:`_window_step_commit_kernel` writes them.
+    ``z``, the key ring and the key-feature ring are shared by every value block, so they are read here and
+    written only by the commit kernel, launched after this one."""
     pbh = tl.program_id(0)
     pv = tl.program_id(1)
+    pg = tl.program_id(2)
     b = pbh // HK
     hk = pbh % HK
     od, ok, ow = tl.arange(0, BD), tl.arange(0, BK), tl.arange(0, BW)
@@ -123,16 +127,17 @@ def _window_step_kernel(
     v_old = tl.sum(tl.where(sel[:, None], vr.to(tl.float32), 0.0), 0)  # [BV]
     sp = S + base * K * V + ok[:, None] * V + ov[None, :]
     s = tl.load(sp, mask=mk[:, None] & mv[None, :], other=0.0) + fk_old[:, None] * v_old[None, :]
-    tl.store(sp, s, mask=mk[:, None] & mv[None, :])
     z = tl.load(Z + base * K + ok, mask=mk, other=0.0) + fk_old
     k_new = tl.load(Kr + base * D + od, mask=md, other=0.0)
     v_new = tl.load(Vp + base * V + ov, mask=mv, other=0.0)
-    tl.store(VR + (base * W + slot) * V + ov, v_new.to(VR.dtype.element_ty), mask=mv)
+    if OWN:
+        tl.store(sp, s, mask=mk[:, None] & mv[None, :])
+        tl.store(VR + (base * W + slot) * V + ov, v_new.to(VR.dtype.element_ty), mask=mv)
     kr = tl.where(sel[:, None], k_new.to(KR.dtype.element_ty)[None, :], kr).to(tl.float32)
     vr = tl.where(sel[:, None], v_new.to(VR.dtype.element_ty)[None, :], vr).to(tl.float32)
     valid = (ow <= t) & mw
-    for g in tl.static_range(G):
-        h = hk * G + g
+    for g in tl.static_range(GH):
+        h = hk * G + pg * GH + g
         qrow = b.to(tl.int64) * H + h
         w = tl.load(WF + h).to(tl.float32)
         q = tl.load(Q + qrow * D + od, mask=md, other=0.0).to(tl.float32)
@@ -154,11 +159,15 @@ def _window_step_kernel(
 def _window_step_commit_kernel(
     Kr, FK, KR, FKR, Z, SEEN,  # k [B,HK,D], fk [B,HK,K] (not read with FUSE); rings; z; seen
     WKX,  # FUSE: Hedgehog map [Wk, -Wk] [HK,D,K]; fk is then computed here
+    Vp, S, VR,  # FOLD: v [B,HK,V], S [B,HK,K,V], value ring [B,HK,W,V]
     HK, W, feps,
     D: tl.constexpr, K: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, FUSE: tl.constexpr,
+    V: tl.constexpr, BVC: tl.constexpr, FOLD: tl.constexpr,
 ):
     """Program (batch x KV head), after :func:`_window_step_kernel`: ``z`` gains the key features leaving the
-    window, and the new token's key and key features take their ring slot."""
+    window, and the new token's key and key features take their ring slot. ``FOLD`` (the step kernel ran in
+    several head groups, so it wrote nothing): also folds the token leaving the window into ``S`` and writes
+    the new value into the value ring, ``BVC`` columns at a time."""
     pbh = tl.program_id(0)
     hk = pbh % HK
     od, ok = tl.arange(0, BD), tl.arange(0, BK)
@@ -168,6 +177,16 @@ def _window_step_commit_kernel(
     slot = (t % W).to(tl.int32)
     fk_old = tl.load(FKR + (base * W + slot) * K + ok, mask=mk, other=0.0).to(tl.float32) * (t >= W).to(tl.float32)
     tl.store(Z + base * K + ok, tl.load(Z + base * K + ok, mask=mk, other=0.0) + fk_old, mask=mk)
+    if FOLD:
+        for v0 in tl.static_range(0, V, BVC):
+            ov = v0 + tl.arange(0, BVC)
+            mv = ov < V
+            vrow = VR + (base * W + slot) * V + ov
+            v_old = tl.load(vrow, mask=mv, other=0.0).to(tl.float32)  # read before the new value replaces it
+            sp = S + base * K * V + ok[:, None] * V + ov[None, :]
+            m2 = mk[:, None] & mv[None, :]
+            tl.store(sp, tl.load(sp, mask=m2, other=0.0) + fk_old[:, None] * v_old[None, :], mask=m2)
+            tl.store(vrow, tl.load(Vp + base * V + ov, mask=mv, other=0.0).to(VR.dtype.element_ty), mask=mv)
     k_new = tl.load(Kr + base * D + od, mask=md, other=0.0)
     if FUSE:  # the features the layer would compute: fp32, rounded to the ring's dtype
         fk_new = hedgehog_row(k_new.to(tl.float32), WKX, hk, od, ok, md, mk, D, K, K // 2, feps)
@@ -184,6 +203,10 @@ CONFIG = {
     # 4 warps (128 programs) 21.7 us, of 32 24.1 us, of 16 41.3 us; 8 / 16 warps 26-55 us
     "step_waves": 0.5,
     "step_bv": 0,  # > 0: this value block (tests, sweeps)
+    # query heads of a KV group answered per program (0: the whole group, one head group, as measured above);
+    # fewer spread a large group (8 query heads per KV head in Qwen3-30B-A3B) over more programs, and the commit
+    # kernel then writes the fold into S and the new value (not yet timed on a GPU)
+    "step_heads": 0,
     # warps of the window step's main kernel at value blocks <= 64 (0: from its tile sizes, as wider blocks
     # always are: 16 at 128 (48.4 us above); 4 warps would spill ~7 KB per thread there, offline for sm_90a)
     "step_warps": 4,
@@ -211,6 +234,13 @@ def step_value_block(programs: int, V: int, device: torch.device, waves: float, 
         while BV > 16 and programs * triton.cdiv(V, BV) < target:
             BV //= 2
     return BV
+
+
+def step_heads(G: int) -> int:
+    """Query heads per program of the window step for KV groups of ``G`` (``CONFIG["step_heads"]``, a divisor
+    of ``G``; 0 or anything else: the whole group)."""
+    n = int(CONFIG["step_heads"])
+    return n if 0 < n < G and G % n == 0 else G
 
 
 def _warps(nbytes: int) -> int:
@@ -264,17 +294,21 @@ def window_step_triton(q, k, fq, fk, v, wf, st, *, scale, eps=1e-12, out=None, w
         wf = wf.float()
     BD, BK, BW = pow2(D), pow2(K), pow2(W)
     BV = step_value_block(B * HK, V, q.device, CONFIG["step_waves"])
+    G = H // HK
+    GH = step_heads(G)
     fuse = wqx is not None
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    _window_step_kernel[(B * HK, triton.cdiv(V, BV))](
+    _window_step_kernel[(B * HK, triton.cdiv(V, BV), G // GH)](
         q, q if fuse else fq.contiguous(), k, v, wf.contiguous(), st.S, st.z, st.k_ring, st.fk_ring, st.v_ring,
         st.seen, out, wqx if fuse else q,
-        H, HK, W, float(scale), eps, float(feps), D=D, K=K, V=V, BD=BD, BK=BK, BV=BV, BW=BW, G=H // HK, FUSE=fuse,
-        num_warps=window_step_warps(BD, BK, BV, BW, fuse),
+        H, HK, W, float(scale), eps, float(feps), D=D, K=K, V=V, BD=BD, BK=BK, BV=BV, BW=BW, G=G, FUSE=fuse,
+        GH=GH, OWN=GH == G, num_warps=window_step_warps(BD, BK, BV, BW, fuse),
     )
+    BVC = min(pow2(V), 32)
     _window_step_commit_kernel[(B * HK,)](
         k, k if fuse else fk.contiguous(), st.k_ring, st.fk_ring, st.z, st.seen, wkx if fuse else k,
-        HK, W, float(feps), D=D, K=K, BD=BD, BK=BK, FUSE=fuse, num_warps=_warps(4 * BD * BK if fuse else 0),
+        v, st.S, st.v_ring, HK, W, float(feps), D=D, K=K, BD=BD, BK=BK, FUSE=fuse, V=V, BVC=BVC, FOLD=GH < G,
+        num_warps=_warps(4 * max(BD * BK if fuse else 0, BK * BVC if GH < G else 0)),
     )
     st.seen.add_(1)
     return out

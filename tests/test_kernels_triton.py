@@ -240,14 +240,17 @@ def test_linear_step_triton(normalize, bv, monkeypatch):
     assert rel_err(state[0], st_full[0]) < 1e-5 and rel_err(state[1], st_full[1]) < 1e-5
 
 
-@pytest.mark.parametrize("prefill,W,bv", [(0, 8, 0), (5, 8, 16), (13, 8, 0), (3, 16, 16)])
+@pytest.mark.parametrize("prefill,W,bv,heads", [(0, 8, 0, 0), (5, 8, 16, 0), (13, 8, 0, 0), (3, 16, 16, 0),
+                                                (5, 8, 16, 1), (13, 8, 0, 1)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_window_step_triton(prefill, W, bv, dtype, monkeypatch):
+def test_window_step_triton(prefill, W, bv, heads, dtype, monkeypatch):
     """Decode steps after a prefill (or none) as the reference's full forward; bv = 16: two value blocks per
-    (batch, KV head), whose programs share z and the key rings."""
+    (batch, KV head), whose programs share z and the key rings; heads = 1: each of the KV group's two query heads
+    in its own program, the commit kernel folding S and writing the value ring."""
     from linearize.kernels import triton_step
 
     monkeypatch.setitem(triton_step.CONFIG, "step_bv", bv)
+    monkeypatch.setitem(triton_step.CONFIG, "step_heads", heads)
     B, T, H, Hk, D, K, V = 2, 24, 4, 2, 16, 16, 32
     inp = window_inputs(B, T, H, Hk, D, K, V, dtype=dtype, device=DEV)
     q, k, fq, fk, v = (inp[n] for n in ("q", "k", "fq", "fk", "v"))
@@ -332,14 +335,16 @@ def test_window_step_launch_shape():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("Hk,bv", [(2, 0), (1, 16)])
-def test_window_step_with_hedgehog_features_in_the_kernel(dtype, Hk, bv, monkeypatch):
+@pytest.mark.parametrize("Hk,bv,heads", [(2, 0, 0), (1, 16, 0), (1, 16, 2)])
+def test_window_step_with_hedgehog_features_in_the_kernel(dtype, Hk, bv, heads, monkeypatch):
     """The decode step that computes the Hedgehog features itself matches the step fed the layer's features
     (outputs, S, z, rings), across the fold of tokens leaving the window, and one forward over the sequence;
-    bv = 16: two value blocks per (batch, KV head)."""
+    bv = 16: two value blocks per (batch, KV head); heads = 2: the four query heads of a KV group in two
+    programs (both steps)."""
     from linearize.kernels import triton_step
 
     monkeypatch.setitem(triton_step.CONFIG, "step_bv", bv)
+    monkeypatch.setitem(triton_step.CONFIG, "step_heads", heads)
     B, T, H, D, f, V, W, prefill = 2, 30, 4, 32, 16, 32, 8, 5
     q, k, v, wf, wq, wk, _ = _hedgehog_case(B, T, H, Hk, D, f, V, W, dtype, state=False, seed=3)
     fq, fk = (hedgehog_features(x.float(), w.float()).to(dtype) for x, w in ((q, wq), (k, wk)))
