@@ -251,9 +251,10 @@ def test_moe_families_train_both_stages(family, corpus, monkeypatch, tmp_path):
     monkeypatch.setenv("LINEARIZE_CACHE", str(tmp_path / "cache"))
     model = tiny_model(family, layers=2)
     model.resize_token_embeddings(64)
-    rec = R.load("lolcats", {"attention.window": 8, **{f"{stage}.{k}": v for stage in ("distill", "finetune") for k, v in
-                 {"data": corpus, "seq_len": 64, "batch_size": 2, "tokens": 64 * 2 * 20, "warmup_steps": 1,
-                  "eval_seqs": 4}.items()}, "distill.lr": 3e-2, "finetune.lr": 1e-2, "finetune.loss": "xent"})
+    both = {"data": corpus, "seq_len": 64, "batch_size": 2, "tokens": 64 * 2 * 20, "warmup_steps": 1, "eval_seqs": 4}
+    over = {f"{stage}.{k}": v for stage in ("distill", "finetune") for k, v in both.items()}
+    rec = R.load("lolcats", {**over, "attention.window": 8, "distill.lr": 3e-2, "finetune.lr": 1e-2,
+                             "finetune.loss": "xent"})
     hybrid = linearize_model(model, select_layout(2, ratio="1:0"), rec)
     untouched = {n: p.detach().clone() for n, p in hybrid.named_parameters() if ".self_attn." not in n}
     assert any(".experts." in n for n in untouched) and any(".gate." in n for n in untouched)
