@@ -133,8 +133,10 @@ class LinearAttention(nn.Module):
         if settings.get("feature_dim") is not None:
             fm_params["feature_dim"] = settings["feature_dim"]
         name = settings.get("feature_map", "hedgehog")
-        self.feature_map_q = build_feature_map(name, self.num_heads, self.head_dim, **fm_params)
-        self.feature_map_k = build_feature_map(name, self.num_kv_heads, self.head_dim, **fm_params)
+        self.feature_map_q = build_feature_map(name, self.num_heads, self.head_dim, softmax_scale=self.scaling,
+                                               **fm_params)
+        self.feature_map_k = build_feature_map(name, self.num_kv_heads, self.head_dim, softmax_scale=self.scaling,
+                                               **fm_params)
         if self.window > 0:
             init = float(settings.get("window_init", 0.1))
             logit = math.log(init / (1.0 - init))

@@ -268,9 +268,10 @@ def _orthogonal_gaussian(rows: int, dim: int, gen: torch.Generator) -> torch.Ten
 class PerformerFeatureMap(FeatureMap):
     """Performer FAVOR+ positive orthogonal random features; fixed.
 
-    With ``x' = x * D^(-1/4)`` and random rows ``w_1..w_m ~ N(0, I_D)`` (orthogonal
+    With ``x' = x * s^(1/2)`` (``s``: the model's softmax scale, ``softmax_scale``, by default
+    ``D^(-1/2)``) and random rows ``w_1..w_m ~ N(0, I_D)`` (orthogonal
     within blocks of D), ``phi(x) = (exp(w_i . x' - |x'|^2 / 2) + eps) / sqrt(m)``,
-    so ``E[phi(q) . phi(k)] = exp(q' . k') = exp(q . k / sqrt(D))`` (up to ``eps``,
+    so ``E[phi(q) . phi(k)] = exp(q' . k') = exp(s q . k)`` (up to ``eps``,
     default ``1e-6``, which keeps rows from underflowing to zero; the exponent is
     clamped at 80 so very large heads cannot overflow fp32). F = m =
     ``feature_dim`` (default D). The projection is one buffer ``[D, m]`` shared
@@ -292,18 +293,20 @@ class PerformerFeatureMap(FeatureMap):
         feature_dim: int | None = None,
         seed: int = 0,
         eps: float = 1e-6,
+        softmax_scale: float | None = None,
     ) -> None:
         super().__init__(num_heads, head_dim)
         m = head_dim if feature_dim is None else feature_dim
         self.feature_dim = _check_positive_int(self.name, "feature_dim", m)
         self.seed = _check_int(self.name, "seed", seed)
         self.eps = _check_non_negative_float(self.name, "eps", eps)
+        self.softmax_scale = head_dim**-0.5 if softmax_scale is None else float(softmax_scale)
         gen = torch.Generator(device="cpu").manual_seed(seed)
         proj = _orthogonal_gaussian(self.feature_dim, head_dim, gen).T.contiguous()  # [D, m]
         self.register_buffer("projection", proj, persistent=True)
 
     def _features(self, x: torch.Tensor) -> torch.Tensor:
-        xs = x * self.head_dim ** -0.25  # [B, T, H, D]
+        xs = x * self.softmax_scale**0.5  # [B, T, H, D]
         u = xs @ self._weight(self.projection, x)  # [B, T, H, D] @ [D, m] -> [B, T, H, m]
         sq = 0.5 * (xs * xs).sum(-1, keepdim=True)  # [B, T, H, 1]
         # u - |x'|^2/2 <= |w||x'| - |x'|^2/2 <= |w|^2/2 ~ D/2: finite in fp32 for D up to ~160;
@@ -343,10 +346,12 @@ class TaylorFeatureMap(FeatureMap):
     name = "taylor"
     learnable = True
 
-    def __init__(self, num_heads: int, head_dim: int, feature_dim: int = 16, seed: int = 0) -> None:
+    def __init__(self, num_heads: int, head_dim: int, feature_dim: int = 16, seed: int = 0,
+                 softmax_scale: float | None = None) -> None:
         super().__init__(num_heads, head_dim)
         p = _check_positive_int(self.name, "feature_dim", feature_dim)
         self.seed = _check_int(self.name, "seed", seed)
+        self.softmax_scale = head_dim**-0.5 if softmax_scale is None else float(softmax_scale)
         self.proj_dim = p
         self.feature_dim = 1 + p + p * p
         self.weight = nn.Parameter(torch.empty(num_heads, head_dim, p))  # [H, D, p]
@@ -354,10 +359,11 @@ class TaylorFeatureMap(FeatureMap):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """JL init: ``P ~ N(0, (p D)^(-1/2))`` (seeded, shared by all heads), so ``E[t] = q . k / sqrt(D)``."""
+        """JL init: ``P ~ N(0, s / sqrt(p))`` (seeded, shared by all heads; ``s`` the softmax scale, by default
+        ``D^(-1/2)``), so ``E[t] = s q . k``."""
         gen = torch.Generator(device="cpu").manual_seed(self.seed)
         w = torch.randn(self.head_dim, self.proj_dim, generator=gen, device="cpu")  # [D, p]
-        self.weight.copy_((w * (self.proj_dim * self.head_dim) ** -0.25).expand_as(self.weight))
+        self.weight.copy_((w * self.softmax_scale**0.5 * self.proj_dim**-0.25).expand_as(self.weight))
 
     def _features(self, x: torch.Tensor) -> torch.Tensor:
         p = self.proj_dim
@@ -400,12 +406,16 @@ def feature_map_params(name: str) -> dict[str, Any]:
     return {
         k: p.default
         for k, p in sig.parameters.items()
-        if k not in ("self", "num_heads", "head_dim")
+        if k not in ("self", "num_heads", "head_dim", "softmax_scale")  # softmax_scale comes from the model
     }
 
 
-def build_feature_map(name: str, num_heads: int, head_dim: int, **params: Any) -> FeatureMap:
+def build_feature_map(name: str, num_heads: int, head_dim: int, *, softmax_scale: float | None = None,
+                      **params: Any) -> FeatureMap:
     """Build feature map ``name`` for ``num_heads`` heads of size ``head_dim``.
+
+    ``softmax_scale``: the scale of the attention being replaced (default ``head_dim ** -0.5``), for the maps
+    that approximate ``exp(scale q . k)`` from the start (performer, taylor).
 
     ``params`` are the recipe's feature-map fields (e.g. ``feature_dim``, ``eps``,
     ``seed``); a value of ``None`` means "use the default". Unknown names and
@@ -420,4 +430,6 @@ def build_feature_map(name: str, num_heads: int, head_dim: int, **params: Any) -
                 f"feature map {name!r} has no parameter {key!r}; allowed parameters: {hint}"
             )
     kwargs = {k: v for k, v in params.items() if v is not None}
+    if softmax_scale is not None and "softmax_scale" in inspect.signature(cls.__init__).parameters:
+        kwargs["softmax_scale"] = softmax_scale
     return cls(num_heads, head_dim, **kwargs)

@@ -144,18 +144,21 @@ def test_performer_orthogonal_blocks():
     assert off.abs().max() < 1e-4
 
 
-def test_performer_approximates_softmax_kernel_better_with_more_features():
-    """Mean relative error of phi(q).phi(k) vs exp(q.k/sqrt(D)) shrinks as F grows (~1/sqrt(F))."""
+@pytest.mark.parametrize("scale", [None, 0.125], ids=["1/sqrt(D)", "model-scale"])
+def test_performer_approximates_softmax_kernel_better_with_more_features(scale):
+    """Mean relative error of phi(q).phi(k) vs exp(s q.k) shrinks as F grows (~1/sqrt(F)); s is the model's
+    softmax scale (Granite's attention_multiplier, say), 1/sqrt(D) by default."""
     d = 16
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 64, 1, d, generator=g) * 0.7
     k = torch.randn(1, 64, 1, d, generator=g) * 0.7
-    exact = torch.exp(torch.einsum("bihd,bjhd->bij", q, k) / math.sqrt(d))
+    s = d**-0.5 if scale is None else scale
+    exact = torch.exp(torch.einsum("bihd,bjhd->bij", q, k) * s)
 
     def err(m: int) -> float:
         errs = []
         for seed in range(4):
-            fm = build_feature_map("performer", 1, d, feature_dim=m, seed=seed, eps=0.0)
+            fm = build_feature_map("performer", 1, d, feature_dim=m, seed=seed, eps=0.0, softmax_scale=scale)
             approx = torch.einsum("bihf,bjhf->bij", fm(q), fm(k))
             errs.append(((approx - exact).abs() / exact).mean().item())
         return sum(errs) / len(errs)
@@ -191,16 +194,18 @@ def test_seed_changes_random_init():
     assert not torch.equal(t.weight[..., D:], build_feature_map("t2r", H, D, feature_dim=D + 4, seed=3).weight[..., D:])
 
 
-def test_taylor_init_approximates_model_kernel():
-    """JL init: t = y_q . y_k / sqrt(p) is an unbiased estimate of q . k / sqrt(D) (averaged over seeds)."""
+@pytest.mark.parametrize("scale", [None, 0.05], ids=["1/sqrt(D)", "model-scale"])
+def test_taylor_init_approximates_model_kernel(scale):
+    """JL init: t = y_q . y_k / sqrt(p) is an unbiased estimate of s q . k (averaged over seeds), s the model's
+    softmax scale (1/sqrt(D) by default)."""
     d, p = 16, 16
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 32, 1, d, generator=g)
     k = torch.randn(1, 32, 1, d, generator=g)
-    s = torch.einsum("bihd,bjhd->bij", q, k) / math.sqrt(d)
+    s = torch.einsum("bihd,bjhd->bij", q, k) * (d**-0.5 if scale is None else scale)
     ts = []
     for seed in range(64):
-        W = build_feature_map("taylor", 1, d, feature_dim=p, seed=seed).weight[0]
+        W = build_feature_map("taylor", 1, d, feature_dim=p, seed=seed, softmax_scale=scale).weight[0]
         ts.append(torch.einsum("bihp,bjhp->bij", q @ W, k @ W) / math.sqrt(p))
     t = torch.stack(ts).mean(0)
     assert (t - s).abs().mean() < 0.25 * s.abs().mean()

@@ -265,3 +265,13 @@ def test_moe_families_train_both_stages(family, corpus, monkeypatch, tmp_path):
     assert rep["heldout_ppl_end"] < rep["heldout_ppl_start"]
     after = dict(out.named_parameters())
     assert all(torch.equal(after[n], p) for n, p in untouched.items())
+
+
+@pytest.mark.parametrize("recipe", ["performer", "taylor"])
+def test_feature_maps_start_from_the_models_softmax_scale(recipe):
+    """Granite's softmax scale (attention_multiplier 0.5 in the tiny model, not 1/sqrt(16)) reaches the maps that
+    approximate exp(s q.k) from the start; it is not a recipe field."""
+    hybrid = linearize_model(tiny_model("granite"), select_layout(4, ratio="1:0"), R.load(recipe))
+    for m in hybrid.linear_modules():
+        assert m.scaling == 0.5 and m.feature_map_q.softmax_scale == m.feature_map_k.softmax_scale == 0.5
+    assert "softmax_scale" not in R.load(recipe)["attention"]
