@@ -10,9 +10,9 @@ columns of ``S`` and answer the group's query heads for those columns, reading `
 unchanged; a second, small kernel then updates ``z`` and writes the new key and key features into the rings
 (stream order makes that race-free without one program owning the whole state, so a batch of 8 with 8 KV
 heads fills the GPU). With ``CONFIG["step_heads"]`` a group's query heads are also spread over programs; those
-only read the state, and the second kernel writes the fold into ``S`` and the new value as well. Nothing is allocated except the output (``out=`` avoids that too), so a CUDA graph can
-replay the call; the window step's token counter ``seen`` is read on the device and incremented by one in-place
-add after the kernels.
+only read the state, and the second kernel writes the fold into ``S`` and the new value as well. Nothing is
+allocated except the output (``out=`` avoids that too), so a CUDA graph can replay the call; the window step's
+token counter ``seen`` is read on the device and incremented by one in-place add after the kernels.
 """
 
 from __future__ import annotations

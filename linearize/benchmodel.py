@@ -604,7 +604,8 @@ def decode_read_bytes(cost: dict, batch: int) -> float:
     """Weight bytes a decode step of ``batch`` sequences reads (a :func:`cost_model`): every dense weight, and of
     the routed experts the expected share that at least one of the ``batch`` tokens is routed to, with routing
     taken as uniform: 1 - (1 - k/E)^batch."""
-    return cost["decode_weight_bytes"] + cost.get("expert_bytes", 0) * (1 - (1 - cost.get("expert_share", 1.0)) ** batch)
+    touched = 1 - (1 - cost.get("expert_share", 1.0)) ** batch
+    return cost["decode_weight_bytes"] + cost.get("expert_bytes", 0) * touched
 
 
 def speedup_bounds(hybrid: dict, original: dict, T: int, cache_hybrid, cache_original,
