@@ -18,7 +18,7 @@ import torch
 from transformers import AutoTokenizer
 
 from linearize import recipe as R
-from linearize.benchmodel import load_config, random_model
+from linearize.benchmodel import PROFILE_CATEGORIES, load_config, random_model
 from linearize.checkpoint import save_checkpoint
 from linearize.select import select_layout
 from linearize.sources import local_dir, resolve
@@ -28,7 +28,7 @@ DEV = os.environ.get("DEV", "cuda")
 CONFIG = {"model_type": "llama", "hidden_size": 1024, "intermediate_size": 2048, "num_hidden_layers": 4,
           "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128, "vocab_size": 49152,
           "max_position_embeddings": 4096, "tie_word_embeddings": True, "rms_norm_eps": 1e-5, "rope_theta": 1e4}
-CHILD = """import sys
+CHILD = """import re, sys
 class NoLinearize:  # the package is not installed, as far as this process can tell
     def find_spec(self, name, path=None, target=None):
         if name.split('.')[0] == 'linearize':
@@ -37,14 +37,13 @@ sys.meta_path.insert(0, NoLinearize())
 import torch
 from torch.profiler import profile
 from transformers import AutoModelForCausalLM
-ckpt, want, dev = sys.argv[1:4]
+ckpt, want, dev, ours = sys.argv[1:5]  # ours: bench model's pattern of our kernel names
 m = AutoModelForCausalLM.from_pretrained(ckpt, trust_remote_code=True, dtype=torch.bfloat16).to(dev)
 w = torch.load(want)
 with torch.no_grad(), profile() as prof:
     got = m(w['ids'].to(dev)).logits.float().cpu()
     greedy = m.generate(w['ids'][:, :300].to(dev), max_new_tokens=16, do_sample=False).cpu()
-ours = sorted({e.key for e in prof.key_averages() if e.key.startswith(('_la_', '_win', '_linear_step', '_window_step',
-                                                                        '_hedgehog', '_scan', '_row_stats'))})
+ours = sorted({e.key for e in prof.key_averages() if re.search(ours, e.key.lower())})
 print(type(m).__module__, '| max abs logit diff', (got - w['want']).abs().max().item(), '| greedy tokens equal',
       torch.equal(greedy, w['greedy']), '| Triton kernels launched:', ', '.join(ours) or 'none',
       '| linearize modules imported:', sorted(k for k in sys.modules if k.split('.')[0] == 'linearize'))
@@ -62,7 +61,8 @@ with torch.no_grad():
     want = {"ids": ids.cpu(), "want": hybrid(ids).logits.float().cpu(),
             "greedy": hybrid.generate(ids[:, :300], max_new_tokens=16, do_sample=False).cpu()}
 torch.save(want, work / "want.pt")
-child = subprocess.run([sys.executable, "-c", CHILD, str(work / "ckpt"), str(work / "want.pt"), DEV],
+ours = dict(PROFILE_CATEGORIES)["linear attention"].pattern
+child = subprocess.run([sys.executable, "-c", CHILD, str(work / "ckpt"), str(work / "want.pt"), DEV, ours],
                        capture_output=True, text=True)
 print(child.stdout.strip() or child.stderr[-3000:])
 sys.exit(child.returncode)

@@ -88,9 +88,8 @@ class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
     _supports_flex_attn = False
     _supports_attention_backend = True
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
-    _no_split_modules = ["LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
-                         "GraniteDecoderLayer", "GemmaDecoderLayer", "Olmo2DecoderLayer",
-                         "MixtralDecoderLayer", "Qwen2MoeDecoderLayer", "Qwen3MoeDecoderLayer"]
+    # no _no_split_modules here: post_init collects the adopted base model's (its decoder layer class), so
+    # layer-wise offloading places whole decoder layers for every family without a list kept by hand
 
     def __init__(self, config: LinearizeConfig, base_model: PreTrainedModel | None = None):
         super().__init__(config)
