@@ -69,7 +69,8 @@ state_mb = B * HK * (2 * F * V * 4 * 2 + W * (D + 2 * F + V) * 2 + 2 * F * 4) / 
 rows = [("one program per (batch, KV head)", {"step_bv": 128})] + [
     (f"value blocks {bv or 'auto'}, warps {w or 'auto'}", {"step_bv": bv, "step_warps": w})
     for bv in (0, 64, 32, 16) for w in (0, 8, 4)] + [
-    (f"value blocks auto, {n} query heads per program", {"step_heads": n}) for n in (4, 2, 1) if n < H // HK]
+    (f"value blocks {bv or 'auto'}, {n} query heads per program", {"step_heads": n, "step_bv": bv})
+    for n in (4, 2, 1) if n < H // HK for bv in (0, 64, 128)]
 base = dict(triton_step.CONFIG)
 
 

@@ -203,10 +203,12 @@ CONFIG = {
     # 4 warps (128 programs) 21.7 us, of 32 24.1 us, of 16 41.3 us; 8 / 16 warps 26-55 us
     "step_waves": 0.5,
     "step_bv": 0,  # > 0: this value block (tests, sweeps)
-    # query heads of a KV group answered per program (0: the whole group, one head group, as measured above);
-    # fewer spread a large group (8 query heads per KV head in Qwen3-30B-A3B) over more programs, and the commit
-    # kernel then writes the fold into S and the new value (not yet timed on a GPU)
-    "step_heads": 0,
+    # query heads of a KV group answered per program (0: the whole group); fewer spread a group over more
+    # programs, which only read the state, and the commit kernel then writes the fold into S and the new value;
+    # value blocks stay <= SPLIT_HEADS_MAX_BV then. B = 8, H = 32, H200, CUDA graphs, 2026-12-01 14:02 UTC: Hk = 4
+    # (groups of 8, Qwen3-30B-A3B) whole groups 36.4 us, 2 heads per program 19.2 us (4: 22.5, 1: 21.8);
+    # Hk = 8 (groups of 4, Llama-3-8B) 21.5 -> 19.5 us (1: 22.0)
+    "step_heads": 2,
     # warps of the window step's main kernel at value blocks <= 64 (0: from its tile sizes, as wider blocks
     # always are: 16 at 128 (48.4 us above); 4 warps would spill ~7 KB per thread there, offline for sm_90a)
     "step_warps": 4,
@@ -216,6 +218,10 @@ CONFIG = {
     "linear_step_waves": 0.5,
 }
 
+
+#: widest value block of the window step when a KV group's query heads are split over programs: 128 took 31-49 us
+#: where 64 took 19-23 (the measurements at ``step_heads`` above)
+SPLIT_HEADS_MAX_BV = 64
 
 #: widest value block of the linear step when it computes Hedgehog features: 64 matched the PyTorch step exactly
 #: on an H200 (bf16, every warp count), 128 with 8 / 16 warps did not (7.8e-3 / 8.5e-3 relative error)
@@ -293,9 +299,9 @@ def window_step_triton(q, k, fq, fk, v, wf, st, *, scale, eps=1e-12, out=None, w
     if wf.dtype != torch.float32:
         wf = wf.float()
     BD, BK, BW = pow2(D), pow2(K), pow2(W)
-    BV = step_value_block(B * HK, V, q.device, CONFIG["step_waves"])
     G = H // HK
     GH = step_heads(G)
+    BV = step_value_block(B * HK, V, q.device, CONFIG["step_waves"], SPLIT_HEADS_MAX_BV if GH < G else None)
     fuse = wqx is not None
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     _window_step_kernel[(B * HK, triton.cdiv(V, BV), G // GH)](

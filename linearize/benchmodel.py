@@ -483,10 +483,13 @@ PROFILE_CATEGORIES = (
 )
 
 
+PROFILE_TOP_OTHER = 8  # the largest uncategorised kernels listed by name, to show what "other" is made of
+
+
 def profile_steps(step: Callable[[], Any], dev: torch.device, steps: int = 3) -> dict:
     """Milliseconds per decode step by :data:`PROFILE_CATEGORIES` (and ``other``, ``total``) over ``steps`` calls
     of ``step`` (an eager step or a CUDA graph's replay) under ``torch.profiler``: GPU kernel time on CUDA,
-    operators' own CPU time on CPU."""
+    operators' own CPU time on CPU; ``other_top``: the largest ``other`` kernels as ``[name, ms]`` pairs."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = dev.type == "cuda"
@@ -497,15 +500,18 @@ def profile_steps(step: Callable[[], Any], dev: torch.device, steps: int = 3) ->
             step()
         _sync(dev)
     out = {name: 0.0 for name, _ in PROFILE_CATEGORIES} | {"other": 0.0}
+    other: dict[str, float] = {}
     for ev in prof.key_averages():
         us = getattr(ev, "self_device_time_total", 0.0) if cuda else ev.self_cpu_time_total
         if not us:
             continue
-        name = ev.key.lower()
-        cat = next((c for c, pattern in PROFILE_CATEGORIES if pattern.search(name)), "other")
+        cat = next((c for c, pattern in PROFILE_CATEGORIES if pattern.search(ev.key.lower())), "other")
         out[cat] += us / 1e3 / steps
+        if cat == "other":
+            other[ev.key] = other.get(ev.key, 0.0) + us / 1e3 / steps
     out["total"] = sum(out.values())
-    return {k: round(v, 4) for k, v in out.items()}
+    top = sorted(other.items(), key=lambda kv: -kv[1])[:PROFILE_TOP_OTHER]
+    return {k: round(v, 4) for k, v in out.items()} | {"other_top": [[k[:160], round(v, 4)] for k, v in top]}
 
 
 def _profile_or_error(step: Callable[[], Any], dev: torch.device) -> dict:
@@ -553,7 +559,11 @@ def _decode_phase(model, cache, T, B, steps, backends, dev, timing: Timing, gen,
     if note:
         row["decode_note"] = note
     if prof is not None:  # of the fastest backend's timed steps, in their mode (a failing profile: the error)
-        row["decode_profile_error" if "error" in prof else "decode_profile_ms"] = prof.get("error", prof)
+        if "error" in prof:
+            row["decode_profile_error"] = prof["error"]
+        else:
+            row["decode_profile_other_top"] = prof.pop("other_top")
+            row["decode_profile_ms"] = prof
     return row
 
 
@@ -1060,6 +1070,9 @@ def print_result(result: dict, console=None) -> None:
             con.print(f"  {r['model']} T={r['T']} B={r['B']} decode step, {where} time in ms "
                       f"({r.get('decode_mode', 'eager')}, profiled): "
                       f"{parts} (total {prof['total']:.3f})", highlight=False)
+            top = "; ".join(f"{name[:60]} {ms:.3f}" for name, ms in r.get("decode_profile_other_top", [])[:4])
+            if top:
+                con.print(f"    largest in other: {top}", highlight=False)
     for x in result.get("ratios", []):
         if x.get("prefill_bound") is not None:
             con.print(f"  T={x['T']} B={x['B']}: at the original's efficiency the hybrid's shapes allow prefill "

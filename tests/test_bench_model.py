@@ -114,7 +114,11 @@ def test_decode_profile_categories(tiny_config, tmp_path):
         assert set(prof) == {"linear attention", "softmax attention", "matmul", "other", "total"}
         assert prof["total"] > 0 and prof["matmul"] > 0
         assert prof["total"] == pytest.approx(sum(v for k, v in prof.items() if k != "total"), abs=1e-3)
-    assert "decode step, CPU operator time in ms" in r.stdout
+        top = row["decode_profile_other_top"]  # what "other" is made of, largest first, never more than it
+        assert top and [ms for _, ms in top] == sorted((ms for _, ms in top), reverse=True)
+        assert sum(ms for _, ms in top) <= prof["other"] + 1e-3
+        assert not any(p.search(name.lower()) for name, _ in top for _, p in bm.PROFILE_CATEGORIES)
+    assert "decode step, CPU operator time in ms" in r.stdout and "largest in other:" in r.stdout
 
     def category(name):
         return next((c for c, p in bm.PROFILE_CATEGORIES if p.search(name.lower())), "other")
