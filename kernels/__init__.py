@@ -11,6 +11,7 @@ Layout ``[B, T, H, D]`` (like flash-attn / fla). Public entry points:
   token, state updated in place (CUDA-graph friendly); :func:`linear_attention_step_hedgehog`,
   :func:`window_linear_attention_step_hedgehog` with the Hedgehog features computed inside the step kernel.
 - :func:`hedgehog_feature_map` -- the Hedgehog features alone (a Triton kernel for inference on the GPU).
+- :func:`rotary_embedding` -- rotary position embedding of queries and keys (one Triton kernel, with backward).
 - :func:`window_state_from_prefill`, :func:`empty_window_state`,
   :func:`empty_linear_state` -- decode-state helpers.
 
@@ -32,6 +33,7 @@ from .reference import (
     hedgehog_features,
     hedgehog_features_rounded,
     linear_attention_reference,
+    rotary_reference,
     window_linear_attention_reference,
 )
 from .step import (
@@ -53,6 +55,7 @@ __all__ = [
     "linear_attention_hedgehog",
     "hedgehog_features",
     "hedgehog_feature_map",
+    "rotary_embedding",
     "linear_attention_step",
     "window_linear_attention_step",
     "window_linear_attention_step_hedgehog",
@@ -344,6 +347,28 @@ def hedgehog_feature_map(
     from .triton_features import hedgehog_feature_map_triton
 
     return hedgehog_feature_map_triton(x, weight, eps)
+
+
+def rotary_embedding(
+    q: torch.Tensor,  # [B, T, H, D]
+    k: torch.Tensor,  # [B, T, Hk, D]
+    cos: torch.Tensor,  # [B or 1, T, D]
+    sin: torch.Tensor,  # [B or 1, T, D]
+    *,
+    backend: Optional[str] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Rotary position embedding ``x * cos + rotate_half(x) * sin`` of queries and keys (the Llama convention).
+    The Triton path rotates both in one kernel (fp32 arithmetic, one rounding; the backward is the transposed
+    rotation); ``"torch"`` / ``"reference"``, and tables that need a gradient or do not match ``[B or 1, T, D]``,
+    compute the formula in the inputs' dtype as the original attention modules do."""
+    be = _resolve_backend(backend, q)
+    B, T, _, D = q.shape
+    plain = cos.dim() == 3 and cos.shape == sin.shape and cos.shape[0] in (1, B) and tuple(cos.shape[1:]) == (T, D)
+    if be != "triton" or not plain or D % 2 or cos.requires_grad or sin.requires_grad:
+        return rotary_reference(q, k, cos, sin)
+    from .triton_rotary import RotaryTriton
+
+    return RotaryTriton.apply(q, k, cos, sin)
 
 
 def _features_first(q, k, weight_q, weight_k, feature_eps, fk=None):

@@ -44,6 +44,20 @@ def hedgehog_features_rounded(x: torch.Tensor, weight: torch.Tensor, eps: float 
     return hedgehog_features(x.to(cd), weight.to(cd), eps).to(x.dtype)
 
 
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``[-x2, x1]`` for the two halves ``x1``, ``x2`` of the last dimension."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rotary_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Rotary position embedding ``x * cos + rotate_half(x) * sin`` of ``q`` ``[B, T, H, D]`` and ``k``
+    ``[B, T, Hk, D]`` with ``cos`` / ``sin`` ``[B or 1, T, D]`` (the Llama convention), in the inputs' dtype
+    as the original attention modules compute it."""
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [B, T, 1, D]
+    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
+
+
 def linear_attention_reference(
     q: torch.Tensor,  # [B, T, H, K]
     k: torch.Tensor,  # [B, T, Hk, K]

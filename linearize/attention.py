@@ -32,6 +32,7 @@ from .kernels import (
     linear_attention_hedgehog,
     linear_attention_step,
     linear_attention_step_hedgehog,
+    rotary_embedding,
     window_linear_attention,
     window_linear_attention_hedgehog,
     window_linear_attention_step,
@@ -53,6 +54,11 @@ if FUSED_FEATURE_MAPS not in ("none", "decode", "maps", "all"):
     warnings.warn(f"LINEARIZE_FUSED_FEATURE_MAPS={FUSED_FEATURE_MAPS!r} is not one of none, decode, maps, all (or 0, 1): "
                   f"using {_FUSED_DEFAULT}", stacklevel=1)
     FUSED_FEATURE_MAPS = _FUSED_DEFAULT
+
+
+#: Backend of the layers' rotary embedding (:func:`linearize.kernels.rotary_embedding`): None = one Triton kernel
+#: for queries and keys on a GPU (ten PyTorch kernels otherwise); ``"torch"`` for comparisons
+ROTARY_BACKEND: str | None = None
 
 
 @dataclass(frozen=True)
@@ -91,17 +97,6 @@ def arch_spec(model_type: str) -> ArchSpec:
             f"model type {model_type!r} is not supported (supported: {', '.join(sorted(ARCHITECTURES))})"
         )
     return ARCHITECTURES[model_type]
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """Rotary embedding in ``[B, T, H, D]`` layout; ``cos``/``sin`` are ``[B, T, D]``."""
-    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
 
 
 class LinearAttention(nn.Module):
@@ -166,7 +161,7 @@ class LinearAttention(nn.Module):
         if self.q_norm is not None and self.qk_norm_over == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = position_embeddings
-        q, k = apply_rotary(q, k, cos, sin)
+        q, k = rotary_embedding(q, k, cos, sin, backend=ROTARY_BACKEND)
         return q, k, v
 
     # -- the two attentions --------------------------------------------------------------------

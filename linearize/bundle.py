@@ -28,8 +28,8 @@ BUNDLE = {
     "linearize.errors": "linearize_errors",
     "linearize.kernels": "linearize_kernels",
     **{f"linearize.kernels.{m}": f"linearize_kernels_{m}" for m in (
-        "chunked", "reference", "step", "triton_common", "triton_features", "triton_linear", "triton_step",
-        "triton_window", "tuning")},
+        "chunked", "reference", "step", "triton_common", "triton_features", "triton_linear", "triton_rotary",
+        "triton_step", "triton_window", "tuning")},
 }
 #: modules whose imported names are written as constants instead of bundling the module
 CONSTANTS = {"linearize": ("__version__",), "linearize.select": ("LINEAR", "FULL")}

@@ -34,6 +34,7 @@ from linearize.kernels import (  # noqa: E402
     linear_attention,
     linear_attention_step,
     linear_attention_step_hedgehog,
+    rotary_embedding,
     window_linear_attention,
     window_linear_attention_hedgehog,
     window_linear_attention_reference,
@@ -42,6 +43,7 @@ from linearize.kernels import (  # noqa: E402
     window_state_from_prefill,
 )
 from linearize.kernels import triton_common  # noqa: E402
+from linearize.kernels.reference import rotary_reference  # noqa: E402
 from linearize.kernels.testing import check_linear, check_window, linear_inputs, rel_err, window_inputs  # noqa: E402
 
 DEV = "cuda" if ON_GPU else "cpu"
@@ -701,3 +703,47 @@ def test_hedgehog_feature_map_kernel(shape, dtype):
     y = hedgehog_feature_map(x.float(), wg, backend="triton")
     y.square().sum().backward()
     assert wg.grad is not None and rel_err(y, ref) <= 1e-6
+
+
+def _rotary_tables(B, T, D, g, base=10000.0):
+    """HF-style ``cos``, ``sin`` ``[B, T, D]`` (the two halves repeat) at random positions, float64."""
+    pos = torch.randint(0, 4096, (B, T), generator=g).double()
+    inv = base ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
+    ang = torch.cat([pos[..., None] * inv] * 2, dim=-1)  # [B, T, D]
+    return ang.cos(), ang.sin()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [(1, 1, 4, 1, 16), (2, 65, 4, 2, 32), (1, 7, 3, 3, 24), (2, 3, 40, 8, 128),
+                                   (0, 5, 2, 2, 16)], ids=lambda s: "B{}T{}H{}Hk{}D{}".format(*s))
+def test_rotary_kernel(shape, dtype):
+    """The one-launch rotary kernel for q and k: outputs and gradients against the float64 formula (outputs
+    poisoned before each launch; the backward is the transposed rotation), a table shared by the batch
+    (``[1, T, D]``), and tables that are not its own halves repeated (the backward assumes nothing of them)."""
+    B, T, H, Hk, D = shape
+    g = torch.Generator().manual_seed(2)
+    q64, k64 = torch.randn(B, T, H, D, generator=g, dtype=torch.float64), torch.randn(B, T, Hk, D, generator=g,
+                                                                                       dtype=torch.float64)
+    cos64, sin64 = _rotary_tables(B, T, D, g)
+    cos64[..., : D // 2] *= 0.9  # halves that differ: checks which half of the table each product reads
+    sin64[..., D // 2 :] *= 1.1
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    q, k = (x.to(DEV, dtype).requires_grad_() for x in (q64, k64))
+    cos, sin = cos64.to(DEV, dtype), sin64.to(DEV, dtype)
+    qo, ko = rotary_embedding(q, k, cos, sin, backend="triton")
+    assert qo.dtype == ko.dtype == dtype and qo.shape == q.shape and ko.shape == k.shape
+    q64g, k64g = (x.clone().requires_grad_() for x in (q64, k64))
+    rq, rk = rotary_reference(q64g, k64g, cos64, sin64)
+    if B * T == 0:
+        return
+    assert not (qo.isnan().any() or ko.isnan().any())
+    assert rel_err(qo, rq) <= tol and rel_err(ko, rk) <= tol
+    dq_out, dk_out = torch.randn_like(rq), torch.randn_like(rk)
+    torch.autograd.backward((qo, ko), (dq_out.to(DEV, dtype), dk_out.to(DEV, dtype)))
+    torch.autograd.backward((rq, rk), (dq_out, dk_out))
+    assert rel_err(q.grad, q64g.grad) <= tol and rel_err(k.grad, k64g.grad) <= tol
+    # one table for the whole batch
+    with torch.no_grad():
+        qo1, ko1 = rotary_embedding(q, k, cos[:1], sin[:1], backend="triton")
+        rq1, rk1 = rotary_reference(q64, k64, cos64[:1], sin64[:1])
+    assert rel_err(qo1, rq1) <= tol and rel_err(ko1, rk1) <= tol
