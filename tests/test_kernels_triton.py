@@ -728,8 +728,9 @@ def test_rotary_kernel(shape, dtype):
     cos64[..., : D // 2] *= 0.9  # halves that differ: checks which half of the table each product reads
     sin64[..., D // 2 :] *= 1.1
     tol = 1e-6 if dtype == torch.float32 else 1e-2
-    q, k = (x.to(DEV, dtype).requires_grad_() for x in (q64, k64))
-    cos, sin = cos64.to(DEV, dtype), sin64.to(DEV, dtype)
+    q64, k64, cos64, sin64 = (x.to(DEV) for x in (q64, k64, cos64, sin64))
+    q, k = (x.to(dtype).requires_grad_() for x in (q64, k64))
+    cos, sin = cos64.to(dtype), sin64.to(dtype)
     qo, ko = rotary_embedding(q, k, cos, sin, backend="triton")
     assert qo.dtype == ko.dtype == dtype and qo.shape == q.shape and ko.shape == k.shape
     q64g, k64g = (x.clone().requires_grad_() for x in (q64, k64))
@@ -739,7 +740,7 @@ def test_rotary_kernel(shape, dtype):
     assert not (qo.isnan().any() or ko.isnan().any())
     assert rel_err(qo, rq) <= tol and rel_err(ko, rk) <= tol
     dq_out, dk_out = torch.randn_like(rq), torch.randn_like(rk)
-    torch.autograd.backward((qo, ko), (dq_out.to(DEV, dtype), dk_out.to(DEV, dtype)))
+    torch.autograd.backward((qo, ko), (dq_out.to(dtype), dk_out.to(dtype)))
     torch.autograd.backward((rq, rk), (dq_out, dk_out))
     assert rel_err(q.grad, q64g.grad) <= tol and rel_err(k.grad, k64g.grad) <= tol
     # one table for the whole batch
