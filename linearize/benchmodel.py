@@ -477,7 +477,7 @@ def _time_steps(step: Callable[[], Any], steps: int, dev: torch.device, timing: 
 #: where a decode step's time goes, by kernel (GPU) or operator (CPU) name, first match wins; the rest is "other"
 PROFILE_CATEGORIES = (
     # our Triton kernels (on CPU the layers' PyTorch path shows as generic operators)
-    ("linear attention", re.compile(r"_la_|_win_|_window_step|_linear_step|_hedgehog_map|_scan_kernel|_row_stats")),
+    ("linear attention", re.compile(r"_la_|_win_|_window_step|_linear_step|_hedgehog_map|_scan_kernel|_row_stats|_rotary_kernel")),
     ("softmax attention", re.compile(r"attention|flash|fmha|sdpa|scaled_dot_product")),
     ("matmul", re.compile(r"gemm|nvjet|cutlass|xmma|splitkreduce|aten::(mm|addmm|bmm|baddbmm)$")),
 )

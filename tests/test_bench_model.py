@@ -124,7 +124,7 @@ def test_decode_profile_categories(tiny_config, tmp_path):
         return next((c for c, p in bm.PROFILE_CATEGORIES if p.search(name.lower())), "other")
 
     assert category("_window_step_kernel") == category("_window_step_commit_kernel") == "linear attention"
-    assert category("_la_fwd_kernel") == category("_hedgehog_map_kernel") == "linear attention"
+    assert category("_la_fwd_kernel") == category("_hedgehog_map_kernel") == category("_rotary_kernel") == "linear attention"
     assert category("cudnn_generated_fort_native_sdpa_sm80_flash_fprop_wmma_f16") == "softmax attention"
     assert category("nvjet_sm90_tst_64x8_64x16_2x1_v_bz_TNT") == category("aten::mm") == "matmul"
     assert category("void at::native::vectorized_elementwise_kernel<4>") == category("aten::mul") == "other"
