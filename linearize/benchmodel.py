@@ -484,12 +484,24 @@ PROFILE_CATEGORIES = (
 
 
 PROFILE_TOP_OTHER = 8  # the largest uncategorised kernels listed by name, to show what "other" is made of
+_SPECIFIC = re.compile(r"\w*(?:Functor|Ops|_kernel_cuda|_kernel_impl|BatchedCopy)\w*")
+
+
+def kernel_label(name: str) -> str:
+    """A short name for a profiler key: the innermost functor or op in an ATen kernel's template (``MulFunctor``,
+    ``MeanOps``, ``neg_kernel_cuda``), else the name without return type, template and arguments."""
+    hits = [h for h in _SPECIFIC.findall(name) if not h.startswith("gpu_kernel_impl")]
+    if hits:
+        return hits[-1]
+    if "<" not in name and "(" not in name:
+        return name
+    return re.sub(r"^void\s+", "", name).split("<")[0].split("(")[0].strip().rsplit("::", 1)[-1] or name[:60]
 
 
 def profile_steps(step: Callable[[], Any], dev: torch.device, steps: int = 3) -> dict:
     """Milliseconds per decode step by :data:`PROFILE_CATEGORIES` (and ``other``, ``total``) over ``steps`` calls
     of ``step`` (an eager step or a CUDA graph's replay) under ``torch.profiler``: GPU kernel time on CUDA,
-    operators' own CPU time on CPU; ``other_top``: the largest ``other`` kernels as ``[name, ms]`` pairs."""
+    operators' own CPU time on CPU; ``other_top``: the largest parts of ``other`` as ``[kernel_label, ms]`` pairs."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = dev.type == "cuda"
@@ -508,10 +520,11 @@ def profile_steps(step: Callable[[], Any], dev: torch.device, steps: int = 3) ->
         cat = next((c for c, pattern in PROFILE_CATEGORIES if pattern.search(ev.key.lower())), "other")
         out[cat] += us / 1e3 / steps
         if cat == "other":
-            other[ev.key] = other.get(ev.key, 0.0) + us / 1e3 / steps
+            label = kernel_label(ev.key)
+            other[label] = other.get(label, 0.0) + us / 1e3 / steps
     out["total"] = sum(out.values())
     top = sorted(other.items(), key=lambda kv: -kv[1])[:PROFILE_TOP_OTHER]
-    return {k: round(v, 4) for k, v in out.items()} | {"other_top": [[k[:160], round(v, 4)] for k, v in top]}
+    return {k: round(v, 4) for k, v in out.items()} | {"other_top": [[k, round(v, 4)] for k, v in top]}
 
 
 def _profile_or_error(step: Callable[[], Any], dev: torch.device) -> dict:
@@ -1070,7 +1083,7 @@ def print_result(result: dict, console=None) -> None:
             con.print(f"  {r['model']} T={r['T']} B={r['B']} decode step, {where} time in ms "
                       f"({r.get('decode_mode', 'eager')}, profiled): "
                       f"{parts} (total {prof['total']:.3f})", highlight=False)
-            top = "; ".join(f"{name[:60]} {ms:.3f}" for name, ms in r.get("decode_profile_other_top", [])[:4])
+            top = "; ".join(f"{name} {ms:.3f}" for name, ms in r.get("decode_profile_other_top", [])[:6])
             if top:
                 con.print(f"    largest in other: {top}", highlight=False)
     for x in result.get("ratios", []):

@@ -128,6 +128,12 @@ def test_decode_profile_categories(tiny_config, tmp_path):
     assert category("cudnn_generated_fort_native_sdpa_sm80_flash_fprop_wmma_f16") == "softmax attention"
     assert category("nvjet_sm90_tst_64x8_64x16_2x1_v_bz_TNT") == category("aten::mm") == "matmul"
     assert category("void at::native::vectorized_elementwise_kernel<4>") == category("aten::mul") == "other"
+    mul = ("void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<at::native::BinaryFunctor<"
+           "c10::BFloat16, c10::BFloat16, c10::BFloat16, at::native::binary_internal::MulFunctor<float> > >(int")
+    assert bm.kernel_label(mul) == "MulFunctor" and bm.kernel_label("aten::mul") == "aten::mul"
+    assert bm.kernel_label("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, "
+                           "at::native::MeanOps<float, float, float, float>, unsigned int>") == "MeanOps"
+    assert bm.kernel_label("void at::native::radixSortKVInPlace<-2, -1, 32, 4, long, long>(x)") == "radixSortKVInPlace"
 
 
 def test_cost_model_of_the_llama3_8b_shape():
