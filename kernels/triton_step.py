@@ -137,7 +137,8 @@ def _window_step_kernel(
     vr = tl.where(sel[:, None], v_new.to(VR.dtype.element_ty)[None, :], vr).to(tl.float32)
     valid = (ow <= t) & mw
     for g in tl.static_range(GH):
-        h = hk * G + pg * GH + g
+        # a short last head group answers the group's last head again past the end (the same row, the same value)
+        h = hk * G + tl.minimum(pg * GH + g, G - 1)
         qrow = b.to(tl.int64) * H + h
         w = tl.load(WF + h).to(tl.float32)
         q = tl.load(Q + qrow * D + od, mask=md, other=0.0).to(tl.float32)
@@ -243,10 +244,10 @@ def step_value_block(programs: int, V: int, device: torch.device, waves: float, 
 
 
 def step_heads(G: int) -> int:
-    """Query heads per program of the window step for KV groups of ``G`` (``CONFIG["step_heads"]``, a divisor
-    of ``G``; 0 or anything else: the whole group)."""
+    """Query heads per program of the window step for KV groups of ``G`` (``CONFIG["step_heads"]``; 0 or ``>= G``:
+    the whole group). Need not divide ``G``: the last program of a group then answers the remaining heads."""
     n = int(CONFIG["step_heads"])
-    return n if 0 < n < G and G % n == 0 else G
+    return n if 0 < n < G else G
 
 
 def _warps(nbytes: int) -> int:
@@ -304,7 +305,7 @@ def window_step_triton(q, k, fq, fk, v, wf, st, *, scale, eps=1e-12, out=None, w
     BV = step_value_block(B * HK, V, q.device, CONFIG["step_waves"], SPLIT_HEADS_MAX_BV if GH < G else None)
     fuse = wqx is not None
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    _window_step_kernel[(B * HK, triton.cdiv(V, BV), G // GH)](
+    _window_step_kernel[(B * HK, triton.cdiv(V, BV), triton.cdiv(G, GH))](
         q, q if fuse else fq.contiguous(), k, v, wf.contiguous(), st.S, st.z, st.k_ring, st.fk_ring, st.v_ring,
         st.seen, out, wqx if fuse else q,
         H, HK, W, float(scale), eps, float(feps), D=D, K=K, V=V, BD=BD, BK=BK, BV=BV, BW=BW, G=G, FUSE=fuse,

@@ -242,18 +242,20 @@ def test_linear_step_triton(normalize, bv, monkeypatch):
     assert rel_err(state[0], st_full[0]) < 1e-5 and rel_err(state[1], st_full[1]) < 1e-5
 
 
-@pytest.mark.parametrize("prefill,W,bv,heads", [(0, 8, 0, 0), (5, 8, 16, 0), (13, 8, 0, 0), (3, 16, 16, 0),
-                                                (5, 8, 16, 1), (13, 8, 0, 1)])
+@pytest.mark.parametrize("prefill,W,bv,heads,H", [(0, 8, 0, 0, 4), (5, 8, 16, 0, 4), (13, 8, 0, 0, 4),
+                                                  (3, 16, 16, 0, 4), (5, 8, 16, 1, 4), (13, 8, 0, 1, 4),
+                                                  (5, 8, 16, 2, 6), (13, 8, 0, 2, 6)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_window_step_triton(prefill, W, bv, heads, dtype, monkeypatch):
+def test_window_step_triton(prefill, W, bv, heads, H, dtype, monkeypatch):
     """Decode steps after a prefill (or none) as the reference's full forward; bv = 16: two value blocks per
     (batch, KV head), whose programs share z and the key rings; heads = 1: each of the KV group's two query heads
-    in its own program, the commit kernel folding S and writing the value ring."""
+    in its own program, the commit kernel folding S and writing the value ring; heads = 2 with H = 6: groups of
+    three heads in two programs, the second answering one head."""
     from linearize.kernels import triton_step
 
     monkeypatch.setitem(triton_step.CONFIG, "step_bv", bv)
     monkeypatch.setitem(triton_step.CONFIG, "step_heads", heads)
-    B, T, H, Hk, D, K, V = 2, 24, 4, 2, 16, 16, 32
+    B, T, Hk, D, K, V = 2, 24, 2, 16, 16, 32
     inp = window_inputs(B, T, H, Hk, D, K, V, dtype=dtype, device=DEV)
     q, k, fq, fk, v = (inp[n] for n in ("q", "k", "fq", "fk", "v"))
     wf = inp["window_factor"]
@@ -337,12 +339,12 @@ def test_window_step_launch_shape():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("Hk,bv,heads", [(2, 0, 0), (1, 16, 0), (1, 16, 2)])
+@pytest.mark.parametrize("Hk,bv,heads", [(2, 0, 0), (1, 16, 0), (1, 16, 2), (1, 0, 3)])
 def test_window_step_with_hedgehog_features_in_the_kernel(dtype, Hk, bv, heads, monkeypatch):
     """The decode step that computes the Hedgehog features itself matches the step fed the layer's features
     (outputs, S, z, rings), across the fold of tokens leaving the window, and one forward over the sequence;
     bv = 16: two value blocks per (batch, KV head); heads = 2: the four query heads of a KV group in two
-    programs (both steps)."""
+    programs (both steps); heads = 3: in programs of three and one."""
     from linearize.kernels import triton_step
 
     monkeypatch.setitem(triton_step.CONFIG, "step_bv", bv)
