@@ -302,20 +302,22 @@ def window_step_triton(q, k, fq, fk, v, wf, st, *, scale, eps=1e-12, out=None, w
     BD, BK, BW = pow2(D), pow2(K), pow2(W)
     G = H // HK
     GH = step_heads(G)
-    BV = step_value_block(B * HK, V, q.device, CONFIG["step_waves"], SPLIT_HEADS_MAX_BV if GH < G else None)
+    split = GH < G  # then the grid has several head groups per (batch, KV head), and the commit kernel folds
+    BV = step_value_block(B * HK * triton.cdiv(G, GH), V, q.device, CONFIG["step_waves"],
+                          SPLIT_HEADS_MAX_BV if split else None)
     fuse = wqx is not None
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     _window_step_kernel[(B * HK, triton.cdiv(V, BV), triton.cdiv(G, GH))](
         q, q if fuse else fq.contiguous(), k, v, wf.contiguous(), st.S, st.z, st.k_ring, st.fk_ring, st.v_ring,
         st.seen, out, wqx if fuse else q,
         H, HK, W, float(scale), eps, float(feps), D=D, K=K, V=V, BD=BD, BK=BK, BV=BV, BW=BW, G=G, FUSE=fuse,
-        GH=GH, OWN=GH == G, num_warps=window_step_warps(BD, BK, BV, BW, fuse),
+        GH=GH, OWN=not split, num_warps=window_step_warps(BD, BK, BV, BW, fuse),
     )
     BVC = min(pow2(V), 32)
     _window_step_commit_kernel[(B * HK,)](
         k, k if fuse else fk.contiguous(), st.k_ring, st.fk_ring, st.z, st.seen, wkx if fuse else k,
-        v, st.S, st.v_ring, HK, W, float(feps), D=D, K=K, BD=BD, BK=BK, FUSE=fuse, V=V, BVC=BVC, FOLD=GH < G,
-        num_warps=_warps(4 * max(BD * BK if fuse else 0, BK * BVC if GH < G else 0)),
+        v, st.S, st.v_ring, HK, W, float(feps), D=D, K=K, BD=BD, BK=BK, FUSE=fuse, V=V, BVC=BVC, FOLD=split,
+        num_warps=_warps(4 * max(BD * BK if fuse else 0, BK * BVC if split else 0)),
     )
     st.seen.add_(1)
     return out
