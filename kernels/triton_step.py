@@ -208,7 +208,7 @@ CONFIG = {
     # programs, which only read the state, and the commit kernel then writes the fold into S and the new value;
     # value blocks stay <= SPLIT_HEADS_MAX_BV then. B = 8, H = 32, H200, CUDA graphs, 2026-12-01 14:02 UTC: Hk = 4
     # (groups of 8, Qwen3-30B-A3B) whole groups 36.4 us, 2 heads per program 19.2 us (4: 22.5, 1: 21.8);
-    # Hk = 8 (groups of 4, Llama-3-8B) 21.5 -> 19.5 us (1: 22.0)
+    # Hk = 8 (groups of 4, Llama-3-8B) 21.5 -> 19.5 us (1: 22.0); H = 28, Hk = 4 (groups of 7) 27.3 -> 19.2 us
     "step_heads": 2,
     # warps of the window step's main kernel at value blocks <= 64 (0: from its tile sizes, as wider blocks
     # always are: 16 at 128 (48.4 us above); 4 warps would spill ~7 KB per thread there, offline for sm_90a)
@@ -248,6 +248,16 @@ def step_heads(G: int) -> int:
     the whole group). Need not divide ``G``: the last program of a group then answers the remaining heads."""
     n = int(CONFIG["step_heads"])
     return n if 0 < n < G else G
+
+
+def window_step_tiles(pairs: int, G: int, V: int, device: torch.device) -> tuple[int, int]:
+    """``(query heads per program, value block)`` of the window step for ``pairs`` (batch x KV head) with KV
+    groups of ``G``: the value block is chosen for all the programs, pairs x head groups."""
+    GH = step_heads(G)
+    split = GH < G
+    BV = step_value_block(pairs * triton.cdiv(G, GH), V, device, CONFIG["step_waves"],
+                          SPLIT_HEADS_MAX_BV if split else None)
+    return GH, BV
 
 
 def _warps(nbytes: int) -> int:
@@ -301,10 +311,8 @@ def window_step_triton(q, k, fq, fk, v, wf, st, *, scale, eps=1e-12, out=None, w
         wf = wf.float()
     BD, BK, BW = pow2(D), pow2(K), pow2(W)
     G = H // HK
-    GH = step_heads(G)
+    GH, BV = window_step_tiles(B * HK, G, V, q.device)
     split = GH < G  # then the grid has several head groups per (batch, KV head), and the commit kernel folds
-    BV = step_value_block(B * HK * triton.cdiv(G, GH), V, q.device, CONFIG["step_waves"],
-                          SPLIT_HEADS_MAX_BV if split else None)
     fuse = wqx is not None
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     _window_step_kernel[(B * HK, triton.cdiv(V, BV), triton.cdiv(G, GH))](

@@ -322,7 +322,7 @@ HH_SHAPES = [
 def test_window_step_launch_shape():
     """Value blocks and warps of the window step at the Llama-3-8B shape on an H200-sized GPU (132 SMs): 64
     (batch, KV head) pairs split into blocks of 64 with 4 warps; 128 pairs stay whole, with 16 warps (4 would
-    spill there)."""
+    spill there); with query heads split, the blocks that were fastest at batch 8 (H200, 2026-12-01)."""
     from unittest import mock
 
     from linearize.kernels import triton_step
@@ -333,6 +333,10 @@ def test_window_step_launch_shape():
         assert triton_step.step_value_block(128, 128, cuda, triton_step.CONFIG["step_waves"]) == 128
         assert triton_step.step_value_block(8, 128, cuda, triton_step.CONFIG["step_waves"]) == 16
         assert triton_step.step_value_block(64, 128, cuda, 0.0) == 128  # 0 waves: one program per pair
+        # query heads split two per program (the default): blocks chosen for pairs x head groups, at most 64
+        for pairs, G in ((64, 4), (32, 8), (32, 7)):  # Llama-3-8B, Qwen3-30B-A3B, Qwen2.5-7B at batch 8
+            assert triton_step.window_step_tiles(pairs, G, 128, cuda) == (2, 64)
+        assert triton_step.window_step_tiles(8, 4, 128, cuda) == (2, 16)  # batch 1
     assert triton_step.step_value_block(64, 128, torch.device("cpu"), 1.0) == 128
     assert triton_step.window_step_warps(128, 128, 64, 64, True) == 4
     assert triton_step.window_step_warps(128, 128, 128, 64, True) == 16
