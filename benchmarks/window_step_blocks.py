@@ -6,7 +6,8 @@ blocks (the default: ``step_waves`` programs per SM) and a few warp counts, one 
 (``step_heads``); outputs checked against the PyTorch step. Then the plain linear step
 (``linear_attention_step_hedgehog``, the same shape without rings) split over value blocks for a few
 ``linear_step_waves`` (with the features computed in the kernel its blocks are at most
-``FUSED_LINEAR_STEP_MAX_BV`` = 64 wide, so one program per pair is no longer an option here). Needs a GPU:
+``FUSED_LINEAR_STEP_MAX_BV`` = 64 wide, so one program per pair is no longer an option here), and with its query
+heads spread over programs (``linear_step_heads``). Needs a GPU:
 
     python benchmarks/window_step_blocks.py
 
@@ -80,7 +81,7 @@ def main(extra=()):
         print(f"  {name:40s} {time_us(fn):7.2f} us  err {check(lambda s: fn(s, None)):.1e}", flush=True)
     for name, cfg in rows:
         triton_step.CONFIG.update(base, **cfg)
-        bv = triton_step.step_value_block(B * HK, V, dev, triton_step.CONFIG["step_waves"])
+        _, bv = triton_step.window_step_tiles(B * HK, H // HK, V, dev)
         us = time_us(ours)
         print(f"  {name:40s} {us:7.2f} us  (BV {bv}; {state_mb / us * 1e3:6.0f} GB/s)  err {check(ours):.1e}",
               flush=True)
@@ -89,7 +90,7 @@ def main(extra=()):
     print(f"linear step, same shape: ~{linear_mb:.1f} MB of state")
     for name, cfg in linear_rows:
         triton_step.CONFIG.update(base, **cfg)
-        bv = triton_step.step_value_block(B * HK, V, dev, triton_step.CONFIG["linear_step_waves"])
+        _, bv = triton_step.linear_step_tiles(B * HK, H // HK, V, dev, fuse=True)
         us = time_us(linear_ours)
         err = check_linear()
         print(f"  {name:40s} {us:7.2f} us  (BV {bv}; {linear_mb / us * 1e3:6.0f} GB/s)  err {err:.1e}", flush=True)
@@ -108,7 +109,8 @@ def check_linear() -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-linear_rows = [(f"value blocks for {w} waves", {"linear_step_waves": w}) for w in (0.5, 1.0, 2.0)]
+linear_rows = [(f"value blocks for {w} waves", {"linear_step_waves": w}) for w in (0.5, 1.0, 2.0)] + [
+    (f"{n} query heads per program", {"linear_step_heads": n}) for n in (4, 2, 1) if n < H // HK]
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 Linear step: programs over (batch x KV head, value block) read their columns of the ``[K, V]`` state once, add
 ``k v^T``, write them back and answer every query head of the KV group from registers; ``z`` is shared by all
 value columns, so with more than one block a second kernel adds ``phi(k)`` to it afterwards (with one block,
-``CONFIG["linear_step_waves"]`` 0, the program updates it itself).
+``CONFIG["linear_step_waves"]`` 0, the program updates it itself). With ``CONFIG["linear_step_heads"]`` the
+group's query heads are spread over programs too; those only read ``S``, and the second kernel adds ``k v^T``.
 
 Window step: programs over (batch x KV head, value block) each fold the token leaving the window into their
 columns of ``S`` and answer the group's query heads for those columns, reading ``z`` and the key rings
@@ -32,11 +33,15 @@ def _linear_step_kernel(
     H, HK, eps, feps,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, G: tl.constexpr,
     NORMALIZE: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, FUSE: tl.constexpr, UPDATE_Z: tl.constexpr,
+    GH: tl.constexpr, OWN: tl.constexpr,
 ):
-    """Program (batch x KV head, value block): adds ``k v^T`` to its columns of ``S`` and answers the KV group's
-    query heads for them. ``z`` is shared by the value blocks: with one block (``UPDATE_Z``) it is written
-    here, otherwise read here and updated by :func:`_linear_step_z_kernel` after this kernel."""
+    """Program (batch x KV head, value block, head group): adds ``k v^T`` to its columns of ``S`` and answers
+    ``GH`` of the KV group's ``G`` query heads for them. With one head group (``OWN``) it writes those columns
+    back; with several every program only reads ``S`` and :func:`_linear_step_commit_kernel` adds ``k v^T``.
+    ``z`` is shared by the value blocks: with one block and one head group (``UPDATE_Z``) it is written here,
+    otherwise read here and updated by the commit kernel after this one."""
     pbh = tl.program_id(0)
+    pg = tl.program_id(2)
     b = pbh // HK
     hk = pbh % HK
     ok = tl.arange(0, BK)
@@ -53,12 +58,14 @@ def _linear_step_kernel(
     sp = S + base * K * V + ok[:, None] * V + ov[None, :]
     s = tl.load(sp, mask=mk[:, None] & mv[None, :], other=0.0)
     s += k[:, None] * v[None, :]
-    tl.store(sp, s, mask=mk[:, None] & mv[None, :])
+    if OWN:
+        tl.store(sp, s, mask=mk[:, None] & mv[None, :])
     z = tl.load(Z + base * K + ok, mask=mk, other=0.0) + k
     if UPDATE_Z:
         tl.store(Z + base * K + ok, z, mask=mk)
-    for g in tl.static_range(G):
-        h = hk * G + g
+    for g in tl.static_range(GH):
+        # a short last head group answers the group's last head again past the end (the same row, the same value)
+        h = hk * G + tl.minimum(pg * GH + g, G - 1)
         qrow = b.to(tl.int64) * H + h
         if FUSE:
             q = tl.load(Q + qrow * D + od, mask=md, other=0.0)
@@ -72,12 +79,16 @@ def _linear_step_kernel(
 
 
 @triton.jit
-def _linear_step_z_kernel(
+def _linear_step_commit_kernel(
     Kp, Z, WKX,  # k [B,HK,K] (raw [B,HK,D] with FUSE), z [B,HK,K], [Wk, -Wk] [HK,D,K]
+    Vp, S,  # FOLD: v [B,HK,V], S [B,HK,K,V]
     HK, feps,
     K: tl.constexpr, BK: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, FUSE: tl.constexpr,
+    V: tl.constexpr, BVC: tl.constexpr, FOLD: tl.constexpr,
 ):
-    """Program (batch x KV head), after a split :func:`_linear_step_kernel`: ``z += phi(k)``."""
+    """Program (batch x KV head), after a split :func:`_linear_step_kernel`: ``z += phi(k)``; ``FOLD`` (the step
+    kernel ran in several head groups, so it wrote nothing to ``S``): also ``S += phi(k) v^T``, ``BVC`` columns
+    at a time."""
     pbh = tl.program_id(0)
     ok, od = tl.arange(0, BK), tl.arange(0, BD)
     mk, md = ok < K, od < D
@@ -87,7 +98,16 @@ def _linear_step_z_kernel(
         k = hedgehog_row(k.to(tl.float32), WKX, pbh % HK, od, ok, md, mk, D, K, K // 2, feps).to(k.dtype)
     else:
         k = tl.load(Kp + base * K + ok, mask=mk, other=0.0)
-    tl.store(Z + base * K + ok, tl.load(Z + base * K + ok, mask=mk, other=0.0) + k.to(tl.float32), mask=mk)
+    k = k.to(tl.float32)
+    tl.store(Z + base * K + ok, tl.load(Z + base * K + ok, mask=mk, other=0.0) + k, mask=mk)
+    if FOLD:
+        for v0 in tl.static_range(0, V, BVC):
+            ov = v0 + tl.arange(0, BVC)
+            mv = ov < V
+            v = tl.load(Vp + base * V + ov, mask=mv, other=0.0).to(tl.float32)
+            sp = S + base * K * V + ok[:, None] * V + ov[None, :]
+            m2 = mk[:, None] & mv[None, :]
+            tl.store(sp, tl.load(sp, mask=m2, other=0.0) + k[:, None] * v[None, :], mask=m2)
 
 
 @triton.jit
@@ -217,6 +237,9 @@ CONFIG = {
     # (batch, KV head)): Llama-3-8B shape, B 8, Hedgehog features in the kernel: one program 20.8 us, 0.5 waves
     # (value blocks of 64) 18.2 us, 1.0 21.1, 2.0 29.4 (H200, CUDA graphs, 2026-12-01)
     "linear_step_waves": 0.5,
+    # query heads of a KV group answered per program of the linear step, as step_heads for the window step (0: the
+    # whole group); not yet timed on a GPU, so off
+    "linear_step_heads": 0,
 }
 
 
@@ -243,10 +266,10 @@ def step_value_block(programs: int, V: int, device: torch.device, waves: float, 
     return BV
 
 
-def step_heads(G: int) -> int:
-    """Query heads per program of the window step for KV groups of ``G`` (``CONFIG["step_heads"]``; 0 or ``>= G``:
-    the whole group). Need not divide ``G``: the last program of a group then answers the remaining heads."""
-    n = int(CONFIG["step_heads"])
+def step_heads(G: int, key: str = "step_heads") -> int:
+    """Query heads per program of a decode step for KV groups of ``G`` (``CONFIG[key]``; 0 or ``>= G``: the whole
+    group). Need not divide ``G``: the last program of a group then answers the remaining heads."""
+    n = int(CONFIG[key])
     return n if 0 < n < G else G
 
 
@@ -257,6 +280,15 @@ def window_step_tiles(pairs: int, G: int, V: int, device: torch.device) -> tuple
     split = GH < G
     BV = step_value_block(pairs * triton.cdiv(G, GH), V, device, CONFIG["step_waves"],
                           SPLIT_HEADS_MAX_BV if split else None)
+    return GH, BV
+
+
+def linear_step_tiles(pairs: int, G: int, V: int, device: torch.device, fuse: bool) -> tuple[int, int]:
+    """``(query heads per program, value block)`` of the linear step for ``pairs`` (batch x KV head) with KV
+    groups of ``G`` (``fuse``: Hedgehog features in the kernel, blocks of at most ``FUSED_LINEAR_STEP_MAX_BV``)."""
+    GH = step_heads(G, "linear_step_heads")
+    BV = step_value_block(pairs * triton.cdiv(G, GH), V, device, CONFIG["linear_step_waves"],
+                          max_bv=FUSED_LINEAR_STEP_MAX_BV if fuse else None)
     return GH, BV
 
 
@@ -282,18 +314,21 @@ def linear_step_triton(q, k, v, S, z, *, normalize=True, eps=1e-6, out=None, wqx
     if out is None:
         out = torch.empty((B, H, V), dtype=v.dtype, device=q.device)
     BK, BD = pow2(K), pow2(D)
-    BV = step_value_block(B * HK, V, q.device, CONFIG["linear_step_waves"],
-                          max_bv=FUSED_LINEAR_STEP_MAX_BV if fuse else None)
+    G = H // HK
+    GH, BV = linear_step_tiles(B * HK, G, V, q.device, fuse)
+    split = GH < G  # several head groups per (batch, KV head): the commit kernel adds k v^T to S
     NV = triton.cdiv(V, BV)
-    q, k = q.contiguous(), k.contiguous()
-    _linear_step_kernel[(B * HK, NV)](
-        q, k, v.contiguous(), S, z, out, wqx if fuse else q, wkx if fuse else q, H, HK, eps, float(feps),
-        K=K, V=V, BK=BK, BV=BV, G=H // HK, NORMALIZE=normalize, D=D, BD=BD, FUSE=fuse, UPDATE_Z=NV == 1,
-        num_warps=_warps(BK * BV * 4),
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    _linear_step_kernel[(B * HK, NV, triton.cdiv(G, GH))](
+        q, k, v, S, z, out, wqx if fuse else q, wkx if fuse else q, H, HK, eps, float(feps),
+        K=K, V=V, BK=BK, BV=BV, G=G, NORMALIZE=normalize, D=D, BD=BD, FUSE=fuse, UPDATE_Z=NV == 1 and not split,
+        GH=GH, OWN=not split, num_warps=_warps(BK * BV * 4),
     )
-    if NV > 1:
-        _linear_step_z_kernel[(B * HK,)](k, z, wkx if fuse else k, HK, float(feps), K=K, BK=BK, D=D, BD=BD, FUSE=fuse,
-                                         num_warps=_warps(4 * BD * BK if fuse else 0))
+    if NV > 1 or split:
+        BVC = min(pow2(V), 32)
+        _linear_step_commit_kernel[(B * HK,)](
+            k, z, wkx if fuse else k, v, S, HK, float(feps), K=K, BK=BK, D=D, BD=BD, FUSE=fuse, V=V, BVC=BVC,
+            FOLD=split, num_warps=_warps(4 * max(BD * BK if fuse else 0, BK * BVC if split else 0)))
     return out
 
 

@@ -341,7 +341,7 @@ def tune_kernels(heads: int = 32, dim: int = 128, progress: Optional[Callable[[s
     sweep("lin_fused_fwd", tlin, fused, lin_fused_fwd)
     sweep("win_fused_fwd", twin, fused, win_fused_fwd)
     waves = [0.0, 0.5, 1.0, 2.0]  # 0: one program per (batch, KV head)
-    sweep("lin_step", tstep, {"linear_step_waves": waves}, lin_step)
+    sweep("lin_step", tstep, {"linear_step_waves": waves, "linear_step_heads": [0, 1, 2]}, lin_step)
     sweep("win_step", tstep, {"step_waves": waves, "step_warps": [4, 8, 16], "step_heads": [0, 1, 2]}, win_step)
     path = tuning.save(gpu)
     say(f"tuned: linear {tlin.CONFIG} window {twin.CONFIG} steps {tstep.CONFIG}; saved to {path} (used by later "

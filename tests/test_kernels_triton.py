@@ -220,14 +220,17 @@ def test_window_triton_continuation_prepend():
     assert rel_err(st2[0], st[0]) < 1e-5
 
 
-@pytest.mark.parametrize("normalize,bv", [(True, 0), (False, 0), (True, 16)])
-def test_linear_step_triton(normalize, bv, monkeypatch):
+@pytest.mark.parametrize("normalize,bv,heads,H", [(True, 0, 0, 4), (False, 0, 0, 4), (True, 16, 0, 4),
+                                                   (True, 0, 1, 4), (False, 16, 2, 6)])
+def test_linear_step_triton(normalize, bv, heads, H, monkeypatch):
     """Decode steps after a prefill as the reference; bv = 16: two value blocks per (batch, KV head), z added by
-    the second kernel."""
+    the second kernel; heads = 1: the KV group's two query heads in two programs, the second kernel adding k v^T
+    to S; heads = 2 with H = 6: groups of three in programs of two and one."""
     from linearize.kernels import triton_step
 
     monkeypatch.setitem(triton_step.CONFIG, "step_bv", bv)
-    B, T, H, Hk, K, V = 2, 20, 4, 2, 16, 32
+    monkeypatch.setitem(triton_step.CONFIG, "linear_step_heads", heads)
+    B, T, Hk, K, V = 2, 20, 2, 16, 32
     inp = linear_inputs(B, T, H, Hk, K, V, device=DEV)
     q, k, v = inp["q"], inp["k"], inp["v"]
     o_full, st_full = linear_attention(q, k, v, normalize=normalize, output_final_state=True, backend="reference")
@@ -382,15 +385,18 @@ def test_window_step_with_hedgehog_features_in_the_kernel(dtype, Hk, bv, heads, 
     assert rel_err(o, ref[0]) < tol
 
 
-@pytest.mark.parametrize("normalize,bv", [(True, 0), (False, 0), (True, 16)], ids=["norm", "num", "norm-split"])
+@pytest.mark.parametrize("normalize,bv,heads", [(True, 0, 0), (False, 0, 0), (True, 16, 0), (True, 0, 1)],
+                         ids=["norm", "num", "norm-split", "norm-heads"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_linear_step_with_hedgehog_features_in_the_kernel(dtype, normalize, bv, monkeypatch):
+def test_linear_step_with_hedgehog_features_in_the_kernel(dtype, normalize, bv, heads, monkeypatch):
     """The plain linear decode step computing the Hedgehog features itself: as the step fed the layer's features
     (outputs and state) and as one forward over the sequence; GQA; split: two value blocks per (batch, KV head)
-    (the second kernel computes the key features again for z)."""
+    (the second kernel computes the key features again for z); heads: one query head per program (the second
+    kernel adds k v^T to S with its own key features)."""
     from linearize.kernels import triton_step
 
     monkeypatch.setitem(triton_step.CONFIG, "step_bv", bv)
+    monkeypatch.setitem(triton_step.CONFIG, "linear_step_heads", heads)
     B, T, H, Hk, D, f, V, prefill = 2, 12, 4, 2, 32, 16, 32, 3
     q, k, v, _, wq, wk, _ = _hedgehog_case(B, T, H, Hk, D, f, V, 64, dtype, state=False, seed=4)
     fq, fk = (hedgehog_features(x.float(), w.float()).to(dtype) for x, w in ((q, wq), (k, wk)))
