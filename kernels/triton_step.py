@@ -273,23 +273,37 @@ def step_heads(G: int, key: str = "step_heads") -> int:
     return n if 0 < n < G else G
 
 
+def _tiles(pairs: int, G: int, V: int, device: torch.device, heads_key: str, waves_key: str,
+           max_bv: int | None, split_max_bv: int | None) -> tuple[int, int]:
+    """``(query heads per program, value block)`` of a decode step for ``pairs`` (batch x KV head) with KV groups
+    of ``G``: heads per program from ``CONFIG[heads_key]``, the value block for all the programs (pairs x head
+    groups) at ``CONFIG[waves_key]``, at most ``max_bv``, or ``split_max_bv`` when given and the heads are split."""
+    GH = step_heads(G, heads_key)
+    cap = split_max_bv if GH < G and split_max_bv is not None else max_bv
+    return GH, step_value_block(pairs * triton.cdiv(G, GH), V, device, CONFIG[waves_key], cap)
+
+
 def window_step_tiles(pairs: int, G: int, V: int, device: torch.device) -> tuple[int, int]:
-    """``(query heads per program, value block)`` of the window step for ``pairs`` (batch x KV head) with KV
-    groups of ``G``: the value block is chosen for all the programs, pairs x head groups."""
-    GH = step_heads(G)
-    split = GH < G
-    BV = step_value_block(pairs * triton.cdiv(G, GH), V, device, CONFIG["step_waves"],
-                          SPLIT_HEADS_MAX_BV if split else None)
-    return GH, BV
+    """:func:`_tiles` of the window step (value blocks of at most ``SPLIT_HEADS_MAX_BV`` when heads are split)."""
+    return _tiles(pairs, G, V, device, "step_heads", "step_waves", None, SPLIT_HEADS_MAX_BV)
 
 
 def linear_step_tiles(pairs: int, G: int, V: int, device: torch.device, fuse: bool) -> tuple[int, int]:
-    """``(query heads per program, value block)`` of the linear step for ``pairs`` (batch x KV head) with KV
-    groups of ``G`` (``fuse``: Hedgehog features in the kernel, blocks of at most ``FUSED_LINEAR_STEP_MAX_BV``)."""
-    GH = step_heads(G, "linear_step_heads")
-    BV = step_value_block(pairs * triton.cdiv(G, GH), V, device, CONFIG["linear_step_waves"],
-                          max_bv=FUSED_LINEAR_STEP_MAX_BV if fuse else None)
-    return GH, BV
+    """:func:`_tiles` of the linear step (``fuse``: Hedgehog features in the kernel, value blocks of at most
+    ``FUSED_LINEAR_STEP_MAX_BV``)."""
+    return _tiles(pairs, G, V, device, "linear_step_heads", "linear_step_waves",
+                  FUSED_LINEAR_STEP_MAX_BV if fuse else None, None)
+
+
+#: value columns the commit kernels fold into ``S`` at a time when the heads are split
+COMMIT_BV = 32
+
+
+def _commit_launch(BD: int, BK: int, V: int, fuse: bool, split: bool) -> tuple[int, int]:
+    """``(BVC, num_warps)`` of a commit kernel: the key-feature tile when it computes features, the fold tile
+    when it folds ``S``."""
+    BVC = min(pow2(V), COMMIT_BV)
+    return BVC, _warps(4 * max(BD * BK if fuse else 0, BK * BVC if split else 0))
 
 
 def _warps(nbytes: int) -> int:
@@ -325,10 +339,10 @@ def linear_step_triton(q, k, v, S, z, *, normalize=True, eps=1e-6, out=None, wqx
         GH=GH, OWN=not split, num_warps=_warps(BK * BV * 4),
     )
     if NV > 1 or split:
-        BVC = min(pow2(V), 32)
+        BVC, warps = _commit_launch(BD, BK, V, fuse, split)
         _linear_step_commit_kernel[(B * HK,)](
             k, z, wkx if fuse else k, v, S, HK, float(feps), K=K, BK=BK, D=D, BD=BD, FUSE=fuse, V=V, BVC=BVC,
-            FOLD=split, num_warps=_warps(4 * max(BD * BK if fuse else 0, BK * BVC if split else 0)))
+            FOLD=split, num_warps=warps)
     return out
 
 
@@ -356,11 +370,11 @@ def window_step_triton(q, k, fq, fk, v, wf, st, *, scale, eps=1e-12, out=None, w
         H, HK, W, float(scale), eps, float(feps), D=D, K=K, V=V, BD=BD, BK=BK, BV=BV, BW=BW, G=G, FUSE=fuse,
         GH=GH, OWN=not split, num_warps=window_step_warps(BD, BK, BV, BW, fuse),
     )
-    BVC = min(pow2(V), 32)
+    BVC, warps = _commit_launch(BD, BK, V, fuse, split)
     _window_step_commit_kernel[(B * HK,)](
         k, k if fuse else fk.contiguous(), st.k_ring, st.fk_ring, st.z, st.seen, wkx if fuse else k,
         v, st.S, st.v_ring, HK, W, float(feps), D=D, K=K, BD=BD, BK=BK, FUSE=fuse, V=V, BVC=BVC, FOLD=split,
-        num_warps=_warps(4 * max(BD * BK if fuse else 0, BK * BVC if split else 0)),
+        num_warps=warps,
     )
     st.seen.add_(1)
     return out
