@@ -7,7 +7,8 @@ blocks (the default: ``step_waves`` programs per SM) and a few warp counts, one 
 (``linear_attention_step_hedgehog``, the same shape without rings) split over value blocks for a few
 ``linear_step_waves`` (with the features computed in the kernel its blocks are at most
 ``FUSED_LINEAR_STEP_MAX_BV`` = 64 wide, so one program per pair is no longer an option here), and with its query
-heads spread over programs (``linear_step_heads``). Needs a GPU:
+heads spread over programs (``linear_step_heads``), with the features computed in the kernel and precomputed (as
+an elu layer's). Each part starts with the defaults' row. Needs a GPU:
 
     python benchmarks/window_step_blocks.py
 
@@ -19,7 +20,7 @@ import time
 import torch
 from triton.testing import do_bench_cudagraph
 
-from linearize.kernels import empty_window_state, triton_common, triton_step
+from linearize.kernels import empty_window_state, hedgehog_features, linear_attention_step, triton_common, triton_step
 from linearize.kernels import linear_attention_step_hedgehog as linear_step
 from linearize.kernels import window_linear_attention_step_hedgehog as step
 
@@ -67,10 +68,12 @@ def ours(st, out=None):
 
 
 state_mb = B * HK * (2 * F * V * 4 * 2 + W * (D + 2 * F + V) * 2 + 2 * F * 4) / 1e6  # S r+w, rings, z
-rows = [("one program per (batch, KV head)", {"step_bv": 128})] + [
-    (f"value blocks {bv or 'auto'}, warps {w or 'auto'}", {"step_bv": bv, "step_warps": w})
+NO_SMALL_GRID = {"small_grid_heads_per_sm": 0}  # the heads a row asks for, at batch 1 too
+WHOLE = {"step_heads": 0, **NO_SMALL_GRID}  # each program answers its whole KV group
+rows = [("default", {}), ("one program per (batch, KV head)", {"step_bv": 128, **WHOLE})] + [
+    (f"whole groups, value blocks {bv or 'auto'}, warps {w or 'auto'}", {"step_bv": bv, "step_warps": w, **WHOLE})
     for bv in (0, 64, 32, 16) for w in (0, 8, 4)] + [
-    (f"value blocks {bv or 'auto'}, {n} query heads per program", {"step_heads": n, "step_bv": bv})
+    (f"value blocks {bv or 'auto'}, {n} query heads per program", {"step_heads": n, "step_bv": bv, **NO_SMALL_GRID})
     for n in (4, 2, 1) if n < H // HK for bv in (0, 64, 128)]
 base = dict(triton_step.CONFIG)
 
@@ -81,19 +84,22 @@ def main(extra=()):
         print(f"  {name:40s} {time_us(fn):7.2f} us  err {check(lambda s: fn(s, None)):.1e}", flush=True)
     for name, cfg in rows:
         triton_step.CONFIG.update(base, **cfg)
-        _, bv = triton_step.window_step_tiles(B * HK, H // HK, V, dev)
+        gh, bv = triton_step.window_step_tiles(B * HK, H // HK, V, dev)
         us = time_us(ours)
-        print(f"  {name:40s} {us:7.2f} us  (BV {bv}; {state_mb / us * 1e3:6.0f} GB/s)  err {check(ours):.1e}",
-              flush=True)
+        print(f"  {name:40s} {us:7.2f} us  ({gh} heads, BV {bv}; {state_mb / us * 1e3:6.0f} GB/s)  "
+              f"err {check(ours):.1e}", flush=True)
     triton_step.CONFIG.update(base)
     linear_mb = B * HK * (2 * F * V * 4 * 2 + 2 * F * 4 * 2) / 1e6
     print(f"linear step, same shape: ~{linear_mb:.1f} MB of state")
-    for name, cfg in linear_rows:
-        triton_step.CONFIG.update(base, **cfg)
-        _, bv = triton_step.linear_step_tiles(B * HK, H // HK, V, dev, fuse=True)
-        us = time_us(linear_ours)
-        err = check_linear()
-        print(f"  {name:40s} {us:7.2f} us  (BV {bv}; {linear_mb / us * 1e3:6.0f} GB/s)  err {err:.1e}", flush=True)
+    for fuse in (True, False):
+        print("  features in the kernel (Hedgehog)" if fuse else "  features precomputed (as elu's)")
+        for name, cfg in linear_rows:
+            triton_step.CONFIG.update(base, **cfg)
+            gh, bv = triton_step.linear_step_tiles(B * HK, H // HK, V, dev, fuse=fuse)
+            us = time_us(linear_ours if fuse else linear_unfused)
+            err = check_linear(fuse)
+            print(f"  {name:40s} {us:7.2f} us  ({gh} heads, BV {bv}; {linear_mb / us * 1e3:6.0f} GB/s)  "
+                  f"err {err:.1e}", flush=True)
     triton_step.CONFIG.update(base)
 
 
@@ -101,16 +107,27 @@ def linear_ours(st, out=None):
     return linear_step(q, k, v, wq, wk, (st.S, st.z), out=out, backend="triton", signed=signed)
 
 
-def check_linear() -> float:
+fq, fk = (hedgehog_features(x[:, None], w)[:, 0] for x, w in ((q, wq), (k, wk)))  # precomputed, as elu's are
+
+
+def linear_unfused(st, out=None):
+    return linear_attention_step(fq, fk, v, (st.S, st.z), out=out, backend="triton")
+
+
+def check_linear(fuse=True) -> float:
     a = fresh_state()
     b = (a.S.clone(), a.z.clone())
-    out = linear_ours(a)
-    ref = linear_step(q, k, v, wq, wk, b, backend="torch")
+    if fuse:
+        out, ref = linear_ours(a), linear_step(q, k, v, wq, wk, b, backend="torch")
+    else:
+        out, ref = linear_unfused(a), linear_attention_step(fq, fk, v, b, backend="torch")
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-linear_rows = [(f"value blocks for {w} waves", {"linear_step_waves": w}) for w in (0.5, 1.0, 2.0)] + [
-    (f"{n} query heads per program", {"linear_step_heads": n}) for n in (4, 2, 1) if n < H // HK]
+linear_rows = [("default", {})] + [
+    (f"whole groups, value blocks for {w} waves", {"linear_step_waves": w, "linear_step_heads": 0, **NO_SMALL_GRID})
+    for w in (0.5, 1.0, 2.0)] + [
+    (f"{n} query heads per program", {"linear_step_heads": n, **NO_SMALL_GRID}) for n in (4, 2, 1) if n < H // HK]
 
 
 if __name__ == "__main__":

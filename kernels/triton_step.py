@@ -10,7 +10,8 @@ Window step: programs over (batch x KV head, value block) each fold the token le
 columns of ``S`` and answer the group's query heads for those columns, reading ``z`` and the key rings
 unchanged; a second, small kernel then updates ``z`` and writes the new key and key features into the rings
 (stream order makes that race-free without one program owning the whole state, so a batch of 8 with 8 KV
-heads fills the GPU). With ``CONFIG["step_heads"]`` a group's query heads are also spread over programs; those
+heads fills the GPU). With ``CONFIG["step_heads"]`` a group's query heads are also spread over programs (one
+head per program at small batches, ``CONFIG["small_grid_heads_per_sm"]``); those
 only read the state, and the second kernel writes the fold into ``S`` and the new value as well. Nothing is
 allocated except the output (``out=`` avoids that too), so a CUDA graph can replay the call; the window step's
 token counter ``seen`` is read on the device and incremented by one in-place add after the kernels.
@@ -238,13 +239,25 @@ CONFIG = {
     # (value blocks of 64) 18.2 us, 1.0 21.1, 2.0 29.4 (H200, CUDA graphs, 2026-12-01)
     "linear_step_waves": 0.5,
     # query heads of a KV group answered per program of the linear step, as step_heads for the window step (0: the
-    # whole group); not yet timed on a GPU, so off
-    "linear_step_heads": 0,
+    # whole group). B = 8, H = 32, Hedgehog features in the kernel, H200, CUDA graphs, 2026-12-01 16:49 UTC: Hk = 4
+    # whole groups 27.4 us, 2 heads per program 17.7 (4: 20.1, 1: 17.7); Hk = 8 18.7 -> 17.9; H = 28, Hk = 4
+    # 24.8 -> 17.4 (fed precomputed features only from groups of unfused_linear_step_split_min_group)
+    "linear_step_heads": 2,
+    # both steps answer one query head per program, whatever *_heads says, when the batch's query heads
+    # (batch x H) are at most this many per SM (0: never): such a step is latency-bound and more programs beat
+    # fewer reads of the state. H200, H = 32, Hk = 4, batch 1 (32 query heads on 132 SMs), 2026-12-01: linear
+    # step 2 heads per program 13.8 us, 1 head 11.8 us; window step 16.0 / 13.0 us
+    "small_grid_heads_per_sm": 1.0,
+    # the linear step fed precomputed features (elu) spreads a KV group's query heads over programs only from
+    # groups of this many: each program then holds little, and at groups of 4 whole groups were faster. H200,
+    # H = 32, CUDA graphs, 2026-12-01: Hk = 8, B = 8 whole groups 6.4-6.8 us, 2 heads per program 7.6; B = 1
+    # 5.1 / 6.0 (1 head); Hk = 4 (groups of 8), B = 8 7.8 / 7.6-7.7; B = 1 7.7 / 5.8 (1 head)
+    "unfused_linear_step_split_min_group": 8,
 }
 
 
-#: widest value block of the window step when a KV group's query heads are split over programs: 128 took 31-49 us
-#: where 64 took 19-23 (the measurements at ``step_heads`` above)
+#: widest value block of either step when a KV group's query heads are split over programs: in the window step 128
+#: took 31-49 us where 64 took 19-23 (the measurements at ``step_heads`` above)
 SPLIT_HEADS_MAX_BV = 64
 
 #: widest value block of the linear step when it computes Hedgehog features: 64 matched the PyTorch step exactly
@@ -274,11 +287,16 @@ def step_heads(G: int, key: str = "step_heads") -> int:
 
 
 def _tiles(pairs: int, G: int, V: int, device: torch.device, heads_key: str, waves_key: str,
-           max_bv: int | None, split_max_bv: int | None) -> tuple[int, int]:
+           max_bv: int | None, split_max_bv: int | None, min_split_group: int = 1) -> tuple[int, int]:
     """``(query heads per program, value block)`` of a decode step for ``pairs`` (batch x KV head) with KV groups
-    of ``G``: heads per program from ``CONFIG[heads_key]``, the value block for all the programs (pairs x head
-    groups) at ``CONFIG[waves_key]``, at most ``max_bv``, or ``split_max_bv`` when given and the heads are split."""
+    of ``G``: heads per program from ``CONFIG[heads_key]`` (one at small batches: ``small_grid_heads_per_sm``), the
+    value block for all the programs (pairs x head groups) at ``CONFIG[waves_key]``, at most ``max_bv``, or
+    ``split_max_bv`` when given and the heads are split; groups under ``min_split_group`` stay whole)."""
     GH = step_heads(G, heads_key)
+    if G < min_split_group:
+        GH = G
+    elif device.type == "cuda" and pairs * G <= CONFIG["small_grid_heads_per_sm"] * num_sms(device):
+        GH = 1
     cap = split_max_bv if GH < G and split_max_bv is not None else max_bv
     return GH, step_value_block(pairs * triton.cdiv(G, GH), V, device, CONFIG[waves_key], cap)
 
@@ -290,9 +308,11 @@ def window_step_tiles(pairs: int, G: int, V: int, device: torch.device) -> tuple
 
 def linear_step_tiles(pairs: int, G: int, V: int, device: torch.device, fuse: bool) -> tuple[int, int]:
     """:func:`_tiles` of the linear step (``fuse``: Hedgehog features in the kernel, value blocks of at most
-    ``FUSED_LINEAR_STEP_MAX_BV``)."""
+    ``FUSED_LINEAR_STEP_MAX_BV``; at most ``SPLIT_HEADS_MAX_BV`` when heads are split; without ``fuse`` groups
+    under ``CONFIG["unfused_linear_step_split_min_group"]`` stay whole)."""
     return _tiles(pairs, G, V, device, "linear_step_heads", "linear_step_waves",
-                  FUSED_LINEAR_STEP_MAX_BV if fuse else None, None)
+                  FUSED_LINEAR_STEP_MAX_BV if fuse else None, SPLIT_HEADS_MAX_BV,
+                  1 if fuse else int(CONFIG["unfused_linear_step_split_min_group"]))
 
 
 #: value columns the commit kernels fold into ``S`` at a time when the heads are split

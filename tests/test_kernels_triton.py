@@ -229,7 +229,9 @@ def test_linear_step_triton(normalize, bv, heads, H, monkeypatch):
     from linearize.kernels import triton_step
 
     monkeypatch.setitem(triton_step.CONFIG, "step_bv", bv)
+    monkeypatch.setitem(triton_step.CONFIG, "small_grid_heads_per_sm", 0)  # the heads asked for, on a GPU too
     monkeypatch.setitem(triton_step.CONFIG, "linear_step_heads", heads)
+    monkeypatch.setitem(triton_step.CONFIG, "unfused_linear_step_split_min_group", 0)  # split these small groups
     B, T, Hk, K, V = 2, 20, 2, 16, 32
     inp = linear_inputs(B, T, H, Hk, K, V, device=DEV)
     q, k, v = inp["q"], inp["k"], inp["v"]
@@ -257,6 +259,7 @@ def test_window_step_triton(prefill, W, bv, heads, H, dtype, monkeypatch):
     from linearize.kernels import triton_step
 
     monkeypatch.setitem(triton_step.CONFIG, "step_bv", bv)
+    monkeypatch.setitem(triton_step.CONFIG, "small_grid_heads_per_sm", 0)  # the heads asked for, on a GPU too
     monkeypatch.setitem(triton_step.CONFIG, "step_heads", heads)
     B, T, Hk, D, K, V = 2, 24, 2, 16, 16, 32
     inp = window_inputs(B, T, H, Hk, D, K, V, dtype=dtype, device=DEV)
@@ -325,7 +328,8 @@ HH_SHAPES = [
 def test_window_step_launch_shape():
     """Value blocks and warps of the window step at the Llama-3-8B shape on an H200-sized GPU (132 SMs): 64
     (batch, KV head) pairs split into blocks of 64 with 4 warps; 128 pairs stay whole, with 16 warps (4 would
-    spill there); with query heads split, the blocks that were fastest at batch 8 (H200, 2026-12-01)."""
+    spill there); with query heads split, the blocks that were fastest at batch 8, and one head per program at
+    batch 1 (H200, 2026-12-01)."""
     from unittest import mock
 
     from linearize.kernels import triton_step
@@ -339,7 +343,17 @@ def test_window_step_launch_shape():
         # query heads split two per program (the default): blocks chosen for pairs x head groups, at most 64
         for pairs, G in ((64, 4), (32, 8), (32, 7)):  # Llama-3-8B, Qwen3-30B-A3B, Qwen2.5-7B at batch 8
             assert triton_step.window_step_tiles(pairs, G, 128, cuda) == (2, 64)
-        assert triton_step.window_step_tiles(8, 4, 128, cuda) == (2, 16)  # batch 1
+        # batch 1 (32 query heads on 132 SMs): one head per program, value blocks of 32 (128 programs)
+        assert triton_step.window_step_tiles(8, 4, 128, cuda) == (1, 32)
+        assert triton_step.linear_step_tiles(4, 8, 128, cuda, fuse=True) == (1, 32)
+        assert triton_step.linear_step_tiles(32, 8, 128, cuda, fuse=True) == (2, 64)  # Qwen3-30B-A3B, batch 8
+        # fed precomputed features (elu): groups of 4 stay whole (Llama-3-8B, batch 8 and 1), groups of 8 split
+        assert triton_step.linear_step_tiles(64, 4, 128, cuda, fuse=False) == (4, 64)
+        assert triton_step.linear_step_tiles(8, 4, 128, cuda, fuse=False) == (4, 16)
+        assert triton_step.linear_step_tiles(32, 8, 128, cuda, fuse=False) == (2, 64)
+        assert triton_step.linear_step_tiles(4, 8, 128, cuda, fuse=False) == (1, 32)
+        with mock.patch.dict(triton_step.CONFIG, small_grid_heads_per_sm=0):
+            assert triton_step.window_step_tiles(8, 4, 128, cuda) == (2, 16)
     assert triton_step.step_value_block(64, 128, torch.device("cpu"), 1.0) == 128
     assert triton_step.window_step_warps(128, 128, 64, 64, True) == 4
     assert triton_step.window_step_warps(128, 128, 128, 64, True) == 16
@@ -355,6 +369,7 @@ def test_window_step_with_hedgehog_features_in_the_kernel(dtype, Hk, bv, heads, 
     from linearize.kernels import triton_step
 
     monkeypatch.setitem(triton_step.CONFIG, "step_bv", bv)
+    monkeypatch.setitem(triton_step.CONFIG, "small_grid_heads_per_sm", 0)  # the heads asked for, on a GPU too
     monkeypatch.setitem(triton_step.CONFIG, "step_heads", heads)
     B, T, H, D, f, V, W, prefill = 2, 30, 4, 32, 16, 32, 8, 5
     q, k, v, wf, wq, wk, _ = _hedgehog_case(B, T, H, Hk, D, f, V, W, dtype, state=False, seed=3)
@@ -396,6 +411,7 @@ def test_linear_step_with_hedgehog_features_in_the_kernel(dtype, normalize, bv, 
     from linearize.kernels import triton_step
 
     monkeypatch.setitem(triton_step.CONFIG, "step_bv", bv)
+    monkeypatch.setitem(triton_step.CONFIG, "small_grid_heads_per_sm", 0)  # the heads asked for, on a GPU too
     monkeypatch.setitem(triton_step.CONFIG, "linear_step_heads", heads)
     B, T, H, Hk, D, f, V, prefill = 2, 12, 4, 2, 32, 16, 32, 3
     q, k, v, _, wq, wk, _ = _hedgehog_case(B, T, H, Hk, D, f, V, 64, dtype, state=False, seed=4)
