@@ -10,11 +10,12 @@ Window step: programs over (batch x KV head, value block) each fold the token le
 columns of ``S`` and answer the group's query heads for those columns, reading ``z`` and the key rings
 unchanged; a second, small kernel then updates ``z`` and writes the new key and key features into the rings
 (stream order makes that race-free without one program owning the whole state, so a batch of 8 with 8 KV
-heads fills the GPU). With ``CONFIG["step_heads"]`` a group's query heads are also spread over programs (one
-head per program at small batches, ``CONFIG["small_grid_heads_per_sm"]``); those
+heads fills the GPU). With ``CONFIG["step_heads"]`` a group's query heads are also spread over programs; those
 only read the state, and the second kernel writes the fold into ``S`` and the new value as well. Nothing is
 allocated except the output (``out=`` avoids that too), so a CUDA graph can replay the call; the window step's
 token counter ``seen`` is read on the device and incremented by one in-place add after the kernels.
+
+At small batches (``CONFIG["small_grid_heads_per_sm"]``) both steps answer one query head per program.
 """
 
 from __future__ import annotations
