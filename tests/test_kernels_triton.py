@@ -220,18 +220,21 @@ def test_window_triton_continuation_prepend():
     assert rel_err(st2[0], st[0]) < 1e-5
 
 
+def _launch(monkeypatch, **config):
+    """Set decode-step launch choices for one test; the batch-1 rule is off, so a GPU runs the heads asked for."""
+    from linearize.kernels import triton_step
+
+    for key, value in {"small_grid_heads_per_sm": 0, **config}.items():
+        monkeypatch.setitem(triton_step.CONFIG, key, value)
+
+
 @pytest.mark.parametrize("normalize,bv,heads,H", [(True, 0, 0, 4), (False, 0, 0, 4), (True, 16, 0, 4),
                                                    (True, 0, 1, 4), (False, 16, 2, 6)])
 def test_linear_step_triton(normalize, bv, heads, H, monkeypatch):
     """Decode steps after a prefill as the reference; bv = 16: two value blocks per (batch, KV head), z added by
     the second kernel; heads = 1: the KV group's two query heads in two programs, the second kernel adding k v^T
     to S; heads = 2 with H = 6: groups of three in programs of two and one."""
-    from linearize.kernels import triton_step
-
-    monkeypatch.setitem(triton_step.CONFIG, "step_bv", bv)
-    monkeypatch.setitem(triton_step.CONFIG, "small_grid_heads_per_sm", 0)  # the heads asked for, on a GPU too
-    monkeypatch.setitem(triton_step.CONFIG, "linear_step_heads", heads)
-    monkeypatch.setitem(triton_step.CONFIG, "unfused_linear_step_split_min_group", 0)  # split these small groups
+    _launch(monkeypatch, step_bv=bv, linear_step_heads=heads, unfused_linear_step_split_min_group=0)
     B, T, Hk, K, V = 2, 20, 2, 16, 32
     inp = linear_inputs(B, T, H, Hk, K, V, device=DEV)
     q, k, v = inp["q"], inp["k"], inp["v"]
@@ -256,11 +259,7 @@ def test_window_step_triton(prefill, W, bv, heads, H, dtype, monkeypatch):
     (batch, KV head), whose programs share z and the key rings; heads = 1: each of the KV group's two query heads
     in its own program, the commit kernel folding S and writing the value ring; heads = 2 with H = 6: groups of
     three heads in two programs, the second answering one head."""
-    from linearize.kernels import triton_step
-
-    monkeypatch.setitem(triton_step.CONFIG, "step_bv", bv)
-    monkeypatch.setitem(triton_step.CONFIG, "small_grid_heads_per_sm", 0)  # the heads asked for, on a GPU too
-    monkeypatch.setitem(triton_step.CONFIG, "step_heads", heads)
+    _launch(monkeypatch, step_bv=bv, step_heads=heads)
     B, T, Hk, D, K, V = 2, 24, 2, 16, 16, 32
     inp = window_inputs(B, T, H, Hk, D, K, V, dtype=dtype, device=DEV)
     q, k, fq, fk, v = (inp[n] for n in ("q", "k", "fq", "fk", "v"))
@@ -366,11 +365,7 @@ def test_window_step_with_hedgehog_features_in_the_kernel(dtype, Hk, bv, heads, 
     (outputs, S, z, rings), across the fold of tokens leaving the window, and one forward over the sequence;
     bv = 16: two value blocks per (batch, KV head); heads = 2: the four query heads of a KV group in two
     programs (both steps); heads = 3: in programs of three and one."""
-    from linearize.kernels import triton_step
-
-    monkeypatch.setitem(triton_step.CONFIG, "step_bv", bv)
-    monkeypatch.setitem(triton_step.CONFIG, "small_grid_heads_per_sm", 0)  # the heads asked for, on a GPU too
-    monkeypatch.setitem(triton_step.CONFIG, "step_heads", heads)
+    _launch(monkeypatch, step_bv=bv, step_heads=heads)
     B, T, H, D, f, V, W, prefill = 2, 30, 4, 32, 16, 32, 8, 5
     q, k, v, wf, wq, wk, _ = _hedgehog_case(B, T, H, Hk, D, f, V, W, dtype, state=False, seed=3)
     fq, fk = (hedgehog_features(x.float(), w.float()).to(dtype) for x, w in ((q, wq), (k, wk)))
@@ -408,11 +403,7 @@ def test_linear_step_with_hedgehog_features_in_the_kernel(dtype, normalize, bv, 
     (outputs and state) and as one forward over the sequence; GQA; split: two value blocks per (batch, KV head)
     (the second kernel computes the key features again for z); heads: one query head per program (the second
     kernel adds k v^T to S with its own key features)."""
-    from linearize.kernels import triton_step
-
-    monkeypatch.setitem(triton_step.CONFIG, "step_bv", bv)
-    monkeypatch.setitem(triton_step.CONFIG, "small_grid_heads_per_sm", 0)  # the heads asked for, on a GPU too
-    monkeypatch.setitem(triton_step.CONFIG, "linear_step_heads", heads)
+    _launch(monkeypatch, step_bv=bv, linear_step_heads=heads)
     B, T, H, Hk, D, f, V, prefill = 2, 12, 4, 2, 32, 16, 32, 3
     q, k, v, _, wq, wk, _ = _hedgehog_case(B, T, H, Hk, D, f, V, 64, dtype, state=False, seed=4)
     fq, fk = (hedgehog_features(x.float(), w.float()).to(dtype) for x, w in ((q, wq), (k, wk)))
