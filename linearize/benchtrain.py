@@ -152,7 +152,9 @@ def bench_train(spec: str, *, random_weights: bool = False, ratio: str = "3:1", 
             row.update({"tokens": int(rep["tokens"]), "train_seconds": rep["train_seconds"],
                         "tokens_per_second": tps, "seconds_per_step": round(step_tokens / max(tps, 1e-9), 4),
                         # the timed steps' global losses: a run on N GPUs should log the 1-GPU run's
-                        "losses": [h["loss"] for h in rep.get("history", [])]})
+                        "losses": [h["loss"] for h in rep.get("history", [])],
+                        # > 1: each micro-batch ran as that many passes to fit memory (linearize.memory)
+                        "passes_per_micro_batch": rep.get("passes_per_micro_batch", 1)})
             if dev.type == "cuda":
                 row["peak_gib"] = round(torch.cuda.max_memory_allocated(dev) / 2**30, 2)
             if stage == "finetune":
@@ -163,7 +165,9 @@ def bench_train(spec: str, *, random_weights: bool = False, ratio: str = "3:1", 
             row = {"status": "oom", "note": str(e)}
         result["stages"][stage] = row
         log(f"{stage}: " + (f"{row['tokens_per_second']:,.0f} tokens/s ({row['seconds_per_step']} s/step"
-                            + (f", peak {row['peak_gib']} GiB" if "peak_gib" in row else "") + ")"
+                            + (f", peak {row['peak_gib']} GiB" if "peak_gib" in row else "")
+                            + (f", {row['passes_per_micro_batch']} passes per micro-batch to fit memory"
+                               if row.get("passes_per_micro_batch", 1) > 1 else "") + ")"
                             if row["status"] == "ok" else row["note"]))
         if main:
             _write_result(out_dir, result)

@@ -4,7 +4,8 @@
 ``RANK`` and ``LOCAL_RANK`` set. :func:`init` (called by the pipeline just before the model is loaded)
 joins them into one process group -- NCCL with each rank on ``cuda:LOCAL_RANK``, gloo on the CPU --
 and the training stages then shard every micro-batch's rows across ranks (:func:`shard`), average
-gradients with :class:`torch.nn.parallel.DistributedDataParallel` and log global means
+gradients (the LoRA stage with :class:`torch.nn.parallel.DistributedDataParallel`; attention transfer, whose
+layers back-propagate during the forward, with one ``all_reduce`` per optimizer step) and log global means
 (:func:`all_reduce_mean`). The global batch and the number of steps are those of the single-process
 run, so N ranks reach the same losses at about N times the throughput. Rank 0 alone writes files
 and prints (:func:`is_main`). Without torchrun every helper is a no-op and nothing changes.
@@ -19,7 +20,7 @@ import os
 import torch
 
 __all__ = ["enabled", "init", "world_size", "rank", "is_main", "barrier", "shard", "all_reduce_mean",
-           "broadcast_object", "check_batch", "wrap", "destroy"]
+           "broadcast_object", "broadcast_tensors", "check_batch", "wrap", "destroy"]
 
 
 def enabled() -> bool:
@@ -93,6 +94,15 @@ def shard(batch: torch.Tensor) -> torch.Tensor:
         return batch
     rows = batch.shape[0] // n  # divisibility is checked by the stages before training
     return batch[rank() * rows: (rank() + 1) * rows]
+
+
+def broadcast_tensors(tensors: list[torch.Tensor]) -> None:
+    """Overwrite ``tensors`` in place with rank 0's values (no-op without torchrun)."""
+    if not _ready():
+        return
+    with torch.no_grad():
+        for t in tensors:
+            torch.distributed.broadcast(t.data, src=0)
 
 
 def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:

@@ -44,6 +44,7 @@ from .attention import arch_spec
 from .data import heldout_sequences, num_batches, packed_batches, parse_tokens
 from .distill import TrainingError, TrainingInterrupted, _lr_lambda, _save_state
 from .fsdp import average_gradients, is_sharded, merge_lora
+from .memory import plan_pieces
 
 __all__ = ["finetune", "lora_target_regex", "fingerprint", "evaluate", "TrainingError", "TrainingInterrupted"]
 
@@ -308,9 +309,7 @@ def finetune(model, tokenizer, recipe, *, state_dir: Path | None = None, resume:
             if any(isinstance(p, DTensor) for p in params):
                 raise TrainingError("finetune --fsdp: a trainable parameter is sharded by FSDP; only the "
                                     "replicated LoRA adapters may train")
-            with torch.no_grad():
-                for p in params:  # the seeded init is the same everywhere; make it exactly rank 0's
-                    torch.distributed.broadcast(p.data, src=0)
+            dist.broadcast_tensors(params)  # the seeded init is the same everywhere; make it exactly rank 0's
         names = [n for n, p in peft_model.named_parameters() if p.requires_grad]
         attn_name = arch_spec(model.config.base_model_type).attention
         adapted = set(model.linear_modules())  # the attention modules that should carry adapters
@@ -373,29 +372,48 @@ def finetune(model, tokenizer, recipe, *, state_dir: Path | None = None, resume:
         bar = Progress(TextColumn("finetune"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
                        TextColumn("{task.fields[info]}"), TimeRemainingColumn(),
                        disable=not (progress and dist.is_main()), transient=False)
+        no_sync = ddp.no_sync if ddp is not peft_model else contextlib.nullcontext
+
+        def forward(ids: torch.Tensor) -> torch.Tensor:
+            """This rank's loss on ``ids`` [b, T] (token mean)."""
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_autocast):
+                if loss_kind == "xent":
+                    return ddp(input_ids=ids, labels=ids, use_cache=False).loss
+                # KL from final hidden states, chunked: no [B, T, vocab] logits are kept
+                h_t = _teacher_hidden(peft_model, model, ids)  # [B, T, d], no grad
+                with _final_hidden(model) as box:
+                    ddp(input_ids=ids, use_cache=False, logits_to_keep=1)
+                return chunked_kl(model.lm_head, h_t, box[-1])
+
+        def run_rows(ids: torch.Tensor) -> None:
+            """Forward and backward on ``ids`` without DDP's gradient averaging (memory measurement)."""
+            with no_sync():
+                forward(ids).backward()
+
         with guard.stops(run, total_steps, save, opt), bar:
             task = bar.add_task("finetune", total=total_steps, completed=step, info="")
+            pieces = 0
             while run["step"] < total_steps:
                 opt.zero_grad(set_to_none=True)
                 step_loss = 0.0
                 for i in range(accum):
                     full = next(batches)  # the global micro-batch [B, T]; this rank trains on its rows
-                    batch = dist.shard(full).to(device)
-                    sync = ddp.no_sync() if i < accum - 1 and ddp is not peft_model else contextlib.nullcontext()
-                    with sync:
-                        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_autocast):
-                            if loss_kind == "xent":
-                                micro = ddp(input_ids=batch, labels=batch, use_cache=False).loss
-                            else:  # KL from final hidden states, chunked: no [B, T, vocab] logits are kept
-                                h_t = _teacher_hidden(peft_model, model, batch)  # [B, T, d], no grad
-                                with _final_hidden(model) as box:
-                                    ddp(input_ids=batch, use_cache=False, logits_to_keep=1)
-                                micro = chunked_kl(model.lm_head, h_t, box[-1])
-                                del h_t, box
-                        global_micro = dist.all_reduce_mean(micro.detach())  # the global batch's loss
-                        guard.check(global_micro, run["step"])  # NaN/Inf or exploding: stop before the update
-                        (micro / accum).backward()
-                    step_loss += global_micro.float().item() / accum
+                    rows = dist.shard(full).to(device)
+                    if not pieces:  # measure a pass at 1 and 2 rows; split micro-batches that would not fit
+                        t_plan = time.time()
+                        pieces = plan_pieces("finetune", rows.shape[0], seq_len, device,
+                                             lambda n: run_rows(rows[:n]), log=log)
+                        opt.zero_grad(set_to_none=True)
+                        t_train += time.time() - t_plan  # measuring is not training time
+                    for j, piece in enumerate(rows.chunk(pieces)):
+                        last = i == accum - 1 and j == pieces - 1  # DDP averages the gradients after the last
+                        with no_sync() if not last else contextlib.nullcontext():
+                            micro = forward(piece)
+                            global_micro = dist.all_reduce_mean(micro.detach())  # the global batch's loss
+                            guard.check(global_micro, run["step"])  # NaN/Inf or exploding: stop before the update
+                            (micro / (accum * pieces)).backward()
+                        step_loss += global_micro.float().item() / (accum * pieces)
+                        del micro
                     run["tokens_seen"] += full.numel()
                     run["tokens_this_run"] += full.numel()
                 if sharded:
@@ -452,6 +470,7 @@ def finetune(model, tokenizer, recipe, *, state_dir: Path | None = None, resume:
         "loss": loss_kind, "tokens": tokens_seen, "steps": step, "seq_len": seq_len, "batch_size": bsz,
         "world_size": dist.world_size(),  # torchrun processes sharing each step's global batch
         "grad_accum": accum,
+        "passes_per_micro_batch": max(1, pieces),  # > 1: split to fit memory (linearize.memory)
         "copy_fraction": cfg["copy_fraction"],  # share of training rows with a long-range copy (0 = off)
         "lora": {"r": cfg["lora_r"], "alpha": cfg["lora_alpha"], "dropout": cfg["lora_dropout"],
                  "targets": list(cfg["targets"]), "layers": layers, "target_modules": target_regex,

@@ -15,9 +15,9 @@ frozen weights instead, so a model that does not fit one device can be converted
   the stage-1 feature maps and window logits through ``fully_shard(..., ignored_params=...)``, and the
   stage-2 LoRA adapters because peft injects them after sharding (FSDP only manages the parameters it saw).
   They are tiny (LoRA r=8 on q/k/v/o of Llama-70B: ~33M parameters), so replicating them costs little.
-- **Gradients.** Stage 1's loss is a side channel read from the layers after the forward
-  (:func:`linearize.distill.layer_losses`): the decoder layers' outputs do not require grad, so FSDP's
-  backward hooks never fire, and no frozen weight is needed by that backward (the feature maps act on
+- **Gradients.** Stage 1's losses are a side channel taken in the layers and back-propagated there during the
+  forward (:func:`linearize.distill.backward_per_layer`): the decoder layers' outputs do not require grad, so
+  FSDP's backward hooks never fire, and no frozen weight is needed by that backward (the feature maps act on
   activations). Stage 2's backward flows through the decoder layers, and FSDP re-gathers their frozen
   weights for it as usual. In both stages the replicated trainable gradients are averaged over ranks with
   one ``all_reduce`` per optimizer step (:func:`average_gradients`), which is what DDP would compute.

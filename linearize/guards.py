@@ -3,7 +3,7 @@
 Shared by attention transfer (:mod:`linearize.distill`), the LoRA stage (:mod:`linearize.finetune`),
 evaluation (:mod:`linearize.evals.runner`) and the CLI's last-resort handler:
 
-- :meth:`LossGuard.check` looks at each micro-batch's loss *before* its backward pass. NaN/Inf, or a
+- :meth:`LossGuard.check` looks at each micro-batch's loss before the optimizer update. NaN/Inf, or a
   loss more than ``max_ratio`` times its running mean (an exploding run), stops the run with a
   :class:`~linearize.errors.TrainingError` naming the stage, layer and step. Nothing is saved from
   the bad step: the last periodic checkpoint is kept.

@@ -53,6 +53,9 @@ if kind == "slow-save":
     C.save_file = save_file
 else:
     import linearize.attention as A
+    import linearize.distill, linearize.finetune
+    # the counts below are of training forwards: no measuring forwards before step 0 (linearize.memory)
+    linearize.distill.plan_pieces = linearize.finetune.plan_pieces = lambda *args, **kwargs: 1
     real_forward = A.LinearAttention.forward
     seen = [0]
     def forward(self, *args, **kwargs):
@@ -346,18 +349,26 @@ def _tiny_distill(ws, **kw):
     return _hybrid(), _tokenizer(), R.load("lolcats", over)
 
 
+def spike_layer_1(monkeypatch, factor):
+    """Multiply layer 1's loss by ``factor`` in the 13th micro-batch (step 12); micro-batches are not split."""
+    real, calls = D.layer_loss, {"n": 0}
+
+    def spike(module, *args, **kwargs):
+        loss = real(module, *args, **kwargs)
+        if module.layer_idx != 1:
+            return loss
+        calls["n"] += 1
+        return loss * factor if calls["n"] == 13 else loss
+
+    monkeypatch.setattr(D, "layer_loss", spike)
+    monkeypatch.setattr(D, "plan_pieces", lambda *args, **kwargs: 1)  # no measuring forwards before step 0
+
+
 @pytest.mark.parametrize("factor,needle", [(1e6, "exploding loss in layer 1 at step 12"),
                                            (float("inf"), "non-finite loss in layer 1 at step 12")])
 def test_bad_loss_stops_naming_layer_and_step(ws, tmp_path, monkeypatch, factor, needle):
     model, tok, rec = _tiny_distill(ws)
-    real, calls = D.layer_losses, {"n": 0}
-
-    def spike(*args, **kwargs):  # the 13th micro-batch (step 12): layer 1's loss blows up
-        losses = real(*args, **kwargs)
-        calls["n"] += 1
-        return [losses[0], losses[1] * factor] if calls["n"] == 13 else losses
-
-    monkeypatch.setattr(D, "layer_losses", spike)
+    spike_layer_1(monkeypatch, factor)
     with pytest.raises(TrainingError) as e:
         D.distill(model, tok, rec, state_dir=tmp_path, progress=False, log=lambda m: None)
     msg = str(e.value)
@@ -368,14 +379,7 @@ def test_bad_loss_stops_naming_layer_and_step(ws, tmp_path, monkeypatch, factor,
 
 def test_exploding_loss_check_can_be_turned_off(ws, tmp_path, monkeypatch):
     model, tok, rec = _tiny_distill(ws)
-    real, calls = D.layer_losses, {"n": 0}
-
-    def spike(*args, **kwargs):
-        losses = real(*args, **kwargs)
-        calls["n"] += 1
-        return [losses[0], losses[1] * 1e6] if calls["n"] == 13 else losses
-
-    monkeypatch.setattr(D, "layer_losses", spike)
+    spike_layer_1(monkeypatch, 1e6)
     monkeypatch.setenv("LINEARIZE_MAX_LOSS_RATIO", "0")
     assert D.distill(model, tok, rec, progress=False, log=lambda m: None)["steps"] == 20
 
@@ -394,7 +398,7 @@ def test_loss_guard_ignores_noise_on_a_near_zero_layer_and_the_warmup():
         guard.check([quiet, busy * float("nan")], 14)
 
 
-def test_exploding_loss_in_finetune_names_step(ws, tmp_path):
+def test_exploding_loss_in_finetune_names_step(ws, tmp_path, monkeypatch):
     from linearize import recipe as R
     from test_distill import _tokenizer
     from test_finetune import _hybrid
@@ -411,6 +415,7 @@ def test_exploding_loss_in_finetune_names_step(ws, tmp_path):
         return output
 
     model.lm_head.register_forward_hook(blow_up)
+    monkeypatch.setattr(FT, "plan_pieces", lambda *args, **kwargs: 1)  # count training forwards only
     with pytest.raises(TrainingError, match=r"^finetune: exploding loss at step 12: .* its running mean"):
         FT.finetune(model, _tokenizer(), rec, state_dir=tmp_path, progress=False, log=lambda m: None)
 

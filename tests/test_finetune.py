@@ -254,10 +254,10 @@ def test_ctrl_c_mid_step_saves_and_resumes_exactly(corpus, tmp_path):
     b = _hybrid()
     calls = {"n": 0}
 
-    def ctrl_c(module, args, output):  # the 12th training forward: second micro-batch of step 5
+    def ctrl_c(module, args, output):  # second micro-batch of step 5, after two forwards measuring memory
         if module.training:
             calls["n"] += 1
-            if calls["n"] == 12:
+            if calls["n"] == 14:
                 raise KeyboardInterrupt
         return output
 
@@ -297,10 +297,10 @@ def test_non_finite_loss_names_step_and_keeps_checkpoint(corpus, tmp_path):
     hybrid = _hybrid()
     calls = {"n": 0}
 
-    def poison(module, args, output):  # training forwards only; the 4th one (step 3) goes NaN
+    def poison(module, args, output):  # training forwards only; step 3's goes NaN (after two measuring memory)
         if module.training:
             calls["n"] += 1
-            if calls["n"] == 4:
+            if calls["n"] == 6:
                 return output * float("nan")
         return output
 

@@ -1,0 +1,138 @@
+"""Fitting a training micro-batch to the memory there is (linearize.memory) and the stages' split passes."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from linearize import distill as D
+from linearize import finetune as FT
+from linearize import memory as M
+from linearize.errors import ResourceError
+from test_distill import _hybrid as distill_hybrid
+from test_distill import _recipe as distill_recipe
+from test_distill import _tokenizer, corpus  # noqa: F401 - the corpus fixture is used by name
+from test_finetune import _hybrid as finetune_hybrid
+from test_finetune import _recipe as finetune_recipe
+
+QUIET = dict(progress=False, log=lambda m: None)
+GB = 10**9
+CPU = torch.device("cpu")
+
+
+def _measured(monkeypatch, *, in_use: float, peaks: list[float], free: float) -> list[int]:
+    """Pretend the device has ``in_use`` GB in use, ``free`` GB free and reaches ``peaks`` GB (absolute) in
+    successive measured passes; returns the row counts ``run_rows`` was called with."""
+    calls: list[int] = []
+    left = list(peaks)
+
+    def peak_bytes(device, fn):
+        fn()
+        return int(left.pop(0) * GB)
+
+    monkeypatch.setattr(M, "peak_bytes", peak_bytes)
+    monkeypatch.setattr(M, "_in_use", lambda device: int(in_use * GB))
+    monkeypatch.setattr(M, "free_bytes", lambda device: int(free * GB))
+    return calls
+
+
+def test_a_micro_batch_that_fits_runs_whole(monkeypatch):
+    calls = _measured(monkeypatch, in_use=1, peaks=[2, 2.5], free=20)
+    logs = []
+    assert M.plan_pieces("distill", 16, 2048, CPU, calls.append, log=logs.append) == 1  # 2 + 15 x 0.5 <= 1 + 16
+    assert calls == [1, 2] and logs == []
+
+
+def test_a_micro_batch_that_does_not_fit_is_split_evenly(monkeypatch):
+    calls = _measured(monkeypatch, in_use=1, peaks=[2, 3], free=5)  # 1 GB a row; 1 + 0.8 x 5 = 5 GB: 4 rows fit
+    logs = []
+    assert M.plan_pieces("finetune", 16, 2048, CPU, calls.append, log=logs.append) == 4
+    assert len(logs) == 1 and "finetune: a micro-batch of 16 rows x 2,048 tokens needs ~16.0 GB at its peak and ~5.0 " \
+                              "GB are available" in logs[0]
+    assert "4 passes of 4 rows (same effective batch" in logs[0]
+    _measured(monkeypatch, in_use=1, peaks=[2, 3], free=4)  # 1 + 3.2 GB: 3 rows fit; 10 rows do not split in 4
+    assert M.plan_pieces("finetune", 10, 2048, CPU, lambda n: None, log=logs.append) == 5
+
+
+def test_one_row_that_does_not_fit_is_one_clear_error(monkeypatch):
+    _measured(monkeypatch, in_use=1, peaks=[9, 12], free=5)
+    with pytest.raises(ResourceError) as e:
+        M.plan_pieces("distill", 4, 4096, CPU, lambda n: None)
+    msg = str(e.value)
+    assert msg.startswith("distill: one row of 4,096 tokens needs ~8.0 GB at its peak and only ~5.0 GB are available")
+    assert "--set distill.seq_len" in msg and "\n" not in msg and e.value.exit_code == 3
+
+
+def test_nothing_is_measured_for_one_row_or_without_a_meter(monkeypatch):
+    calls = []
+    assert M.plan_pieces("distill", 1, 2048, CPU, calls.append) == 1 and calls == []
+    monkeypatch.setattr(M, "peak_bytes", lambda device, fn: (fn(), None)[1])  # cannot measure here
+    assert M.plan_pieces("distill", 8, 2048, CPU, calls.append) == 1 and calls == [1]
+
+
+def test_measuring_leaves_the_random_state_alone(monkeypatch):
+    _measured(monkeypatch, in_use=1, peaks=[2, 3], free=100)
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    M.plan_pieces("finetune", 4, 64, CPU, lambda n: torch.rand(n))  # dropout draws while measuring
+    assert torch.equal(torch.rand(3), expected)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="host peak measured through /proc (Linux)")
+def test_host_peak_and_free_memory_are_read_on_linux():
+    assert M.free_bytes(CPU) > 0
+    base = M._in_use(CPU)
+    size = 256 * 2**20
+
+    def allocate():
+        x = torch.ones(size // 4)  # touched: resident
+        return float(x[-1])
+
+    peak = M.peak_bytes(CPU, allocate)
+    assert peak is not None and peak >= base + 0.9 * size
+
+
+def _force_split(monkeypatch, module, pieces: int) -> list[int]:
+    """Make ``module``'s stage split each micro-batch into ``pieces`` passes; record the rows it measured."""
+    seen: list[int] = []
+
+    def plan(stage, rows, seq_len, device, run_rows, log=print):
+        run_rows(1)  # the stage's measuring pass runs
+        seen.append(rows)
+        return pieces
+
+    monkeypatch.setattr(module, "plan_pieces", plan)
+    return seen
+
+
+def test_a_split_distill_step_equals_smaller_micro_batches_accumulated(corpus, monkeypatch):  # noqa: F811
+    tok = _tokenizer()
+    a = distill_hybrid()
+    seen = _force_split(monkeypatch, D, 2)
+    rep = D.distill(a, tok, distill_recipe(corpus, batch_size=4, tokens=64 * 4 * 4, copy_fraction=0.0), **QUIET)
+    assert seen == [4] and rep["passes_per_micro_batch"] == 2 and rep["steps"] == 4
+    monkeypatch.undo()
+    b = distill_hybrid()
+    rep_b = D.distill(b, tok, distill_recipe(corpus, batch_size=2, grad_accum=2, tokens=64 * 4 * 4,
+                                             copy_fraction=0.0), **QUIET)
+    assert rep_b["passes_per_micro_batch"] == 1 and rep_b["steps"] == 4
+    for (k, pa), pb in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.allclose(pa, pb, atol=1e-6), k
+    assert [h["loss"] for h in rep["history"]] == pytest.approx([h["loss"] for h in rep_b["history"]], rel=1e-5)
+
+
+def test_a_split_finetune_step_equals_the_whole_micro_batch(corpus, monkeypatch):  # noqa: F811
+    tok = _tokenizer()
+    rec = finetune_recipe(corpus, steps=4, batch_size=4, tokens=64 * 4 * 4, copy_fraction=0.0)
+    whole, rep_whole = FT.finetune(finetune_hybrid(), tok, rec, **QUIET)
+    assert rep_whole["passes_per_micro_batch"] == 1
+    seen = _force_split(monkeypatch, FT, 4)
+    split, rep_split = FT.finetune(finetune_hybrid(), tok, rec, **QUIET)
+    assert seen == [4] and rep_split["passes_per_micro_batch"] == 4
+    for (k, pa), pb in zip(whole.state_dict().items(), split.state_dict().values()):
+        assert torch.allclose(pa, pb, atol=1e-5), k
+    assert [h["loss"] for h in rep_split["history"]] == pytest.approx([h["loss"] for h in rep_whole["history"]],
+                                                                      rel=1e-5)
