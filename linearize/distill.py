@@ -4,7 +4,9 @@ The model runs in ``distill`` mode: every linearized layer computes the original
 (which flows on to the next layer, so layers train independently and no second model copy is held)
 and its linear output from the same q, k, v. The loss is the mean over layers of the per-layer
 normalized MSE ``|o_lin - o_soft|² / |o_soft|²`` on per-head outputs before ``o_proj``, so layers
-with large outputs do not dominate. Only feature maps and window mixing logits train.
+with large outputs do not dominate. Only feature maps and window mixing logits train. Each layer's loss is
+back-propagated as soon as that layer has run (:func:`backward_per_layer`), so a step holds one layer's
+graph; a micro-batch that would still not fit the free memory runs as several passes (:mod:`linearize.memory`).
 
 Long runs checkpoint every ``checkpoint_every`` optimizer steps into a state directory beside the
 output; ``resume=True`` continues from it only when the fingerprint (model, recipe, data, seed)
