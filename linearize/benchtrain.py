@@ -164,11 +164,13 @@ def bench_train(spec: str, *, random_weights: bool = False, ratio: str = "3:1", 
                 raise  # the other ranks wait in a collective: end them all (torchrun stops the group)
             row = {"status": "oom", "note": str(e)}
         result["stages"][stage] = row
-        log(f"{stage}: " + (f"{row['tokens_per_second']:,.0f} tokens/s ({row['seconds_per_step']} s/step"
-                            + (f", peak {row['peak_gib']} GiB" if "peak_gib" in row else "")
-                            + (f", {row['passes_per_micro_batch']} passes per micro-batch to fit memory"
-                               if row.get("passes_per_micro_batch", 1) > 1 else "") + ")"
-                            if row["status"] == "ok" else row["note"]))
+        if row["status"] == "ok":
+            log(f"{stage}: {row['tokens_per_second']:,.0f} tokens/s ({row['seconds_per_step']} s/step"
+                + (f", peak {row['peak_gib']} GiB" if "peak_gib" in row else "")
+                + (f", {row['passes_per_micro_batch']} passes per micro-batch to fit memory"
+                   if row.get("passes_per_micro_batch", 1) > 1 else "") + ")")
+        else:  # the out-of-memory line names its stage already
+            log(row["note"] if row["note"].startswith(f"{stage}:") else f"{stage}: {row['note']}")
         if main:
             _write_result(out_dir, result)
     result["projection"] = project(result["stages"], rec, total, processes=dist.world_size())

@@ -15,6 +15,7 @@ Without a way to measure (not Linux, no ``/proc``) nothing is split and the stag
 
 from __future__ import annotations
 
+import gc
 import math
 import re
 from pathlib import Path
@@ -75,10 +76,14 @@ def _reset_host_peak() -> bool:
 
 def free_bytes(device: torch.device) -> int | None:
     """Bytes this process could still allocate on ``device``: CUDA's free memory plus the blocks our caching
-    allocator holds unused; on the CPU ``MemAvailable`` (capped by a cgroup limit). None when unknown."""
+    allocator holds unused (within ``torch.cuda.set_per_process_memory_fraction``); on the CPU ``MemAvailable``
+    (capped by a cgroup limit). None when unknown."""
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+        free, total = torch.cuda.mem_get_info(device)
+        allocated = torch.cuda.memory_allocated(device)
+        out = free + torch.cuda.memory_reserved(device) - allocated
+        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)(device)
+        return int(min(out, fraction * total - allocated))  # set_per_process_memory_fraction caps this process
     if device.type != "cpu":
         return None
     avail = _proc_bytes("/proc/meminfo", "MemAvailable")
@@ -126,6 +131,17 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:.1f} GB"
 
 
+def _measured_peak(device: torch.device, fn: Callable[[], object]) -> float | None:
+    """:func:`peak_bytes` of ``fn``; ``inf`` when it ran out of GPU memory (the host's out-of-memory killer
+    cannot be caught: that is why the CPU plan is made before the first full pass)."""
+    try:
+        return peak_bytes(device, fn)
+    except torch.OutOfMemoryError:
+        gc.collect()
+        torch.cuda.empty_cache()
+        return math.inf
+
+
 def plan_pieces(stage: str, rows: int, seq_len: int, device: torch.device, run_rows: Callable[[int], object],
                 *, log: Callable[[str], None] = print, headroom: float = HEADROOM) -> int:
     """How many equal pieces this rank's ``rows``-row micro-batch must run as so that one forward + backward fits.
@@ -138,27 +154,33 @@ def plan_pieces(stage: str, rows: int, seq_len: int, device: torch.device, run_r
     if rows >= 2:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # leaves dropout's RNG as is
             base = _in_use(device)
-            p1 = peak_bytes(device, lambda: run_rows(1))
-            p2 = peak_bytes(device, lambda: run_rows(2)) if p1 is not None else None
+            p1 = _measured_peak(device, lambda: run_rows(1))
+            p2 = _measured_peak(device, lambda: run_rows(2)) if p1 is not None and p1 < math.inf else None
         free = free_bytes(device)
+        if p1 == math.inf:
+            raise ResourceError(f"{stage}: one row of {seq_len:,} tokens does not fit in GPU memory (~{_gb(free or 0)} "
+                                f"free after it failed); lower --set {stage}.seq_len or use a GPU with more memory")
         if p1 is not None and p2 is not None and free is not None and base is not None:
             now = _in_use(device)  # (on the CPU it includes memory the measured passes freed but kept)
             capacity = now + headroom * free  # absolute bytes a pass may reach
             room = now + free - base  # what a pass could use beyond what was in use before measuring
-            per_row = max(0, p2 - p1)
-            need = p1 + (rows - 1) * per_row
-            if need > capacity:
-                if p1 > capacity:
-                    raise ResourceError(
-                        f"{stage}: one row of {seq_len:,} tokens needs ~{_gb(p1 - base)} at its peak and only "
-                        f"~{_gb(room)} are available; lower --set {stage}.seq_len or use a machine with more memory")
+            if p1 > capacity:
+                raise ResourceError(
+                    f"{stage}: one row of {seq_len:,} tokens needs ~{_gb(p1 - base)} at its peak and only "
+                    f"~{_gb(room)} are available; lower --set {stage}.seq_len or use a machine with more memory")
+            if p2 == math.inf:  # two rows ran out of memory: one row per pass
+                pieces, what = rows, "more than two rows' worth"
+            else:
+                per_row = max(0, p2 - p1)
+                need = p1 + (rows - 1) * per_row
                 fit = 1 + int((capacity - p1) // per_row) if per_row else rows
-                pieces = _smallest_divisor_at_least(rows, math.ceil(rows / max(1, fit)))
-                if dist.is_main():
-                    log(f"{stage}: a micro-batch of {rows} rows x {seq_len:,} tokens needs ~{_gb(need - base)} at "
-                        f"its peak and ~{_gb(room)} are available: running it as {pieces} passes of "
-                        f"{rows // pieces} rows (same effective batch; set {stage}.batch_size / grad_accum to "
-                        f"choose yourself)")
+                pieces = _smallest_divisor_at_least(rows, math.ceil(rows / max(1, fit))) if need > capacity else 1
+                what = f"~{_gb(need - base)}"
+            if pieces > 1 and dist.is_main():
+                log(f"{stage}: a micro-batch of {rows} rows x {seq_len:,} tokens needs {what} at its peak and "
+                    f"~{_gb(room)} are available: running it as {pieces} passes of {rows // pieces} "
+                    f"row{'s' if rows // pieces > 1 else ''} (same effective batch; set {stage}.batch_size / "
+                    f"grad_accum to choose yourself)")
     if dist.enabled() and torch.distributed.is_initialized():
         t = torch.tensor([pieces], device=device if device.type == "cuda" else "cpu")
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)

@@ -36,6 +36,7 @@ def test_both_stages_timed_and_projected(tiny, tmp_path, embedded_dir):
     for stage in ("distill", "finetune"):
         row = res["stages"][stage]
         assert row["status"] == "ok" and row["tokens"] == 3 * 2 * 128 and row["tokens_per_second"] > 0
+        assert row["passes_per_micro_batch"] == 1  # 2 rows of 128 tokens fit this machine in one pass
         assert row["seconds_per_step"] == pytest.approx(256 / row["tokens_per_second"], rel=1e-3, abs=6e-5)  # 4 decimals
     proj = res["projection"]
     assert proj["budgets"] == {"distill": 20_000_000, "finetune": 20_000_000}
@@ -43,6 +44,23 @@ def test_both_stages_timed_and_projected(tiny, tmp_path, embedded_dir):
     assert proj["total_seconds"] == pytest.approx(want, rel=1e-3)
     assert proj["target"]["met"] == (proj["total_seconds"] <= 3600)
     assert "projected conversion: 40M tokens" in r.stdout
+
+
+def test_a_stage_out_of_memory_is_a_row_and_one_line(tiny, tmp_path, monkeypatch, embedded_dir):
+    from linearize.errors import ResourceError
+
+    line = ("finetune: one row of 128 tokens does not fit in GPU memory (~1.0 GB free after it failed); lower "
+            "--set finetune.seq_len or use a GPU with more memory")
+
+    def out_of_memory(*args, **kwargs):
+        raise ResourceError(line)
+
+    monkeypatch.setattr(bt, "_run_stage", out_of_memory)
+    logs = []
+    res = bt.bench_train(str(tiny), random_weights=True, device="cpu", seq_len=128, batch=2, steps=1, warmup=1,
+                         stages="finetune", out_dir=tmp_path / "bt", log=logs.append)
+    assert res["stages"]["finetune"] == {"status": "oom", "note": line}
+    assert [m for m in logs if m.startswith("finetune")] == [line]  # the stage is named once
 
 
 def test_projection_uses_the_recipe_budgets_without_tokens():

@@ -136,3 +136,25 @@ def test_a_split_finetune_step_equals_the_whole_micro_batch(corpus, monkeypatch)
         assert torch.allclose(pa, pb, atol=1e-5), k
     assert [h["loss"] for h in rep_split["history"]] == pytest.approx([h["loss"] for h in rep_whole["history"]],
                                                                       rel=1e-5)
+
+
+def test_running_out_of_gpu_memory_while_measuring(monkeypatch):
+    """Two rows that raise torch.OutOfMemoryError: one row per pass; one row that does: one clear line."""
+    def meter(fail_at):
+        def peak_bytes(device, fn):
+            n = fn()
+            if n >= fail_at:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            return int((1 + n) * GB)
+        return peak_bytes
+
+    monkeypatch.setattr(M, "_in_use", lambda device: GB)
+    monkeypatch.setattr(M, "free_bytes", lambda device: 3 * GB)
+    monkeypatch.setattr(M.torch.cuda, "empty_cache", lambda: None)
+    logs = []
+    monkeypatch.setattr(M, "peak_bytes", meter(fail_at=2))
+    assert M.plan_pieces("finetune", 8, 2048, CPU, lambda n: n, log=logs.append) == 8
+    assert len(logs) == 1 and "needs more than two rows' worth at its peak" in logs[0] and "8 passes of 1 row (" in logs[0]
+    monkeypatch.setattr(M, "peak_bytes", meter(fail_at=1))
+    with pytest.raises(ResourceError, match=r"^finetune: one row of 2,048 tokens does not fit in GPU memory "):
+        M.plan_pieces("finetune", 8, 2048, CPU, lambda n: n)
