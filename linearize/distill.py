@@ -188,8 +188,6 @@ def distill(model, tokenizer, recipe, *, state_dir: Path | None = None, resume: 
     for m in model.linear_modules():
         m.xent_rows = cfg["xent_rows"] if cfg["xent_weight"] > 0 else 0
     model.train()
-    from .fsdp import average_gradients
-
     # data parallel (and --fsdp, whose stage-1 parameters are replicated): rank 0's starting values everywhere,
     # gradients averaged over ranks once per optimizer step (no DDP wrapper: each layer back-propagates during
     # the forward, see backward_per_layer)
@@ -229,7 +227,7 @@ def distill(model, tokenizer, recipe, *, state_dir: Path | None = None, resume: 
             pieces = 0
             while run["step"] < total_steps:
                 opt.zero_grad(set_to_none=True)
-                per_layer = None
+                per_layer = torch.zeros(n_layers)
                 for _ in range(accum):
                     batch = next(batches)  # the global micro-batch; this rank trains on its rows
                     rows = dist.shard(batch).to(device)
@@ -242,11 +240,11 @@ def distill(model, tokenizer, recipe, *, state_dir: Path | None = None, resume: 
                     for piece in rows.chunk(pieces):
                         lv = forward_backward(piece, 1.0 / (n_layers * accum * pieces))
                         guard.check(lv, run["step"])  # NaN/Inf, exploding: stop before the update
-                        per_layer = lv.cpu() / pieces if per_layer is None else per_layer + lv.cpu() / pieces
+                        per_layer += lv.cpu() / pieces
                     run["tokens_seen"] += batch.numel()
                     run["tokens_this_run"] += batch.numel()
                 if dist.world_size() > 1:
-                    average_gradients(master)  # the mean over ranks, once per optimizer step
+                    dist.average_gradients(master)  # the mean over ranks, once per optimizer step
                 torch.nn.utils.clip_grad_norm_(master, 1.0)
                 with whole_step():  # Ctrl-C waits for the update and the step counter
                     opt.step()

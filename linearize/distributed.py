@@ -19,7 +19,8 @@ import os
 
 import torch
 
-__all__ = ["enabled", "init", "world_size", "rank", "is_main", "barrier", "shard", "all_reduce_mean",
+__all__ = ["enabled", "init", "world_size", "rank", "is_main", "barrier", "shard", "average_gradients",
+           "all_reduce_max", "all_reduce_mean",
            "broadcast_object", "broadcast_tensors", "check_batch", "wrap", "destroy"]
 
 
@@ -103,6 +104,32 @@ def broadcast_tensors(tensors: list[torch.Tensor]) -> None:
     with torch.no_grad():
         for t in tensors:
             torch.distributed.broadcast(t.data, src=0)
+
+
+def average_gradients(params: list[torch.Tensor]) -> None:
+    """Average the gradients of ``params`` over ranks in one flat ``all_reduce`` per dtype (what DDP computes; used
+    where DDP is not: attention transfer, and the replicated parameters under ``--fsdp``)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads or not _ready():
+        return
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    for dtype in {g.dtype for g in grads}:
+        group = [g for g in grads if g.dtype == dtype]
+        flat = _flatten_dense_tensors(group)
+        torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.SUM)
+        flat /= world_size()
+        for g, synced in zip(group, _unflatten_dense_tensors(flat, group)):
+            g.copy_(synced)
+
+
+def all_reduce_max(value: int, device: torch.device | str = "cpu") -> int:
+    """The largest ``value`` over ranks; ``value`` itself without torchrun."""
+    if not _ready():
+        return value
+    t = torch.tensor([value], device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return int(t.item())
 
 
 def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:

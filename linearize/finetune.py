@@ -43,7 +43,7 @@ from . import distributed as dist
 from .attention import arch_spec
 from .data import heldout_sequences, num_batches, packed_batches, parse_tokens
 from .distill import TrainingError, TrainingInterrupted, _lr_lambda, _save_state
-from .fsdp import average_gradients, is_sharded, merge_lora
+from .fsdp import is_sharded, merge_lora
 from .memory import plan_pieces
 
 __all__ = ["finetune", "lora_target_regex", "fingerprint", "evaluate", "TrainingError", "TrainingInterrupted"]
@@ -351,7 +351,7 @@ def finetune(model, tokenizer, recipe, *, state_dir: Path | None = None, resume:
         batches = itertools.islice(batches, step * accum, total_steps * accum)
         model.set_attention_mode("linear")
         peft_model.train()
-        # data parallel: DDP averages the adapters' gradients over ranks; --fsdp: average_gradients below
+        # data parallel: DDP averages the adapters' gradients over ranks; --fsdp: dist.average_gradients below
         ddp = peft_model if sharded else dist.wrap(peft_model, device)
         run = {"step": step, "tokens_seen": step * accum * bsz * seq_len, "tokens_this_run": 0,
                "rng": _rng_state(device), "history": history}
@@ -417,7 +417,7 @@ def finetune(model, tokenizer, recipe, *, state_dir: Path | None = None, resume:
                     run["tokens_seen"] += full.numel()
                     run["tokens_this_run"] += full.numel()
                 if sharded:
-                    average_gradients(params)  # what DDP does, once per optimizer step
+                    dist.average_gradients(params)  # what DDP does, once per optimizer step
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
                 if not torch.isfinite(grad_norm):
                     raise TrainingError(f"finetune: non-finite gradient at step {run['step']}; the last good "

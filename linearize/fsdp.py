@@ -20,7 +20,8 @@ frozen weights instead, so a model that does not fit one device can be converted
   FSDP's backward hooks never fire, and no frozen weight is needed by that backward (the feature maps act on
   activations). Stage 2's backward flows through the decoder layers, and FSDP re-gathers their frozen
   weights for it as usual. In both stages the replicated trainable gradients are averaged over ranks with
-  one ``all_reduce`` per optimizer step (:func:`average_gradients`), which is what DDP would compute.
+  one ``all_reduce`` per optimizer step (:func:`linearize.distributed.average_gradients`), which is what DDP
+  would compute.
 - **Merge and save.** LoRA deltas are added into each rank's own shard of the base weights
   (:func:`merge_lora`, the arithmetic of peft's ``merge``), the adapters are unloaded, and
   :func:`full_state_dict` gathers the full weights to rank 0's CPU (``get_model_state_dict`` with
@@ -34,7 +35,7 @@ import torch
 from . import distributed as dist
 from .errors import LinearizeError
 
-__all__ = ["check_options", "load_device", "load_and_shard", "shard", "is_sharded", "average_gradients",
+__all__ = ["check_options", "load_device", "load_and_shard", "shard", "is_sharded",
            "merge_lora", "full_state_dict"]
 
 
@@ -157,22 +158,6 @@ def is_sharded(model) -> bool:
     inner = getattr(model, "get_base_model", None)
     model = inner() if callable(inner) else model
     return bool(getattr(model, "_linearize_fsdp", False))
-
-
-def average_gradients(params: list[torch.Tensor]) -> None:
-    """Average the gradients of replicated (non-FSDP) parameters over ranks, in one flat all_reduce."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads or not dist.enabled():
-        return
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-    for dtype in {g.dtype for g in grads}:
-        group = [g for g in grads if g.dtype == dtype]
-        flat = _flatten_dense_tensors(group)
-        torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.SUM)
-        flat /= dist.world_size()
-        for g, synced in zip(group, _unflatten_dense_tensors(flat, group)):
-            g.copy_(synced)
 
 
 @torch.no_grad()

@@ -181,9 +181,5 @@ def plan_pieces(stage: str, rows: int, seq_len: int, device: torch.device, run_r
                     f"~{_gb(room)} are available: running it as {pieces} passes of {rows // pieces} "
                     f"row{'s' if rows // pieces > 1 else ''} (same effective batch; set {stage}.batch_size / "
                     f"grad_accum to choose yourself)")
-    if dist.enabled() and torch.distributed.is_initialized():
-        t = torch.tensor([pieces], device=device if device.type == "cuda" else "cpu")
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-        pieces = int(t.item())
-    return pieces
+    return dist.all_reduce_max(pieces, device if device.type == "cuda" else "cpu")
 
