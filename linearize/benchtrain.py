@@ -91,8 +91,9 @@ def bench_train(spec: str, *, random_weights: bool = False, ratio: str = "3:1", 
                 stages: str = "distill,finetune", seq_len: int = 2048, batch: int = 4, grad_accum: int = 1,
                 steps: int = 10, warmup: int = 2, tokens: str | int | None = None, tokenizer: str = "smollm2-135m",
                 dtype: str | None = None, device: str | None = None, out_dir: Path | str = "bench-train",
-                log: Callable[[str], None] = print) -> dict:
-    """Time ``steps`` training steps of each stage after ``warmup`` steps; write ``out_dir/bench_train.json``."""
+                overrides: dict | None = None, log: Callable[[str], None] = print) -> dict:
+    """Time ``steps`` training steps of each stage after ``warmup`` steps; write ``out_dir/bench_train.json``.
+    ``overrides`` (``--set``) change recipe fields; the timing options above take precedence over them."""
     from . import distributed as dist
     from . import recipe as recipes
     from .benchmodel import _versions
@@ -106,7 +107,7 @@ def bench_train(spec: str, *, random_weights: bool = False, ratio: str = "3:1", 
     grad_accum = _positive("--grad-accum", grad_accum)
     warmup = _positive("--warmup-steps", warmup)
     total = parse_tokens(tokens) if tokens is not None else None
-    rec = recipes.load(recipe)
+    rec = recipes.load(recipe, overrides or None)
     check_device(device)
     if batch % dist.world_size():  # torchrun: the global batch is split by rows
         raise LinearizeError(f"--batch {batch} cannot be split over {dist.world_size()} torchrun processes; use a "
@@ -127,7 +128,7 @@ def bench_train(spec: str, *, random_weights: bool = False, ratio: str = "3:1", 
     size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
     log(f"{name}: {describe_layout(layer_types)}, {size} parameters, {str(dt).replace('torch.', '')} on {dev}")
     result: dict[str, Any] = {
-        "model": name, "recipe": rec.name, "layout": describe_layout(layer_types), "device": str(dev),
+        "model": name, "recipe": rec.name, "overrides": dict(overrides or {}), "layout": describe_layout(layer_types), "device": str(dev),
         "dtype": str(dt).replace("torch.", ""), "seq_len": seq_len, "batch": batch, "grad_accum": grad_accum,
         "steps": steps, "warmup_steps": warmup, "world_size": dist.world_size(), "versions": _versions(),
         "date": time.strftime("%Y-%m-%d"), "stages": {},
@@ -154,7 +155,8 @@ def bench_train(spec: str, *, random_weights: bool = False, ratio: str = "3:1", 
                         # the timed steps' global losses: a run on N GPUs should log the 1-GPU run's
                         "losses": [h["loss"] for h in rep.get("history", [])],
                         # > 1: each micro-batch ran as that many passes to fit memory (linearize.memory)
-                        "passes_per_micro_batch": rep.get("passes_per_micro_batch", 1)})
+                        "passes_per_micro_batch": rep.get("passes_per_micro_batch", 1),
+                        "activation_checkpointing": bool(rep.get("activation_checkpointing", False))})
             if dev.type == "cuda":
                 row["peak_gib"] = round(torch.cuda.max_memory_allocated(dev) / 2**30, 2)
             if stage == "finetune":
@@ -168,7 +170,8 @@ def bench_train(spec: str, *, random_weights: bool = False, ratio: str = "3:1", 
             log(f"{stage}: {row['tokens_per_second']:,.0f} tokens/s ({row['seconds_per_step']} s/step"
                 + (f", peak {row['peak_gib']} GiB" if "peak_gib" in row else "")
                 + (f", {row['passes_per_micro_batch']} passes per micro-batch to fit memory"
-                   if row.get("passes_per_micro_batch", 1) > 1 else "") + ")")
+                   if row.get("passes_per_micro_batch", 1) > 1 else "")
+                + (", activation checkpointing" if row.get("activation_checkpointing") else "") + ")")
         else:  # the out-of-memory line names its stage already
             log(row["note"] if row["note"].startswith(f"{stage}:") else f"{stage}: {row['note']}")
         if main:

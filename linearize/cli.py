@@ -382,6 +382,7 @@ def bench_train_cmd(
     dtype: Optional[str] = typer.Option(None, "--dtype", help="bfloat16 | float16 | float32 (default: bfloat16 on GPU, float32 on CPU)."),
     device: Optional[str] = typer.Option(None, "--device", help="cuda | cuda:N | cpu (default: cuda when available)."),
     out: Path = typer.Option(Path("bench-train"), "-o", "--output", help="Output directory for bench_train.json."),
+    set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a recipe field: section.field=value (repeatable)."),
 ):
     """Training throughput per conversion stage and the projected conversion time (data parallel under torchrun)."""
     from .benchtrain import RESULT_FILE, bench_train, print_result
@@ -389,7 +390,7 @@ def bench_train_cmd(
     result = bench_train(spec, random_weights=random_weights, ratio=ratio, recipe=recipe, stages=stages,
                          seq_len=seq_len, batch=batch, grad_accum=grad_accum, steps=steps, warmup=warmup_steps,
                          tokens=tokens, tokenizer=tokenizer, dtype=dtype, device=device, out_dir=out,
-                         log=lambda m: err_console.print(m, highlight=False, soft_wrap=True))
+                         overrides=_overrides(set_), log=lambda m: err_console.print(m, highlight=False, soft_wrap=True))
     from .distributed import is_main
 
     if is_main():  # torchrun: rank 0 alone prints

@@ -167,43 +167,55 @@ def _measured_peak(device: torch.device, fn: Callable[[], object]) -> float | No
 
 
 def plan_pieces(stage: str, rows: int, seq_len: int, device: torch.device, run_rows: Callable[[int], object],
-                *, log: Callable[[str], None] = print, headroom: float = HEADROOM) -> int:
+                *, log: Callable[[str], None] = print, headroom: float = HEADROOM,
+                lean: tuple[str, Callable[[], None]] | None = None) -> int:
     """How many equal pieces this rank's ``rows``-row micro-batch must run as so that one forward + backward fits.
 
     ``run_rows(n)`` runs the stage's forward and backward on the first ``n`` rows of a micro-batch (the caller
-    discards the gradients afterwards). Under torchrun every rank measures and all take the largest count, so
-    they run the same number of passes. Raises :class:`~linearize.errors.ResourceError` when one row does not
-    fit. Returns 1 when ``rows`` < 2 or memory cannot be measured here."""
+    discards the gradients afterwards). ``lean = (what, switch_on)``: when one row does not fit, ``switch_on()``
+    makes the stage leaner (finetune: activation checkpointing), one line names ``what``, and the measurement
+    starts again. Under torchrun every rank measures and all take the largest count, so they run the same number
+    of passes. Raises :class:`~linearize.errors.ResourceError` when one row does not fit (after ``lean``).
+    Returns 1 when memory cannot be measured here."""
     pieces = 1
-    if rows >= 2:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # leaves dropout's RNG as is
-            base = _in_use(device)
-            p1 = _measured_peak(device, lambda: run_rows(1))
-            p2 = _measured_peak(device, lambda: run_rows(2)) if p1 is not None and p1 < math.inf else None
-        free = free_bytes(device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # leaves dropout's RNG as is
+        base = _in_use(device)
+        p1 = _measured_peak(device, lambda: run_rows(1))
+    free = free_bytes(device)
+    known = p1 is not None and free is not None and base is not None
+    if known:
+        now = _in_use(device)  # (on the CPU it includes memory the measured pass freed but kept)
+        capacity = now + headroom * free  # absolute bytes a pass may reach
+        room = now + free - base  # what a pass could use beyond what was in use before measuring
+    if p1 == math.inf or (known and p1 > capacity):
+        need = ("more than the free GPU memory" if p1 == math.inf
+                else f"~{_gb(p1 - base)} at its peak and only ~{_gb(room)} are available")
+        if lean is not None:
+            what, switch_on = lean
+            if dist.is_main():
+                log(f"{stage}: one row of {seq_len:,} tokens needs {need}: turning on {what}")
+            switch_on()
+            return plan_pieces(stage, rows, seq_len, device, run_rows, log=log, headroom=headroom)
         if p1 == math.inf:
             raise ResourceError(f"{stage}: one row of {seq_len:,} tokens does not fit in GPU memory (~{_gb(free or 0)} "
                                 f"free after it failed); lower --set {stage}.seq_len or use a GPU with more memory")
-        if p1 is not None and p2 is not None and free is not None and base is not None:
-            now = _in_use(device)  # (on the CPU it includes memory the measured passes freed but kept)
-            capacity = now + headroom * free  # absolute bytes a pass may reach
-            room = now + free - base  # what a pass could use beyond what was in use before measuring
-            if p1 > capacity:
-                raise ResourceError(
-                    f"{stage}: one row of {seq_len:,} tokens needs ~{_gb(p1 - base)} at its peak and only "
-                    f"~{_gb(room)} are available; lower --set {stage}.seq_len or use a machine with more memory")
-            if p2 == math.inf:  # two rows ran out of memory: one row per pass
-                pieces, what = rows, "more than two rows' worth"
-            else:
-                per_row = max(0, p2 - p1)
-                need = p1 + (rows - 1) * per_row
-                fit = 1 + int((capacity - p1) // per_row) if per_row else rows
-                pieces = _smallest_divisor_at_least(rows, math.ceil(rows / max(1, fit))) if need > capacity else 1
-                what = f"~{_gb(need - base)}"
-            if pieces > 1 and dist.is_main():
-                log(f"{stage}: a micro-batch of {rows} rows x {seq_len:,} tokens needs {what} at its peak and "
-                    f"~{_gb(room)} are available: running it as {pieces} passes of {rows // pieces} "
-                    f"row{'s' if rows // pieces > 1 else ''} (same effective batch; set {stage}.batch_size / "
-                    f"grad_accum to choose yourself)")
+        raise ResourceError(f"{stage}: one row of {seq_len:,} tokens needs {need}; lower --set {stage}.seq_len "
+                            f"or use a machine with more memory")
+    if known and rows >= 2:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            p2 = _measured_peak(device, lambda: run_rows(2))
+        if p2 == math.inf:  # two rows ran out of memory: one row per pass
+            pieces, what = rows, "more than two rows' worth"
+        else:
+            per_row = max(0, p2 - p1)
+            need = p1 + (rows - 1) * per_row
+            fit = 1 + int((capacity - p1) // per_row) if per_row else rows
+            pieces = _smallest_divisor_at_least(rows, math.ceil(rows / max(1, fit))) if need > capacity else 1
+            what = f"~{_gb(need - base)}"
+        if pieces > 1 and dist.is_main():
+            log(f"{stage}: a micro-batch of {rows} rows x {seq_len:,} tokens needs {what} at its peak and "
+                f"~{_gb(room)} are available: running it as {pieces} passes of {rows // pieces} "
+                f"row{'s' if rows // pieces > 1 else ''} (same effective batch; set {stage}.batch_size / "
+                f"grad_accum to choose yourself)")
     return dist.all_reduce_max(pieces, device if device.type == "cuda" else "cpu")
 

@@ -105,6 +105,9 @@ SCHEMA: dict[str, dict[str, Field]] = {
                         lambda v: v in ("linear", "all")),
         "loss": Field(str, "xent", "xent (next-token cross-entropy) or kl (KL to the teacher's logits)",
                       lambda v: v in ("xent", "kl")),
+        # decoder layers recompute their forward in the backward (linearize.memory turns it on under auto)
+        "activation_checkpointing": Field((bool, str), "auto", "auto (on when one row does not fit), true or false",
+                                          lambda v: v is True or v is False or v == "auto"),
         **_run_fields(),
     },
     "select": {  # --select auto: the probe (linearize/probe.py)

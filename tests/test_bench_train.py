@@ -46,6 +46,22 @@ def test_both_stages_timed_and_projected(tiny, tmp_path, embedded_dir):
     assert "projected conversion: 40M tokens" in r.stdout
 
 
+def test_recipe_fields_set_on_the_command_line(tiny, tmp_path, embedded_dir):
+    out = tmp_path / "bt"
+    r = run_cli("bench", "train", str(tiny), "--random-weights", "--device", "cpu", "--seq-len", "64", "--batch", "2",
+                "--steps", "1", "--warmup-steps", "1", "--stages", "finetune",
+                "--set", "finetune.activation_checkpointing=true", "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    res = json.loads((out / bt.RESULT_FILE).read_text())
+    assert res["overrides"] == {"finetune.activation_checkpointing": True}
+    row = res["stages"]["finetune"]
+    assert row["status"] == "ok" and row["activation_checkpointing"] is True
+    assert "activation checkpointing)" in r.stderr
+    bad = run_cli("bench", "train", str(tiny), "--random-weights", "--device", "cpu", "--set", "finetune.nope=1",
+                  "-o", str(tmp_path / "bt2"))
+    assert bad.returncode != 0 and "unknown field" in bad.stderr and "Traceback" not in bad.stderr
+
+
 def test_a_stage_out_of_memory_is_a_row_and_one_line(tiny, tmp_path, monkeypatch, embedded_dir):
     from linearize.errors import ResourceError
 

@@ -66,11 +66,28 @@ def test_one_row_that_does_not_fit_is_one_clear_error(monkeypatch):
     assert "--set distill.seq_len" in msg and "\n" not in msg and e.value.exit_code == 3
 
 
-def test_nothing_is_measured_for_one_row_or_without_a_meter(monkeypatch):
+def test_one_row_is_measured_once_and_nothing_splits_without_a_meter(monkeypatch):
     calls = []
-    assert M.plan_pieces("distill", 1, 2048, CPU, calls.append) == 1 and calls == []
+    _measured(monkeypatch, in_use=1, peaks=[2], free=5)
+    assert M.plan_pieces("distill", 1, 2048, CPU, calls.append) == 1 and calls == [1]
+    calls.clear()
     monkeypatch.setattr(M, "peak_bytes", lambda device, fn: (fn(), None)[1])  # cannot measure here
     assert M.plan_pieces("distill", 8, 2048, CPU, calls.append) == 1 and calls == [1]
+
+
+def test_one_row_that_does_not_fit_turns_the_lean_mode_on_and_measures_again(monkeypatch):
+    calls = _measured(monkeypatch, in_use=1, peaks=[9, 2, 3], free=5)  # lean: 1 GB a row, 4 rows fit
+    logs, switched = [], []
+    lean = ("activation checkpointing", lambda: switched.append(True))
+    assert M.plan_pieces("finetune", 16, 2048, CPU, calls.append, log=logs.append, lean=lean) == 4
+    assert switched == [True] and calls == [1, 1, 2]
+    assert logs[0] == ("finetune: one row of 2,048 tokens needs ~8.0 GB at its peak and only ~5.0 GB are available: "
+                       "turning on activation checkpointing")
+    assert "4 passes of 4 rows" in logs[1] and len(logs) == 2
+    _measured(monkeypatch, in_use=1, peaks=[9, 7], free=5)  # still too big once lean: the one-line error
+    with pytest.raises(ResourceError, match=r"^finetune: one row of 2,048 tokens needs ~6.0 GB at its peak"):
+        M.plan_pieces("finetune", 16, 2048, CPU, lambda n: None, log=logs.append, lean=lean)
+    assert switched == [True, True]
 
 
 def test_measuring_leaves_the_random_state_alone(monkeypatch):
@@ -119,7 +136,7 @@ def _force_split(monkeypatch, module, pieces: int) -> list[int]:
     """Make ``module``'s stage split each micro-batch into ``pieces`` passes; record the rows it measured."""
     seen: list[int] = []
 
-    def plan(stage, rows, seq_len, device, run_rows, log=print):
+    def plan(stage, rows, seq_len, device, run_rows, log=print, lean=None):
         run_rows(1)  # the stage's measuring pass runs
         seen.append(rows)
         return pieces
@@ -158,6 +175,35 @@ def test_a_split_finetune_step_equals_the_whole_micro_batch(corpus, monkeypatch)
                                                                       rel=1e-5)
 
 
+def test_finetune_turns_activation_checkpointing_on_when_one_row_does_not_fit(corpus, monkeypatch):  # noqa: F811
+    """The lean fallback of stage 2: decoder layers recompute their forward in the backward, the step's math is
+    unchanged, and the model comes back without checkpointing."""
+    tok = _tokenizer()
+    rec = finetune_recipe(corpus, steps=3, batch_size=2, tokens=64 * 2 * 3, copy_fraction=0.0)
+    model = finetune_hybrid()
+    grad_forwards = []  # forwards of layer 0's MLP with autograd on (inside the checkpointed region)
+    model.model.layers[0].mlp.register_forward_pre_hook(lambda mod, args: grad_forwards.append(torch.is_grad_enabled()))
+    plain, rep_plain = FT.finetune(model, tok, rec, **QUIET)
+    assert rep_plain["activation_checkpointing"] is False
+    assert sum(grad_forwards) == 2 + 3  # measuring 1 and 2 rows, 3 steps
+    peaks = iter([50, 2, 2.5])  # one row "needs" 49 GB of 5, then fits once lean; two rows fit
+    monkeypatch.setattr(M, "peak_bytes", lambda device, fn: (fn(), int(next(peaks) * GB))[1])
+    monkeypatch.setattr(M, "_in_use", lambda device: GB)
+    monkeypatch.setattr(M, "free_bytes", lambda device: 5 * GB)
+    model = finetune_hybrid()
+    grad_forwards.clear()
+    model.model.layers[0].mlp.register_forward_pre_hook(lambda mod, args: grad_forwards.append(torch.is_grad_enabled()))
+    logs = []
+    lean, rep = FT.finetune(model, tok, rec, progress=False, log=logs.append)
+    assert rep["activation_checkpointing"] is True and rep["passes_per_micro_batch"] == 1
+    assert any("turning on activation checkpointing" in m for m in logs)
+    assert not any(getattr(m, "gradient_checkpointing", False) for m in lean.modules())
+    for (k, pa), pb in zip(plain.state_dict().items(), lean.state_dict().values()):
+        assert torch.allclose(pa, pb, atol=1e-5), k
+    assert [h["loss"] for h in rep["history"]] == pytest.approx([h["loss"] for h in rep_plain["history"]], rel=1e-5)
+    assert sum(grad_forwards) == 1 + 2 * (2 + 3)  # 1 row plain; then 1 and 2 rows and 3 steps, each recomputed
+
+
 def test_running_out_of_gpu_memory_while_measuring(monkeypatch):
     """Two rows that raise torch.OutOfMemoryError: one row per pass; one row that does: one clear line."""
     def meter(fail_at):
@@ -178,3 +224,10 @@ def test_running_out_of_gpu_memory_while_measuring(monkeypatch):
     monkeypatch.setattr(M, "peak_bytes", meter(fail_at=1))
     with pytest.raises(ResourceError, match=r"^finetune: one row of 2,048 tokens does not fit in GPU memory "):
         M.plan_pieces("finetune", 8, 2048, CPU, lambda n: n)
+    lean_on = []  # out of memory at one row, then lean: measured again and fits whole
+    monkeypatch.setattr(M, "peak_bytes", lambda device, fn: meter(fail_at=1 if not lean_on else 99)(device, fn))
+    logs.clear()
+    assert M.plan_pieces("finetune", 2, 2048, CPU, lambda n: n, log=logs.append,
+                         lean=("activation checkpointing", lambda: lean_on.append(1))) == 1
+    assert lean_on == [1] and logs == ["finetune: one row of 2,048 tokens needs more than the free GPU memory: "
+                                       "turning on activation checkpointing"]
