@@ -31,8 +31,9 @@ def runs(workspace):  # noqa: F811
     r1 = subprocess.run([sys.executable, *_convert(workspace, one)], capture_output=True, text=True,
                         env=_env(workspace), timeout=300)
     assert r1.returncode == 0, r1.stderr[-2000:]
-    r2 = subprocess.run([*TORCHRUN, *_convert(workspace, two)], capture_output=True, text=True,
-                        env=_env(workspace), timeout=300)
+    # the 2-process run also checkpoints stage 2's activations: DDP with recomputed layers, same math
+    r2 = subprocess.run([*TORCHRUN, *_convert(workspace, two, "--set", "finetune.activation_checkpointing=true")],
+                        capture_output=True, text=True, env=_env(workspace), timeout=300)
     assert r2.returncode == 0, r2.stderr[-3000:]
     return one, two, r2
 
@@ -42,6 +43,7 @@ def test_two_processes_match_one(runs):
     assert res.stdout.count(f"wrote {two}") == 1  # rank 0 alone prints (and writes)
     assert sorted(p.name for p in two.parent.iterdir() if p.name.startswith((".dp-two", "dp-two"))) == ["dp-two"]
     r1, r2 = (json.loads((d / "report.json").read_text())["stages"] for d in (one, two))
+    assert r2["finetune"]["activation_checkpointing"] is True and r1["finetune"]["activation_checkpointing"] is False
     for stage in ("distill", "finetune"):
         assert r1[stage]["world_size"] == 1 and r2[stage]["world_size"] == 2  # one process group, not 2 copies
         assert r2[stage]["tokens"] == r1[stage]["tokens"] and r2[stage]["steps"] == r1[stage]["steps"]

@@ -70,10 +70,12 @@ def test_fsdp_finetune_dir_matches_one(runs, workspace):  # noqa: F811
     args = ["finetune", str(one), "--tokens", str(32 * 4 * 2 * 3), "--loss", "xent"]
     r1 = _run([*CLI, *args, "-o", str(outs[0])], workspace)
     assert r1.returncode == 0, r1.stderr[-2000:]
-    r2 = _run([*TORCHRUN, "-m", "linearize.cli", *args, "-o", str(outs[1]), "--fsdp"], workspace)
+    r2 = _run([*TORCHRUN, "-m", "linearize.cli", *args, "-o", str(outs[1]), "--fsdp",
+               "--set", "finetune.activation_checkpointing=true"], workspace)  # FSDP2 with recomputed layers
     assert r2.returncode == 0, r2.stderr[-3000:]
     r1, r2, h1, h2 = _histories(*outs, "finetune")
     assert r2["world_size"] == 2 and len(h1) == len(h2) == 3
+    assert r2["activation_checkpointing"] is True and r1["activation_checkpointing"] is False
     torch.testing.assert_close(torch.tensor(h2), torch.tensor(h1), rtol=1e-4, atol=1e-7)
     w1, w2 = _weights(outs[0]), _weights(outs[1])
     assert w1.keys() == w2.keys()
