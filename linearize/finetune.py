@@ -76,8 +76,9 @@ def fingerprint(model, recipe, data: str, seed: int, tokens: int, loss: str) -> 
     cfg = model.config
     blob = json.dumps({"base": getattr(cfg, "_name_or_path", ""), "layers": cfg.layer_types,
                        "attention": cfg.linear_attention,
-                       "finetune": {k: v for k, v in recipe["finetune"].items()
-                                    if k != "checkpoint_every" and not (k == "copy_fraction" and v == 0)
+                       "finetune": {k: v for k, v in recipe["finetune"].items()  # (memory knobs change no math)
+                                    if k not in ("checkpoint_every", "activation_checkpointing")
+                                    and not (k == "copy_fraction" and v == 0)
                                     and not (k == "layers" and v == "linear")},
                        "data": data, "seed": seed, "tokens": tokens, "loss": loss}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]

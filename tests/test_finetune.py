@@ -287,10 +287,11 @@ def test_fingerprint_mismatch_refuses(corpus, tmp_path):
             FT.finetune(model, tok, other, state_dir=tmp_path, resume=True, **QUIET, **kw)
         assert "\n" not in str(e.value)
         assert not any("lora" in n for n, _ in model.named_parameters())  # refused before any change
-    # checkpoint_every is not part of the fingerprint
-    _, rep = FT.finetune(_hybrid(), tok, _recipe(corpus, steps=2, checkpoint_every=5), state_dir=tmp_path,
+    # checkpoint_every and activation checkpointing (memory knobs) are not part of the fingerprint
+    _, rep = FT.finetune(_hybrid(), tok, _recipe(corpus, steps=2, checkpoint_every=5,
+                                                 activation_checkpointing=True), state_dir=tmp_path,
                          resume=True, **QUIET)
-    assert rep["steps"] == 2
+    assert rep["steps"] == 2 and rep["activation_checkpointing"] is True
 
 
 def test_non_finite_loss_names_step_and_keeps_checkpoint(corpus, tmp_path):
