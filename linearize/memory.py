@@ -4,9 +4,8 @@ A recipe's ``batch_size`` rows of ``seq_len`` tokens suit an H200; on a laptop C
 need several times the RAM. On Linux the kernel's out-of-memory killer then ends the process with no
 exception to catch, so the split has to be decided *before* the first full step. :func:`plan_pieces` runs
 the stage's own forward + backward on 1 and then 2 rows of the first micro-batch, reads each run's peak
-(CUDA: the caching allocator's ``max_memory_allocated``; CPU: the process's peak resident set, ``VmHWM``
-reset through ``/proc/self/clear_refs``, together with ``VmRSS`` sampled every few milliseconds: one CI kernel
-left ``VmHWM`` unchanged through a 256 MB allocation), extrapolates linearly to the whole micro-batch and compares that
+(CUDA: the caching allocator's ``max_memory_allocated``; CPU: the process's peak resident set, ``VmHWM``,
+reset through ``/proc/self/clear_refs``), extrapolates linearly to the whole micro-batch and compares that
 with what is free (CUDA: ``mem_get_info`` plus the allocator's cached blocks; CPU: ``MemAvailable``, within
 a cgroup's limit). A micro-batch that does not fit runs as ``pieces`` equal forward/backward passes whose
 gradients add up: the effective batch, the data order and the number of optimizer steps stay the same.
@@ -16,11 +15,9 @@ Without a way to measure (not Linux, no ``/proc``) nothing is split and the stag
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import math
 import re
-import threading
 from pathlib import Path
 from typing import Callable
 
@@ -74,26 +71,6 @@ def _reset_host_peak() -> bool:
     return True
 
 
-@contextlib.contextmanager
-def _sampled_host_peak(every_s: float = 0.002):
-    """Yield a one-element list holding the largest ``VmRSS`` seen every ``every_s`` seconds until the block
-    ends (a thread reads ``/proc/self/status``; torch's kernels release the GIL, so it keeps up)."""
-    peak = [_proc_bytes("/proc/self/status", "VmRSS") or 0]
-    done = threading.Event()
-
-    def sample():
-        while not done.wait(every_s):
-            peak[0] = max(peak[0], _proc_bytes("/proc/self/status", "VmRSS") or 0)
-
-    thread = threading.Thread(target=sample, name="linearize-rss-sampler", daemon=True)
-    thread.start()
-    try:
-        yield peak
-    finally:
-        done.set()
-        thread.join()
-
-
 # ----------------------------------------------------------------------------------------- both devices
 
 
@@ -135,9 +112,8 @@ def peak_bytes(device: torch.device, fn: Callable[[], object]) -> int | None:
     if device.type != "cpu" or not _reset_host_peak():
         fn()
         return None
-    with _sampled_host_peak() as sampled:
-        fn()
-    return max(sampled[0], _proc_bytes("/proc/self/status", "VmHWM") or 0)
+    fn()
+    return _proc_bytes("/proc/self/status", "VmHWM")
 
 
 # ----------------------------------------------------------------------------------------- the plan
