@@ -128,7 +128,8 @@ def bench_train(spec: str, *, random_weights: bool = False, ratio: str = "3:1", 
     size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
     log(f"{name}: {describe_layout(layer_types)}, {size} parameters, {str(dt).replace('torch.', '')} on {dev}")
     result: dict[str, Any] = {
-        "model": name, "recipe": rec.name, "overrides": dict(overrides or {}), "layout": describe_layout(layer_types), "device": str(dev),
+        "model": name, "recipe": rec.name, "overrides": dict(overrides or {}),
+        "layout": describe_layout(layer_types), "device": str(dev),
         "dtype": str(dt).replace("torch.", ""), "seq_len": seq_len, "batch": batch, "grad_accum": grad_accum,
         "steps": steps, "warmup_steps": warmup, "world_size": dist.world_size(), "versions": _versions(),
         "date": time.strftime("%Y-%m-%d"), "stages": {},
