@@ -236,10 +236,15 @@ def _set_activation_checkpointing(model, on: bool) -> None:
         fn()
 
 
+def _checkpointing_activations(model) -> bool:
+    """Whether any decoder layer of ``model`` has transformers' activation checkpointing on."""
+    return any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+
+
 def _finish(model):
     """Leave the model as callers expect it: frozen, eval mode, linear attention, no peft attributes, no
     activation checkpointing."""
-    if any(getattr(m, "gradient_checkpointing", False) for m in model.modules()):
+    if _checkpointing_activations(model):
         _set_activation_checkpointing(model, False)
     for p in model.parameters():
         p.requires_grad_(False)
@@ -409,16 +414,11 @@ def finetune(model, tokenizer, recipe, *, state_dir: Path | None = None, resume:
             with no_sync():
                 forward(ids).backward()
 
-        checkpointing = []  # [True] once activation checkpointing is on (the recipe, or linearize.memory's plan)
-
-        def checkpoint_activations() -> None:
-            _set_activation_checkpointing(model, True)
-            checkpointing.append(True)
-
         if cfg["activation_checkpointing"] is True:
-            checkpoint_activations()
+            _set_activation_checkpointing(model, True)
         lean = (("activation checkpointing (each decoder layer's forward runs again in the backward)",
-                 checkpoint_activations) if cfg["activation_checkpointing"] == "auto" else None)
+                 lambda: _set_activation_checkpointing(model, True)) if cfg["activation_checkpointing"] == "auto"
+                else None)  # linearize.memory's plan turns it on when one row does not fit
 
         with guard.stops(run, total_steps, save, opt), bar:
             task = bar.add_task("finetune", total=total_steps, completed=step, info="")
@@ -468,6 +468,7 @@ def finetune(model, tokenizer, recipe, *, state_dir: Path | None = None, resume:
         step, tokens_seen, tokens_this_run, history = (run["step"], run["tokens_seen"], run["tokens_this_run"],
                                                        run["history"])
         train_seconds = time.time() - t_train
+        checkpointed = _checkpointing_activations(model)  # (before _finish turns it off)
         after = evaluate(peft_model, model, heldout, eval_bsz)
         adapter_path = None
         if adapter_only_dir is not None:
@@ -501,7 +502,7 @@ def finetune(model, tokenizer, recipe, *, state_dir: Path | None = None, resume:
         "world_size": dist.world_size(),  # torchrun processes sharing each step's global batch
         "grad_accum": accum,
         "passes_per_micro_batch": max(1, pieces),  # > 1: split to fit memory (linearize.memory)
-        "activation_checkpointing": bool(checkpointing),  # the recipe's true, or auto when one row did not fit
+        "activation_checkpointing": checkpointed,  # the recipe's true, or auto when one row did not fit
         "copy_fraction": cfg["copy_fraction"],  # share of training rows with a long-range copy (0 = off)
         "lora": {"r": cfg["lora_r"], "alpha": cfg["lora_alpha"], "dropout": cfg["lora_dropout"],
                  "targets": list(cfg["targets"]), "layers": layers, "target_modules": target_regex,

@@ -132,10 +132,12 @@ def _gb(n: float) -> str:
 
 
 def _measured_peak(device: torch.device, fn: Callable[[], object]) -> float | None:
-    """:func:`peak_bytes` of ``fn``; ``inf`` when it ran out of GPU memory (the host's out-of-memory killer
-    cannot be caught: that is why the CPU plan is made before the first full pass)."""
+    """:func:`peak_bytes` of ``fn`` with the RNG forked (dropout's draws stay as training will see them); ``inf``
+    when it ran out of GPU memory (the host's out-of-memory killer cannot be caught: that is why the CPU plan is
+    made before the first full pass)."""
     try:
-        return peak_bytes(device, fn)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            return peak_bytes(device, fn)
     except torch.OutOfMemoryError:
         gc.collect()
         torch.cuda.empty_cache()
@@ -154,9 +156,8 @@ def plan_pieces(stage: str, rows: int, seq_len: int, device: torch.device, run_r
     of passes. Raises :class:`~linearize.errors.ResourceError` when one row does not fit (after ``lean``).
     Returns 1 when memory cannot be measured here."""
     pieces = 1
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # leaves dropout's RNG as is
-        base = _in_use(device)
-        p1 = _measured_peak(device, lambda: run_rows(1))
+    base = _in_use(device)
+    p1 = _measured_peak(device, lambda: run_rows(1))
     free = free_bytes(device)
     known = p1 is not None and free is not None and base is not None
     if known:
@@ -178,8 +179,7 @@ def plan_pieces(stage: str, rows: int, seq_len: int, device: torch.device, run_r
         raise ResourceError(f"{stage}: one row of {seq_len:,} tokens needs {need}; lower --set {stage}.seq_len "
                             f"or use a machine with more memory")
     if known and rows >= 2:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            p2 = _measured_peak(device, lambda: run_rows(2))
+        p2 = _measured_peak(device, lambda: run_rows(2))
         if p2 == math.inf:  # two rows ran out of memory: one row per pass
             pieces, what = rows, "more than two rows' worth"
         else:
