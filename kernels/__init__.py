@@ -30,6 +30,7 @@ import torch
 
 from .chunked import linear_attention_chunked, window_linear_attention_chunked
 from .reference import (
+    drop_keys,
     hedgehog_features,
     hedgehog_features_rounded,
     linear_attention_reference,
@@ -117,6 +118,12 @@ def _check(name: str, q, k, v, initial_state, qk_dim_pairs=()):
             )
 
 
+def _check_key_mask(name: str, key_mask: torch.Tensor, k: torch.Tensor) -> None:
+    if key_mask.dtype != torch.bool or tuple(key_mask.shape) != tuple(k.shape[:2]):
+        raise ValueError(f"{name}: key_mask must be a bool [B, T]={tuple(k.shape[:2])} tensor, "
+                         f"got {key_mask.dtype} {tuple(key_mask.shape)}")
+
+
 def linear_attention(
     q: torch.Tensor,  # [B, T, H, K]  feature-mapped, non-negative
     k: torch.Tensor,  # [B, T, Hk, K] feature-mapped, non-negative
@@ -127,6 +134,7 @@ def linear_attention(
     initial_state: Optional[State] = None,
     output_final_state: bool = False,
     backend: Optional[str] = None,
+    key_mask: Optional[torch.Tensor] = None,  # [B, T] bool, False = a padding token
 ) -> Tuple[torch.Tensor, Optional[State]]:
     """Causal linear attention.
 
@@ -134,8 +142,12 @@ def linear_attention(
     ``z_t = z_0 + sum_{j<=t} k_j`` (numerator only if ``normalize=False``). Query head
     ``h`` reads KV head ``h // (H // Hk)``. Returns ``(o [B,T,H,V] in v.dtype, state)``
     with ``state = (S [B,Hk,K,V] fp32, z [B,Hk,K] fp32)`` if ``output_final_state``.
+    Tokens where ``key_mask`` is False (padding) are left out of every sum and of the state.
     """
     _check("linear_attention", q, k, v, initial_state)
+    if key_mask is not None:
+        _check_key_mask("linear_attention", key_mask, k)
+        k, v = drop_keys(key_mask, k, v)
     be = _resolve_backend(backend, q)
     kw = dict(normalize=normalize, eps=eps, initial_state=initial_state, output_final_state=output_final_state)
     if be == "reference":
@@ -161,6 +173,7 @@ def window_linear_attention(
     initial_state: Optional[State] = None,
     output_final_state: bool = False,
     backend: Optional[str] = None,
+    key_mask: Optional[torch.Tensor] = None,  # [B, T] bool, False = a padding token
 ) -> Tuple[torch.Tensor, Optional[State]]:
     """LoLCATs sliding-window hybrid attention.
 
@@ -176,6 +189,11 @@ def window_linear_attention(
     prepend the previous ``W`` tokens yourself and pass the state returned for the
     tokens before them. The Triton backend runs ``W <= 128`` (fp32: ``W <= 64``) in its own kernels and
     other windows on the chunked PyTorch path.
+
+    Keys where ``key_mask`` is False (padding, e.g. the left padding of a batch of prompts) take part in
+    neither the window nor the linear sum nor the final state; the window still spans ``W`` positions, so a
+    left-padded row gets exactly the outputs of its unpadded sequence. On the Triton backend a ``key_mask``
+    runs the two-pass forward for ``W <= 64`` without gradients, the chunked PyTorch path otherwise.
     """
     _check("window_linear_attention(q,k,v)", q, k, v, None)
     _check("window_linear_attention(fq,fk,v)", fq, fk, v, initial_state)
@@ -187,6 +205,9 @@ def window_linear_attention(
     kw = dict(
         window=int(window), scale=scale, eps=eps, initial_state=initial_state, output_final_state=output_final_state
     )
+    if key_mask is not None:
+        _check_key_mask("window_linear_attention", key_mask, k)
+        kw["key_mask"] = key_mask
     if be == "reference":
         return window_linear_attention_reference(q, k, fq, fk, v, window_factor, **kw)
     if be == "torch":

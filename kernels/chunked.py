@@ -16,6 +16,8 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from .reference import drop_keys
+
 State = Tuple[torch.Tensor, torch.Tensor]
 
 CHUNK = 64
@@ -115,6 +117,7 @@ def window_linear_attention_chunked(
     initial_state: Optional[State] = None,
     output_final_state: bool = False,
     chunk_size: int = CHUNK,
+    key_mask: Optional[torch.Tensor] = None,  # [B, T] bool, False = a padding token
 ) -> Tuple[torch.Tensor, Optional[State]]:
     """Chunked LoLCATs sliding-window hybrid (same contract as the reference).
 
@@ -135,6 +138,8 @@ def window_linear_attention_chunked(
     pad = N * C - T
     dt = _acc_dtype(q, k, fq, fk, v)
     dev = q.device
+    if key_mask is not None:  # padding keys: zero features (no linear term), masked out of the window below
+        k, fk, v = drop_keys(key_mask, k, fk, v)
 
     qc = _q_chunks(_pad_t(q, pad), Hk, C, dt)  # [B, Hk, N, G*C, D]
     fqc = _q_chunks(_pad_t(fq, pad), Hk, C, dt)  # [B, Hk, N, G*C, K]
@@ -157,6 +162,9 @@ def window_linear_attention_chunked(
     valid = (n_idx - P) * C + c_idx >= 0
     win = (diff >= 0) & (diff < W) & valid  # [N, G*C, (P+1)*C]
     lin = (diff >= W) & valid
+    if key_mask is not None:  # [B, 1, N, 1, (P+1)*C]: whether the key in each span column is a real token
+        kept = _pad_t(key_mask.view(B, T, 1, 1).to(dt), pad).view(B, N, C, 1, 1).permute(0, 3, 1, 2, 4)
+        win = win & (span(kept).transpose(-1, -2) > 0.5)
 
     s = (qc @ ksp.transpose(-1, -2)) * scale  # [B, Hk, N, G*C, (P+1)*C]
     s = s.masked_fill(~win, float("-inf"))

@@ -20,6 +20,13 @@ def _acc_dtype(*ts: torch.Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in ts) else torch.float32
 
 
+def drop_keys(key_mask: torch.Tensor, *xs: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    """``xs`` (each ``[B, T, Hk, X]``) with zeros at the positions where ``key_mask [B, T]`` is False: such keys add
+    nothing to a linear-attention sum (``torch.where``, so a non-finite padding row is dropped too)."""
+    keep = key_mask.view(*key_mask.shape, 1, 1)
+    return tuple(torch.where(keep, x, x.new_zeros(())) for x in xs)
+
+
 def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     # [B, T, Hk, D] -> [B, T, Hk * groups, D]; query head h reads KV head h // groups.
     return x if groups == 1 else x.repeat_interleave(groups, dim=2)
@@ -117,6 +124,7 @@ def window_linear_attention_reference(
     eps: float = 1e-12,
     initial_state: Optional[State] = None,
     output_final_state: bool = False,
+    key_mask: Optional[torch.Tensor] = None,  # [B, T] bool, False = a padding token
 ) -> Tuple[torch.Tensor, Optional[State]]:
     """LoLCATs sliding-window hybrid, quadratic form.
 
@@ -124,7 +132,8 @@ def window_linear_attention_reference(
     linear attention to ``{j <= i-W}`` (plus the initial state), one shared
     normaliser, mixed per head by ``window_factor``. Computed with the shift
     ``m_i = max(0, max_window s_ij)`` applied to both parts (and to ``eps``) so the
-    result equals the unshifted formula exactly.
+    result equals the unshifted formula exactly. Keys where ``key_mask`` is False
+    take part in neither sum (the window stays ``W`` positions wide).
     """
     B, T, H, D = q.shape
     Hk = k.shape[2]
@@ -133,6 +142,8 @@ def window_linear_attention_reference(
     if scale is None:
         scale = D ** -0.5
     dt = _acc_dtype(q, k, fq, fk, v)
+    if key_mask is not None:
+        k, fk, v = drop_keys(key_mask, k, fk, v)
     qf, kf = q.to(dt), _expand_kv(k.to(dt), G)
     fqf, fkf = fq.to(dt), _expand_kv(fk.to(dt), G)
     vf = _expand_kv(v.to(dt), G)
@@ -140,6 +151,8 @@ def window_linear_attention_reference(
     diff = i[:, None] - i[None, :]  # i - j
     win = (diff >= 0) & (diff < W)  # [T, T]
     lin = diff >= W
+    if key_mask is not None:
+        win = win & key_mask.view(B, 1, 1, T)  # [B, 1, T, T]
     s = torch.einsum("bihd,bjhd->bhij", qf, kf) * scale  # [B, H, T, T]
     s = s.masked_fill(~win, float("-inf"))
     m = s.amax(-1, keepdim=True).clamp_min(0.0).detach()  # [B, H, T, 1]

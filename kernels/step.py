@@ -12,6 +12,8 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
+from .reference import drop_keys
+
 State = Tuple[torch.Tensor, torch.Tensor]
 
 
@@ -21,7 +23,9 @@ class WindowState(NamedTuple):
     ``S`` [B, Hk, K, V] fp32 and ``z`` [B, Hk, K] fp32: linear state of every token
     older than the window; ``k_ring`` [B, Hk, W, D], ``fk_ring`` [B, Hk, W, K],
     ``v_ring`` [B, Hk, W, V]: the last ``W`` tokens, token ``t`` in slot ``t % W``;
-    ``seen`` int64 [1]: tokens processed so far (lives on the device).
+    ``seen`` int64 [1]: tokens processed so far (lives on the device); ``keep`` bool [B, W]: False where a
+    slot holds a padding token of the prefill (left out of the window; its features are zero in the rings, so
+    it adds nothing when it leaves the window either).
     """
 
     S: torch.Tensor
@@ -30,6 +34,7 @@ class WindowState(NamedTuple):
     fk_ring: torch.Tensor
     v_ring: torch.Tensor
     seen: torch.Tensor
+    keep: torch.Tensor
 
     @property
     def window(self) -> int:
@@ -67,6 +72,7 @@ def empty_window_state(
         fk_ring=torch.zeros(batch, kv_heads, window, feature_dim, device=device, dtype=dtype),
         v_ring=torch.zeros(batch, kv_heads, window, value_dim, device=device, dtype=dtype),
         seen=torch.zeros(1, device=device, dtype=torch.int64),
+        keep=torch.ones(batch, window, device=device, dtype=torch.bool),
     )
 
 
@@ -79,14 +85,16 @@ def window_state_from_prefill(
     window: int = 64,
     *,
     offset: int = 0,
+    key_mask: Optional[torch.Tensor] = None,  # [B, T] bool, False = a padding token
 ) -> WindowState:
     """Build the decode state after a prefill.
 
     ``final_state`` is what ``window_linear_attention(..., output_final_state=True)``
-    returned for the same ``k, fk, v`` (``None`` means zeros). The last ``W`` tokens go
-    to ring slots ``position % W``; ``seen = offset + T``. ``offset`` is the absolute
+    returned for the same ``k, fk, v`` (and ``key_mask``; ``None`` means zeros). The last ``W``
+    tokens go to ring slots ``position % W``; ``seen = offset + T``. ``offset`` is the absolute
     position of ``k[:, 0]`` (0 for a fresh sequence). Prefill of T tokens followed by
-    N steps then equals one forward over T + N tokens.
+    N steps then equals one forward over T + N tokens; padding tokens (``key_mask`` False) stay
+    out of the window of every step.
     """
     B, T, Hk, D = k.shape
     W = int(window)
@@ -94,8 +102,12 @@ def window_state_from_prefill(
     st = empty_window_state(B, Hk, D, fk.shape[-1], v.shape[-1], W, dtype=k.dtype, device=k.device,
                             state_dtype=state_dtype)
     n = min(T, W)
+    if key_mask is not None:
+        k, fk, v = drop_keys(key_mask, k, fk, v)
     if n:
         slots = (torch.arange(T - n, T, device=k.device) + offset) % W
+        if key_mask is not None:
+            st.keep[:, slots] = key_mask[:, T - n :]
         st.k_ring[:, :, slots] = k[:, T - n :].transpose(1, 2).to(st.k_ring.dtype)
         st.fk_ring[:, :, slots] = fk[:, T - n :].transpose(1, 2).to(st.fk_ring.dtype)
         st.v_ring[:, :, slots] = v[:, T - n :].transpose(1, 2).to(st.v_ring.dtype)
@@ -174,7 +186,7 @@ def linear_attention_step(
 
 
 def _window_step_torch(q, k, fq, fk, v, wf, st: WindowState, scale, eps, out):
-    S, z, kr, fkr, vr, seen = st
+    S, z, kr, fkr, vr, seen, keep = st
     B, H, D = q.shape
     Hk, W = kr.shape[1], kr.shape[2]
     K, V = fkr.shape[-1], vr.shape[-1]
@@ -189,7 +201,8 @@ def _window_step_torch(q, k, fq, fk, v, wf, st: WindowState, scale, eps, out):
     kr.index_copy_(2, slot, k.unsqueeze(2).to(kr.dtype))
     fkr.index_copy_(2, slot, fk.unsqueeze(2).to(fkr.dtype))
     vr.index_copy_(2, slot, v.unsqueeze(2).to(vr.dtype))
-    valid = torch.arange(W, device=q.device) <= seen  # [W]: slots written so far
+    keep.index_fill_(1, slot, True)
+    valid = (torch.arange(W, device=q.device) <= seen) & keep.view(B, 1, 1, W)  # slots written so far, no padding
     qf = q.to(dt).reshape(B, Hk, G, D)
     fqf = fq.to(dt).reshape(B, Hk, G, K)
     s = (qf @ kr.to(dt).transpose(-1, -2)) * scale  # [B, Hk, G, W]

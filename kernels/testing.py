@@ -130,25 +130,35 @@ def check_linear(backend, B, T, H, Hk, K, V, dtype, *, normalize=True, state=Fal
         assert e <= tol_g, (name, e)
 
 
-def run_window(backend, inp, *, window, dtype=None, seed=1):
+def run_window(backend, inp, *, window, dtype=None, seed=1, key_mask=None):
     x = leaves(inp, dtype=dtype)
     if dtype is not None:
         x["window_factor"] = inp["window_factor"].detach().to(dtype).requires_grad_()
     o, (S, z) = window_linear_attention(
         x["q"], x["k"], x["fq"], x["fk"], x["v"], x["window_factor"], window=window,
-        initial_state=x.get("initial_state"), output_final_state=True, backend=backend,
+        initial_state=x.get("initial_state"), output_final_state=True, backend=backend, key_mask=key_mask,
     )
     _backward_random(o, S, z, seed)
     return o, (S, z), grads(x)
 
 
+def random_key_mask(B, T, *, seed=0, device="cpu") -> torch.Tensor:
+    """``[B, T]`` bool with about a third of the keys False (padding), row 0 starting with a masked run."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.rand(B, T, generator=g) > 0.35
+    mask[0, : max(1, T // 4)] = False
+    return mask.to(device)
+
+
 def check_window(backend, B, T, H, Hk, D, K, V, W, dtype, *, state=False, tol=None, tol_g=None, qk_std=2.0,
-                 device="cpu"):
-    """Assert a path matches the float64 reference (outputs, final state, all gradients)."""
+                 device="cpu", masked=False):
+    """Assert a path matches the float64 reference (outputs, final state, all gradients); ``masked``: both with
+    the same :func:`random_key_mask`."""
     inp = window_inputs(B, T, H, Hk, D, K, V, dtype=dtype, state=state, seed=T * 5 + W, qk_std=qk_std,
                         device=device)
-    o, st, g = run_window(backend, inp, window=W)
-    ro, rst, rg = run_window("reference", inp, window=W, dtype=F64)
+    km = random_key_mask(B, T, seed=T, device=device) if masked else None
+    o, st, g = run_window(backend, inp, window=W, key_mask=km)
+    ro, rst, rg = run_window("reference", inp, window=W, dtype=F64, key_mask=km)
     tol = tol or TOL[dtype]
     tol_g = tol_g or TOL_G[dtype]
     assert o.dtype == dtype and o.shape == (B, T, H, V)
@@ -168,3 +178,63 @@ def check_window(backend, B, T, H, Hk, D, K, V, W, dtype, *, state=False, tol=No
         assert e <= tol_g, (name, e)
 
 
+
+
+# ---------------------------------------------------------------------------
+# padding: a left-padded row computes what its unpadded sequence computes
+
+
+def check_left_padding(kind, backend, *, T=40, pad=13, H=4, Hk=2, D=16, K=16, V=16, W=8, steps=12,
+                       dtype=torch.float32, device="cpu", step_backend=None, tol=None):
+    """A batch of two rows, the second left-padded by ``pad`` tokens whose inputs are NaN: the forward (with
+    ``key_mask``) and ``steps`` decode steps after it give each row what its sequence gives alone, outputs and
+    states. ``kind``: ``"linear"`` or ``"window"``."""
+    from . import linear_attention_step, window_linear_attention_step, window_state_from_prefill
+
+    tol = tol or TOL[dtype]
+    n = T + steps
+    if kind == "linear":
+        inp = linear_inputs(2, n, H, Hk, K, V, dtype=dtype, device=device, seed=3)
+        names = ("q", "k", "v")
+    else:
+        inp = window_inputs(2, n, H, Hk, D, K, V, dtype=dtype, device=device, seed=3)
+        names = ("q", "k", "fq", "fk", "v")
+    long_seq = {name: inp[name][:1] for name in names}
+    short = {name: inp[name][1:, pad:] for name in names}  # the second row: T - pad prompt tokens, then steps
+    batch = {name: torch.cat([long_seq[name], torch.cat([torch.full_like(short[name][:, :pad], float("nan")),
+                                                         short[name]], 1)], 0) for name in names}
+    key_mask = torch.ones(2, T, dtype=torch.bool, device=device)
+    key_mask[1, :pad] = False
+
+    def prefill(x, prompt, mask):
+        args = [x[name][:, :prompt] for name in names]
+        if kind == "linear":
+            o, st = linear_attention(*args, output_final_state=True, backend=backend, key_mask=mask)
+            return o, st
+        o, st = window_linear_attention(*args, inp["window_factor"], window=W, output_final_state=True,
+                                        backend=backend, key_mask=mask)
+        return o, window_state_from_prefill(x["k"][:, :prompt], x["fk"][:, :prompt], x["v"][:, :prompt], st, W,
+                                            key_mask=mask)
+
+    def decode(x, prompt, state):
+        outs = []
+        for t in range(prompt, prompt + steps):
+            row = [x[name][:, t] for name in names]
+            if kind == "linear":
+                outs.append(linear_attention_step(*row, state, backend=step_backend))
+            else:
+                outs.append(window_linear_attention_step(*row, inp["window_factor"], state, backend=step_backend))
+        return torch.stack(outs, 1)
+
+    o, st = prefill(batch, T, key_mask)
+    steps_out = decode(batch, T, st)
+    for row, seq, prompt in ((0, long_seq, T), (1, short, T - pad)):
+        o_alone, st_alone = prefill(seq, prompt, None)
+        assert rel_err(o[row : row + 1, T - prompt :], o_alone) <= tol, (row, "prefill", rel_err(o[row:row + 1], o_alone))
+        steps_alone = decode(seq, prompt, st_alone)
+        assert rel_err(steps_out[row : row + 1], steps_alone) <= tol, (row, "steps")
+        for a, b in zip(st[:2], st_alone[:2]):  # S, z (ring slots go by absolute position, which padding shifts)
+            assert rel_err(a[row : row + 1], b) <= tol, (row, "state", tuple(a.shape))
+    if kind == "window":
+        # the ring held padding iff a padding position was among the last W; a step overwrites the oldest slot
+        assert bool(st.keep.all()) == (pad <= T - W or steps >= pad + W - T), "padding left in the ring"

@@ -115,7 +115,7 @@ def _linear_step_commit_kernel(
 @triton.jit
 def _window_step_kernel(
     Q, FQ, Kr, Vp, WF,  # q [B,H,D], fq [B,H,K] (not read with FUSE), k [B,HK,D], v [B,HK,V], wf [H] fp32
-    S, Z, KR, FKR, VR, SEEN,  # state; rings [B,HK,W,*]; seen int64 [1]
+    S, Z, KR, FKR, VR, SEEN, KEEP,  # state; rings [B,HK,W,*]; seen int64 [1]; keep bool [B,W] (False: padding)
     O,
     WQX,  # FUSE: Hedgehog map [Wq, -Wq] [H,D,K]; fq is then computed here
     H, HK, W, scale, eps, feps,
@@ -157,7 +157,8 @@ def _window_step_kernel(
         tl.store(VR + (base * W + slot) * V + ov, v_new.to(VR.dtype.element_ty), mask=mv)
     kr = tl.where(sel[:, None], k_new.to(KR.dtype.element_ty)[None, :], kr).to(tl.float32)
     vr = tl.where(sel[:, None], v_new.to(VR.dtype.element_ty)[None, :], vr).to(tl.float32)
-    valid = (ow <= t) & mw
+    kept = tl.load(KEEP + b.to(tl.int64) * W + ow, mask=mw, other=0) != 0
+    valid = (ow <= t) & mw & (kept | sel)  # the new token is never padding
     for g in tl.static_range(GH):
         # a short last head group answers the group's last head again past the end (the same row, the same value)
         h = hk * G + tl.minimum(pg * GH + g, G - 1)
@@ -180,7 +181,7 @@ def _window_step_kernel(
 
 @triton.jit
 def _window_step_commit_kernel(
-    Kr, FK, KR, FKR, Z, SEEN,  # k [B,HK,D], fk [B,HK,K] (not read with FUSE); rings; z; seen
+    Kr, FK, KR, FKR, Z, SEEN, KEEP,  # k [B,HK,D], fk [B,HK,K] (not read with FUSE); rings; z; seen; keep [B,W]
     WKX,  # FUSE: Hedgehog map [Wk, -Wk] [HK,D,K]; fk is then computed here
     Vp, S, VR,  # FOLD: v [B,HK,V], S [B,HK,K,V], value ring [B,HK,W,V]
     HK, W, feps,
@@ -188,7 +189,7 @@ def _window_step_commit_kernel(
     V: tl.constexpr, BVC: tl.constexpr, FOLD: tl.constexpr,
 ):
     """Program (batch x KV head), after :func:`_window_step_kernel`: ``z`` gains the key features leaving the
-    window, and the new token's key and key features take their ring slot. ``FOLD`` (the step kernel ran in
+    window, and the new token's key and key features take their ring slot (which no longer holds padding). ``FOLD`` (the step kernel ran in
     several head groups, so it wrote nothing): also folds the token leaving the window into ``S`` and writes
     the new value into the value ring, ``BVC`` columns at a time."""
     pbh = tl.program_id(0)
@@ -215,6 +216,8 @@ def _window_step_commit_kernel(
         fk_new = hedgehog_row(k_new.to(tl.float32), WKX, hk, od, ok, md, mk, D, K, K // 2, feps)
     else:
         fk_new = tl.load(FK + base * K + ok, mask=mk, other=0.0)
+    if hk == 0:
+        tl.store(KEEP + (pbh // HK).to(tl.int64) * W + slot, 1)
     tl.store(KR + (base * W + slot) * D + od, k_new.to(KR.dtype.element_ty), mask=md)
     tl.store(FKR + (base * W + slot) * K + ok, fk_new.to(FKR.dtype.element_ty), mask=mk)
 
@@ -387,13 +390,13 @@ def window_step_triton(q, k, fq, fk, v, wf, st, *, scale, eps=1e-12, out=None, w
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     _window_step_kernel[(B * HK, triton.cdiv(V, BV), triton.cdiv(G, GH))](
         q, q if fuse else fq.contiguous(), k, v, wf.contiguous(), st.S, st.z, st.k_ring, st.fk_ring, st.v_ring,
-        st.seen, out, wqx if fuse else q,
+        st.seen, st.keep, out, wqx if fuse else q,
         H, HK, W, float(scale), eps, float(feps), D=D, K=K, V=V, BD=BD, BK=BK, BV=BV, BW=BW, G=G, FUSE=fuse,
         GH=GH, OWN=not split, num_warps=window_step_warps(BD, BK, BV, BW, fuse),
     )
     BVC, warps = _commit_launch(BD, BK, V, fuse, split)
     _window_step_commit_kernel[(B * HK,)](
-        k, k if fuse else fk.contiguous(), st.k_ring, st.fk_ring, st.z, st.seen, wkx if fuse else k,
+        k, k if fuse else fk.contiguous(), st.k_ring, st.fk_ring, st.z, st.seen, st.keep, wkx if fuse else k,
         v, st.S, st.v_ring, HK, W, float(feps), D=D, K=K, BD=BD, BK=BK, FUSE=fuse, V=V, BVC=BVC, FOLD=split,
         num_warps=warps,
     )

@@ -152,9 +152,10 @@ def _win_softmax_kernel(
     Q, Kr, Vp, WF,  # q [B,T,H,D], k [B,T,HK,D], v [B,T,HK,V], wf [H] fp32
     OL, DL,  # the linear part from the shifted plain forward: o_lin = num_lin / den_lin [B,T,H,V], den_lin [B,T,H]
     O, MS, DEN,  # o [B,T,H,V]; m, den [B,T,H] fp32 (STORE_STATS)
+    KEEP,  # HAS_KEEP: [B,T] bool, False = a padding key (left out of the window)
     T, H, HK, W, scale, eps,
     D: tl.constexpr, V: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-    STORE_STATS: tl.constexpr, PREC: tl.constexpr,
+    STORE_STATS: tl.constexpr, PREC: tl.constexpr, HAS_KEEP: tl.constexpr,
 ):
     """Second pass of the two-pass window forward (W <= BT): one program per chunk, head and value block adds the
     exact softmax over the window (keys of this chunk and the previous one) to the linear part and normalises.
@@ -186,6 +187,11 @@ def _win_softmax_kernel(
     s_p = mm(q, tl.trans(kp), PREC) * scale
     win_c = (diff_c >= 0) & (diff_c < W)
     win_p = (diff_c + BT < W) & mtp[None, :]
+    if HAS_KEEP:
+        keep_c = tl.load(KEEP + b.to(tl.int64) * T + ot, mask=mt, other=0) != 0
+        keep_p = tl.load(KEEP + b.to(tl.int64) * T + ot - BT, mask=mtp, other=0) != 0  # the previous chunk
+        win_c = win_c & keep_c[None, :]
+        win_p = win_p & keep_p[None, :]
     m = tl.maximum(tl.max(tl.where(win_c, s_c, NEG_INF), 1), tl.max(tl.where(win_p, s_p, NEG_INF), 1))
     m = tl.maximum(m, 0.0)
     em = tl.exp(-m)
@@ -400,7 +406,8 @@ def supported(window: int, dtype: torch.dtype) -> bool:
     return _chunk_for(window, dtype) is not None
 
 
-def _fwd(q, k, fq, fk, v, wf, W, scale, eps, S0, z0, store_stats, wqx=None, wkx=None, feps=0.0, make_fk=None):
+def _fwd(q, k, fq, fk, v, wf, W, scale, eps, S0, z0, store_stats, wqx=None, wkx=None, feps=0.0, make_fk=None,
+         keep=None):
     """Launch the forward. ``fq`` / ``fk`` None: computed inside the kernel from ``wqx`` / ``wkx`` (Hedgehog,
     ``[W, -W]`` per head); a segmented launch needs ``fk`` in memory for its segment sums (``make_fk()``)."""
     B, T, H, D = q.shape
@@ -419,8 +426,8 @@ def _fwd(q, k, fq, fk, v, wf, W, scale, eps, S0, z0, store_stats, wqx=None, wkx=
     o = new_empty((B, T, H, V), dtype=v.dtype, device=dev)
     ms = new_empty((B, T, H), dtype=f32, device=dev) if store_stats else None
     den = new_empty((B, T, H), dtype=f32, device=dev) if store_stats else None
-    if CONFIG["fwd_two_pass"] and BT == 64 and (nseg == 1 or W == BT):
-        _fwd_two_pass(q, k, fq, fk, v, wf, W, scale, eps, S0, z0, o, ms, den, wqx, wkx, feps, make_fk)
+    if keep is not None or (CONFIG["fwd_two_pass"] and BT == 64 and (nseg == 1 or W == BT)):
+        _fwd_two_pass(q, k, fq, fk, v, wf, W, scale, eps, S0, z0, o, ms, den, wqx, wkx, feps, make_fk, keep)
         return o, ms, den
     # the carried linear state lags one chunk: each segment starts from the chunks before its first one's predecessor
     seg_S, seg_z = segment_starts(fk, v, HK, (S0, z0) if S0 is not None else None, nseg, seg_chunks, BT,
@@ -441,11 +448,12 @@ def _fwd(q, k, fq, fk, v, wf, W, scale, eps, S0, z0, store_stats, wqx=None, wkx=
 
 
 def _fwd_two_pass(q, k, fq, fk, v, wf, W, scale, eps, S0, z0, o, ms, den, wqx=None, wkx=None, feps=0.0,
-                  make_fk=None):
+                  make_fk=None, keep=None):
     """``CONFIG["fwd_two_pass"]``: the linear part ``sum_{j <= t-W} (fq_t.fk_j) v_j`` and its normaliser by the
     plain forward with keys and values shifted by ``W`` (``o_lin``, ``den_lin``; with ``fq`` None it computes
     the Hedgehog features itself, as in :func:`_fwd`), then :func:`_win_softmax_kernel` (writes ``o`` and, if
-    given, the backward's ``ms`` / ``den``)."""
+    given, the backward's ``ms`` / ``den``). ``keep`` ``[B, T]`` bool: the window leaves out the keys marked
+    False (the caller has zeroed their ``k``, ``fk``, ``v``, so the linear part has none of them)."""
     from .triton_linear import _fwd as linear_fwd
 
     B, T, H, D = q.shape
@@ -462,9 +470,9 @@ def _fwd_two_pass(q, k, fq, fk, v, wf, W, scale, eps, S0, z0, o, ms, den, wqx=No
     launch(
         _win_softmax_kernel, (triton.cdiv(T, 64), B * H, triton.cdiv(V, BV)),
         q, k, v, wf, o_lin, den_lin, o, ms if ms is not None else dummy, den if den is not None else dummy,
-        T, H, HK, W, scale, eps,
+        keep if keep is not None else dummy, T, H, HK, W, scale, eps,
         D=D, V=V, BD=pow2(D), BV=BV, BT=64, STORE_STATS=ms is not None, PREC=prec(q.dtype),
-        num_warps=CONFIG["softmax_warps"],
+        HAS_KEEP=keep is not None, num_warps=CONFIG["softmax_warps"],
     )
 
 
@@ -564,11 +572,24 @@ class _WindowAttention(torch.autograd.Function):
 def window_linear_attention_triton(
     q, k, fq, fk, v, window_factor, *, window: int = 64, scale: Optional[float] = None, eps: float = 1e-12,
     initial_state: Optional[Tuple[torch.Tensor, torch.Tensor]] = None, output_final_state: bool = False,
+    key_mask: Optional[torch.Tensor] = None,
 ):
     """Triton path of :func:`linearize.kernels.window_linear_attention` (``window <= 128``, fp32 ``<= 64``; other
-    windows run the chunked PyTorch path)."""
+    windows run the chunked PyTorch path). With a ``key_mask``: the two-pass forward with the padding keys left out
+    (``window <= 64``, no gradient; otherwise the chunked PyTorch path)."""
     ensure_applied(q.device)  # this GPU's saved launch configuration (bench kernels --tune), once
     W = int(window)
+    if key_mask is not None:
+        grads = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (q, k, fq, fk, v, window_factor, *(initial_state or ())))
+        if grads or _chunk_for(W, q.dtype) != 64:
+            from .chunked import window_linear_attention_chunked
+
+            return window_linear_attention_chunked(q, k, fq, fk, v, window_factor, window=W, scale=scale, eps=eps,
+                                                   initial_state=initial_state,
+                                                   output_final_state=output_final_state, key_mask=key_mask)
+        return _masked_forward(q, k, fq, fk, v, window_factor, W, scale, eps, initial_state, output_final_state,
+                               key_mask)
     if not supported(W, q.dtype):
         from .chunked import window_linear_attention_chunked
 
@@ -583,6 +604,23 @@ def window_linear_attention_triton(
         S0, z0 = initial_state[0].float().contiguous(), initial_state[1].float().contiguous()
     o, S_f, z_f = _WindowAttention.apply(q, k, fq, fk, v, wf, S0, z0, W, float(scale), float(eps), output_final_state)
     return o, ((S_f, z_f) if output_final_state else None)
+
+
+def _masked_forward(q, k, fq, fk, v, window_factor, W, scale, eps, initial_state, output_final_state, key_mask):
+    """Inference forward of a padded batch (``key_mask`` False = padding): the padding rows of ``k``, ``fk``,
+    ``v`` zeroed, then the two-pass forward whose window kernel reads the mask."""
+    from .reference import drop_keys
+
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    k, fk, v = drop_keys(key_mask, k, fk, v)
+    q, k, fq, fk, v = (x.contiguous() for x in (q, k, fq, fk, v))
+    S0 = z0 = None
+    if initial_state is not None:
+        S0, z0 = initial_state[0].float().contiguous(), initial_state[1].float().contiguous()
+    o, _, _ = _fwd(q, k, fq, fk, v, window_factor.float().contiguous(), W, float(scale), float(eps), S0, z0,
+                   store_stats=False, keep=key_mask.contiguous())
+    return o, (_final_state(fk, v, W, S0, z0) if output_final_state else None)
 
 
 def window_linear_attention_hedgehog_triton(

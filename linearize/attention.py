@@ -99,6 +99,23 @@ def arch_spec(model_type: str) -> ArchSpec:
     return ARCHITECTURES[model_type]
 
 
+def real_tokens(attention_mask, T: int) -> torch.Tensor | None:
+    """``[B, T]`` bool: which of a forward's ``T`` (> 1) tokens are not padding, read from the attention mask the
+    decoder layer passes on (the 2-D padding mask of flash attention, or the 4-D mask of SDPA / eager attention,
+    where a padding query attends to nothing, not even itself); None when every token is real, for a single
+    decode token (generation appends real tokens only) and for masks of another kind."""
+    if T < 2 or not torch.is_tensor(attention_mask):
+        return None
+    if attention_mask.dim() == 2:
+        real = attention_mask[:, -T:].bool()
+    elif attention_mask.dim() == 4 and attention_mask.shape[-2] == T:
+        diag = attention_mask[:, 0].diagonal(offset=attention_mask.shape[-1] - T, dim1=-2, dim2=-1)  # [B, T]
+        real = diag if diag.dtype == torch.bool else diag > torch.finfo(diag.dtype).min / 2
+    else:
+        return None
+    return None if bool(real.all()) else real
+
+
 class LinearAttention(nn.Module):
     """A linear (optionally sliding-window hybrid) attention layer built from an original module.
 
@@ -234,13 +251,17 @@ class LinearAttention(nn.Module):
             self._signed_weights = cached
         return cached[1]
 
-    def linear_attention(self, q, k, v, layer_cache=None) -> torch.Tensor:
-        """The converted attention over ``[B, T, *, D]`` inputs, continuing ``layer_cache`` if given."""
+    def linear_attention(self, q, k, v, layer_cache=None, real: torch.Tensor | None = None) -> torch.Tensor:
+        """The converted attention over ``[B, T, *, D]`` inputs, continuing ``layer_cache`` if given. ``real``
+        ``[B, T]`` bool marks the tokens that are not padding (None: all are); padding keys are left out of every
+        sum, state and window, so a left-padded row computes what its unpadded sequence computes."""
         T = q.shape[1]
         state = layer_cache.state if layer_cache is not None else None
         want_state = layer_cache is not None
         decode = state is not None and T == 1
-        fused = self.fused_features(q, k, decode)  # Hedgehog features inside the kernels
+        if state is not None and self.window > 0 and not decode and real is None and not bool(state.keep.all()):
+            real = q.new_ones(q.shape[:2], dtype=torch.bool)  # the ring holds padding: mask it in the continuation
+        fused = real is None and self.fused_features(q, k, decode)  # Hedgehog features inside the kernels
         fq = None if fused else self.features(self.feature_map_q, q)
         # key features stay in memory without fusion, and for a window layer's prefill into a cache (its ring)
         fk = (None if (fused and (decode or self.window == 0 or (state is None and not want_state)))
@@ -261,7 +282,7 @@ class LinearAttention(nn.Module):
                                                          initial_state=state, output_final_state=want_state)
             else:
                 o, new_state = linear_attention(fq, fk, v, eps=self.eps, initial_state=state,
-                                                output_final_state=want_state)
+                                                output_final_state=want_state, key_mask=real)
             if want_state:
                 layer_cache.set_state(new_state, T)
             return o
@@ -289,6 +310,8 @@ class LinearAttention(nn.Module):
             q = torch.cat([q.new_zeros(q.shape[0], n_prev, *q.shape[2:]), q], dim=1)
             if fq is not None:
                 fq = torch.cat([fq.new_zeros(fq.shape[0], n_prev, *fq.shape[2:]), fq], dim=1)
+            if real is not None:
+                real = torch.cat([state.keep[:, order], real], dim=1)
             init = (state.S, state.z)
         if fused:  # the prepended zero queries get features too; their outputs are dropped below
             o, final = window_linear_attention_hedgehog(
@@ -297,10 +320,11 @@ class LinearAttention(nn.Module):
                 output_final_state=want_state)
         else:
             o, final = window_linear_attention(q, k, fq, fk, v, wf, window=self.window, scale=self.scaling,
-                                               eps=self.eps, initial_state=init, output_final_state=want_state)
+                                               eps=self.eps, initial_state=init, output_final_state=want_state,
+                                               key_mask=real)
         if want_state:
             seen_before = int(state.seen.item()) - n_prev if state is not None else 0
-            new_state = window_state_from_prefill(k, fk, v, final, self.window, offset=seen_before)
+            new_state = window_state_from_prefill(k, fk, v, final, self.window, offset=seen_before, key_mask=real)
             layer_cache.state = None
             layer_cache.set_state(new_state, T)
         return o[:, n_prev:]
@@ -323,7 +347,7 @@ class LinearAttention(nn.Module):
             self.distill_xent = self.attention_xent(q, k, self.xent_rows) if self.xent_rows > 0 else None
             o = teacher
         else:
-            o = self.linear_attention(q, k, v, layer_cache)
+            o = self.linear_attention(q, k, v, layer_cache, real=real_tokens(attention_mask, T))
         o = o.reshape(B, T, self.num_heads * self.head_dim).to(hidden_states.dtype)
         return self.o_proj(o), None
 

@@ -110,7 +110,7 @@ def cache_bytes(config, seq_len: int, batch: int = 1, dtype_bytes: int = 2) -> d
     f = build_feature_map(la.get("feature_map", "hedgehog"), 1, d, **fm_params).feature_dim
     window = int(la.get("window") or 0)
     state = batch * kv * (f * d + f) * 4  # fp32 S and z
-    ring = batch * kv * window * (d + f + d) * dtype_bytes
+    ring = batch * kv * window * (d + f + d) * dtype_bytes + batch * window  # + which slots hold padding (bool)
     n_full = sum(t != "linear_attention" for t in layer_types)
     n_lin = n - n_full
     return {"original": n * kv_layer, "hybrid": n_full * kv_layer + n_lin * (state + ring)}

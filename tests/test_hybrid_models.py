@@ -82,6 +82,72 @@ def test_generate(family):
     assert torch.equal(out, seq)
 
 
+def _generate(hybrid, ids, mask, **kw):
+    out = hybrid.generate(ids, attention_mask=mask, max_new_tokens=10, pad_token_id=0, return_dict_in_generate=True,
+                          output_logits=True, **kw)
+    return out.sequences[:, ids.shape[1]:], torch.stack(out.logits, 1)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "granite", "mixtral"])
+@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_batched_generation_with_left_padding(family, recipe, attn):
+    """A left-padded batch generates what each prompt generates alone: the 5-token prompt's window ring (W = 8)
+    holds padding for its first decode steps, the linear states must not see the padding at all."""
+    hybrid = linearize_model(tiny_model(family), select_layout(4, ratio="3:1"), R.load(recipe, RECIPES[recipe]))
+    hybrid.config._attn_implementation = attn
+    torch.manual_seed(1)
+    prompts = [torch.randint(1, 128, (1, n)) for n in (30, 5, 17)]
+    alone = [_generate(hybrid, p, torch.ones_like(p), do_sample=False) for p in prompts]
+    ids = torch.zeros(3, 30, dtype=torch.long)
+    mask = torch.zeros(3, 30, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, 30 - p.shape[1]:], mask[i, 30 - p.shape[1]:] = p[0], 1
+    tokens, logits = _generate(hybrid, ids, mask, do_sample=False)
+    for i, (tok, lg) in enumerate(alone):
+        assert torch.equal(tokens[i], tok[0]), i
+        assert (logits[i] - lg[0]).abs().max().item() <= 1e-4, i
+    # beam search reorders the padded rows' states with the rest of the cache
+    beams = [hybrid.generate(p, attention_mask=torch.ones_like(p), max_new_tokens=6, num_beams=3, do_sample=False,
+                             pad_token_id=0)[0, p.shape[1]:] for p in prompts]
+    batched = hybrid.generate(ids, attention_mask=mask, max_new_tokens=6, num_beams=3, do_sample=False, pad_token_id=0)
+    for i, b in enumerate(beams):
+        assert torch.equal(batched[i, 30:], b), i
+
+
+def test_padded_prefill_in_two_chunks():
+    """A left-padded prompt fed to the cache in two pieces (the ring of the first still holding padding) gives the
+    logits of its unpadded prompt in one piece."""
+    hybrid = linearize_model(tiny_model("llama"), select_layout(4, ratio="1:0"), R.load("lolcats", RECIPES["lolcats"]))
+    torch.manual_seed(2)
+    prompt = torch.randint(1, 128, (1, 14))
+    with torch.no_grad():
+        ref = hybrid(prompt, use_cache=False).logits
+        ids = torch.cat([torch.zeros(1, 6, dtype=torch.long), prompt], 1)
+        mask = torch.cat([torch.zeros(1, 6, dtype=torch.long), torch.ones_like(prompt)], 1)
+        pos = (mask.cumsum(1) - 1).clamp_min(0)  # what generate() passes: positions count real tokens only
+        first = hybrid(ids[:, :10], attention_mask=mask[:, :10], position_ids=pos[:, :10], use_cache=True)
+        second = hybrid(ids[:, 10:], attention_mask=mask, position_ids=pos[:, 10:], cache=_cache(first), use_cache=True)
+    assert (torch.cat([first.logits[:, 6:], second.logits], 1) - ref).abs().max().item() <= 1e-4
+
+
+def test_real_tokens_from_attention_masks():
+    from linearize.attention import real_tokens
+
+    pad = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+    assert real_tokens(None, 4) is None and real_tokens(pad, 1) is None
+    assert torch.equal(real_tokens(pad, 4), pad.bool())
+    assert real_tokens(pad, 2) is None  # the last two tokens are real in both rows
+    causal = torch.ones(4, 6, dtype=torch.bool).tril(2)  # 2 cached tokens, 4 new ones
+    four_d = causal.expand(2, 1, 4, 6).clone()
+    four_d[0, 0, :, :3] = False  # row 0: the first cached token and the first new one are padding
+    four_d[0, 0, 0] = False
+    assert torch.equal(real_tokens(four_d, 4), torch.tensor([[False, True, True, True], [True, True, True, True]]))
+    additive = torch.zeros(2, 1, 4, 6).masked_fill(~four_d, torch.finfo(torch.float32).min)
+    assert torch.equal(real_tokens(additive, 4), real_tokens(four_d, 4))
+    assert real_tokens(causal.expand(2, 1, 4, 6), 4) is None
+
+
 def _tiny_tokenizer(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

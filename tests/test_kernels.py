@@ -22,6 +22,7 @@ from linearize.kernels import (
     window_state_from_prefill,
 )
 from linearize.kernels.reference import linear_attention_reference, window_linear_attention_reference
+from linearize.kernels.testing import check_left_padding
 from linearize.kernels.testing import check_linear, check_window, linear_inputs, rel_err, window_inputs
 
 F64 = torch.float64
@@ -221,6 +222,40 @@ def test_window_step_matches_forward(prefill, W, dtype):
     tol = TOL[dtype]
     assert rel_err(torch.stack(outs, 1), o_full[:, prefill:]) < tol
     assert rel_err(state.S, st_full[0]) < 1e-5 and rel_err(state.z, st_full[1]) < 1e-5
+
+
+# ---------------------------------------------------------------------------
+# padding (key_mask)
+
+
+@pytest.mark.parametrize("kind", ["linear", "window"])
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+@pytest.mark.parametrize("T,pad,W,steps", [(40, 13, 8, 12), (12, 7, 8, 2), (12, 7, 8, 9), (40, 13, 64, 5)],
+                         ids=["ring-real", "ring-padded", "padding-leaves-ring", "W64"])
+def test_left_padding_equals_unpadded(kind, backend, T, pad, W, steps):
+    """A left-padded row (NaN inputs at the padding) gets its unpadded sequence's outputs and state, in the
+    forward and in the decode steps after it, also while the window ring still holds padding."""
+    check_left_padding(kind, backend, T=T, pad=pad, W=W, steps=steps)
+
+
+def test_left_padding_bf16():
+    check_left_padding("window", "torch", dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("B,T,W,state", [(2, 150, 8, True), (2, 63, 64, False), (1, 1, 64, False), (2, 200, 64, True)])
+def test_window_key_mask_torch_vs_reference(B, T, W, state):
+    """Any padding pattern (a third of the keys, a masked leading run): the chunked path matches the reference
+    on outputs, final state and every gradient."""
+    check_window("torch", B, T, 4, 2, 16, 8, 8, W, torch.float32, state=state, masked=True)
+
+
+def test_key_mask_must_be_bool_b_by_t():
+    inp = window_inputs(2, 10, 2, 2, 8, 8, 8)
+    args = [inp[n] for n in ("q", "k", "fq", "fk", "v", "window_factor")]
+    with pytest.raises(ValueError, match="key_mask"):
+        window_linear_attention(*args, window=4, key_mask=torch.ones(2, 10))
+    with pytest.raises(ValueError, match="key_mask"):
+        linear_attention(inp["fq"], inp["fk"], inp["v"], key_mask=torch.ones(2, 9, dtype=torch.bool))
 
 
 # ---------------------------------------------------------------------------

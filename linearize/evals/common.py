@@ -275,9 +275,9 @@ def greedy_generate(handle: ModelHandle, prompts: list[list[int]], max_new_token
                     on_batch: Callable[[int], None] | None = None) -> list[list[int]]:
     """Greedy continuation of each prompt (token ids in, new token ids out).
 
-    Prompts are only batched together when they have the same length, so no padding
-    (and no left-padding support from converted hybrids) is ever needed. ``batch_size``
-    None picks :func:`auto_batch_size` per prompt length."""
+    Prompts are only batched together when they have the same length (the tasks build prompts of exactly
+    the requested length), so no compute goes to padding. ``batch_size`` None picks
+    :func:`auto_batch_size` per prompt length."""
     from transformers import GenerationConfig
 
     model = handle.model
