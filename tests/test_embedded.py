@@ -99,6 +99,31 @@ def test_prefill_100_then_20_steps_equals_full(embedded_dir, recipe, dtype, tol)
     assert (torch.cat(logits, 1) - full).abs().max().item() <= tol
 
 
+def test_left_padded_batch_generates_each_prompt(converted):
+    """The checkpoint as users batch it: the tokenizer pads on the left, and each row generates the tokens (and
+    logits) of its prompt alone, the short prompt's window ring holding padding for its first steps."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(converted, padding_side="left")
+    tok.pad_token = tok.pad_token or tok.eos_token
+    ids = _prompt_ids(tok, 150)[0]
+    texts = [tok.decode(ids[:n]) for n in (6, 150, 45)]
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id, return_dict_in_generate=True,
+              output_logits=True)
+    with torch.no_grad():
+        batch = tok(texts, return_tensors="pt", padding=True)
+        assert (batch.attention_mask == 0).any()
+        out = model.generate(**batch, **kw)
+        width = batch.input_ids.shape[1]
+        for i, text in enumerate(texts):
+            alone = model.generate(**tok(text, return_tensors="pt"), **kw)
+            n = alone.sequences.shape[1] - 8
+            assert torch.equal(out.sequences[i, width:], alone.sequences[0, n:]), i
+            diff = max((a[i] - b[0]).abs().max().item() for a, b in zip(out.logits, alone.logits))
+            assert diff <= 3e-4, (i, diff)
+
+
 BAD_INPUTS = [
     (["convert", "no-such-model", "--no-train"], "unknown model spec"),
     (["convert", "smollm2-135m", "--ratio", "3:0:1", "--no-train"], "--ratio"),
