@@ -261,11 +261,14 @@ class LinearAttention(nn.Module):
         decode = state is not None and T == 1
         if state is not None and self.window > 0 and not decode and real is None and not bool(state.keep.all()):
             real = q.new_ones(q.shape[:2], dtype=torch.bool)  # the ring holds padding: mask it in the continuation
-        fused = real is None and self.fused_features(q, k, decode)  # Hedgehog features inside the kernels
+        recording = layer_cache is not None and layer_cache.record_past  # crop() may take these tokens back
+        fused = real is None and not recording and self.fused_features(q, k, decode)  # features inside the kernels
         fq = None if fused else self.features(self.feature_map_q, q)
         # key features stay in memory without fusion, and for a window layer's prefill into a cache (its ring)
         fk = (None if (fused and (decode or self.window == 0 or (state is None and not want_state)))
               else self.features(self.feature_map_k, k))
+        if recording:
+            layer_cache.record(k, fk, v, real, self.window)
         if self.window == 0:
             if decode:
                 if fused:

@@ -8,12 +8,19 @@ position ids come out as for a plain dynamic cache.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
 from .select import FULL
+
+#: tokens a :meth:`HybridCache.crop` may take back (assisted / speculative decoding drafts are far shorter)
+CROP_TOKENS = 256
+#: transformers releases before 5.2x call ``crop(max_length)`` with the length to keep, later ones with minus the
+#: number of tokens to remove
+_CROP_TAKES_LENGTH = "max_length" in inspect.signature(DynamicLayer.crop).parameters
 
 
 class LinearStateLayer(CacheLayerMixin):
@@ -26,6 +33,8 @@ class LinearStateLayer(CacheLayerMixin):
         super().__init__()
         self.state: Any = None  # (S, z) tuple or a WindowState
         self.seen = 0
+        self.record_past = False  # keep the recent tokens so that crop() can take them back
+        self.history: tuple[torch.Tensor, ...] | None = None  # (k, fk, v [B, Hk, n, *], keep [B, n]) of the last n
 
     def lazy_initialization(self, key_states=None, value_states=None) -> None:
         self.is_initialized = True
@@ -55,6 +64,7 @@ class LinearStateLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.state = None
         self.seen = 0
+        self.history = None
         self.is_initialized = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -62,6 +72,62 @@ class LinearStateLayer(CacheLayerMixin):
             self.state = type(self.state)(*(
                 t if t.dim() == 1 else t.index_select(0, beam_idx.to(t.device)) for t in self.state
             )) if hasattr(self.state, "_fields") else tuple(t.index_select(0, beam_idx.to(t.device)) for t in self.state)
+        if self.history is not None:
+            self.history = tuple(t.index_select(0, beam_idx.to(t.device)) for t in self.history)
+
+    # -- taking tokens back (assisted / speculative decoding) ------------------------------------
+    def activate_past_recording(self) -> None:
+        """Keep the last ``window + CROP_TOKENS`` tokens' keys, key features and values from now on."""
+        self.record_past = True
+
+    @property
+    def is_croppable(self) -> bool:
+        return self.record_past
+
+    def record(self, k: torch.Tensor, fk: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None, window: int):
+        """Append a forward's tokens (``k [B, T, Hk, D]``, ``fk``, ``v`` alike, ``keep [B, T]`` or None) to the
+        history, which holds the last ``window + CROP_TOKENS``."""
+        new = [x.detach().transpose(1, 2) for x in (k, fk, v)]
+        new.append(keep if keep is not None else torch.ones(k.shape[:2], dtype=torch.bool, device=k.device))
+        if self.history is not None:
+            new = [torch.cat([h, x], dim=2 if x.dim() == 4 else 1) for h, x in zip(self.history, new)]
+        cap = int(window) + CROP_TOKENS
+        self.history = tuple(x[:, :, -cap:] if x.dim() == 4 else x[:, -cap:] for x in new)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Take back the last ``-tokens_to_remove`` tokens: their terms leave ``S, z`` (subtracted, so equal to
+        the state that never saw them up to fp32 rounding) and the window ring is rebuilt from the history."""
+        from .kernels import window_state_from_prefill
+
+        r = -int(tokens_to_remove)
+        if r <= 0 or self.state is None:
+            return
+        windowed = hasattr(self.state, "_fields")
+        W = self.state.window if windowed else 0
+        held = 0 if self.history is None else self.history[3].shape[1]
+        if not self.record_past or r > self.seen or held < min(self.seen, r + W):
+            raise RuntimeError(f"a linear-attention state can take back at most its last {CROP_TOKENS} tokens, and "
+                               f"only after activate_past_recording() (asked for {r}, {held} recorded)")
+        k, fk, v, keep = self.history
+        first = self.seen - held  # absolute position of the history's first token
+        seen = self.seen - r
+
+        def drop(lo: int, hi: int, S: torch.Tensor, z: torch.Tensor):  # remove positions [lo, hi) from S, z
+            if hi > lo:
+                f, vv = fk[:, :, lo - first:hi - first].to(S.dtype), v[:, :, lo - first:hi - first].to(S.dtype)
+                S = S - torch.einsum("bhtk,bhtv->bhkv", f, vv)
+                z = z - f.sum(2)
+            return S, z
+
+        if not windowed:
+            self.state = drop(seen, self.seen, *self.state)
+        else:  # S holds the tokens older than the window: positions < seen - W after the crop
+            S, z = drop(max(seen - W, 0), max(self.seen - W, 0), self.state.S, self.state.z)
+            lo = max(seen - W, 0)
+            ring = [x[:, :, lo - first:seen - first].transpose(1, 2) for x in (k, fk, v)]
+            self.state = window_state_from_prefill(*ring, (S, z), W, offset=lo, key_mask=keep[:, lo - first:seen - first])
+        self.history = tuple(x[:, :, : held - r] if x.dim() == 4 else x[:, : held - r] for x in self.history)
+        self.seen = seen
 
     def offload(self):  # states are small; nothing to offload
         pass
@@ -96,8 +162,25 @@ class HybridCache(Cache):
             return 0
         return self.layers[layer_idx].get_seq_length()
 
-    def crop(self, max_length: int) -> None:
-        raise NotImplementedError("a linear-attention state cannot be cropped (no speculative decoding)")
+    def crop(self, tokens_to_remove: int) -> None:
+        """Take back the last ``-tokens_to_remove`` tokens (transformers >= 5.2x; older releases pass the length to
+        keep, which is understood too). Linear layers need :meth:`activate_past_recording` first, which
+        ``generate()`` calls for assisted decoding."""
+        if _CROP_TAKES_LENGTH and tokens_to_remove >= 0:
+            remove = self.get_seq_length() - tokens_to_remove
+        else:
+            remove = -tokens_to_remove
+        for layer in self.layers:
+            layer.crop(-remove if isinstance(layer, LinearStateLayer) else tokens_to_remove)
+
+    def activate_past_recording(self) -> None:
+        for layer in self.layers:
+            if hasattr(layer, "activate_past_recording"):
+                layer.activate_past_recording()
+
+    @property
+    def is_croppable(self) -> bool:
+        return all(getattr(layer, "is_croppable", True) for layer in self.layers)
 
     @property
     def nbytes(self) -> int:

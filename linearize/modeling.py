@@ -154,6 +154,8 @@ class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
             c = model_kwargs.get(key)
             if isinstance(c, Cache) and not isinstance(c, HybridCache) and not getattr(c, "_is_user_defined", False):
                 model_kwargs[key] = self.new_cache()
+                if getattr(generation_config, "is_assistant", False):  # an assistant's drafts are taken back
+                    model_kwargs[key].activate_past_recording()
         return out
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, cache=None,

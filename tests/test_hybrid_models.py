@@ -131,6 +131,102 @@ def test_padded_prefill_in_two_chunks():
     assert (torch.cat([first.logits[:, 6:], second.logits], 1) - ref).abs().max().item() <= 1e-4
 
 
+def _recorded_run(hybrid, ids, mask, pieces):
+    """Feed ``ids[:, :sum(pieces)]`` to a fresh recording cache in pieces of these lengths; return the cache."""
+    cache = hybrid.new_cache()
+    cache.activate_past_recording()
+    pos = (mask.cumsum(1) - 1).clamp_min(0)
+    at = 0
+    with torch.no_grad():
+        for n in pieces:
+            hybrid(ids[:, at:at + n], attention_mask=mask[:, :at + n], position_ids=pos[:, at:at + n], cache=cache,
+                   use_cache=True)
+            at += n
+    return cache
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("remove", [1, 4, 9, 13])
+def test_crop_takes_tokens_back(recipe, remove):
+    """crop(-r) after a padded prefill of 18, 9 single steps and a 4-token forward (31 tokens): the cache then
+    continues exactly as one that never saw the last r tokens, also when they span several forwards and the
+    window (W = 8) must be rebuilt from before them."""
+    torch.manual_seed(3)
+    hybrid = linearize_model(tiny_model("llama").double(), select_layout(4, ratio="1:1"),
+                             R.load(recipe, RECIPES[recipe]))
+    ids = torch.randint(1, 128, (2, 34))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # row 1 is left-padded: its ring holds padding early on
+    pieces = [18] + [1] * 9 + [4]
+    cache = _recorded_run(hybrid, ids, mask, pieces)
+    cache.crop(-remove)
+    assert cache.get_seq_length() == 31 - remove
+    kept = 31 - remove
+    ref_pieces, left = [], kept
+    for n in pieces:
+        if left > 0:
+            ref_pieces.append(min(n, left))
+            left -= n
+    ref = _recorded_run(hybrid, ids, mask, ref_pieces)
+    new = torch.randint(1, 128, (2, 3))  # a different continuation than the tokens taken back
+    m = torch.cat([mask[:, :kept], torch.ones_like(new)], 1)
+    pos = (m.cumsum(1) - 1).clamp_min(0)[:, kept:]
+    with torch.no_grad():
+        a = hybrid(new, attention_mask=m, position_ids=pos, cache=cache, use_cache=True).logits
+        b = hybrid(new, attention_mask=m, position_ids=pos, cache=ref, use_cache=True).logits
+    assert (a - b).abs().max().item() <= 1e-9
+
+
+def test_crop_needs_recording_and_history():
+    hybrid = linearize_model(tiny_model("llama"), select_layout(4, ratio="1:1"), R.load("lolcats", RECIPES["lolcats"]))
+    ids = torch.randint(1, 128, (1, 12))
+    with torch.no_grad():
+        out = hybrid(ids, use_cache=True)
+    with pytest.raises(RuntimeError, match="activate_past_recording"):
+        _cache(out).crop(-2)
+    from linearize.cache import CROP_TOKENS
+
+    cache = _recorded_run(hybrid, torch.randint(1, 128, (1, CROP_TOKENS + 40)), torch.ones(1, CROP_TOKENS + 40,
+                                                                                            dtype=torch.long),
+                          [CROP_TOKENS + 40])
+    cache.crop(-CROP_TOKENS)  # as far back as the history reaches
+    with pytest.raises(RuntimeError, match=f"at most its last {CROP_TOKENS} tokens"):
+        cache.crop(-30)
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_assisted_and_prompt_lookup_decoding_equal_greedy(recipe):
+    """Speculative decoding through generate(): drafts from a prompt lookup (whose rejected drafts are taken back
+    from the hybrid's cache, 3 and 6 tokens at a time) and from a hybrid assistant model give greedy's tokens."""
+    main = linearize_model(tiny_model("llama", seed=0).double(), select_layout(4, ratio="3:1"),
+                           R.load(recipe, RECIPES[recipe]))
+    helper = linearize_model(tiny_model("llama", seed=1).double(), select_layout(4, ratio="1:0"),
+                             R.load(recipe, RECIPES[recipe]))
+    torch.manual_seed(0)
+    ids = torch.randint(1, 128, (1, 20))
+    greedy = main.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=30, do_sample=False)
+    g = greedy[0, -1].item()  # the token this random model repeats: a bait for the prompt lookup
+    prompt = torch.cat([ids, torch.tensor([[g, g, g, 5, 6, 7, 8, 9, 10, 11]]), ids[:, :5]], 1)
+    kw = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=30, do_sample=False)
+    want = main.generate(prompt, **kw)
+    from linearize.cache import LinearStateLayer
+
+    taken_back = []
+    crop = LinearStateLayer.crop
+
+    def spy(self, tokens_to_remove):
+        taken_back.append(-tokens_to_remove)
+        return crop(self, tokens_to_remove)
+
+    LinearStateLayer.crop = spy
+    try:
+        assert torch.equal(main.generate(prompt, prompt_lookup_num_tokens=6, **kw), want)
+        assert max(taken_back) >= 3
+        assert torch.equal(main.generate(prompt, assistant_model=helper, **kw), want)
+    finally:
+        LinearStateLayer.crop = crop
+
+
 def test_real_tokens_from_attention_masks():
     from linearize.attention import real_tokens
 
