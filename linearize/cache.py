@@ -18,8 +18,8 @@ from .select import FULL
 
 #: tokens a :meth:`HybridCache.crop` may take back (assisted / speculative decoding drafts are far shorter)
 CROP_TOKENS = 256
-#: transformers releases before 5.2x call ``crop(max_length)`` with the length to keep, later ones with minus the
-#: number of tokens to remove
+#: whether this transformers release crops to a length to keep (``crop(max_length)``, older releases) rather than
+#: by minus the number of tokens to remove (``crop(tokens_to_remove)``, 5.24)
 _CROP_TAKES_LENGTH = "max_length" in inspect.signature(DynamicLayer.crop).parameters
 
 
@@ -163,8 +163,8 @@ class HybridCache(Cache):
         return self.layers[layer_idx].get_seq_length()
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Take back the last ``-tokens_to_remove`` tokens (transformers >= 5.2x; older releases pass the length to
-        keep, which is understood too). Linear layers need :meth:`activate_past_recording` first, which
+        """Take back the last ``-tokens_to_remove`` tokens (transformers 5.24; releases whose layers crop to a length
+        to keep pass that length, which is understood too). Linear layers need :meth:`activate_past_recording` first, which
         ``generate()`` calls for assisted decoding."""
         if _CROP_TAKES_LENGTH and tokens_to_remove >= 0:
             remove = self.get_seq_length() - tokens_to_remove
