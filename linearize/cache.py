@@ -91,8 +91,8 @@ class LinearStateLayer(CacheLayerMixin):
         new.append(keep if keep is not None else torch.ones(k.shape[:2], dtype=torch.bool, device=k.device))
         if self.history is not None:
             new = [torch.cat([h, x], dim=2 if x.dim() == 4 else 1) for h, x in zip(self.history, new)]
-        cap = int(window) + CROP_TOKENS
-        self.history = tuple(x[:, :, -cap:] if x.dim() == 4 else x[:, -cap:] for x in new)
+        cap = int(window) + CROP_TOKENS  # copies: a view would keep a long prompt's whole k, fk, v alive
+        self.history = tuple((x[:, :, -cap:] if x.dim() == 4 else x[:, -cap:]).clone() for x in new)
 
     def crop(self, tokens_to_remove: int) -> None:
         """Take back the last ``-tokens_to_remove`` tokens: their terms leave ``S, z`` (subtracted, so equal to

@@ -189,6 +189,9 @@ def test_crop_needs_recording_and_history():
     cache = _recorded_run(hybrid, torch.randint(1, 128, (1, CROP_TOKENS + 40)), torch.ones(1, CROP_TOKENS + 40,
                                                                                             dtype=torch.long),
                           [CROP_TOKENS + 40])
+    for layer in cache.layers:  # the history holds its last window + CROP_TOKENS tokens, not views of the prompt
+        for t in getattr(layer, "history", None) or ():
+            assert t.shape[-2 if t.dim() == 4 else -1] == 8 + CROP_TOKENS and t.untyped_storage().nbytes() == t.nbytes
     cache.crop(-CROP_TOKENS)  # as far back as the history reaches
     with pytest.raises(RuntimeError, match=f"at most its last {CROP_TOKENS} tokens"):
         cache.crop(-30)
