@@ -77,10 +77,11 @@ def test_select_combinations():
 def test_kv_budget_arithmetic():
     """Tiny llama (4 layers, 2 KV heads, head_dim 16), lolcats with window 8, fp32, 1K tokens, by hand:
     KV per softmax layer = 2 (k, v) x 2 heads x 1024 x 16 x 4 B = 262,144; hedgehog features F = 16, so a linear
-    layer holds S, z = 2 x (16 x 16 + 16) x 4 B = 2,176 plus the ring 2 x 8 x (16 + 16 + 16) x 4 B = 3,072."""
+    layer holds S, z = 2 x (16 x 16 + 16) x 4 B = 2,176 plus the ring 2 x 8 x (16 + 16 + 16) x 4 B = 3,072 and its
+    8 padding flags (1 B each)."""
     cfg = tiny_model("llama", layers=4).config
     att = R.load("lolcats", {"attention.window": 8})["attention"]
-    kv, lin = 262_144, 2_176 + 3_072
+    kv, lin = 262_144, 2_176 + 3_072 + 8
     two = 2 * kv + 2 * lin
     count, detail = softmax_count_for_budget(cfg, att, f"{two}B@1K", 4)
     assert count == 2 and detail["bytes_used"] == two
@@ -311,7 +312,7 @@ def test_convert_select_auto_cli(ws, tmp_path, monkeypatch):
         assert "Layer scores (`--select auto`)" in text and "| 3 |" in text and "Boundary: layer" in text, doc
 
     # the same inputs again, the count now from a KV budget (fp32 on CPU: 2 softmax layers fit exactly)
-    budget = 2 * 262_144 + 2 * (2_176 + 3_072)
+    budget = 2 * 262_144 + 2 * (2_176 + 3_072 + 8)
     res = _convert(ws, tmp_path / "B", "--kv-budget", f"{budget}B@1K", "--tokens", "2560", "--set",
                    "select.swap_rounds=0")
     assert res.returncode == 0, res.stderr[-3000:]
