@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .reference import drop_keys
 from .triton_common import (
     chunk_states,
     fwd_blocks,
@@ -575,52 +576,35 @@ def window_linear_attention_triton(
     key_mask: Optional[torch.Tensor] = None,
 ):
     """Triton path of :func:`linearize.kernels.window_linear_attention` (``window <= 128``, fp32 ``<= 64``; other
-    windows run the chunked PyTorch path). With a ``key_mask``: the two-pass forward with the padding keys left out
-    (``window <= 64``, no gradient; otherwise the chunked PyTorch path)."""
+    windows run the chunked PyTorch path). With a ``key_mask`` (an inference forward of a padded batch): the padding
+    rows of ``k``, ``fk``, ``v`` zeroed, then the two-pass forward whose window kernel reads the mask (``window <=
+    64``, no gradient; otherwise the chunked PyTorch path)."""
+    from . import _needs_grad
+
     ensure_applied(q.device)  # this GPU's saved launch configuration (bench kernels --tune), once
     W = int(window)
-    if key_mask is not None:
-        grads = torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (q, k, fq, fk, v, window_factor, *(initial_state or ())))
-        if grads or _chunk_for(W, q.dtype) != 64:
-            from .chunked import window_linear_attention_chunked
-
-            return window_linear_attention_chunked(q, k, fq, fk, v, window_factor, window=W, scale=scale, eps=eps,
-                                                   initial_state=initial_state,
-                                                   output_final_state=output_final_state, key_mask=key_mask)
-        return _masked_forward(q, k, fq, fk, v, window_factor, W, scale, eps, initial_state, output_final_state,
-                               key_mask)
-    if not supported(W, q.dtype):
+    if not supported(W, q.dtype) or (key_mask is not None and (_chunk_for(W, q.dtype) != 64 or _needs_grad(
+            q, k, fq, fk, v, window_factor, *(initial_state or ())))):
         from .chunked import window_linear_attention_chunked
 
         return window_linear_attention_chunked(q, k, fq, fk, v, window_factor, window=W, scale=scale, eps=eps,
-                                               initial_state=initial_state, output_final_state=output_final_state)
+                                               initial_state=initial_state, output_final_state=output_final_state,
+                                               key_mask=key_mask)
     if scale is None:
         scale = q.shape[-1] ** -0.5
+    if key_mask is not None:
+        k, fk, v = drop_keys(key_mask, k, fk, v)
     q, k, fq, fk, v = (x.contiguous() for x in (q, k, fq, fk, v))
     wf = window_factor.float().contiguous()
     S0 = z0 = None
     if initial_state is not None:
         S0, z0 = initial_state[0].float().contiguous(), initial_state[1].float().contiguous()
+    if key_mask is not None:
+        o, _, _ = _fwd(q, k, fq, fk, v, wf, W, float(scale), float(eps), S0, z0, store_stats=False,
+                       keep=key_mask.contiguous())
+        return o, (_final_state(fk, v, W, S0, z0) if output_final_state else None)
     o, S_f, z_f = _WindowAttention.apply(q, k, fq, fk, v, wf, S0, z0, W, float(scale), float(eps), output_final_state)
     return o, ((S_f, z_f) if output_final_state else None)
-
-
-def _masked_forward(q, k, fq, fk, v, window_factor, W, scale, eps, initial_state, output_final_state, key_mask):
-    """Inference forward of a padded batch (``key_mask`` False = padding): the padding rows of ``k``, ``fk``,
-    ``v`` zeroed, then the two-pass forward whose window kernel reads the mask."""
-    from .reference import drop_keys
-
-    if scale is None:
-        scale = q.shape[-1] ** -0.5
-    k, fk, v = drop_keys(key_mask, k, fk, v)
-    q, k, fq, fk, v = (x.contiguous() for x in (q, k, fq, fk, v))
-    S0 = z0 = None
-    if initial_state is not None:
-        S0, z0 = initial_state[0].float().contiguous(), initial_state[1].float().contiguous()
-    o, _, _ = _fwd(q, k, fq, fk, v, window_factor.float().contiguous(), W, float(scale), float(eps), S0, z0,
-                   store_stats=False, keep=key_mask.contiguous())
-    return o, (_final_state(fk, v, W, S0, z0) if output_final_state else None)
 
 
 def window_linear_attention_hedgehog_triton(

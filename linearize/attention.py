@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -99,13 +100,28 @@ def arch_spec(model_type: str) -> ArchSpec:
     return ARCHITECTURES[model_type]
 
 
+#: the last mask :func:`real_tokens` read and its answer: every decoder layer of a forward passes the same mask
+_LAST_MASK: tuple = (None, None, None)
+
+
 def real_tokens(attention_mask, T: int) -> torch.Tensor | None:
     """``[B, T]`` bool: which of a forward's ``T`` (> 1) tokens are not padding, read from the attention mask the
     decoder layer passes on (the 2-D padding mask of flash attention, or the 4-D mask of SDPA / eager attention,
     where a padding query attends to nothing, not even itself); None when every token is real, for a single
-    decode token (generation appends real tokens only) and for masks of another kind."""
+    decode token (generation appends real tokens only) and for masks of another kind. Read once per mask (and
+    in-place version), not once per layer."""
+    global _LAST_MASK
     if T < 2 or not torch.is_tensor(attention_mask):
         return None
+    ref, version, real = _LAST_MASK
+    if ref is not None and ref() is attention_mask and version == (attention_mask._version, T):
+        return real
+    real = _read_real_tokens(attention_mask, T)
+    _LAST_MASK = (weakref.ref(attention_mask), (attention_mask._version, T), real)
+    return real
+
+
+def _read_real_tokens(attention_mask: torch.Tensor, T: int) -> torch.Tensor | None:
     if attention_mask.dim() == 2:
         real = attention_mask[:, -T:].bool()
     elif attention_mask.dim() == 4 and attention_mask.shape[-2] == T:

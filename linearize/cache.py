@@ -34,7 +34,7 @@ class LinearStateLayer(CacheLayerMixin):
         self.state: Any = None  # (S, z) tuple or a WindowState
         self.seen = 0
         self.record_past = False  # keep the recent tokens so that crop() can take them back
-        self.history: tuple[torch.Tensor, ...] | None = None  # (k, fk, v [B, Hk, n, *], keep [B, n]) of the last n
+        self.history: tuple[torch.Tensor, ...] | None = None  # (k, fk, v [B, n, Hk, *], keep [B, n]) of the last n
 
     def lazy_initialization(self, key_states=None, value_states=None) -> None:
         self.is_initialized = True
@@ -87,12 +87,12 @@ class LinearStateLayer(CacheLayerMixin):
     def record(self, k: torch.Tensor, fk: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None, window: int):
         """Append a forward's tokens (``k [B, T, Hk, D]``, ``fk``, ``v`` alike, ``keep [B, T]`` or None) to the
         history, which holds the last ``window + CROP_TOKENS``."""
-        new = [x.detach().transpose(1, 2) for x in (k, fk, v)]
-        new.append(keep if keep is not None else torch.ones(k.shape[:2], dtype=torch.bool, device=k.device))
+        new = [k.detach(), fk.detach(), v.detach(),
+               keep if keep is not None else torch.ones(k.shape[:2], dtype=torch.bool, device=k.device)]
         if self.history is not None:
-            new = [torch.cat([h, x], dim=2 if x.dim() == 4 else 1) for h, x in zip(self.history, new)]
+            new = [torch.cat([h, x], dim=1) for h, x in zip(self.history, new)]
         cap = int(window) + CROP_TOKENS  # copies: a view would keep a long prompt's whole k, fk, v alive
-        self.history = tuple((x[:, :, -cap:] if x.dim() == 4 else x[:, -cap:]).clone() for x in new)
+        self.history = tuple(x[:, -cap:].clone() for x in new)
 
     def crop(self, tokens_to_remove: int) -> None:
         """Take back the last ``-tokens_to_remove`` tokens: their terms leave ``S, z`` (subtracted, so equal to
@@ -108,15 +108,15 @@ class LinearStateLayer(CacheLayerMixin):
         if not self.record_past or r > self.seen or held < min(self.seen, r + W):
             raise RuntimeError(f"a linear-attention state can take back at most its last {CROP_TOKENS} tokens, and "
                                f"only after activate_past_recording() (asked for {r}, {held} recorded)")
-        k, fk, v, keep = self.history
+        fk, v = self.history[1:3]
         first = self.seen - held  # absolute position of the history's first token
         seen = self.seen - r
 
         def drop(lo: int, hi: int, S: torch.Tensor, z: torch.Tensor):  # remove positions [lo, hi) from S, z
             if hi > lo:
-                f, vv = fk[:, :, lo - first:hi - first].to(S.dtype), v[:, :, lo - first:hi - first].to(S.dtype)
-                S = S - torch.einsum("bhtk,bhtv->bhkv", f, vv)
-                z = z - f.sum(2)
+                f, vv = fk[:, lo - first:hi - first].to(S.dtype), v[:, lo - first:hi - first].to(S.dtype)
+                S = S - torch.einsum("bthk,bthv->bhkv", f, vv)
+                z = z - f.sum(1)
             return S, z
 
         if not windowed:
@@ -124,9 +124,9 @@ class LinearStateLayer(CacheLayerMixin):
         else:  # S holds the tokens older than the window: positions < seen - W after the crop
             S, z = drop(max(seen - W, 0), max(self.seen - W, 0), self.state.S, self.state.z)
             lo = max(seen - W, 0)
-            ring = [x[:, :, lo - first:seen - first].transpose(1, 2) for x in (k, fk, v)]
-            self.state = window_state_from_prefill(*ring, (S, z), W, offset=lo, key_mask=keep[:, lo - first:seen - first])
-        self.history = tuple(x[:, :, : held - r] if x.dim() == 4 else x[:, : held - r] for x in self.history)
+            ring = [x[:, lo - first:seen - first] for x in self.history]  # k, fk, v, keep of the new window
+            self.state = window_state_from_prefill(*ring[:3], (S, z), W, offset=lo, key_mask=ring[3])
+        self.history = tuple(x[:, : held - r] for x in self.history)
         self.seen = seen
 
     def offload(self):  # states are small; nothing to offload

@@ -191,7 +191,7 @@ def test_crop_needs_recording_and_history():
                           [CROP_TOKENS + 40])
     for layer in cache.layers:  # the history holds its last window + CROP_TOKENS tokens, not views of the prompt
         for t in getattr(layer, "history", None) or ():
-            assert t.shape[-2 if t.dim() == 4 else -1] == 8 + CROP_TOKENS and t.untyped_storage().nbytes() == t.nbytes
+            assert t.shape[1] == 8 + CROP_TOKENS and t.untyped_storage().nbytes() == t.nbytes
     cache.crop(-CROP_TOKENS)  # as far back as the history reaches
     with pytest.raises(RuntimeError, match=f"at most its last {CROP_TOKENS} tokens"):
         cache.crop(-30)
