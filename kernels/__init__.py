@@ -288,13 +288,21 @@ def linear_attention_step_hedgehog(
         fq, fk = _features_first(q.unsqueeze(1), k.unsqueeze(1), weight_q, weight_k, feature_eps)
         return linear_attention_step(fq[:, 0], fk[:, 0], v, state, normalize=normalize, eps=eps, out=out,
                                      backend=backend)
-    from .triton_common import signed_projections
+    from .triton_common import signed_projections, triton_or_fallback
     from .triton_step import linear_step_triton
 
     S, z = check_linear_state("linear_attention_step_hedgehog", state)
     wqx, wkx = signed if signed is not None else signed_projections(weight_q, weight_k, q.dtype)
-    return linear_step_triton(q, k, v, S, z, normalize=normalize, eps=eps, out=out, wqx=wqx, wkx=wkx,
-                              feps=feature_eps)
+
+    def features_first():  # the projections do not fit the kernel's shared memory (fp32 at head_dim 256)
+        fq, fk = _features_first(q.unsqueeze(1), k.unsqueeze(1), weight_q, weight_k, feature_eps)
+        return linear_attention_step(fq[:, 0], fk[:, 0], v, state, normalize=normalize, eps=eps, out=out,
+                                     backend=backend)
+
+    return triton_or_fallback(
+        ("linear_step_hedgehog", tuple(q.shape), tuple(k.shape), tuple(weight_q.shape), v.shape[-1], q.dtype),
+        lambda: linear_step_triton(q, k, v, S, z, normalize=normalize, eps=eps, out=out, wqx=wqx, wkx=wkx,
+                                   feps=feature_eps), features_first)
 
 
 def window_linear_attention_step_hedgehog(
@@ -323,13 +331,21 @@ def window_linear_attention_step_hedgehog(
         fq, fk = _features_first(q.unsqueeze(1), k.unsqueeze(1), weight_q, weight_k, feature_eps)
         return window_linear_attention_step(q, k, fq[:, 0], fk[:, 0], v, window_factor, state, scale=scale, eps=eps,
                                             out=out, backend=backend)
-    from .triton_common import signed_projections
+    from .triton_common import signed_projections, triton_or_fallback
     from .triton_step import window_step_triton
 
     wqx, wkx = signed if signed is not None else signed_projections(weight_q, weight_k, q.dtype)
-    return window_step_triton(q, k, None, None, v, window_factor, WindowState(*state),
-                              scale=q.shape[-1] ** -0.5 if scale is None else scale, eps=eps, out=out,
-                              wqx=wqx, wkx=wkx, feps=feature_eps)
+
+    def features_first():  # the projections do not fit the kernel's shared memory (fp32 at head_dim 256)
+        fq, fk = _features_first(q.unsqueeze(1), k.unsqueeze(1), weight_q, weight_k, feature_eps)
+        return window_linear_attention_step(q, k, fq[:, 0], fk[:, 0], v, window_factor, state, scale=scale, eps=eps,
+                                            out=out, backend=backend)
+
+    return triton_or_fallback(
+        ("window_step_hedgehog", tuple(q.shape), tuple(k.shape), tuple(weight_q.shape), v.shape[-1], q.dtype),
+        lambda: window_step_triton(q, k, None, None, v, window_factor, WindowState(*state),
+                                   scale=q.shape[-1] ** -0.5 if scale is None else scale, eps=eps, out=out,
+                                   wqx=wqx, wkx=wkx, feps=feature_eps), features_first)
 
 
 def _hedgehog_shapes(name: str, q, k, weight_q, weight_k) -> int:
@@ -365,9 +381,12 @@ def hedgehog_feature_map(
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     if _resolve_backend(backend, x) != "triton" or needs_grad:
         return hedgehog_features_rounded(x, weight, eps)
+    from .triton_common import triton_or_fallback
     from .triton_features import hedgehog_feature_map_triton
 
-    return hedgehog_feature_map_triton(x, weight, eps)
+    return triton_or_fallback(("feature_map", x.shape[2:], tuple(weight.shape), x.dtype),
+                              lambda: hedgehog_feature_map_triton(x, weight, eps),
+                              lambda: hedgehog_features_rounded(x, weight, eps))
 
 
 def rotary_embedding(

@@ -78,6 +78,26 @@ def _out_of_resources(e: Exception) -> bool:
     return "OutOfResources" in type(e).__name__ or "out of resource" in str(e)
 
 
+#: (entry point, shapes, dtype) of launches that ran out of shared memory even unpipelined: they take the fallback
+TOO_BIG: set = set()
+
+
+def triton_or_fallback(key: tuple, run, fallback):
+    """``run()``, or ``fallback()`` where this ``key``'s kernel does not fit the GPU's shared memory (e.g. a Hedgehog
+    projection ``[D, 2f]`` of fp32 at head_dim 256: 128 KB next to its input tile). A launch that fails this way
+    ran nothing, so in-place state updates are untouched; the key is remembered so that later calls go straight
+    to the fallback."""
+    if key in TOO_BIG:
+        return fallback()
+    try:
+        return run()
+    except Exception as e:
+        if not _out_of_resources(e):
+            raise
+        TOO_BIG.add(key)
+        return fallback()
+
+
 def launch(kernel, grid, *args, **kw):
     """``kernel[grid](*args, **kw)``; on "out of resources" (shared memory) retry unpipelined."""
     try:

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cache import HybridCache
+from .cache import HybridCache, softmax_windows
 from .errors import UnsupportedModelError
 from .feature_maps import HedgehogFeatureMap, build_feature_map
 from .kernels import (
@@ -83,6 +83,10 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "qwen3": ArchSpec(q_norm="q_norm", k_norm="k_norm"),
     "granite": ArchSpec(),  # softmax scale = attention_multiplier (read from the module); other multipliers in the base
     "gemma": ArchSpec(),
+    # Gemma 2 / 3 (text): sliding-window softmax layers and Gemma 2's logit soft-cap are read from the base config
+    # and the original module (the teacher keeps both; the converted layers' window uses plain softmax scores)
+    "gemma2": ArchSpec(),
+    "gemma3_text": ArchSpec(q_norm="q_norm", k_norm="k_norm"),
     "olmo2": ArchSpec(q_norm="q_norm", k_norm="k_norm", qk_norm_over="projection"),
     # mixture-of-experts variants: attention laid out as their dense family; the expert MLPs are left as they are
     "mixtral": ArchSpec(),
@@ -104,6 +108,12 @@ def arch_spec(model_type: str) -> ArchSpec:
 _LAST_MASK: tuple = (None, None, None)
 
 
+def tensor_version(t: torch.Tensor) -> int:
+    """``t``'s in-place version counter, or -1 for an inference tensor (made under ``torch.inference_mode``, which
+    keeps none: generate() under inference mode builds its masks so)."""
+    return -1 if t.is_inference() else t._version
+
+
 def real_tokens(attention_mask, T: int) -> torch.Tensor | None:
     """``[B, T]`` bool: which of a forward's ``T`` (> 1) tokens are not padding, read from the attention mask the
     decoder layer passes on (the 2-D padding mask of flash attention, or the 4-D mask of SDPA / eager attention,
@@ -114,10 +124,10 @@ def real_tokens(attention_mask, T: int) -> torch.Tensor | None:
     if T < 2 or not torch.is_tensor(attention_mask):
         return None
     ref, version, real = _LAST_MASK
-    if ref is not None and ref() is attention_mask and version == (attention_mask._version, T):
+    if ref is not None and ref() is attention_mask and version == (tensor_version(attention_mask), T):
         return real
     real = _read_real_tokens(attention_mask, T)
-    _LAST_MASK = (weakref.ref(attention_mask), (attention_mask._version, T), real)
+    _LAST_MASK = (weakref.ref(attention_mask), (tensor_version(attention_mask), T), real)
     return real
 
 
@@ -150,6 +160,10 @@ class LinearAttention(nn.Module):
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.scaling = float(getattr(original, "scaling", None) or self.head_dim**-0.5)  # softmax scale of q.k
+        # the original attention's reach and logit cap (the teacher's): a sliding window (Gemma 2 / 3, Mistral) and
+        # Gemma 2's soft-cap c, scores -> c tanh(scores / c)
+        self.teacher_window = softmax_windows(config)[layer_idx]
+        self.softcap = getattr(original, "attn_logit_softcapping", None)
         for name in arch.projections:
             setattr(self, name, getattr(original, name))
         self.q_norm = getattr(original, arch.q_norm) if arch.q_norm else None
@@ -199,13 +213,45 @@ class LinearAttention(nn.Module):
 
     # -- the two attentions --------------------------------------------------------------------
     def softmax_attention(self, q, k, v, attention_mask=None) -> torch.Tensor:
-        """The original causal softmax attention (the teacher), ``[B, T, H, D]``."""
+        """The original causal softmax attention (the teacher), ``[B, T, H, D]``, within the base layer's sliding
+        window and with its logit soft-cap where it has them."""
+        T = q.shape[1]
+        if self.softcap:  # SDPA has no soft-cap: the scores in full, fp32
+            weights = self.teacher_logits(q, k).softmax(-1)  # [B, H, T, T]
+            vh = v.transpose(1, 2).float()
+            if self.num_kv_heads != self.num_heads:
+                vh = vh.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
+            return (weights @ vh).transpose(1, 2).to(v.dtype)
         qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, D]
         if self.num_kv_heads != self.num_heads:
             rep = self.num_heads // self.num_kv_heads
             kh, vh = kh.repeat_interleave(rep, dim=1), vh.repeat_interleave(rep, dim=1)
-        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=q.shape[1] > 1, scale=self.scaling)
+        mask = self.teacher_sees(0, T, q.device) if self.teacher_window and T > self.teacher_window else None
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=mask is None and T > 1,
+                                           scale=self.scaling)
         return o.transpose(1, 2)
+
+    def teacher_sees(self, first: int, T: int, device) -> torch.Tensor:
+        """``[T - first, T]`` bool: which keys the original attention of queries ``first .. T-1`` looks at (the
+        earlier tokens and the query itself, within the base layer's sliding window)."""
+        i = torch.arange(first, T, device=device).unsqueeze(1)
+        j = torch.arange(T, device=device).unsqueeze(0)
+        sees = j <= i
+        if self.teacher_window:
+            sees = sees & (i - j < self.teacher_window)
+        return sees
+
+    def teacher_logits(self, q, k) -> torch.Tensor:
+        """fp32 ``[B, H, r, T]``: the original attention's logits (scale, soft-cap) of the last ``r`` queries ``q``
+        ``[B, r, H, D]`` over the keys ``k`` ``[B, T, Hk, D]``; ``-inf`` where the original does not look."""
+        T, r = k.shape[1], q.shape[1]
+        qs, kh = q.transpose(1, 2).float(), k.transpose(1, 2).float()
+        if self.num_kv_heads != self.num_heads:
+            kh = kh.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
+        scores = (qs @ kh.transpose(-1, -2)) * self.scaling
+        if self.softcap:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+        return scores.masked_fill(~self.teacher_sees(T - r, T, q.device), float("-inf"))
 
     def attention_xent(self, q, k, rows: int) -> torch.Tensor:
         """Hedgehog's loss: cross-entropy of the linear attention weights against the softmax weights.
@@ -214,17 +260,13 @@ class LinearAttention(nn.Module):
         """
         T = q.shape[1]
         r = min(rows, T)
-        qs = q[:, T - r :].transpose(1, 2).float()  # [B, H, r, D]
         fq = self.feature_map_q(q[:, T - r :]).transpose(1, 2).float()  # [B, H, r, F]
-        kh = k.transpose(1, 2).float()  # [B, Hk, T, D]
         fk = self.feature_map_k(k).transpose(1, 2).float()  # [B, Hk, T, F]
         rep = self.num_heads // self.num_kv_heads
         if rep > 1:
-            kh, fk = kh.repeat_interleave(rep, dim=1), fk.repeat_interleave(rep, dim=1)
-        pos_q = torch.arange(T - r, T, device=q.device).unsqueeze(1)
-        causal = torch.arange(T, device=q.device).unsqueeze(0) <= pos_q  # [r, T]
-        scores = (qs @ kh.transpose(-1, -2)) * self.scaling
-        p_true = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+            fk = fk.repeat_interleave(rep, dim=1)
+        causal = torch.arange(T, device=q.device).unsqueeze(0) <= torch.arange(T - r, T, device=q.device).unsqueeze(1)
+        p_true = torch.softmax(self.teacher_logits(q[:, T - r :], k), dim=-1)  # [B, H, r, T]
         lin = (fq @ fk.transpose(-1, -2)).masked_fill(~causal, 0.0)
         a_pred = lin / lin.sum(-1, keepdim=True).clamp_min(1e-12)
         return -(p_true * torch.log(a_pred.clamp_min(1e-12))).sum(-1).mean()
@@ -260,7 +302,7 @@ class LinearAttention(nn.Module):
         from .kernels.triton_common import signed_projections
 
         wq, wk = self.feature_map_q.weight, self.feature_map_k.weight
-        key = (wq.data_ptr(), wk.data_ptr(), wq._version, wk._version, dtype)
+        key = (wq.data_ptr(), wk.data_ptr(), tensor_version(wq), tensor_version(wk), dtype)
         cached = getattr(self, "_signed_weights", None)
         if cached is None or cached[0] != key:
             cached = (key, signed_projections(wq.detach(), wk.detach(), dtype))

@@ -42,6 +42,7 @@ from typing import Any, Callable
 
 import torch
 
+from .cache import softmax_windows
 from .errors import LinearizeError, SpecError
 
 #: the published configs shipped as package data; the file name is the alias in ``sources.ALIASES``
@@ -119,6 +120,10 @@ def load_config(spec: str):
     return config, name
 
 
+#: non-persistent buffer -> the attribute holding its value as a Python number (rebuilt after meta init)
+SCALAR_BUFFERS = {"embed_scale": "scalar_embed_scale"}
+
+
 @torch.no_grad()
 def materialize_random_(model: torch.nn.Module, device, *, seed: int = 0) -> torch.nn.Module:
     """Allocate a meta-device model on ``device`` and initialize it there, in place.
@@ -152,6 +157,13 @@ def materialize_random_(model: torch.nn.Module, device, *, seed: int = 0) -> tor
                 fresh = type(child)(config=child.config).to(device)
                 setattr(parent, name, fresh)
                 rebuilt.add(id(fresh))
+    for module in model.modules():  # buffers that hold a scalar the module also keeps (Gemma 3's embedding scale)
+        held = {b: getattr(module, src) for b, src in SCALAR_BUFFERS.items()
+                if module._buffers.get(b) is not None and isinstance(getattr(module, src, None), (int, float))}
+        for b, value in held.items():
+            module._buffers[b] = torch.tensor(float(value), device=device)
+        if held and all(b in held for b, t in module._buffers.items() if t is not None):
+            rebuilt.add(id(module))
     for mname, module in model.named_modules():
         if id(module) not in rebuilt and any(b is not None for b in module._buffers.values()):
             raise RuntimeError(f"random init: cannot initialize the buffers of {mname or 'the model'} "
@@ -285,14 +297,15 @@ def _fixed_slot_layer_class():
 
     class FixedSlotKVLayer(CacheLayerMixin):
         """A softmax layer's prefill KV used in place for decode timing: every step writes slot
-        ``T - 1`` and attends to all ``T`` slots (fixed shapes and addresses: CUDA-graph safe)."""
+        ``T - 1`` and attends to all ``T`` slots (fixed shapes and addresses: CUDA-graph safe). A sliding layer
+        (``offset`` > 0) holds its window: the slots are positions ``offset ..``, the last one rewritten."""
 
-        is_sliding = False
         is_compileable = False  # keeps transformers' "no mask needed for one query" shortcut
 
-        def __init__(self, keys: torch.Tensor, values: torch.Tensor, slot: torch.Tensor):
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor, slot: torch.Tensor, offset: int = 0):
             super().__init__()
-            self.keys, self.values, self.slot = keys, values, slot
+            self.keys, self.values, self.slot, self.offset = keys, values, slot, offset
+            self.is_sliding = offset > 0
             self.device = keys.device
             self.is_initialized = True
 
@@ -305,10 +318,10 @@ def _fixed_slot_layer_class():
             return self.keys, self.values
 
         def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
-            return self.keys.shape[2], 0
+            return self.keys.shape[2], self.offset
 
         def get_seq_length(self, *args) -> int:
-            return self.keys.shape[2] - 1
+            return self.offset + self.keys.shape[2] - 1
 
         def get_max_length(self) -> int:
             return self.keys.shape[2]
@@ -332,10 +345,11 @@ def _fixed_slot_layer_class():
 def decode_cache(cache, seq_len: int):
     """The prefill cache rearranged for fixed-shape decode steps at position ``seq_len - 1``.
 
-    Softmax layers wrap their prefill KV tensors (no copy); linear-attention layers are kept as they
-    are (their state is updated in place). Returns a cache of the same family (HybridCache for hybrids).
+    Softmax layers wrap their prefill KV tensors (no copy; a sliding layer past its window, which keeps the last
+    ``W - 1`` tokens, gets one more slot so that a step attends to ``W`` keys); linear-attention layers are kept
+    as they are (their state is updated in place). Returns a cache of the same family (HybridCache for hybrids).
     """
-    from transformers.cache_utils import Cache, DynamicLayer
+    from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
     from .cache import HybridCache, LinearStateLayer
 
@@ -344,14 +358,21 @@ def decode_cache(cache, seq_len: int):
     for i, layer in enumerate(cache.layers):
         if isinstance(layer, LinearStateLayer):
             layers.append(layer)
-        elif type(layer) is DynamicLayer and torch.is_tensor(layer.keys) and layer.keys.shape[2] == seq_len:
+        elif type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) and torch.is_tensor(layer.keys) and \
+                layer.keys.shape[2] == seq_len:
             slot = torch.tensor([seq_len - 1], dtype=torch.long, device=layer.keys.device)
             layers.append(layer_cls(layer.keys, layer.values, slot))
+        elif type(layer) is DynamicSlidingWindowLayer and torch.is_tensor(layer.keys) and \
+                layer.keys.shape[2] == layer.sliding_window - 1 < seq_len:
+            w = layer.sliding_window
+            keys, values = (torch.cat([t, t[:, :, -1:]], dim=2) for t in (layer.keys, layer.values))
+            slot = torch.tensor([w - 1], dtype=torch.long, device=keys.device)
+            layers.append(layer_cls(keys, values, slot, offset=seq_len - w))
         else:
-            raise RuntimeError(f"decode timing needs full-attention KV of {seq_len} tokens in every softmax layer; "
-                               f"layer {i} holds a {type(layer).__name__}")
+            raise RuntimeError(f"decode timing needs the prefill's KV in every softmax layer (all {seq_len} tokens, "
+                               f"or a sliding window's); layer {i} holds a {type(layer).__name__}")
     if isinstance(cache, HybridCache):
-        out = HybridCache(cache.layer_types)
+        out = HybridCache(cache.layer_types, cache.windows)
         out.layers = layers
         return out
     return Cache(layers=layers)
@@ -587,6 +608,8 @@ def cost_model(model) -> dict:
     tables: prefill keeps the last position's logits only; of a mixture of experts' routed experts, the share a
     token is routed to); ``attention_flops_per_token_per_T``: causal attention at context T costs this x T FLOPs
     per token (2 T H d per softmax layer: half of QK^T and PV; linear layers counted as free);
+    ``sliding_windows``: the windows of the softmax layers that slide in the base model (Gemma 2 / 3, Mistral),
+    which are left out of the previous term and cost ``attention_flops_per_key`` (4 H d) per key a token sees;
     ``decode_weight_bytes``: weight bytes every decode step reads (all but the input embedding table, which it
     only indexes unless the output layer shares it, and the routed experts); ``expert_bytes``: the routed
     experts' bytes, of which a step reads the share :func:`decode_read_bytes` estimates; ``expert_share``: the
@@ -609,18 +632,22 @@ def cost_model(model) -> dict:
     heads = int(cfg.num_attention_heads)
     head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
     types = getattr(cfg, "layer_types", None) or ["full_attention"] * int(cfg.num_hidden_layers)
-    softmax_layers = sum(t != "linear_attention" for t in types)  # sliding-window layers counted as full
+    windows = [w for t, w in zip(types, softmax_windows(cfg)) if t != "linear_attention"]  # of the softmax layers
     active = sum(p.numel() for p in model.parameters()) - sum(tables.values()) - expert_numel * (1 - share)
     return {"matmul_flops_per_token": int(2 * active),
-            "attention_flops_per_token_per_T": 2 * softmax_layers * heads * head_dim,
+            "attention_flops_per_token_per_T": 2 * windows.count(None) * heads * head_dim,
+            "sliding_windows": [w for w in windows if w], "attention_flops_per_key": 4 * heads * head_dim,
             "decode_weight_bytes": nbytes - expert_bytes
             - (0 if tied or emb_in is None else emb_in.numel() * emb_in.element_size()),
             "expert_bytes": expert_bytes, "expert_share": share}
 
 
 def flops_per_token(cost: dict, T: int) -> int:
-    """Prefill FLOPs per token at context ``T`` of a :func:`cost_model`."""
-    return cost["matmul_flops_per_token"] + cost["attention_flops_per_token_per_T"] * T
+    """Prefill FLOPs per token at context ``T`` of a :func:`cost_model` (a sliding layer's query sees on average
+    ``w - w^2 / 2T`` keys of a ``T``-token prefill, a full layer's ``T / 2``)."""
+    slides = sum(T / 2 if w >= T else w - w * w / (2 * T) for w in cost.get("sliding_windows", ()))
+    return cost["matmul_flops_per_token"] + cost["attention_flops_per_token_per_T"] * T + \
+        cost.get("attention_flops_per_key", 0) * slides
 
 
 def decode_read_bytes(cost: dict, batch: int) -> float:

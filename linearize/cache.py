@@ -1,6 +1,7 @@
 """The hybrid generation cache (transformers Cache API).
 
-Softmax layers keep a growing KV cache (``DynamicLayer``); linear layers keep a fixed-size
+Softmax layers keep a growing KV cache (``DynamicLayer``; ``DynamicSlidingWindowLayer`` where the base model's
+layer has a sliding window, as the original's cache does); linear layers keep a fixed-size
 recurrent state ``(S, z)`` and, for window-hybrid layers, a ring buffer of the last W tokens
 (``linearize.kernels.WindowState``). Every layer reports the number of tokens seen, so masks and
 position ids come out as for a plain dynamic cache.
@@ -12,7 +13,7 @@ import inspect
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
 from .select import FULL
 
@@ -21,6 +22,24 @@ CROP_TOKENS = 256
 #: whether this transformers release crops to a length to keep (``crop(max_length)``, older releases) rather than
 #: by minus the number of tokens to remove (``crop(tokens_to_remove)``, 5.24)
 _CROP_TAKES_LENGTH = "max_length" in inspect.signature(DynamicLayer.crop).parameters
+
+
+def softmax_windows(config: Any) -> list[int | None]:
+    """Per decoder layer, the sliding window of the base model's own softmax attention (None: every earlier token),
+    read as transformers reads it: ``sliding_attention`` entries of the base ``layer_types`` take ``sliding_window``
+    (Gemma 2 / 3, Qwen2 / 3 with sliding layers); without ``layer_types`` a ``sliding_window`` covers every layer
+    (Mistral). A hybrid's config answers for its base model."""
+    n = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    if getattr(config, "model_type", None) == "linearize":
+        types = getattr(config, "base_layer_types", None)
+    else:
+        types = getattr(config, "layer_types", None)
+    if not window:
+        return [None] * n
+    if types is None:
+        return [int(window)] * n
+    return [int(window) if t == "sliding_attention" else None for t in types]
 
 
 class LinearStateLayer(CacheLayerMixin):
@@ -144,12 +163,16 @@ class LinearStateLayer(CacheLayerMixin):
 
 
 class HybridCache(Cache):
-    """One cache layer per decoder layer: KV for ``full_attention``, recurrent state otherwise."""
+    """One cache layer per decoder layer: KV for ``full_attention`` (only the last ``windows[i]`` tokens where the
+    base layer slides), recurrent state otherwise."""
 
-    def __init__(self, layer_types: list[str]):
-        layers = [DynamicLayer() if t == FULL else LinearStateLayer() for t in layer_types]
+    def __init__(self, layer_types: list[str], windows: list[int | None] | None = None):
+        windows = list(windows) if windows is not None else [None] * len(layer_types)
+        layers = [LinearStateLayer() if t != FULL else DynamicSlidingWindowLayer(sliding_window=w) if w
+                  else DynamicLayer() for t, w in zip(layer_types, windows)]
         super().__init__(layers=layers)
         self.layer_types = list(layer_types)
+        self.windows = windows
 
     def linear_layer(self, idx: int) -> LinearStateLayer:
         layer = self.layers[idx]

@@ -91,6 +91,7 @@ def speed_bounds(model, config, extra_parameters: int) -> dict[str, dict[str, fl
     step reads (weights + cache). The original: the same shapes with every layer softmax, without the
     linear-attention extras."""
     from .benchmodel import cost_model, speedup_bounds
+    from .cache import softmax_windows
 
     hybrid = cost_model(model)
     dtype_bytes = 2
@@ -99,8 +100,10 @@ def speed_bounds(model, config, extra_parameters: int) -> dict[str, dict[str, fl
     heads = int(config.num_attention_heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
     hybrid = {**hybrid, "decode_weight_bytes": weights_h, "expert_bytes": int(hybrid["expert_bytes"] * to_bf16)}
+    windows = softmax_windows(config)  # the original's sliding layers
     original = {**hybrid, "matmul_flops_per_token": hybrid["matmul_flops_per_token"] - 2 * extra_parameters,
-                "attention_flops_per_token_per_T": 2 * int(config.num_hidden_layers) * heads * head_dim,
+                "attention_flops_per_token_per_T": 2 * windows.count(None) * heads * head_dim,
+                "sliding_windows": [w for w in windows if w],
                 "decode_weight_bytes": weights_h - extra_parameters * dtype_bytes}
     out = {}
     for name, n in CONTEXTS.items():

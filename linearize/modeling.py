@@ -19,11 +19,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, Pret
 from transformers.cache_utils import Cache
 
 from .attention import LinearAttention, arch_spec
-from .cache import HybridCache
+from .cache import HybridCache, softmax_windows
 from .select import LINEAR
 
 #: base-config fields that belong to the hybrid and must not be passed to the base config class
-_OWN_FIELDS = ("base_model_type", "layer_types", "linear_attention", "base_layer_types", "linearize_version")
+_OWN_FIELDS = ("base_model_type", "layer_types", "linear_attention", "base_layer_types", "base_rope_parameters",
+               "linearize_version")
 
 
 class LinearizeConfig(PretrainedConfig):
@@ -33,11 +34,12 @@ class LinearizeConfig(PretrainedConfig):
 
     def __init__(self, base_model_type: str = "llama", layer_types: list[str] | None = None,
                  linear_attention: dict | None = None, base_layer_types: list[str] | None = None,
-                 linearize_version: str | None = None, **kwargs):
+                 base_rope_parameters: dict | None = None, linearize_version: str | None = None, **kwargs):
         self.base_model_type = base_model_type
         self.layer_types = list(layer_types) if layer_types is not None else None
         self.linear_attention = dict(linear_attention or {})
         self.base_layer_types = base_layer_types
+        self.base_rope_parameters = base_rope_parameters
         self.linearize_version = linearize_version
         self.use_cache = kwargs.pop("use_cache", True)
         super().__init__(**kwargs)
@@ -53,11 +55,17 @@ class LinearizeConfig(PretrainedConfig):
         for k in ("architectures", "auto_map", "transformers_version", "quantization_config"):
             d.pop(k, None)
         base_layer_types = d.pop("layer_types", None)
+        rope = d.get("rope_parameters")
+        # rotary parameters per base layer type (Gemma 3: {"sliding_attention": {...}, "full_attention": {...}}) are
+        # kept aside: transformers would read them against the hybrid's layer_types, as one flat set, and rewrite them
+        nested = isinstance(rope, dict) and rope and all(x is None or isinstance(x, dict) for x in rope.values())
+        base_rope_parameters = d.pop("rope_parameters") if nested else None
         n = base_config.num_hidden_layers
         if len(layer_types) != n:
             raise ValueError(f"layer_types has {len(layer_types)} entries for {n} layers")
         return cls(base_model_type=base_type, layer_types=layer_types, linear_attention=linear_attention,
-                   base_layer_types=base_layer_types, linearize_version=__version__, **d)
+                   base_layer_types=base_layer_types, base_rope_parameters=base_rope_parameters,
+                   linearize_version=__version__, **d)
 
     def base_config(self) -> PretrainedConfig:
         """The base family's config object (its own ``layer_types`` restored)."""
@@ -66,15 +74,29 @@ class LinearizeConfig(PretrainedConfig):
             d.pop(k, None)
         if self.base_layer_types is not None:
             d["layer_types"] = self.base_layer_types
+        if self.base_rope_parameters is not None:
+            d["rope_parameters"] = self.base_rope_parameters
         cfg = AutoConfig.for_model(self.base_model_type, **d)
         impl = getattr(self, "_attn_implementation", None)
         if impl is not None:
-            cfg._attn_implementation = impl
+            cfg._attn_implementation = _base_attention(cfg, impl)
         return cfg
 
     @property
     def linear_layers(self) -> list[int]:
         return [i for i, t in enumerate(self.layer_types or []) if t == LINEAR]
+
+
+def _base_attention(base_config: PretrainedConfig, impl: str) -> str:
+    """The attention implementation the base family runs: ``impl``, or eager where the family has no SDPA path
+    (Gemma 2, whose scores are soft-capped), as transformers picks for the original model."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(base_config)]
+    except KeyError:
+        return impl
+    return "eager" if impl == "sdpa" and not getattr(cls, "_supports_sdpa", True) else impl
 
 
 class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
@@ -139,7 +161,7 @@ class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
             m.mode = "softmax" if m.layer_idx in layers else "linear"
 
     def new_cache(self) -> HybridCache:
-        return HybridCache(self.config.layer_types)
+        return HybridCache(self.config.layer_types, softmax_windows(self.config))
 
     def _swap_cache(self, cache: Any) -> Any:
         if cache is None or isinstance(cache, HybridCache):
@@ -161,8 +183,8 @@ class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, cache=None,
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
         impl = self.config._attn_implementation
-        if impl is not None and self.model.config._attn_implementation != impl:
-            self.model.config._attn_implementation = impl
+        if impl is not None and self.model.config._attn_implementation != impl:  # e.g. set on the hybrid's config
+            self.model.config._attn_implementation = _base_attention(self.model.config, impl)
         c = cache if cache is not None else past_key_values
         if use_cache is None:
             use_cache = self.config.use_cache and not self.training

@@ -339,9 +339,7 @@ def retrieval_attention(hybrid, samples) -> list[float]:
     def hook(module, args, kwargs):
         hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
         q, k, _ = module.project(hidden, kwargs.get("position_embeddings"))  # [B, T, H, D], [B, T, Hk, D]
-        groups = q.shape[2] // k.shape[2]
-        keys = k.float().repeat_interleave(groups, dim=2)  # [B, T, H, D]
-        weights = torch.einsum("bhd,bthd->bht", q[:, -1].float(), keys).mul(module.scaling).softmax(-1)
+        weights = module.teacher_logits(q[:, -1:], k)[:, :, 0].softmax(-1)  # [B, H, T]
         total[module.layer_idx] += weights[..., current["positions"]].sum(-1).amax(-1).mean().item()
 
     hybrid.set_attention_mode("softmax")

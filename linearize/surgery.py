@@ -11,6 +11,8 @@ from .attention import ARCHITECTURES, arch_spec
 from .errors import UnsupportedModelError
 from .modeling import LinearizeConfig, LinearizeForCausalLM
 from .recipe import Recipe
+from .cache import softmax_windows
+from .select import LINEAR
 
 
 #: model types that are not causal decoder LMs, by family (data, not branches): the reason in the message
@@ -21,6 +23,8 @@ NOT_CAUSAL_DECODERS: dict[str, str] = {
                     "an encoder-only model (bidirectional attention, no causal LM to linearize)"),
     **dict.fromkeys(["mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm"],
                     "a model without softmax attention (state-space / recurrent layers)"),
+    "gemma3": "a vision-language model (Gemma 3 from 4B up: Gemma3ForConditionalGeneration); its text-only "
+              "sizes (gemma-3-270m, gemma-3-1b: model type gemma3_text) convert",
 }
 
 
@@ -94,15 +98,15 @@ def linearize_model(model: PreTrainedModel, layer_types: list[str], recipe: Reci
 
 @torch.no_grad()
 def cache_bytes(config, seq_len: int, batch: int = 1, dtype_bytes: int = 2) -> dict[str, int]:
-    """Cache + state bytes at ``seq_len`` for the original (all KV) and the hybrid layout."""
-    n = config.num_hidden_layers
+    """Cache + state bytes at ``seq_len`` for the original (all KV; the last ``sliding_window`` tokens in the base
+    model's sliding layers) and the hybrid layout."""
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
     d = getattr(config, "head_dim", None) or config.hidden_size // heads
-    kv_layer = 2 * batch * kv * seq_len * d * dtype_bytes
+    kv_layers = [2 * batch * kv * min(seq_len, w or seq_len) * d * dtype_bytes for w in softmax_windows(config)]
     layer_types = getattr(config, "layer_types", None) if config.model_type == "linearize" else None
     if layer_types is None:
-        return {"original": n * kv_layer, "hybrid": n * kv_layer}
+        return {"original": sum(kv_layers), "hybrid": sum(kv_layers)}
     la = config.linear_attention
     from .feature_maps import build_feature_map
 
@@ -111,6 +115,5 @@ def cache_bytes(config, seq_len: int, batch: int = 1, dtype_bytes: int = 2) -> d
     window = int(la.get("window") or 0)
     state = batch * kv * (f * d + f) * 4  # fp32 S and z
     ring = batch * kv * window * (d + f + d) * dtype_bytes + batch * window  # + which slots hold padding (bool)
-    n_full = sum(t != "linear_attention" for t in layer_types)
-    n_lin = n - n_full
-    return {"original": n * kv_layer, "hybrid": n_full * kv_layer + n_lin * (state + ring)}
+    hybrid = sum(state + ring if t == LINEAR else kv_layer for t, kv_layer in zip(layer_types, kv_layers))
+    return {"original": sum(kv_layers), "hybrid": hybrid}

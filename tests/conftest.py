@@ -14,7 +14,8 @@ import torch
 os.environ.setdefault("LINEARIZE_CACHE", str(Path.home() / ".cache" / "linearize"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "granite", "gemma", "olmo2", "mixtral", "qwen2_moe", "qwen3_moe"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "granite", "gemma", "gemma2", "gemma3_text", "olmo2", "mixtral",
+            "qwen2_moe", "qwen3_moe"]
 #: configuration class of each family, and what its tiny model needs beyond the shared sizes
 _TINY_FAMILIES = {
     "llama": ("LlamaConfig", {"tie_word_embeddings": True}),
@@ -25,6 +26,10 @@ _TINY_FAMILIES = {
     "granite": ("GraniteConfig", {"attention_multiplier": 0.5, "embedding_multiplier": 4.0,
                                   "residual_multiplier": 0.5, "logits_scaling": 2.0}),
     "gemma": ("GemmaConfig", {"tie_word_embeddings": True}),
+    # sliding-window layers shorter than the tests' sequences: Gemma 2's alternate (softmax layers of 3:1 and 1:1 are
+    # global), a soft-cap that bites on random scores; a 4-layer Gemma 3 slides in every layer (pattern 6)
+    "gemma2": ("Gemma2Config", {"sliding_window": 16, "attn_logit_softcapping": 2.0, "tie_word_embeddings": True}),
+    "gemma3_text": ("Gemma3TextConfig", {"sliding_window": 16, "tie_word_embeddings": True}),
     "olmo2": ("Olmo2Config", {"pad_token_id": 1}),  # q/k norms over the whole projection
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32}),
     "qwen2_moe": ("Qwen2MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
@@ -54,7 +59,7 @@ def tiny_model(family: str, layers: int = 4, seed: int = 0):
     import transformers
 
     cls_cfg, extra = _TINY_FAMILIES[family]
-    cls_lm = cls_cfg.replace("Config", "ForCausalLM")
+    cls_lm = "Gemma3ForCausalLM" if cls_cfg == "Gemma3TextConfig" else cls_cfg.replace("Config", "ForCausalLM")
     kwargs = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=1024,
                   tie_word_embeddings=False) | extra

@@ -21,7 +21,8 @@ TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num
 
 #: published parameter counts of the shipped configs
 PUBLISHED = {"llama-3-8b": 8_030_261_248, "llama-3.2-1b": 1_235_814_400, "mistral-7b": 7_248_023_552,
-             "qwen2.5-7b": 7_615_616_512, "qwen3-8b": 8_190_735_360, "qwen3-30b-a3b": 30_532_122_624}
+             "qwen2.5-7b": 7_615_616_512, "qwen3-8b": 8_190_735_360, "qwen3-30b-a3b": 30_532_122_624,
+             "gemma-3-1b": 999_885_952}  # Gemma 3 1B: counted from its published config (the model card says 1B)
 
 
 @pytest.fixture(autouse=True)
@@ -151,6 +152,21 @@ def test_cost_model_of_the_llama3_8b_shape():
     assert c["decode_weight_bytes"] == 2 * (PUBLISHED["llama-3-8b"] - table)
 
 
+def test_cost_model_of_sliding_layers():
+    """Gemma 3 1B (meta device): the 4 global layers cost 2 T H d per token, the 22 sliding ones 4 H d per key they
+    see (w - w^2 / 2T of a T-token prefill, T / 2 below the window)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg, _ = bm.load_config("gemma-3-1b")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    c = bm.cost_model(model)
+    assert c["attention_flops_per_token_per_T"] == 2 * 4 * 4 * 256 and c["sliding_windows"] == [512] * 22
+    matmul = c["matmul_flops_per_token"]
+    assert bm.flops_per_token(c, 256) == matmul + 2 * 16 * 256 * 256 + 22 * 4 * 4 * 256 * 128
+    assert bm.flops_per_token(c, 4096) == matmul + 2 * 16 * 256 * 4096 + 22 * 4 * 4 * 256 * (512 - 512 * 512 / 8192)
+
+
 def test_cost_model_of_a_mixture_of_experts():
     """Qwen3-30B-A3B (48 layers of 128 experts, 8 per token): a prefill token multiplies by the dense weights and
     1/16 of the routed experts (~3B); a decode step reads every dense weight and the experts at least one of its
@@ -223,12 +239,12 @@ def test_random_materialization_on_device():
     assert torch.equal(model.model.rotary_emb.inv_freq, fresh.model.rotary_emb.inv_freq)
 
 
-def _write_tiny():
+def _write_tiny(config: dict | None = None):
     import tempfile
     from pathlib import Path
 
     path = Path(tempfile.mkdtemp()) / "tiny.json"
-    path.write_text(json.dumps(TINY))
+    path.write_text(json.dumps(config or TINY))
     return str(path)
 
 
@@ -262,6 +278,44 @@ def test_decode_cache_steps_in_place_at_position_t_minus_1():
     out = hybrid(**kw).logits
     assert out.shape == (2, 1, 256) and torch.isfinite(out).all()
     assert int(window_state.seen) == T + 1  # the linear layers advanced their state in place
+
+
+@torch.no_grad()
+def test_decode_cache_of_sliding_layers(monkeypatch):
+    """A layer that slides over W = 16 tokens keeps the last 15 after a 33-token prefill: its decode-timing layer
+    gets a 16th slot, so a step attends to the 16 keys a real step does (none masked), in place; the full layer keeps
+    all 33."""
+    tiny = dict(TINY, model_type="gemma3_text", sliding_window=16, query_pre_attn_scalar=16,
+                layer_types=["sliding_attention"] * 3 + ["full_attention"])
+    cfg, _ = bm.load_config(_write_tiny(tiny))
+    model = bm.random_model(cfg, dtype=torch.float32, device="cpu")
+    T = 33
+    ids = torch.randint(0, 256, (2, T), generator=torch.Generator().manual_seed(0))
+    from linearize import recipe as recipes
+
+    hybrid = bm._surgery(model, ["linear_attention", "full_attention", "linear_attention", "full_attention"],
+                         recipes.load("lolcats")["attention"])
+    for m in (hybrid, bm.random_model(cfg, dtype=torch.float32, device="cpu")):
+        dcache = bm.decode_cache(bm.prefill(m, ids), T)
+        kv = {i: layer for i, layer in enumerate(dcache.layers) if hasattr(layer, "slot")}
+        assert kv[1].keys.shape[2] == 16 and kv[1].get_mask_sizes(1) == (16, T - 16) and kv[1].is_sliding
+        assert kv[3].keys.shape[2] == T and kv[3].get_mask_sizes(1) == (T, 0) and not kv[3].is_sliding
+        keys_seen = []
+        real_sdpa = torch.nn.functional.scaled_dot_product_attention
+
+        def spy(q, k, v, attn_mask=None, *args, **kwargs):
+            keys_seen.append((k.shape[2], attn_mask is None or bool(attn_mask.all())))
+            return real_sdpa(q, k, v, attn_mask, *args, **kwargs)
+
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+        ptr = kv[1].keys.data_ptr()
+        kw = dict(input_ids=ids[:, -1:], position_ids=torch.full((2, 1), T - 1), use_cache=True, logits_to_keep=1,
+                  **bm._cache_kwargs(m, dcache))
+        for _ in range(2):
+            assert torch.isfinite(m(**kw).logits).all()
+        monkeypatch.undo()
+        assert kv[1].keys.data_ptr() == ptr
+        assert (16, True) in keys_seen and (T, True) in keys_seen and all(ok for _, ok in keys_seen)
 
 
 #: aten ops that read a tensor back to the host (or have data-dependent shapes): each breaks CUDA-graph capture

@@ -115,6 +115,20 @@ def test_batched_generation_with_left_padding(family, recipe, attn):
         assert torch.equal(batched[i, 30:], b), i
 
 
+def test_left_padding_under_inference_mode():
+    """Masks made under torch.inference_mode (pipelines, lm-eval, prompt-lookup drafts inside `linearize generate`)
+    are inference tensors without a version counter: the padding is read from them all the same."""
+    hybrid = linearize_model(tiny_model("llama"), select_layout(4, ratio="3:1"), R.load("lolcats", RECIPES["lolcats"]))
+    torch.manual_seed(3)
+    ids = torch.randint(1, 128, (2, 20))
+    with torch.inference_mode():
+        mask = torch.ones_like(ids)
+        mask[1, :7] = 0
+        tokens, logits = _generate(hybrid, ids, mask, do_sample=False)
+    ref_tokens, ref_logits = _generate(hybrid, ids, mask.clone(), do_sample=False)
+    assert torch.equal(tokens, ref_tokens) and (logits - ref_logits).abs().max().item() == 0.0
+
+
 def test_padded_prefill_in_two_chunks():
     """A left-padded prompt fed to the cache in two pieces (the ring of the first still holding padding) gives the
     logits of its unpadded prompt in one piece."""
@@ -440,3 +454,62 @@ def test_feature_maps_start_from_the_models_softmax_scale(recipe):
     for m in hybrid.linear_modules():
         assert m.scaling == 0.5 and m.feature_map_q.softmax_scale == m.feature_map_k.softmax_scale == 0.5
     assert "softmax_scale" not in R.load(recipe)["attention"]
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])
+def test_teacher_keeps_sliding_window_and_softcap(family):
+    """The teacher's logits (Hedgehog's loss, the retrieval probe) give the teacher's output, which equals the
+    original layer's (test_linear_layers_differ_from_softmax_and_modes): the base layer's sliding window (16
+    tokens here, shorter than the 40-token input) and Gemma 2's soft-cap are in both."""
+    hybrid = linearize_model(tiny_model(family), select_layout(4, ratio="1:0"), R.load("elu"))
+    ids = torch.randint(0, 128, (2, 40))
+    seen = {}
+
+    def grab(module, args, kwargs):
+        seen[module.layer_idx] = module.project(kwargs["hidden_states"], kwargs["position_embeddings"])
+
+    handles = [m.register_forward_pre_hook(grab, with_kwargs=True) for m in hybrid.linear_modules()]
+    hybrid.set_attention_mode("softmax")
+    with torch.no_grad():
+        hybrid(ids, use_cache=False)
+    for h in handles:
+        h.remove()
+    windows = [m.teacher_window for m in hybrid.linear_modules()]
+    assert windows == ([16, None, 16, None] if family == "gemma2" else [16] * 4)
+    for m in hybrid.linear_modules():
+        q, k, v = seen[m.layer_idx]
+        weights = m.teacher_logits(q, k).softmax(-1)  # [B, H, T, T]
+        if m.teacher_window:  # query 30 looks at keys 15 .. 30 only
+            assert weights[:, :, 30, :15].abs().max().item() == 0.0 < weights[:, :, 30, 15].min().item()
+        vh = v.transpose(1, 2).repeat_interleave(2, dim=1)
+        via_logits = (weights @ vh).transpose(1, 2)
+        assert (via_logits - m.softmax_attention(q, k, v)).abs().max().item() <= 1e-5
+
+
+def test_sliding_softmax_layers_keep_only_their_window():
+    """A softmax layer that slides in the base model (every layer of a 4-layer Gemma 3) caches only its window, as
+    the original's cache does, and the cache-size formula counts it so."""
+    from linearize.surgery import cache_bytes
+
+    hybrid = linearize_model(tiny_model("gemma3_text"), select_layout(4, ratio="1:1"), R.load("elu"))
+    ids = torch.randint(0, 128, (1, 50))
+    with torch.no_grad():
+        cache = _cache(hybrid(ids, use_cache=True))
+    kv = [layer for layer in cache.layers if type(layer).__name__ == "DynamicSlidingWindowLayer"]
+    assert len(kv) == 2 and all(layer.keys.shape[2] < 50 for layer in kv)
+    per_layer = 2 * 2 * 16 * 4  # K and V, 2 KV heads, head_dim 16, fp32
+    sizes, one_token = cache_bytes(hybrid.config, 4096, dtype_bytes=4), cache_bytes(hybrid.config, 1, dtype_bytes=4)
+    states = one_token["hybrid"] - 2 * per_layer  # the two linear layers' states do not grow
+    assert sizes["original"] == 4 * 16 * per_layer
+    assert sizes["hybrid"] == 2 * 16 * per_layer + states
+
+
+def test_multimodal_gemma3_is_named():
+    import transformers
+
+    from linearize.errors import UnsupportedModelError
+    from linearize.surgery import check_config_supported
+
+    with pytest.raises(UnsupportedModelError) as err:
+        check_config_supported(transformers.Gemma3Config(), "google/gemma-3-4b-pt")
+    assert "vision-language" in str(err.value) and "gemma-3-1b" in str(err.value) and "\n" not in str(err.value)

@@ -27,6 +27,21 @@ def test_plan_from_a_shipped_config_offline():
     assert data["quality"] == {}
 
 
+def test_gemma3_plan_counts_its_sliding_layers():
+    """Gemma 3 1B slides over 512 tokens in 22 of its 26 layers (every sixth is global): its cache and the attention
+    FLOPs of its prefill grow only in the global layers, for the original and for the hybrid's softmax layers."""
+    data = model_info("gemma-3-1b", ratio="3:1")
+    kv_token = 2 * 1 * 256 * 2  # K and V, one KV head of 256, bf16
+    assert data["parameters"] - data["extra_parameters"] == 999_885_952
+    assert data["cache_bytes"]["4K"]["original"] == (4 * 4096 + 22 * 512) * kv_token
+    softmax = [i for i, t in enumerate(data["layer_types"]) if t == "full_attention"]
+    assert softmax == [3, 7, 11, 15, 19, 23]  # 11 and 23 are global
+    states = data["cache_bytes"]["4K"]["hybrid"] - (2 * 4096 + 4 * 512) * kv_token
+    assert data["cache_bytes"]["128K"]["hybrid"] == (2 * 131072 + 4 * 512) * kv_token + states
+    # the original attends at most 512 keys in most layers: the prefill bound at 128K stays far below Llama's
+    assert 1.0 < data["bounds"]["128K"]["prefill"] < 1.5
+
+
 def test_plan_matches_the_converted_model(tmp_path):
     """A planned layout reports what the converted checkpoint of the same layout and recipe reports."""
     model = tiny_model("qwen3")

@@ -797,3 +797,48 @@ def test_rotary_kernel(shape, dtype):
         qo1, ko1 = rotary_embedding(q, k, cos[:1], sin[:1], backend="triton")
         rq1, rk1 = rotary_reference(q64, k64, cos64[:1], sin64[:1])
     assert rel_err(qo1, rq1) <= tol and rel_err(ko1, rk1) <= tol
+
+
+def test_kernels_too_big_for_shared_memory_fall_back(monkeypatch):
+    """A Hedgehog kernel that does not fit the GPU's shared memory (on an H200 the feature-map kernel at fp32,
+    head_dim 256, f = 64 asked for 320 KB of 227) ends on the features-first path with the same results, state
+    updates included, and later calls go there directly."""
+    from triton.runtime.errors import OutOfResources
+
+    from linearize.kernels import triton_common, triton_features, triton_step
+
+    calls = []
+
+    def too_big(original=None):
+        def run(*args, **kwargs):  # the kernels fed features (no projection tiles) still fit
+            if original is not None and kwargs.get("wqx") is None:
+                return original(*args, **kwargs)
+            calls.append(1)
+            raise OutOfResources(327680, 232448, "shared memory")
+        return run
+
+    monkeypatch.setattr(triton_common, "TOO_BIG", set())
+    B, T, H, Hk, D, f, V = 2, 4, 2, 1, 16, 8, 16
+    q, k, v, wf, wq, wk, init = _hedgehog_case(B, T, H, Hk, D, f, V, 4, torch.float32, state=True, seed=3)
+    with torch.no_grad():
+        expected = hedgehog_feature_map(q, wq, backend="triton")
+        monkeypatch.setattr(triton_features, "hedgehog_feature_map_triton", too_big())
+        for _ in range(2):
+            assert rel_err(hedgehog_feature_map(q, wq, backend="triton"), expected) <= 1e-6
+        assert len(calls) == 1  # remembered
+        fq, fk = (hedgehog_features(x, w) for x, w in ((q, wq), (k, wk)))
+        fused, plain = (tuple(x.clone() for x in init) for _ in range(2))
+        monkeypatch.setattr(triton_step, "linear_step_triton", too_big(triton_step.linear_step_triton))
+        a = linear_attention_step_hedgehog(q[:, 0], k[:, 0], v[:, 0], wq, wk, fused, backend="triton")
+        b = linear_attention_step(fq[:, 0], fk[:, 0], v[:, 0], plain, backend="reference")
+        assert rel_err(a, b) <= 1e-5 and rel_err(fused[0], plain[0]) <= 1e-5
+        ring = empty_window_state(B, Hk, D, 2 * f, V, 4, dtype=torch.float32, device=DEV)
+        ring_plain = WindowState(*(x.clone() for x in ring))
+        monkeypatch.setattr(triton_step, "window_step_triton", too_big(triton_step.window_step_triton))
+        for t in range(T):
+            a = window_linear_attention_step_hedgehog(q[:, t], k[:, t], v[:, t], wf, wq, wk, ring, backend="triton")
+            b = window_linear_attention_step(q[:, t], k[:, t], fq[:, t], fk[:, t], v[:, t], wf, ring_plain,
+                                             backend="torch")
+            assert rel_err(a, b) <= 1e-5, t
+        assert rel_err(ring.S, ring_plain.S) <= 1e-5 and int(ring.seen) == T
+    assert len(calls) == 3

@@ -155,7 +155,33 @@ def test_cli_generate_same_text(ckpts, tmp_path):
     assert not list((tmp_path / "off").iterdir())  # the private folder is gone at exit
 
 
+def _generate_text(capsys, spec, *args) -> str:
+    from linearize.cli import run_app
+
+    code = run_app(["generate", spec, "the stone stays, the river runs north, the stone", "--max-new-tokens", "12",
+                    "--dtype", "float32", *args])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    return out.out
+
+
+def test_cli_generate_sampling_and_prompt_lookup(ckpts, capsys):
+    """On a hybrid: prompt-lookup drafts (taken back with HybridCache.crop when wrong) leave greedy text unchanged;
+    sampling with a seed repeats itself."""
+    spec = str(ckpts["llama"])
+    greedy = _generate_text(capsys, spec)
+    assert greedy.strip() and _generate_text(capsys, spec, "--prompt-lookup", "3") == greedy
+    sampled = [_generate_text(capsys, spec, "--temperature", "1.5", "--top-p", "0.9", "--seed", "7") for _ in range(2)]
+    assert sampled[0] == sampled[1] and sampled[0].strip()
+    others = {_generate_text(capsys, spec, "--temperature", "1.5", "--seed", str(seed)) for seed in range(4)}
+    assert len(others) > 1  # the seed matters
+
+
 @pytest.mark.parametrize("args,needle", [
+    (["--top-p", "0"], "'--top-p'"),
+    (["--top-p", "1.5"], "'--top-p'"),
+    (["--temperature", "-1"], "'--temperature'"),
+    (["--prompt-lookup", "-2"], "'--prompt-lookup'"),
     (["--max-memory", "gpu=4GB"], "unknown device 'gpu'"),
     (["--max-memory", "cpu=lots"], "bad size 'lots'"),
     (["--max-memory", "cpu"], "expected DEV=SIZE"),
