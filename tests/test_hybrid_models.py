@@ -457,6 +457,28 @@ def test_feature_maps_start_from_the_models_softmax_scale(recipe):
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])
+def test_gemma_families_train_both_stages(family, corpus, monkeypatch, tmp_path):
+    """Attention transfer (with Hedgehog's attention loss, on the teacher's windowed, soft-capped weights) then
+    LoRA on 64-token rows, longer than the tiny models' 16-token sliding windows: held-out MSE and perplexity fall."""
+    from linearize import distill as D
+    from linearize import finetune as FT
+
+    monkeypatch.setenv("LINEARIZE_CACHE", str(tmp_path / "cache"))
+    model = tiny_model(family, layers=2)
+    model.resize_token_embeddings(64)
+    both = {"data": corpus, "seq_len": 64, "batch_size": 2, "tokens": 64 * 2 * 20, "warmup_steps": 1, "eval_seqs": 4}
+    over = {f"{stage}.{k}": v for stage in ("distill", "finetune") for k, v in both.items()}
+    rec = R.load("hedgehog", {**over, "distill.lr": 3e-2, "finetune.lr": 1e-2, "finetune.loss": "xent"})
+    assert rec["distill"]["xent_weight"] > 0
+    hybrid = linearize_model(model, select_layout(2, ratio="1:0"), rec)
+    quiet = dict(progress=False, log=lambda m: None)
+    rep = D.distill(hybrid, char_tokenizer(), rec, **quiet)
+    assert rep["heldout_mse_end_mean"] < rep["heldout_mse_start_mean"]
+    _, rep = FT.finetune(hybrid, char_tokenizer(), rec, loss="xent", **quiet)
+    assert rep["heldout_ppl_end"] < rep["heldout_ppl_start"]
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])
 def test_teacher_keeps_sliding_window_and_softcap(family):
     """The teacher's logits (Hedgehog's loss, the retrieval probe) give the teacher's output, which equals the
     original layer's (test_linear_layers_differ_from_softmax_and_modes): the base layer's sliding window (16
