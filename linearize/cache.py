@@ -162,15 +162,21 @@ class LinearStateLayer(CacheLayerMixin):
         return sum(t.numel() * t.element_size() for t in self.state)
 
 
+def _cache_layer(layer_type: str, window: int | None) -> CacheLayerMixin:
+    """The cache layer of one decoder layer: recurrent state for a linear layer, KV for a softmax one (the last
+    ``window`` tokens where the base layer slides)."""
+    if layer_type != FULL:
+        return LinearStateLayer()
+    return DynamicSlidingWindowLayer(sliding_window=window) if window else DynamicLayer()
+
+
 class HybridCache(Cache):
     """One cache layer per decoder layer: KV for ``full_attention`` (only the last ``windows[i]`` tokens where the
     base layer slides), recurrent state otherwise."""
 
     def __init__(self, layer_types: list[str], windows: list[int | None] | None = None):
         windows = list(windows) if windows is not None else [None] * len(layer_types)
-        layers = [LinearStateLayer() if t != FULL else DynamicSlidingWindowLayer(sliding_window=w) if w
-                  else DynamicLayer() for t, w in zip(layer_types, windows)]
-        super().__init__(layers=layers)
+        super().__init__(layers=[_cache_layer(t, w) for t, w in zip(layer_types, windows)])
         self.layer_types = list(layer_types)
         self.windows = windows
 
