@@ -59,9 +59,15 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def rotary_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """Rotary position embedding ``x * cos + rotate_half(x) * sin`` of ``q`` ``[B, T, H, D]`` and ``k``
-    ``[B, T, Hk, D]`` with ``cos`` / ``sin`` ``[B or 1, T, D]`` (the Llama convention), in the inputs' dtype
-    as the original attention modules compute it."""
-    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [B, T, 1, D]
+    ``[B, T, Hk, D]`` with ``cos`` / ``sin`` ``[B or 1, T, R]`` (the Llama convention), in the inputs' dtype
+    as the original attention modules compute it. Tables narrower than the heads (``R < D``: partial rotary, as in
+    Phi-4-mini) rotate the first ``R`` dims of each head and pass the rest through."""
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [B, T, 1, R]
+    R = cos.shape[-1]
+    if R < q.shape[-1]:
+        (qr, qp), (kr, kp) = q.split([R, q.shape[-1] - R], -1), k.split([R, k.shape[-1] - R], -1)
+        return (torch.cat([qr * cos + rotate_half(qr) * sin, qp], -1),
+                torch.cat([kr * cos + rotate_half(kr) * sin, kp], -1))
     return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
 
 

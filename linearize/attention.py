@@ -73,6 +73,14 @@ class ArchSpec:
     # what q_norm / k_norm normalise: "head", each head's vector (Qwen3); "projection", the whole projection before
     # it is split into heads (OLMo 2)
     qk_norm_over: str = "head"
+    # one projection computing queries, keys and values, in that order (Phi-3: qkv_proj); None: q_proj, k_proj, v_proj
+    qkv: str | None = None
+
+    def lora_targets(self, targets: list[str]) -> list[str]:
+        """A recipe's LoRA targets (named as in Llama: q_proj, k_proj, v_proj, o_proj) as this family's modules:
+        q/k/v become the fused projection where there is one (in order, once)."""
+        out = [self.qkv if self.qkv and t in ("q_proj", "k_proj", "v_proj") else t for t in targets]
+        return list(dict.fromkeys(out))
 
 
 #: model_type -> how its attention is laid out
@@ -88,6 +96,9 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "gemma2": ArchSpec(),
     "gemma3_text": ArchSpec(q_norm="q_norm", k_norm="k_norm"),
     "olmo2": ArchSpec(q_norm="q_norm", k_norm="k_norm", qk_norm_over="projection"),
+    # Phi-3 / Phi-3.5 / Phi-4: fused qkv_proj; Phi-4-mini rotates only part of each head (the rotary tables say how
+    # much)
+    "phi3": ArchSpec(projections=("qkv_proj", "o_proj"), qkv="qkv_proj"),
     # mixture-of-experts variants: attention laid out as their dense family; the expert MLPs are left as they are
     "mixtral": ArchSpec(),
     "qwen2_moe": ArchSpec(),
@@ -166,6 +177,7 @@ class LinearAttention(nn.Module):
         self.softcap = getattr(original, "attn_logit_softcapping", None)
         for name in arch.projections:
             setattr(self, name, getattr(original, name))
+        self.qkv = arch.qkv
         self.q_norm = getattr(original, arch.q_norm) if arch.q_norm else None
         self.k_norm = getattr(original, arch.k_norm) if arch.k_norm else None
         self.qk_norm_over = arch.qk_norm_over
@@ -185,7 +197,7 @@ class LinearAttention(nn.Module):
             self.window_logit = nn.Parameter(torch.full((self.num_heads,), logit))
         else:
             self.register_parameter("window_logit", None)
-        ref = self.q_proj.weight
+        ref = getattr(self, arch.projections[0]).weight
         self.feature_map_q.to(device=ref.device, dtype=ref.dtype)
         self.feature_map_k.to(device=ref.device, dtype=ref.dtype)
         if self.window_logit is not None:
@@ -199,12 +211,17 @@ class LinearAttention(nn.Module):
     def project(self, hidden_states: torch.Tensor, position_embeddings):
         """Post-rotary ``q [B,T,H,D]``, ``k [B,T,Hk,D]`` and ``v [B,T,Hk,D]``."""
         B, T, _ = hidden_states.shape
-        q, k = self.q_proj(hidden_states), self.k_proj(hidden_states)
+        if self.qkv is not None:  # one fused projection, [q | k | v] along the last dim
+            kv_width = self.num_kv_heads * self.head_dim
+            q, k, v = getattr(self, self.qkv)(hidden_states).split(
+                [self.num_heads * self.head_dim, kv_width, kv_width], dim=-1)
+        else:
+            q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
         if self.q_norm is not None and self.qk_norm_over == "projection":
             q, k = self.q_norm(q), self.k_norm(k)
-        q = q.view(B, T, self.num_heads, self.head_dim)
-        k = k.view(B, T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden_states).view(B, T, self.num_kv_heads, self.head_dim)
+        q = q.reshape(B, T, self.num_heads, self.head_dim)
+        k = k.reshape(B, T, self.num_kv_heads, self.head_dim)
+        v = v.reshape(B, T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.qk_norm_over == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = position_embeddings

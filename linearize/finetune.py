@@ -65,10 +65,10 @@ def lora_target_regex(model, targets: list[str], which: str = "linear") -> str:
     against module names, so other layers (the softmax ones unless ``which == "all"``) and the feature maps
     are never touched.
     """
-    attn = arch_spec(model.config.base_model_type).attention
+    spec = arch_spec(model.config.base_model_type)
     layers = "|".join(str(i) for i in adapter_layers(model, which))
-    projs = "|".join(re.escape(t) for t in targets)
-    return rf"model\.layers\.({layers})\.{re.escape(attn)}\.({projs})"
+    projs = "|".join(re.escape(t) for t in spec.lora_targets(targets))
+    return rf"model\.layers\.({layers})\.{re.escape(spec.attention)}\.({projs})"
 
 
 def fingerprint(model, recipe, data: str, seed: int, tokens: int, loss: str) -> str:
@@ -335,11 +335,12 @@ def finetune(model, tokenizer, recipe, *, state_dir: Path | None = None, resume:
                                     "replicated LoRA adapters may train")
             dist.broadcast_tensors(params)  # the seeded init is the same everywhere; make it exactly rank 0's
         names = [n for n, p in peft_model.named_parameters() if p.requires_grad]
-        attn_name = arch_spec(model.config.base_model_type).attention
+        spec = arch_spec(model.config.base_model_type)
         adapted = set(model.linear_modules())  # the attention modules that should carry adapters
         if cfg["layers"] == "all":
-            adapted |= {getattr(layer, attn_name) for layer in model.model.layers}
-        expected = {f"{n}.{t}" for n, m in model.named_modules() if m in adapted for t in cfg["targets"]}
+            adapted |= {getattr(layer, spec.attention) for layer in model.model.layers}
+        targets = spec.lora_targets(cfg["targets"])
+        expected = {f"{n}.{t}" for n, m in model.named_modules() if m in adapted for t in targets}
         wrapped = {n.rsplit(".lora_", 1)[0].removeprefix("base_model.model.") for n in names}
         if wrapped != expected:  # guards the regex against naming surprises
             raise TrainingError(f"finetune: LoRA wrapped {sorted(wrapped)}, expected {sorted(expected)}")

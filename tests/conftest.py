@@ -14,8 +14,8 @@ import torch
 os.environ.setdefault("LINEARIZE_CACHE", str(Path.home() / ".cache" / "linearize"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "granite", "gemma", "gemma2", "gemma3_text", "olmo2", "mixtral",
-            "qwen2_moe", "qwen3_moe"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "granite", "gemma", "gemma2", "gemma3_text", "olmo2", "phi3",
+            "mixtral", "qwen2_moe", "qwen3_moe"]
 #: configuration class of each family, and what its tiny model needs beyond the shared sizes
 _TINY_FAMILIES = {
     "llama": ("LlamaConfig", {"tie_word_embeddings": True}),
@@ -31,6 +31,8 @@ _TINY_FAMILIES = {
     "gemma2": ("Gemma2Config", {"sliding_window": 16, "attn_logit_softcapping": 2.0, "tie_word_embeddings": True}),
     "gemma3_text": ("Gemma3TextConfig", {"sliding_window": 16, "tie_word_embeddings": True}),
     "olmo2": ("Olmo2Config", {"pad_token_id": 1}),  # q/k norms over the whole projection
+    # one fused qkv_proj, and rotary over half of each head (Phi-4-mini rotates 3/4)
+    "phi3": ("Phi3Config", {"partial_rotary_factor": 0.5, "pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2}),
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32}),
     "qwen2_moe": ("Qwen2MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                                      "shared_expert_intermediate_size": 32, "qkv_bias": True}),

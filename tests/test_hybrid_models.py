@@ -458,10 +458,11 @@ def test_feature_maps_start_from_the_models_softmax_scale(recipe):
     assert "softmax_scale" not in R.load(recipe)["attention"]
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])
-def test_gemma_families_train_both_stages(family, corpus, monkeypatch, tmp_path):
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "phi3"])
+def test_newer_families_train_both_stages(family, corpus, monkeypatch, tmp_path):
     """Attention transfer (with Hedgehog's attention loss, on the teacher's windowed, soft-capped weights) then
-    LoRA on 64-token rows, longer than the tiny models' 16-token sliding windows: held-out MSE and perplexity fall."""
+    LoRA on 64-token rows, longer than the tiny Gemmas' 16-token sliding windows: held-out MSE and perplexity fall.
+    Phi-3's LoRA goes on its fused qkv_proj and o_proj (finetune checks what peft wrapped)."""
     from linearize import distill as D
     from linearize import finetune as FT
 

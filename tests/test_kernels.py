@@ -271,3 +271,21 @@ def test_dispatch_errors():
         linear_attention(inp["q"], inp["k"], inp["v"], backend="cuda")
     o, st = linear_attention(inp["q"], inp["k"], inp["v"])
     assert st is None and o.shape == (1, 4, 2, 4)
+
+
+def test_partial_rotary_matches_transformers():
+    """Rotary tables narrower than the heads (Phi-4-mini rotates 3/4 of each head) rotate the first dims only, as
+    transformers' Phi-3 attention does."""
+    from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb
+
+    from linearize.kernels import rotary_embedding
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 7, 4, 16, generator=g), torch.randn(2, 7, 2, 16, generator=g)
+    angles = torch.randn(2, 7, 6, generator=g)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)  # [B, T, 12] of 16
+    ours = rotary_embedding(q, k, cos, sin, backend="torch")
+    theirs = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b.transpose(1, 2))
+    assert torch.equal(ours[0][..., 12:], q[..., 12:])
