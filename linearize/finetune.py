@@ -367,7 +367,7 @@ def finetune(model, tokenizer, recipe, *, state_dir: Path | None = None, resume:
             log(f"finetune: resumed at step {step}/{total_steps} from {ckpt}")
         layers = adapter_layers(model, cfg["layers"])
         kind = "linear" if cfg["layers"] == "linear" else "(all)"
-        log(f"finetune: LoRA r={cfg['lora_r']} alpha={cfg['lora_alpha']:g} on {','.join(cfg['targets'])} of "
+        log(f"finetune: LoRA r={cfg['lora_r']} alpha={cfg['lora_alpha']:g} on {','.join(targets)} of "
             f"{len(layers)} {kind} layers ({n_trainable:,} params), loss {loss_kind}, {total_steps} steps")
 
         eval_bsz = max(1, min(bsz, 8))
