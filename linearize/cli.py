@@ -173,6 +173,8 @@ def info(spec: str = typer.Argument(..., help="Model spec or hybrid checkpoint d
     data = model_info(spec, ratio=ratio, softmax_layers=softmax_layers, recipe=recipe)
     console.print(f"[bold]{data['name']}[/] ({data['model_type']}, {data['num_layers']} layers)", highlight=False)
     console.print(f"layers: {data['layout']}", highlight=False)
+    if data.get("sliding"):
+        console.print(f"sliding: {data['sliding']}", highlight=False)
     console.print(f"parameters: {data['parameters']:,} (linear-attention extras: {data['extra_parameters']:,})")
     table = Table(title="per sequence: cache + state bytes (bf16 KV, fp32 state)" + (" and speed bounds" if data.get("bounds") else ""))
     table.add_column("context")

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from .cache import softmax_windows
 from .select import describe_layout
 from .sources import local_dir, resolve
 from .surgery import cache_bytes
@@ -76,6 +77,7 @@ def model_info(spec: str, *, ratio: str | None = None, softmax_layers: str | Non
         "model_type": base_type,
         "num_layers": config.num_hidden_layers,
         "layout": layout_line,
+        "sliding": describe_sliding(softmax_windows(config)),
         "layer_types": getattr(config, "layer_types", None),
         "parameters": total,
         "extra_parameters": extra,
@@ -85,13 +87,24 @@ def model_info(spec: str, *, ratio: str | None = None, softmax_layers: str | Non
     }
 
 
+def describe_sliding(windows: list[int | None]) -> str | None:
+    """One line on the original's sliding-window layers (None when no layer slides), e.g. ``22 of 26 layers
+    slide over 512 tokens; full attention in 5, 11, 17, 23``: the layers whose KV cache grows with the context."""
+    sliding = [w for w in windows if w]
+    if not sliding:
+        return None
+    sizes = "/".join(str(w) for w in sorted(set(sliding)))
+    full = [i for i, w in enumerate(windows) if not w]
+    rest = f"; full attention in {', '.join(map(str, full))}" if full else ""
+    return f"{len(sliding)} of {len(windows)} layers slide over {sizes} tokens in the original{rest}"
+
+
 def speed_bounds(model, config, extra_parameters: int) -> dict[str, dict[str, float]]:
     """Per context, batch 1, bf16 weights and KV: the speed-ups a hybrid's layout allows over its original at
     equal efficiency (``bench model``'s bounds): ``prefill`` from FLOPs per token, ``decode`` from the bytes a
     step reads (weights + cache). The original: the same shapes with every layer softmax, without the
     linear-attention extras."""
     from .benchmodel import cost_model, speedup_bounds
-    from .cache import softmax_windows
 
     hybrid = cost_model(model)
     dtype_bytes = 2

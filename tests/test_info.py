@@ -40,6 +40,8 @@ def test_gemma3_plan_counts_its_sliding_layers():
     assert data["cache_bytes"]["128K"]["hybrid"] == (2 * 131072 + 4 * 512) * kv_token + states
     # the original attends at most 512 keys in most layers: the prefill bound at 128K stays far below Llama's
     assert 1.0 < data["bounds"]["128K"]["prefill"] < 1.5
+    assert data["sliding"] == "22 of 26 layers slide over 512 tokens in the original; full attention in 5, 11, 17, 23"
+    assert model_info("llama-3-8b")["sliding"] is None
 
 
 def test_plan_matches_the_converted_model(tmp_path):
