@@ -57,6 +57,9 @@ if FUSED_FEATURE_MAPS not in ("none", "decode", "maps", "all"):
     FUSED_FEATURE_MAPS = _FUSED_DEFAULT
 
 
+#: fp32 scores per block of query rows in the soft-capped teacher (Gemma 2), which SDPA cannot compute
+TEACHER_BLOCK_SCORES = 1 << 26
+
 #: Backend of the layers' rotary embedding (:func:`linearize.kernels.rotary_embedding`): None = one Triton kernel
 #: for queries and keys on a GPU (ten PyTorch kernels otherwise); ``"torch"`` for comparisons
 ROTARY_BACKEND: str | None = None
@@ -232,13 +235,15 @@ class LinearAttention(nn.Module):
     def softmax_attention(self, q, k, v, attention_mask=None) -> torch.Tensor:
         """The original causal softmax attention (the teacher), ``[B, T, H, D]``, within the base layer's sliding
         window and with its logit soft-cap where it has them."""
-        T = q.shape[1]
-        if self.softcap:  # SDPA has no soft-cap: the scores in full, fp32
-            weights = self.teacher_logits(q, k).softmax(-1)  # [B, H, T, T]
+        B, T = q.shape[:2]
+        if self.softcap:  # SDPA has no soft-cap: fp32 scores, in blocks of query rows (~256 MB of scores each)
             vh = v.transpose(1, 2).float()
             if self.num_kv_heads != self.num_heads:
-                vh = vh.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
-            return (weights @ vh).transpose(1, 2).to(v.dtype)
+                vh = vh.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)  # [B, H, T, D]
+            rows = max(1, TEACHER_BLOCK_SCORES // (B * self.num_heads * T))
+            blocks = [self.teacher_logits(q[:, i:i + rows], k[:, :i + rows]).softmax(-1) @ vh[:, :, :i + rows]
+                      for i in range(0, T, rows)]  # queries i .. i+rows-1 see keys up to i+rows-1
+            return torch.cat(blocks, dim=2).transpose(1, 2).to(v.dtype)
         qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, D]
         if self.num_kv_heads != self.num_heads:
             rep = self.num_heads // self.num_kv_heads

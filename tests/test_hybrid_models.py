@@ -482,7 +482,7 @@ def test_newer_families_train_both_stages(family, corpus, monkeypatch, tmp_path)
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])
-def test_teacher_keeps_sliding_window_and_softcap(family):
+def test_teacher_keeps_sliding_window_and_softcap(family, monkeypatch):
     """The teacher's logits (Hedgehog's loss, the retrieval probe) give the teacher's output, which equals the
     original layer's (test_linear_layers_differ_from_softmax_and_modes): the base layer's sliding window (16
     tokens here, shorter than the 40-token input) and Gemma 2's soft-cap are in both."""
@@ -509,6 +509,13 @@ def test_teacher_keeps_sliding_window_and_softcap(family):
         vh = v.transpose(1, 2).repeat_interleave(2, dim=1)
         via_logits = (weights @ vh).transpose(1, 2)
         assert (via_logits - m.softmax_attention(q, k, v)).abs().max().item() <= 1e-5
+    if family == "gemma2":  # the soft-capped teacher in blocks of query rows equals it in one block
+        from linearize import attention
+
+        whole = [m.softmax_attention(*seen[m.layer_idx]) for m in hybrid.linear_modules()]
+        monkeypatch.setattr(attention, "TEACHER_BLOCK_SCORES", 2 * 4 * 40 * 7)  # 7 query rows per block
+        for m, w in zip(hybrid.linear_modules(), whole):
+            assert (m.softmax_attention(*seen[m.layer_idx]) - w).abs().max().item() <= 1e-6
 
 
 def test_sliding_softmax_layers_keep_only_their_window():
