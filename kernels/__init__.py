@@ -284,21 +284,19 @@ def linear_attention_step_hedgehog(
     """:func:`linear_attention_step` of the Hedgehog features of ``q`` and ``k``, computed inside the step kernel
     on the Triton path (see :func:`window_linear_attention_step_hedgehog`), first elsewhere."""
     _hedgehog_shapes("linear_attention_step_hedgehog", q.unsqueeze(1), k.unsqueeze(1), weight_q, weight_k)
-    if _resolve_backend(backend, q) != "triton":
+
+    def features_first():  # off Triton, or where the projections do not fit the kernel's shared memory
         fq, fk = _features_first(q.unsqueeze(1), k.unsqueeze(1), weight_q, weight_k, feature_eps)
         return linear_attention_step(fq[:, 0], fk[:, 0], v, state, normalize=normalize, eps=eps, out=out,
                                      backend=backend)
+
+    if _resolve_backend(backend, q) != "triton":
+        return features_first()
     from .triton_common import signed_projections, triton_or_fallback
     from .triton_step import linear_step_triton
 
     S, z = check_linear_state("linear_attention_step_hedgehog", state)
     wqx, wkx = signed if signed is not None else signed_projections(weight_q, weight_k, q.dtype)
-
-    def features_first():  # the projections do not fit the kernel's shared memory (fp32 at head_dim 256)
-        fq, fk = _features_first(q.unsqueeze(1), k.unsqueeze(1), weight_q, weight_k, feature_eps)
-        return linear_attention_step(fq[:, 0], fk[:, 0], v, state, normalize=normalize, eps=eps, out=out,
-                                     backend=backend)
-
     return triton_or_fallback(
         ("linear_step_hedgehog", tuple(q.shape), tuple(k.shape), tuple(weight_q.shape), v.shape[-1], q.dtype),
         lambda: linear_step_triton(q, k, v, S, z, normalize=normalize, eps=eps, out=out, wqx=wqx, wkx=wkx,
@@ -327,20 +325,18 @@ def window_linear_attention_step_hedgehog(
     when the caller keeps them (otherwise they are made per call). Elsewhere the features are computed first.
     """
     _hedgehog_shapes("window_linear_attention_step_hedgehog", q.unsqueeze(1), k.unsqueeze(1), weight_q, weight_k)
-    if _resolve_backend(backend, q) != "triton":
+
+    def features_first():  # off Triton, or where the projections do not fit the kernel's shared memory
         fq, fk = _features_first(q.unsqueeze(1), k.unsqueeze(1), weight_q, weight_k, feature_eps)
         return window_linear_attention_step(q, k, fq[:, 0], fk[:, 0], v, window_factor, state, scale=scale, eps=eps,
                                             out=out, backend=backend)
+
+    if _resolve_backend(backend, q) != "triton":
+        return features_first()
     from .triton_common import signed_projections, triton_or_fallback
     from .triton_step import window_step_triton
 
     wqx, wkx = signed if signed is not None else signed_projections(weight_q, weight_k, q.dtype)
-
-    def features_first():  # the projections do not fit the kernel's shared memory (fp32 at head_dim 256)
-        fq, fk = _features_first(q.unsqueeze(1), k.unsqueeze(1), weight_q, weight_k, feature_eps)
-        return window_linear_attention_step(q, k, fq[:, 0], fk[:, 0], v, window_factor, state, scale=scale, eps=eps,
-                                            out=out, backend=backend)
-
     return triton_or_fallback(
         ("window_step_hedgehog", tuple(q.shape), tuple(k.shape), tuple(weight_q.shape), v.shape[-1], q.dtype),
         lambda: window_step_triton(q, k, None, None, v, window_factor, WindowState(*state),
