@@ -283,7 +283,7 @@ def linear_attention_step_hedgehog(
 ) -> torch.Tensor:
     """:func:`linear_attention_step` of the Hedgehog features of ``q`` and ``k``, computed inside the step kernel
     on the Triton path (see :func:`window_linear_attention_step_hedgehog`), first elsewhere."""
-    _hedgehog_shapes("linear_attention_step_hedgehog", q.unsqueeze(1), k.unsqueeze(1), weight_q, weight_k)
+    features = _hedgehog_shapes("linear_attention_step_hedgehog", q.unsqueeze(1), k.unsqueeze(1), weight_q, weight_k)
 
     def features_first():  # off Triton, or where the projections do not fit the kernel's shared memory
         fq, fk = _features_first(q.unsqueeze(1), k.unsqueeze(1), weight_q, weight_k, feature_eps)
@@ -292,7 +292,7 @@ def linear_attention_step_hedgehog(
 
     if _resolve_backend(backend, q) != "triton":
         return features_first()
-    from .triton_common import signed_projections, triton_or_fallback
+    from .triton_common import projection_fits, signed_projections, triton_or_fallback
     from .triton_step import linear_step_triton
 
     S, z = check_linear_state("linear_attention_step_hedgehog", state)
@@ -300,7 +300,8 @@ def linear_attention_step_hedgehog(
     return triton_or_fallback(
         ("linear_step_hedgehog", tuple(q.shape), tuple(k.shape), tuple(weight_q.shape), v.shape[-1], q.dtype),
         lambda: linear_step_triton(q, k, v, S, z, normalize=normalize, eps=eps, out=out, wqx=wqx, wkx=wkx,
-                                   feps=feature_eps), features_first)
+                                   feps=feature_eps), features_first,
+        fits=projection_fits(q.shape[-1], features, q.dtype))
 
 
 def window_linear_attention_step_hedgehog(
@@ -324,7 +325,8 @@ def window_linear_attention_step_hedgehog(
     separate launches for the maps); ``signed`` passes ``signed_projections(weight_q, weight_k, q.dtype)``
     when the caller keeps them (otherwise they are made per call). Elsewhere the features are computed first.
     """
-    _hedgehog_shapes("window_linear_attention_step_hedgehog", q.unsqueeze(1), k.unsqueeze(1), weight_q, weight_k)
+    features = _hedgehog_shapes("window_linear_attention_step_hedgehog", q.unsqueeze(1), k.unsqueeze(1), weight_q,
+                                weight_k)
 
     def features_first():  # off Triton, or where the projections do not fit the kernel's shared memory
         fq, fk = _features_first(q.unsqueeze(1), k.unsqueeze(1), weight_q, weight_k, feature_eps)
@@ -333,7 +335,7 @@ def window_linear_attention_step_hedgehog(
 
     if _resolve_backend(backend, q) != "triton":
         return features_first()
-    from .triton_common import signed_projections, triton_or_fallback
+    from .triton_common import projection_fits, signed_projections, triton_or_fallback
     from .triton_step import window_step_triton
 
     wqx, wkx = signed if signed is not None else signed_projections(weight_q, weight_k, q.dtype)
@@ -341,7 +343,8 @@ def window_linear_attention_step_hedgehog(
         ("window_step_hedgehog", tuple(q.shape), tuple(k.shape), tuple(weight_q.shape), v.shape[-1], q.dtype),
         lambda: window_step_triton(q, k, None, None, v, window_factor, WindowState(*state),
                                    scale=q.shape[-1] ** -0.5 if scale is None else scale, eps=eps, out=out,
-                                   wqx=wqx, wkx=wkx, feps=feature_eps), features_first)
+                                   wqx=wqx, wkx=wkx, feps=feature_eps), features_first,
+        fits=projection_fits(q.shape[-1], features, q.dtype))
 
 
 def _hedgehog_shapes(name: str, q, k, weight_q, weight_k) -> int:
@@ -377,12 +380,13 @@ def hedgehog_feature_map(
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     if _resolve_backend(backend, x) != "triton" or needs_grad:
         return hedgehog_features_rounded(x, weight, eps)
-    from .triton_common import triton_or_fallback
+    from .triton_common import projection_fits, triton_or_fallback
     from .triton_features import hedgehog_feature_map_triton
 
     return triton_or_fallback(("feature_map", x.shape[2:], tuple(weight.shape), x.dtype),
                               lambda: hedgehog_feature_map_triton(x, weight, eps),
-                              lambda: hedgehog_features_rounded(x, weight, eps))
+                              lambda: hedgehog_features_rounded(x, weight, eps),
+                              fits=projection_fits(x.shape[-1], 2 * weight.shape[-1], x.dtype))
 
 
 def rotary_embedding(

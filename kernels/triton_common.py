@@ -82,30 +82,69 @@ def _out_of_resources(e: Exception) -> bool:
 TOO_BIG: set = set()
 
 
-def triton_or_fallback(key: tuple, run, fallback):
+def _drop_traceback(e: BaseException) -> None:
+    """Free the frames a caught launch error holds. Triton raises its ``OutOfResources`` from a helper whose frame
+    keeps the exception in a local: a reference cycle through the traceback that holds every frame on the stack,
+    with their tensors, until Python's garbage collector runs (on an H200 a Gemma 3 hybrid's prefill kept ~0.5 GiB
+    per linear layer that way, 2026-12-02). Cutting the exception's link to its traceback frees them at once."""
+    e.__traceback__ = None
+
+
+#: the largest signed Hedgehog projection ``[D, 2f]`` a kernel is asked to hold in shared memory. 128 KB ran on an
+#: H200 (bf16 at head_dim 256 with the default 2f = 256, Gemma's shape); fp32 at that shape (256 KB) asked for
+#: 320 KB of 227, and Triton spent over four minutes compiling the feature-map kernel before saying so (2026-12-02)
+PROJECTION_SMEM_BYTES = 128 * 1024
+
+
+def projection_fits(D: int, features: int, dtype: torch.dtype) -> bool:
+    """Whether a Hedgehog kernel's signed projection (``[D, features]`` in ``dtype``, padded to powers of two) is
+    worth compiling: larger ones take the features-first fallback without a compile."""
+    return pow2(D) * pow2(features) * dtype.itemsize <= PROJECTION_SMEM_BYTES
+
+
+def triton_or_fallback(key: tuple, run, fallback, *, fits: bool = True):
     """``run()``, or ``fallback()`` where this ``key``'s kernel does not fit the GPU's shared memory (e.g. a Hedgehog
     projection ``[D, 2f]`` of fp32 at head_dim 256: 128 KB next to its input tile). A launch that fails this way
     ran nothing, so in-place state updates are untouched; the key is remembered so that later calls go straight
-    to the fallback."""
-    if key in TOO_BIG:
+    to the fallback. ``fits=False`` (:func:`projection_fits`) goes there without trying."""
+    if not fits or key in TOO_BIG:
         return fallback()
     try:
         return run()
     except Exception as e:
         if not _out_of_resources(e):
             raise
+        _drop_traceback(e)
         TOO_BIG.add(key)
-        return fallback()
+    return fallback()
+
+
+#: launches whose pipelined configuration ran out of shared memory (see :func:`launch`): kernel, keyword
+#: arguments (constexprs, warps, stages) and the dtypes of the positional arguments
+UNPIPELINED: set = set()
+
+
+def _launch_key(kernel, args: tuple, kw: dict) -> tuple:
+    def kind(a):
+        return a.dtype if torch.is_tensor(a) else type(a)
+
+    return (kernel, tuple(sorted((k, kind(v) if torch.is_tensor(v) else v) for k, v in kw.items())),
+            tuple(kind(a) for a in args))
 
 
 def launch(kernel, grid, *args, **kw):
-    """``kernel[grid](*args, **kw)``; on "out of resources" (shared memory) retry unpipelined."""
+    """``kernel[grid](*args, **kw)``; on "out of resources" (shared memory) retry unpipelined, and launch that
+    configuration unpipelined from then on (each failed launch costs Triton a fresh launcher and an exception)."""
+    if UNPIPELINED and kw.get("num_stages") != 1 and _launch_key(kernel, args, kw) in UNPIPELINED:
+        kw = {**kw, "num_stages": 1}
     try:
         return kernel[grid](*args, **kw)
     except Exception as e:
         if not _out_of_resources(e) or kw.get("num_stages") == 1:
             raise
-        return kernel[grid](*args, **{**kw, "num_stages": 1})
+        _drop_traceback(e)
+        UNPIPELINED.add(_launch_key(kernel, args, kw))
+    return kernel[grid](*args, **{**kw, "num_stages": 1})
 
 
 def plan_segments(cfg: dict, N: int, progs: int, device: torch.device) -> tuple[int, int]:

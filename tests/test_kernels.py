@@ -289,3 +289,43 @@ def test_partial_rotary_matches_transformers():
     for a, b in zip(ours, theirs):
         assert torch.equal(a, b.transpose(1, 2))
     assert torch.equal(ours[0][..., 12:], q[..., 12:])
+
+
+def test_launch_retries_unpipelined_once_and_keeps_nothing_alive(monkeypatch):
+    """A launch that runs out of shared memory is retried with one stage, and that configuration starts with one
+    stage from then on. Triton raises the error from a frame that keeps it (a reference cycle through the
+    traceback); the failed launch's arguments must still be freed at once, not when the garbage collector runs
+    (a Gemma 3 hybrid's prefill on an H200 kept every linear layer's tensors alive that way)."""
+    import gc
+    import weakref
+
+    triton_common = pytest.importorskip("linearize.kernels.triton_common")
+    from triton.runtime.errors import OutOfResources
+
+    stages = []
+
+    class Kernel:  # stands in for a JITFunction: kernel[grid](*args, **kw)
+        def __getitem__(self, grid):
+            def run(*args, num_stages=3, **kw):
+                stages.append(num_stages)
+                if num_stages > 1:
+                    def raise_(err):  # as triton's CompiledKernel._init_handles raises it
+                        raise err
+                    raise_(OutOfResources(327680, 232448, "shared memory"))
+                return "ran"
+            return run
+
+    monkeypatch.setattr(triton_common, "UNPIPELINED", set())
+    kernel = Kernel()
+    x = torch.zeros(1000)
+    alive = weakref.ref(x)
+    gc.disable()
+    try:
+        assert triton_common.launch(kernel, (1,), x, 7, BLOCK=64, num_warps=4) == "ran"
+        del x
+        assert alive() is None, "the failed launch's arguments outlived it"
+        assert triton_common.launch(kernel, (1,), torch.zeros(3), 9, BLOCK=64, num_warps=4) == "ran"
+        assert triton_common.launch(kernel, (1,), torch.zeros(3), 9, BLOCK=128, num_warps=4) == "ran"
+    finally:
+        gc.enable()
+    assert stages == [3, 1, 1, 3, 1]  # remembered per configuration

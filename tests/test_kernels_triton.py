@@ -842,3 +842,38 @@ def test_kernels_too_big_for_shared_memory_fall_back(monkeypatch):
             assert rel_err(a, b) <= 1e-5, t
         assert rel_err(ring.S, ring_plain.S) <= 1e-5 and int(ring.seen) == T
     assert len(calls) == 3
+
+
+def test_projections_too_large_for_shared_memory_skip_the_compile(monkeypatch):
+    """A Hedgehog projection over 128 KB (fp32 at head_dim 256, 2f = 256: the map kernel asked for 320 KB on an
+    H200, after minutes of compiling) goes to the features-first path without a launch; the H200-tested sizes
+    (bf16 at that shape, fp32 at head_dim 128) launch."""
+    from linearize.kernels import triton_common, triton_features, triton_step
+    from linearize.kernels.triton_common import projection_fits
+
+    assert projection_fits(256, 256, torch.bfloat16) and projection_fits(128, 128, torch.float32)
+    assert not projection_fits(256, 256, torch.float32)
+
+    def never(original=None):
+        def run(*args, **kwargs):  # the step kernel fed features (no projection tiles) may run
+            if original is not None and kwargs.get("wqx") is None:
+                return original(*args, **kwargs)
+            raise AssertionError("a kernel was launched for a projection that cannot fit")
+        return run
+
+    monkeypatch.setattr(triton_common, "TOO_BIG", set())
+    monkeypatch.setattr(triton_features, "hedgehog_feature_map_triton", never())
+    monkeypatch.setattr(triton_step, "window_step_triton", never(triton_step.window_step_triton))
+    B, T, H, Hk, D, f, V = 1, 2, 2, 1, 256, 128, 16
+    q, k, v, wf, wq, wk, _ = _hedgehog_case(B, T, H, Hk, D, f, V, 4, torch.float32, state=False, seed=6)
+    with torch.no_grad():
+        got = hedgehog_feature_map(q, wq, backend="triton")
+        assert rel_err(got, hedgehog_features(q, wq)) <= 1e-6
+        ring = empty_window_state(B, Hk, D, 2 * f, V, 4, dtype=torch.float32, device=DEV)
+        ring_plain = WindowState(*(x.clone() for x in ring))
+        fq, fk = (hedgehog_features(x, w) for x, w in ((q, wq), (k, wk)))
+        a = window_linear_attention_step_hedgehog(q[:, 0], k[:, 0], v[:, 0], wf, wq, wk, ring, backend="triton")
+        b = window_linear_attention_step(q[:, 0], k[:, 0], fq[:, 0], fk[:, 0], v[:, 0], wf, ring_plain,
+                                         backend="torch")
+    assert rel_err(a, b) <= 1e-5 and rel_err(ring.S, ring_plain.S) <= 1e-5
+    assert not triton_common.TOO_BIG  # skipped by the size rule, not learned from a failed launch
