@@ -250,7 +250,8 @@ def window_linear_attention_hedgehog(
     be = _resolve_backend(backend, q)
     kw = dict(window=int(window), scale=scale, eps=eps, initial_state=initial_state,
               output_final_state=output_final_state)
-    if be != "triton" or _needs_grad(q, k, v, window_factor, weight_q, weight_k, fk, *(initial_state or ())):
+    if be != "triton" or _needs_grad(q, k, v, window_factor, weight_q, weight_k, fk, *(initial_state or ())) or \
+            not _projection_fits(q.shape[-1], K, q.dtype):
         fq, fk = _features_first(q, k, weight_q, weight_k, feature_eps, fk)
         return window_linear_attention(q, k, fq, fk, v, window_factor, backend=backend, **kw)
     _check("window_linear_attention_hedgehog(q,k,v)", q, k, v, initial_state, qk_dim_pairs=(K,))
@@ -358,6 +359,13 @@ def _hedgehog_shapes(name: str, q, k, weight_q, weight_k) -> int:
     return 2 * weight_q.shape[2]
 
 
+def _projection_fits(D: int, features: int, dtype: torch.dtype) -> bool:
+    """:func:`triton_common.projection_fits` (imported late: ``triton`` is optional off the GPU path)."""
+    from .triton_common import projection_fits
+
+    return projection_fits(D, features, dtype)
+
+
 def _needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
@@ -441,7 +449,8 @@ def linear_attention_hedgehog(
     K = _hedgehog_shapes("linear_attention_hedgehog", q, k, weight_q, weight_k)
     be = _resolve_backend(backend, q)
     kw = dict(normalize=normalize, eps=eps, initial_state=initial_state, output_final_state=output_final_state)
-    if be != "triton" or _needs_grad(q, k, v, weight_q, weight_k, *(initial_state or ())):
+    if be != "triton" or _needs_grad(q, k, v, weight_q, weight_k, *(initial_state or ())) or \
+            not _projection_fits(q.shape[-1], K, q.dtype):
         fq, fk = _features_first(q, k, weight_q, weight_k, feature_eps)
         return linear_attention(fq, fk, v, backend=backend, **kw)
     _check("linear_attention_hedgehog(q,k,v)", q, k, v, initial_state, qk_dim_pairs=(K,))

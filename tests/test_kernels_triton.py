@@ -876,4 +876,14 @@ def test_projections_too_large_for_shared_memory_skip_the_compile(monkeypatch):
         b = window_linear_attention_step(q[:, 0], k[:, 0], fq[:, 0], fk[:, 0], v[:, 0], wf, ring_plain,
                                          backend="torch")
     assert rel_err(a, b) <= 1e-5 and rel_err(ring.S, ring_plain.S) <= 1e-5
+    from linearize.kernels import triton_linear, triton_window
+
+    monkeypatch.setattr(triton_window, "window_linear_attention_hedgehog_triton", never())
+    monkeypatch.setattr(triton_linear, "linear_attention_hedgehog_triton", never())
+    with torch.no_grad():  # the forwards that compute the features in the kernel (LINEARIZE_FUSED_FEATURE_MAPS=all)
+        o, _ = window_linear_attention_hedgehog(q, k, v, wf, wq, wk, window=4, backend="triton")
+        o_ref, _ = window_linear_attention(q, k, fq, fk, v, wf, window=4, backend="torch")
+        assert rel_err(o, o_ref) <= 1e-5
+        o, _ = linear_attention_hedgehog(q, k, v, wq, wk, backend="triton")
+        assert rel_err(o, linear_attention(fq, fk, v, backend="torch")[0]) <= 1e-5
     assert not triton_common.TOO_BIG  # skipped by the size rule, not learned from a failed launch
