@@ -293,7 +293,7 @@ def linear_attention_step_hedgehog(
 
     if _resolve_backend(backend, q) != "triton":
         return features_first()
-    from .triton_common import projection_fits, signed_projections, triton_or_fallback
+    from .triton_common import signed_projections, triton_or_fallback
     from .triton_step import linear_step_triton
 
     S, z = check_linear_state("linear_attention_step_hedgehog", state)
@@ -302,7 +302,7 @@ def linear_attention_step_hedgehog(
         ("linear_step_hedgehog", tuple(q.shape), tuple(k.shape), tuple(weight_q.shape), v.shape[-1], q.dtype),
         lambda: linear_step_triton(q, k, v, S, z, normalize=normalize, eps=eps, out=out, wqx=wqx, wkx=wkx,
                                    feps=feature_eps), features_first,
-        fits=projection_fits(q.shape[-1], features, q.dtype))
+        fits=_projection_fits(q.shape[-1], features, q.dtype))
 
 
 def window_linear_attention_step_hedgehog(
@@ -336,7 +336,7 @@ def window_linear_attention_step_hedgehog(
 
     if _resolve_backend(backend, q) != "triton":
         return features_first()
-    from .triton_common import projection_fits, signed_projections, triton_or_fallback
+    from .triton_common import signed_projections, triton_or_fallback
     from .triton_step import window_step_triton
 
     wqx, wkx = signed if signed is not None else signed_projections(weight_q, weight_k, q.dtype)
@@ -345,7 +345,7 @@ def window_linear_attention_step_hedgehog(
         lambda: window_step_triton(q, k, None, None, v, window_factor, WindowState(*state),
                                    scale=q.shape[-1] ** -0.5 if scale is None else scale, eps=eps, out=out,
                                    wqx=wqx, wkx=wkx, feps=feature_eps), features_first,
-        fits=projection_fits(q.shape[-1], features, q.dtype))
+        fits=_projection_fits(q.shape[-1], features, q.dtype))
 
 
 def _hedgehog_shapes(name: str, q, k, weight_q, weight_k) -> int:
@@ -388,13 +388,13 @@ def hedgehog_feature_map(
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     if _resolve_backend(backend, x) != "triton" or needs_grad:
         return hedgehog_features_rounded(x, weight, eps)
-    from .triton_common import projection_fits, triton_or_fallback
+    from .triton_common import triton_or_fallback
     from .triton_features import hedgehog_feature_map_triton
 
     return triton_or_fallback(("feature_map", x.shape[2:], tuple(weight.shape), x.dtype),
                               lambda: hedgehog_feature_map_triton(x, weight, eps),
                               lambda: hedgehog_features_rounded(x, weight, eps),
-                              fits=projection_fits(x.shape[-1], 2 * weight.shape[-1], x.dtype))
+                              fits=_projection_fits(x.shape[-1], 2 * weight.shape[-1], x.dtype))
 
 
 def rotary_embedding(

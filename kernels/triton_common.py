@@ -104,7 +104,7 @@ def projection_fits(D: int, features: int, dtype: torch.dtype) -> bool:
 
 def triton_or_fallback(key: tuple, run, fallback, *, fits: bool = True):
     """``run()``, or ``fallback()`` where this ``key``'s kernel does not fit the GPU's shared memory (e.g. a Hedgehog
-    projection ``[D, 2f]`` of fp32 at head_dim 256: 128 KB next to its input tile). A launch that fails this way
+    projection ``[D, 2f]`` of fp32 at head_dim 256, 256 KB, next to its input tile). A launch that fails this way
     ran nothing, so in-place state updates are untouched; the key is remembered so that later calls go straight
     to the fallback. ``fits=False`` (:func:`projection_fits`) goes there without trying."""
     if not fits or key in TOO_BIG:

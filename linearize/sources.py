@@ -208,6 +208,7 @@ def local_dir(spec: str | ResolvedSpec) -> Path:
     if r.kind == "gguf":
         return gguf_to_hf_dir(r.gguf_file)
     if is_hybrid_dir(r.path):
+        from . import modeling  # noqa: F401  (registers the Auto classes; the command line imports it late)
         from .checkpoint import verify_checkpoint
 
         verify_checkpoint(r.path)

@@ -79,10 +79,16 @@ def embedded_dir() -> Path:
     return local_dir("smollm2-135m")
 
 
+#: the installed ``linearize`` console script (what users run; it imports transformers' model code only for the
+#: commands that need it), else the module (``python -m linearize.cli``, as under torchrun)
+CONSOLE_SCRIPT = Path(sys.executable).with_name("linearize")
+CLI = [str(CONSOLE_SCRIPT)] if CONSOLE_SCRIPT.is_file() else [sys.executable, "-m", "linearize.cli"]
+
+
 def run_cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    """Run ``linearize ARGS`` in a fresh interpreter; capture output."""
-    return subprocess.run([sys.executable, "-m", "linearize.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "COLUMNS": "200"})
+    """Run ``linearize ARGS`` in a fresh process; capture output."""
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "COLUMNS": "200"})
 
 
 def tiny_workspace(root: Path, tokenizer, layers: int) -> Path:

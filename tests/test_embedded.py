@@ -240,3 +240,17 @@ def test_usage_errors_are_one_line(args, needle):
     res = run_cli(*args)
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert res.returncode == 2 and len(lines) == 1 and needle in lines[0] and "--help" in lines[0], res.stderr
+
+
+def test_console_script_answers_help_without_model_code():
+    """``linearize --help`` (the console script) does not import transformers' model code, which ``import
+    linearize`` does for library users (so ``from_pretrained`` knows the hybrid); the module path still does."""
+    probe = ("import sys\n{imp}\nsys.argv = ['linearize', '--help']\ntry:\n    main()\nexcept SystemExit:\n    pass\n"
+             "print('model code' if 'linearize.modeling' in sys.modules else 'no model code', file=sys.stderr)")
+    script = subprocess.run([sys.executable, "-c", probe.format(imp="from _linearize_cli import main")],
+                            capture_output=True, text=True, timeout=120)
+    assert script.returncode == 0 and "Usage: linearize" in script.stdout, script.stderr[-2000:]
+    assert script.stderr.strip().endswith("no model code"), script.stderr[-2000:]
+    module = subprocess.run([sys.executable, "-c", probe.format(imp="from linearize.cli import main")],
+                            capture_output=True, text=True, timeout=120)
+    assert module.stderr.strip().endswith("model code") and "no model code" not in module.stderr, module.stderr[-2000:]
