@@ -237,14 +237,13 @@ def load_model(spec: str, *, dtype=None, device=None, max_memory=None, offload_d
     ``offload_dir`` (default: under :func:`cache_root`), removed when the model is freed or at exit.
     Inputs go to :func:`input_device`, not ``model.device``. Excludes ``device``.
     """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from . import modeling  # noqa: F401  (registers the Auto classes)
-
     max_memory = check_placement(device, max_memory, offload_dir)  # option errors before any work
     r = resolve(spec)
     path = local_dir(r)  # a missing or truncated shard of a hybrid fails here, naming the file
+    import torch  # after the spec's errors, which then come without transformers' start-up time
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from . import modeling  # noqa: F401  (registers the Auto classes)
     if max_memory is None:
         check_device(device)
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
