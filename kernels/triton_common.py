@@ -119,23 +119,24 @@ def triton_or_fallback(key: tuple, run, fallback, *, fits: bool = True):
     return fallback()
 
 
-#: launches whose pipelined configuration ran out of shared memory (see :func:`launch`): kernel, keyword
+#: launches whose pipelined configuration ran out of shared memory (see :func:`launch`): per kernel, its keyword
 #: arguments (constexprs, warps, stages) and the dtypes of the positional arguments
-UNPIPELINED: set = set()
+UNPIPELINED: dict = {}
 
 
-def _launch_key(kernel, args: tuple, kw: dict) -> tuple:
+def _launch_config(args: tuple, kw: dict) -> tuple:
     def kind(a):
         return a.dtype if torch.is_tensor(a) else type(a)
 
-    return (kernel, tuple(sorted((k, kind(v) if torch.is_tensor(v) else v) for k, v in kw.items())),
-            tuple(kind(a) for a in args))
+    return tuple(sorted((k, kind(v) if torch.is_tensor(v) else v) for k, v in kw.items())), tuple(map(kind, args))
 
 
 def launch(kernel, grid, *args, **kw):
     """``kernel[grid](*args, **kw)``; on "out of resources" (shared memory) retry unpipelined, and launch that
-    configuration unpipelined from then on (each failed launch costs Triton a fresh launcher and an exception)."""
-    if UNPIPELINED and kw.get("num_stages") != 1 and _launch_key(kernel, args, kw) in UNPIPELINED:
+    configuration unpipelined from then on (each failed launch costs Triton a fresh launcher and an exception).
+    Only a kernel that has failed so once pays for building its configuration's key."""
+    known = UNPIPELINED.get(kernel)
+    if known and kw.get("num_stages") != 1 and _launch_config(args, kw) in known:
         kw = {**kw, "num_stages": 1}
     try:
         return kernel[grid](*args, **kw)
@@ -143,7 +144,7 @@ def launch(kernel, grid, *args, **kw):
         if not _out_of_resources(e) or kw.get("num_stages") == 1:
             raise
         _drop_traceback(e)
-        UNPIPELINED.add(_launch_key(kernel, args, kw))
+        UNPIPELINED.setdefault(kernel, set()).add(_launch_config(args, kw))
     return kernel[grid](*args, **{**kw, "num_stages": 1})
 
 

@@ -315,7 +315,7 @@ def test_launch_retries_unpipelined_once_and_keeps_nothing_alive(monkeypatch):
                 return "ran"
             return run
 
-    monkeypatch.setattr(triton_common, "UNPIPELINED", set())
+    monkeypatch.setattr(triton_common, "UNPIPELINED", {})
     kernel = Kernel()
     x = torch.zeros(1000)
     alive = weakref.ref(x)
