@@ -173,9 +173,10 @@ def plan_segments(cfg: dict, N: int, progs: int, device: torch.device) -> tuple[
 
 def fwd_blocks(cfg: dict, BK: int, V: int, dtype: torch.dtype, fused: bool = False):
     """(BV, num_stages, num_warps) of a forward kernel: fp32 tiles are twice as large, wide K needs a narrower BV.
-    ``fused`` (Hedgehog features computed in the kernel, more live tiles): ``fused_bv`` / ``fused_warps``."""
+    ``fused`` (Hedgehog features computed in the kernel, more live tiles): ``fused_bv`` / ``fused_warps`` /
+    ``fused_stages`` where the configuration has them."""
     BV = max(MIN_TILE, min(cfg["fused_bv" if fused else "fwd_bv"], pow2(V), 16384 // BK))
-    stages = cfg["fwd_stages"]
+    stages = cfg.get("fused_stages", cfg["fwd_stages"]) if fused else cfg["fwd_stages"]
     if dtype == torch.float32:
         BV, stages = min(BV, 64), min(stages, 2)
     return BV, stages, cfg["fused_warps" if fused else "fwd_warps"]
@@ -407,7 +408,8 @@ def segment_starts(x, y, heads, init, nseg, seg_chunks, BT, *, reverse=False, a=
     """State entering each segment: ``init`` plus the sum over the segments before it (after it when
     ``reverse``) of ``(a x)^T y`` and ``sum u x``. Returns ``(S [B,heads,NSEG,K,V], z [B,heads,NSEG,K])``
     fp32, or ``(None, None)`` for one segment and no ``init``; ``init = (S, z or None)``. ``seg_off``
-    shifts the summed chunks one segment boundary earlier (the window kernel's state lags one chunk).
+    shifts the summed chunks that many chunks earlier (the window kernel's state lags one chunk, the shifted
+    linear forward's ``shift / BT``).
     Each summing program holds a ``[BK, BV]`` state tile, so ``x`` is read ``V / BV`` times and ``y`` ``K / BK``
     times (the CONFIG's ``seg_bk`` / ``seg_bv``; ``[128, 128]`` tiles once gave wrong gradients on an H200)."""
     f32 = torch.float32

@@ -285,6 +285,7 @@ CONFIG = {  # picked by linearize.bench.tune_kernels on an H200 (triton 3.6), se
     # chunk of the backward: its per-chunk states scale with T / bwd_bt; 128 with 8 warps: 1.03-1.10x faster
     # fwd+bwd than 64 with 4 at 2K-32K on an H200 (2026-11-30 sweep)
     "bwd_bt": 128,
+    "fwd_bt": 64,  # chunk of the forward (128: 1.17-1.35x slower on an H200, and the tensor-core normaliser crashed)
     "fwd_bv": 128,  # value block of the forward kernel (capped so the [K, BV] state fits)
     "fwd_warps": 8,
     "fwd_stages": 3,
@@ -312,6 +313,12 @@ CONFIG = {  # picked by linearize.bench.tune_kernels on an H200 (triton 3.6), se
     # warps (the window's took 4.3x the unfused time with the fwd_* ones on an H200; swept by --tune)
     "fused_bv": 128,
     "fused_warps": 8,
+    # ... and their own chunk and pipeline depth: compiled for sm_90a (triton 3.6, bf16, K = V = D = 128, 8 warps)
+    # 64-token chunks spill 1.1-1.5 KB per thread and need > 227 KB of shared memory with 2 stages, 32-token
+    # chunks 0-36 bytes; on an H200 32 / 2 stages was 1.87x faster at 2K x 16 and 8K x 4, 0.91x at 32K x 1
+    # (benchmarks/forward_chunk_sizes.py, 2026-12-02); the plain forward stays at 64 (32: 1.9-2.2x slower)
+    "fused_bt": 32,
+    "fused_stages": 2,
     # backward state scans: cut into segments below this many programs per SM (0 = never: not yet measured
     # on a GPU), then aim for scan_waves programs per SM
     "scan_split_below_waves": 0.0,
@@ -339,15 +346,15 @@ def _fwd(q, k, v, S0, z0, normalize, eps, want_final, store_den, wqx=None, wkx=N
     HK, V = k.shape[2], v.shape[-1]
     K = wqx.shape[-1] if wqx is not None else D
     dev = q.device
-    BT = 64  # 128-token chunks: 1.17-1.35x slower on an H200 (and the tensor-core normaliser crashed with them)
+    BT = CONFIG["fused_bt" if wqx is not None else "fwd_bt"]
     BK = pow2(K)
     BV, stages, warps = fwd_blocks(CONFIG, BK, V, q.dtype, fused=wqx is not None)
     NVB = triton.cdiv(V, BV)
     N = triton.cdiv(T, BT)
     progs = B * H * NVB
-    # a shift of one chunk reuses the segment sums' one-chunk lag (seg_off); other shifts run one segment
-    seg_off = 1 if shift == BT else 0
-    nseg, seg_chunks = plan_segments(CONFIG, N, progs, dev) if shift in (0, BT) else (1, max(N, 1))
+    # a shift of whole chunks lags the segment sums by as many chunks (seg_off); other shifts run one segment
+    seg_off = shift // BT if shift % BT == 0 else 0
+    nseg, seg_chunks = plan_segments(CONFIG, N, progs, dev) if shift % BT == 0 else (1, max(N, 1))
     fuse_k = wkx is not None and nseg == 1
     if wkx is not None and not fuse_k:
         k = make_fk()

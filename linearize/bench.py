@@ -324,6 +324,7 @@ def tune_kernels(heads: int = 32, dim: int = 128, progress: Optional[Callable[[s
                             "fwd_rowsum_lanes": [False, True]}, lin_fwd)
     # a narrower value block doubles the programs per head: at B = 1 fewer sequences need the segment split
     sweep("lin_fwd", tlin, {"fwd_bv": [64, 128], "fwd_warps": [4, 8]}, lin_fwd)
+    sweep("lin_fwd", tlin, {"fwd_bt": [32, 64]}, lin_fwd)
     sweep("lin_fwd", tlin, {"split_below_waves": [0.5, 2.0], "fwd_waves": [2.0, 4.0, 8.0, 16.0]}, lin_fwd)
     sweep("lin_fwd", tlin, {"seg_warps": [4, 8]}, lin_fwd)
     # wider segment-sum tiles read k, v fewer times (K / seg_bk, V / seg_bv)
@@ -338,6 +339,7 @@ def tune_kernels(heads: int = 32, dim: int = 128, progress: Optional[Callable[[s
     sweep("win_fb", twin, {"bwd_warps": [4, 8]}, win_fb)
     sweep("win_fb", twin, {"scan_split_below_waves": [2.0, 8.0], "scan_waves": [8.0]}, win_fb)
     fused = {"fused_bv": [32, 64, 128], "fused_warps": [4, 8, 16]}
+    sweep("lin_fused_fwd", tlin, {"fused_bt": [16, 32, 64], "fused_stages": [1, 2]}, lin_fused_fwd)
     sweep("lin_fused_fwd", tlin, fused, lin_fused_fwd)
     sweep("win_fused_fwd", twin, fused, win_fused_fwd)
     waves = [0.0, 0.5, 1.0, 2.0]  # 0: one program per (batch, KV head)

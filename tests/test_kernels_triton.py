@@ -695,6 +695,36 @@ def test_linear_hedgehog_fused_forward_segmented_and_with_gradients(monkeypatch)
         assert rel_err(a.grad, b.grad) <= 1e-4
 
 
+@pytest.mark.parametrize("bt", [16, 32])
+def test_forwards_with_narrower_chunks(bt, monkeypatch):
+    """CONFIG fwd_bt / fused_bt (the forward's chunk; the fused forwards' default differs): the plain and fused
+    forwards, whole and in segments, and the window's two-pass forward, whose shift of W = 64 is then several
+    chunks (the segment sums lag by as many)."""
+    from linearize.kernels import triton_linear, triton_window
+
+    monkeypatch.setitem(triton_linear.CONFIG, "fwd_bt", bt)
+    monkeypatch.setitem(triton_linear.CONFIG, "fused_bt", bt)
+    monkeypatch.setitem(triton_window.CONFIG, "fwd_two_pass", True)
+    for segments in (None, 3):
+        monkeypatch.setitem(triton_linear.CONFIG, "force_segments", segments)
+        monkeypatch.setitem(triton_window.CONFIG, "force_segments", segments)
+        check_linear("triton", 1, 150, 2, 1, 16, 32, torch.bfloat16, state=True, device=DEV)
+        check_window("triton", 1, 300, 2, 1, 16, 32, 16, 64, torch.bfloat16, state=True, device=DEV)
+        for W in (64, 40):  # a whole number of chunks, and not
+            q, k, v, wf, wq, wk, init = _hedgehog_case(1, 200, 2, 1, 16, 8, 16, W, torch.bfloat16, state=True)
+            _, (ro, (rS, _)) = _hedgehog_expected(q, k, v, wf, wq, wk, init, W)
+            o, (S, _) = window_linear_attention_hedgehog(q, k, v, wf, wq, wk, window=W, initial_state=init,
+                                                         output_final_state=True, backend="triton")
+            assert rel_err(o, ro) <= 1e-2 and rel_err(S, rS) <= 1e-2, (segments, W)
+        fq = hedgehog_features(q.float(), wq.float()).to(q.dtype).double()
+        fk = hedgehog_features(k.float(), wk.float()).to(k.dtype).double()
+        ro, (rS, _) = linear_attention_reference(fq, fk, v.double(), output_final_state=True,
+                                                 initial_state=(init[0].double(), init[1].double()))
+        o, (S, _) = linear_attention_hedgehog(q, k, v, wq, wk, initial_state=init, output_final_state=True,
+                                              backend="triton")
+        assert rel_err(o, ro) <= 2e-2 and rel_err(S, rS) <= 2e-2, segments
+
+
 @pytest.mark.parametrize("kind", ["window", "linear"])
 def test_fused_hedgehog_launch_with_its_own_value_block(kind, monkeypatch):
     """CONFIG fused_bv / fused_warps (swept by --tune for the fused forwards): a value block narrower than V
