@@ -117,7 +117,9 @@ def load_config(spec: str):
     except (ValueError, KeyError, TypeError) as e:
         raise SpecError(f"{path}: cannot build a config of model_type {model_type!r} "
                         f"({type(e).__name__}: {str(e).splitlines()[0][:160]})") from None
-    return config, name
+    from .sources import text_part
+
+    return text_part(config), name
 
 
 #: non-persistent buffer -> the attribute holding its value as a Python number (rebuilt after meta init)
@@ -778,7 +780,7 @@ def plan_pair(spec: str, *, against: str | None, random_weights: bool, ratio: st
 
     from transformers import AutoConfig
 
-    from .sources import is_hybrid_dir, load_model, local_dir, resolve
+    from .sources import is_hybrid_dir, load_model, local_dir, resolve, text_part
 
     r = resolve(spec)
     path = local_dir(r)
@@ -799,7 +801,7 @@ def plan_pair(spec: str, *, against: str | None, random_weights: bool, ratio: st
                     build_original=lambda: load_model(base, dtype=dtype, device=device)[0],
                     build_hybrid=lambda orig: load_model(str(path), dtype=dtype, device=device)[0],
                     hybrid_from_original=False, layer_types=layer_types, layout_from_checkpoint=True)
-    cfg = AutoConfig.from_pretrained(path)
+    cfg = text_part(AutoConfig.from_pretrained(path))  # a vision-language model: its text decoder
     if getattr(cfg, "model_type", None) == "linearize":
         raise SpecError(f"{spec}: a hybrid config without a checkpoint")
     arch_spec(cfg.model_type)

@@ -9,7 +9,7 @@ import torch
 
 from .cache import softmax_windows
 from .select import describe_layout
-from .sources import local_dir, resolve
+from .sources import local_dir, resolve, text_part
 from .surgery import cache_bytes
 
 CONTEXTS = {"4K": 4096, "32K": 32768, "128K": 131072}
@@ -32,7 +32,7 @@ def base_config(spec: str):
         if spec not in shipped_configs():
             raise
         return load_config(spec)[0], f"{spec} (published config; weights not on this machine)", None
-    return AutoConfig.from_pretrained(path), r.name, path
+    return text_part(AutoConfig.from_pretrained(path)), r.name, path
 
 
 def model_info(spec: str, *, ratio: str | None = None, softmax_layers: str | None = None,

@@ -36,8 +36,12 @@ ALIASES: dict[str, str] = {
     "gemma-2-9b": "google/gemma-2-9b",
     "gemma-3-270m": "google/gemma-3-270m",
     "gemma-3-1b": "google/gemma-3-1b-pt",
+    "gemma-3-4b": "google/gemma-3-4b-pt",  # vision-language from here up: the text decoder converts
+    "gemma-3-12b": "google/gemma-3-12b-pt",
+    "gemma-3-27b": "google/gemma-3-27b-pt",
     "granite-3.1-8b": "ibm-granite/granite-3.1-8b-base",
     "mistral-7b": "mistralai/Mistral-7B-v0.3",
+    "mistral-small-3.1-24b": "mistralai/Mistral-Small-3.1-24B-Base-2503",  # vision-language: the text decoder
     "mixtral-8x7b": "mistralai/Mixtral-8x7B-v0.1",
     "olmo-2-7b": "allenai/OLMo-2-1124-7B",
     "phi-3-mini": "microsoft/Phi-3-mini-4k-instruct",
@@ -64,6 +68,29 @@ EMBEDDED: dict[str, tuple[str, str, str]] = {
 }
 
 DEFAULT_MODEL = "smollm2-135m"
+
+#: checkpoint key prefixes of a vision-language model's text decoder -> the text causal LM's (both layouts: the one
+#: transformers 5 writes, ``language_model.model.*``, and its in-memory one, ``model.language_model.*``)
+_LANGUAGE_MODEL_KEYS = {r"^language_model\.model\.": "model.", r"^model\.language_model\.": "model.",
+                        r"^language_model\.lm_head\.": "lm_head."}
+
+#: vision-language model types whose text decoder converts on its own (the vision tower is not loaded and the
+#: hybrid is a text model): model type -> (attribute holding the text config, checkpoint key renaming)
+TEXT_DECODERS: dict[str, tuple[str, dict[str, str]]] = {
+    "gemma3": ("text_config", _LANGUAGE_MODEL_KEYS),  # Gemma 3 from 4B up
+    "mistral3": ("text_config", _LANGUAGE_MODEL_KEYS),  # Mistral Small 3.1 / 3.2
+}
+
+
+def text_part(config):
+    """The config of the model linearize converts: a vision-language model's text decoder (its word-embedding
+    tie taken from the outer config, which is the one the model applies), otherwise ``config`` itself."""
+    entry = TEXT_DECODERS.get(getattr(config, "model_type", None))
+    if entry is None:
+        return config
+    text = getattr(config, entry[0])
+    text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", text.tie_word_embeddings))
+    return text
 
 
 def cache_root() -> Path:
@@ -251,6 +278,7 @@ def load_model(spec: str, *, dtype=None, device=None, max_memory=None, offload_d
         gpus = sorted(k for k in max_memory if isinstance(k, int))
         device = torch.device("cuda", gpus[0]) if gpus else torch.device("cpu")
     dtype = resolve_dtype(dtype, device)
+    text = _text_decoder_loading(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as e:  # a checkpoint without tokenizer files
@@ -266,8 +294,15 @@ def load_model(spec: str, *, dtype=None, device=None, max_memory=None, offload_d
         else:
             # memory-lean: on CUDA the safetensors shards stream straight onto the GPU (no full CPU copy first)
             onto = {} if device.type != "cuda" else {"device_map": {"": f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"}}
-        with _quiet_accelerate():  # its "parameters are on the meta device" note: see placement() instead
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **onto)
+        with _quiet_accelerate(), _quiet_load_report(bool(text)):  # accelerate's meta-device note: see placement()
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **onto, **text,
+                                                         output_loading_info=bool(text))
+        if text:  # the vision tower's weights are left out on purpose; the text decoder's must all be there
+            model, loading = model
+            if loading["missing_keys"]:
+                missing = sorted(loading["missing_keys"])
+                raise SpecError(f"{spec}: the checkpoint lacks {len(missing)} weights of its text decoder "
+                                f"(first: {missing[0]})")
     except Exception as e:  # noqa: BLE001 - a corrupt file or an unloadable model is one line, never a traceback
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)
@@ -289,6 +324,20 @@ def load_model(spec: str, *, dtype=None, device=None, max_memory=None, offload_d
     model.eval()
     model.linearize_source = r
     return model, tokenizer
+
+
+def _text_decoder_loading(path: Path) -> dict:
+    """``from_pretrained`` arguments that load only the text decoder of a vision-language checkpoint
+    (:data:`TEXT_DECODERS`) as its text causal LM; ``{}`` for any other checkpoint."""
+    try:
+        model_type = json.loads((Path(path) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return {}
+    if model_type not in TEXT_DECODERS:
+        return {}
+    from transformers import AutoConfig
+
+    return {"config": text_part(AutoConfig.from_pretrained(path)), "key_mapping": TEXT_DECODERS[model_type][1]}
 
 
 # ----------------------------------------------------------------------------------- offloading
@@ -400,6 +449,22 @@ def _quiet_accelerate():
         yield
     finally:
         log.setLevel(level)
+
+
+@contextlib.contextmanager
+def _quiet_load_report(quiet: bool):
+    """Keep transformers' load report (which lists a vision tower's weights as unexpected) off the console.
+    The logger is disabled rather than raised to ERROR: transformers runs a tensor-parallel check, which warns,
+    when that logger's level is WARNING or above."""
+    import logging
+
+    log = logging.getLogger("transformers.modeling_utils")
+    disabled = log.disabled
+    log.disabled = disabled or quiet
+    try:
+        yield
+    finally:
+        log.disabled = disabled
 
 
 def _track_offload(model, folder: Path | None) -> None:

@@ -23,14 +23,16 @@ NOT_CAUSAL_DECODERS: dict[str, str] = {
                     "an encoder-only model (bidirectional attention, no causal LM to linearize)"),
     **dict.fromkeys(["mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm"],
                     "a model without softmax attention (state-space / recurrent layers)"),
-    "gemma3": "a vision-language model (Gemma 3 from 4B up: Gemma3ForConditionalGeneration); its text-only "
-              "sizes (gemma-3-270m, gemma-3-1b: model type gemma3_text) convert",
 }
 
 
 def check_config_supported(config, spec: str | None = None) -> str:
-    """The base ``model_type`` of a config, or a one-line :class:`UnsupportedModelError` (no weights needed)."""
+    """The base ``model_type`` of a config (a vision-language model's: its text decoder's, see
+    :data:`~linearize.sources.TEXT_DECODERS`), or a one-line :class:`UnsupportedModelError` (no weights needed)."""
+    from .sources import text_part
+
     name = f"{spec}: " if spec else ""
+    config = text_part(config)  # a vision-language model: its text decoder
     mt = getattr(config, "model_type", None) or "unknown"
     supported = ", ".join(sorted(ARCHITECTURES))
     if getattr(config, "is_encoder_decoder", False):
@@ -51,8 +53,11 @@ def check_config_supported(config, spec: str | None = None) -> str:
 
 
 def load_base_config(spec: str, path) -> Any:
-    """Read ``path/config.json`` (one line on failure) and check it is a supported architecture."""
+    """Read ``path/config.json`` (one line on failure) and check it is a supported architecture; a
+    vision-language model's config is its text decoder's (what ``convert`` converts)."""
     from transformers import AutoConfig
+
+    from .sources import text_part
 
     from . import modeling  # noqa: F401  (registers the hybrid, so a hybrid is named as one)
 
@@ -62,7 +67,7 @@ def load_base_config(spec: str, path) -> Any:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0].split(". ")[0][:200]
         raise UnsupportedModelError(f"{spec}: cannot read its config.json ({first})") from None
     check_config_supported(config, spec)
-    return config
+    return text_part(config)
 
 
 def check_supported(model: PreTrainedModel) -> str:

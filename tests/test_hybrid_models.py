@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from conftest import FAMILIES, char_tokenizer, tiny_model
+from conftest import FAMILIES, char_tokenizer, run_cli, tiny_model
 from test_distill import corpus  # noqa: F401 - the fixture is used by name
 from linearize import recipe as R
 from linearize.checkpoint import save_checkpoint, verify_checkpoint
@@ -536,12 +536,70 @@ def test_sliding_softmax_layers_keep_only_their_window():
     assert sizes["hybrid"] == 2 * 16 * per_layer + states
 
 
-def test_multimodal_gemma3_is_named():
+def _tiny_vision_language_model(family: str, root, seed: int = 0):
+    """A tiny random Gemma 3 or Mistral 3 vision-language model saved in ``root`` with a character tokenizer
+    (text decoder: 4 layers as :func:`tiny_model`; a one-layer vision tower)."""
     import transformers
 
-    from linearize.errors import UnsupportedModelError
+    text = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=1024)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    if family == "gemma3":  # every text layer but the sixth slides (over 16 tokens here)
+        cfg = transformers.Gemma3Config(text_config=dict(text, sliding_window=16), vision_config=vision,
+                                        mm_tokens_per_image=4, image_token_index=127, boi_token_index=125,
+                                        eoi_token_index=126)
+        cls = transformers.Gemma3ForConditionalGeneration
+    else:  # Mistral 3 ties the word embeddings through its outer config (its text config says untied)
+        cfg = transformers.Mistral3Config(text_config=dict(text, model_type="mistral"),
+                                          vision_config=dict(vision, model_type="pixtral", head_dim=16),
+                                          image_token_index=127)
+        cls = transformers.Mistral3ForConditionalGeneration
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    model.save_pretrained(root)
+    char_tokenizer().save_pretrained(root)
+    return model
+
+
+@pytest.mark.parametrize("family", ["gemma3", "mistral3"])
+def test_vision_language_models_convert_their_text_decoder(family, tmp_path):
+    """Gemma 3 from 4B up and Mistral 3 load as their text causal LM (the vision tower is not loaded), whose
+    logits on text equal the vision-language model's; the conversion, its plan and a hybrid round trip work on
+    it, and a checkpoint lacking a text weight is one line naming it."""
+    import safetensors.torch
+    from transformers import AutoModelForCausalLM
+
+    from linearize.errors import SpecError
+    from linearize.info import model_info
+    from linearize.sources import load_model
     from linearize.surgery import check_config_supported
 
-    with pytest.raises(UnsupportedModelError) as err:
-        check_config_supported(transformers.Gemma3Config(), "google/gemma-3-4b-pt")
-    assert "vision-language" in str(err.value) and "gemma-3-1b" in str(err.value) and "\n" not in str(err.value)
+    vlm = _tiny_vision_language_model(family, tmp_path / "vlm")
+    ids = torch.randint(0, 120, (2, 40))
+    with torch.no_grad():
+        expected = vlm(input_ids=ids).logits
+    text_type = {"gemma3": "gemma3_text", "mistral3": "mistral"}[family]
+    assert check_config_supported(vlm.config, "vlm") == text_type
+    model, _ = load_model(str(tmp_path / "vlm"), device="cpu", dtype="float32")
+    assert model.config.model_type == text_type and not any("vision" in n for n, _ in model.named_parameters())
+    with torch.no_grad():
+        assert (model(ids).logits - expected).abs().max().item() <= 1e-5
+    plan = model_info(str(tmp_path / "vlm"), ratio="1:1")
+    assert plan["model_type"] == text_type and plan["num_layers"] == 4
+    proc = run_cli("convert", str(tmp_path / "vlm"), "--ratio", "0:1", "--no-train", "--dtype", "float32", "-o",
+                   str(tmp_path / "out"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    hybrid = AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=True).eval()
+    assert hybrid.config.base_model_type == text_type
+    with torch.no_grad():
+        assert (hybrid(ids).logits - expected).abs().max().item() <= 1e-5
+    # a text weight missing from the checkpoint
+    shard = tmp_path / "vlm" / "model.safetensors"
+    weights = safetensors.torch.load_file(shard)
+    name = next(k for k in weights if k.endswith("model.norm.weight") and "vision" not in k)
+    del weights[name]
+    safetensors.torch.save_file(weights, shard, metadata={"format": "pt"})
+    with pytest.raises(SpecError) as err:
+        load_model(str(tmp_path / "vlm"), device="cpu")
+    assert "lacks 1 weights of its text decoder (first: model.norm.weight)" in str(err.value)
