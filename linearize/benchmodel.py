@@ -44,9 +44,9 @@ import torch
 
 from .cache import softmax_windows
 from .errors import LinearizeError, SpecError
+from .sources import shipped_configs
 
 #: the published configs shipped as package data; the file name is the alias in ``sources.ALIASES``
-CONFIG_DIR = Path(__file__).resolve().parent / "model_configs"
 
 #: ``--sdpa`` names -> ``torch.nn.attention.SDPBackend`` member names
 SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
@@ -65,11 +65,6 @@ TARGETS = (
 
 # ---------------------------------------------------------------------------------------------
 # configs and random models
-
-
-def shipped_configs() -> dict[str, Path]:
-    """Alias -> shipped config file (``linearize/model_configs/ALIAS.json``)."""
-    return {p.stem: p for p in sorted(CONFIG_DIR.glob("*.json"))}
 
 
 def config_source(spec: str) -> tuple[Path, str]:

