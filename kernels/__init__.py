@@ -400,19 +400,22 @@ def hedgehog_feature_map(
 def rotary_embedding(
     q: torch.Tensor,  # [B, T, H, D]
     k: torch.Tensor,  # [B, T, Hk, D]
-    cos: torch.Tensor,  # [B or 1, T, D]
-    sin: torch.Tensor,  # [B or 1, T, D]
+    cos: torch.Tensor,  # [B or 1, T, R], R <= D (R < D: partial rotary)
+    sin: torch.Tensor,  # [B or 1, T, R]
     *,
     backend: Optional[str] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Rotary position embedding ``x * cos + rotate_half(x) * sin`` of queries and keys (the Llama convention).
+    """Rotary position embedding ``x * cos + rotate_half(x) * sin`` of queries and keys (the Llama convention);
+    tables narrower than the heads turn their first ``R`` dims and pass the rest through (Phi-4-mini).
     The Triton path rotates both in one kernel (fp32 arithmetic, one rounding; the backward is the transposed
-    rotation); ``"torch"`` / ``"reference"``, and tables that need a gradient or do not match ``[B or 1, T, D]``,
-    compute the formula in the inputs' dtype as the original attention modules do."""
+    rotation); ``"torch"`` / ``"reference"``, and tables that need a gradient or are not ``[B or 1, T, R]`` with an
+    even ``R <= D``, compute the formula in the inputs' dtype as the original attention modules do."""
     be = _resolve_backend(backend, q)
     B, T, _, D = q.shape
-    plain = cos.dim() == 3 and cos.shape == sin.shape and cos.shape[0] in (1, B) and tuple(cos.shape[1:]) == (T, D)
-    if be != "triton" or not plain or D % 2 or cos.requires_grad or sin.requires_grad:
+    R = cos.shape[-1]
+    plain = (cos.dim() == 3 and cos.shape == sin.shape and cos.shape[0] in (1, B) and cos.shape[1] == T
+             and 0 < R <= D and R % 2 == 0)
+    if be != "triton" or not plain or cos.requires_grad or sin.requires_grad:
         return rotary_reference(q, k, cos, sin)
     from .triton_rotary import RotaryTriton
 

@@ -829,6 +829,62 @@ def test_rotary_kernel(shape, dtype):
     assert rel_err(qo1, rq1) <= tol and rel_err(ko1, rk1) <= tol
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [(2, 33, 4, 2, 32, 16), (1, 5, 3, 1, 32, 24), (2, 3, 4, 2, 96, 72),
+                                   (1, 4, 2, 2, 16, 2)], ids=lambda s: "B{}T{}H{}Hk{}D{}R{}".format(*s))
+def test_rotary_kernel_partial(shape, dtype):
+    """Partial rotary (tables of R < D dims, Phi-4-mini's 3/4): the kernel turns the first R dims of every head
+    and copies the rest, outputs and gradients as the float64 formula; the pass-through dims come out unchanged."""
+    B, T, H, Hk, D, R = shape
+    g = torch.Generator().manual_seed(3)
+    q64, k64 = (torch.randn(B, T, h, D, generator=g, dtype=torch.float64).to(DEV) for h in (H, Hk))
+    cos64, sin64 = (x.to(DEV) for x in _rotary_tables(B, T, R, g))
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    q, k = (x.to(dtype).requires_grad_() for x in (q64, k64))
+    qo, ko = rotary_embedding(q, k, cos64.to(dtype), sin64.to(dtype), backend="triton")
+    q64g, k64g = (x.clone().requires_grad_() for x in (q64, k64))
+    rq, rk = rotary_reference(q64g, k64g, cos64, sin64)
+    assert rel_err(qo, rq) <= tol and rel_err(ko, rk) <= tol
+    assert torch.equal(qo[..., R:], q[..., R:]) and torch.equal(ko[..., R:], k[..., R:])
+    dq_out, dk_out = torch.randn_like(rq), torch.randn_like(rk)
+    torch.autograd.backward((qo, ko), (dq_out.to(dtype), dk_out.to(dtype)))
+    torch.autograd.backward((rq, rk), (dq_out, dk_out))
+    assert rel_err(q.grad, q64g.grad) <= tol and rel_err(k.grad, k64g.grad) <= tol
+
+
+def test_partial_rotary_hybrid_runs_the_rotary_kernel(monkeypatch):
+    """A Phi-3 hybrid whose rotary turns half of each head (tiny random model, as Phi-4-mini turns 3/4): its
+    converted layers rotate with the Triton kernel and give the logits of the PyTorch rotary, prefill and steps."""
+    from conftest import tiny_model
+
+    from linearize import attention
+    from linearize import recipe as R
+    from linearize.kernels import triton_rotary
+    from linearize.select import select_layout
+    from linearize.surgery import linearize_model
+
+    hybrid = linearize_model(tiny_model("phi3").float(), select_layout(4, ratio="1:1"), R.load("lolcats")).to(DEV)
+    ids = torch.randint(3, 128, (2, 30), device=DEV)
+
+    def run(backend):
+        monkeypatch.setattr(attention, "ROTARY_BACKEND", backend)
+        with torch.no_grad():
+            out = hybrid(ids[:, :20], use_cache=True)
+            steps = [out.logits]
+            for t in range(20, 30):
+                out = hybrid(ids[:, t: t + 1], cache=out.past_key_values, use_cache=True)
+                steps.append(out.logits)
+        return torch.cat(steps, 1)
+
+    launched = []
+    real = triton_rotary.rotary_triton
+    monkeypatch.setattr(triton_rotary, "rotary_triton", lambda *a, **kw: launched.append(1) or real(*a, **kw))
+    ref = run("torch")
+    assert not launched
+    out = run("triton")
+    assert launched and (out - ref).abs().max().item() <= 1e-4
+
+
 def test_kernels_too_big_for_shared_memory_fall_back(monkeypatch):
     """A Hedgehog kernel that does not fit the GPU's shared memory (on an H200 the feature-map kernel at fp32,
     head_dim 256, f = 64 asked for 320 KB of 227) ends on the features-first path with the same results, state
