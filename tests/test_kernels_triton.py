@@ -580,18 +580,18 @@ def test_hybrid_layers_with_fused_features_match_unfused(monkeypatch, window, mo
             for p in (m.feature_map_q.weight, m.feature_map_k.weight, m.window_logit):
                 if p is not None:
                     p.add_(0.2 * torch.randn_like(p))
-    ids = torch.randint(0, 128, (2, 60), device=DEV)
+    ids = torch.randint(0, 128, (2, 36), device=DEV)  # a prefill past the window of 8, then 12 steps
 
     def run():
         with torch.no_grad():
             full = hybrid(ids, use_cache=False).logits
-            out = hybrid(ids[:, :40], use_cache=True)
+            out = hybrid(ids[:, :24], use_cache=True)
             steps = [out.logits]
-            for t in range(40, 60):
+            for t in range(24, 36):
                 out = hybrid(ids[:, t: t + 1], cache=out.past_key_values, use_cache=True)
                 steps.append(out.logits)
-            a = hybrid(ids[:, :25], use_cache=True)
-            b = hybrid(ids[:, 25:], cache=a.past_key_values, use_cache=True)
+            a = hybrid(ids[:, :15], use_cache=True)
+            b = hybrid(ids[:, 15:], cache=a.past_key_values, use_cache=True)
         return full, torch.cat(steps, 1), torch.cat([a.logits, b.logits], 1)
 
     unfused = run()
@@ -636,7 +636,7 @@ def test_hybrid_layers_with_fused_features_match_unfused(monkeypatch, window, mo
     else:  # window layers: both the fused-key and the given-key (cache ring) launches ran; plain: always fused
         assert (True in calls and False in calls) if window else (calls and all(calls))
     # decode steps compute the features in the step kernel (signed weights kept by the layer)
-    assert len(steps) == 20 * 2 and all(steps)
+    assert len(steps) == 12 * 2 and all(steps)
     for x, ref in zip(fused, unfused):
         assert (x - ref).abs().max().item() <= 1e-4
 
@@ -695,11 +695,11 @@ def test_linear_hedgehog_fused_forward_segmented_and_with_gradients(monkeypatch)
         assert rel_err(a.grad, b.grad) <= 1e-4
 
 
-@pytest.mark.parametrize("bt", [16, 32])
+@pytest.mark.parametrize("bt", [16])
 def test_forwards_with_narrower_chunks(bt, monkeypatch):
-    """CONFIG fwd_bt / fused_bt (the forward's chunk; the fused forwards' default differs): the plain and fused
-    forwards, whole and in segments, and the window's two-pass forward, whose shift of W = 64 is then several
-    chunks (the segment sums lag by as many)."""
+    """CONFIG fwd_bt / fused_bt (the forward's chunk; the fused forwards' default, 32, runs in the other tests):
+    the plain and fused forwards, whole and in segments, and the window's two-pass forward, whose shift of W = 64
+    is then several chunks (the segment sums lag by as many)."""
     from linearize.kernels import triton_linear, triton_window
 
     monkeypatch.setitem(triton_linear.CONFIG, "fwd_bt", bt)
