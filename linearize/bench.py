@@ -224,8 +224,12 @@ def tune_kernels(heads: int = 32, dim: int = 128, progress: Optional[Callable[[s
     from linearize.kernels import triton_step as tstep
     from linearize.kernels import triton_window as twin
 
-    chosen = parse_families(families) if families else TUNE_FAMILIES
+    chosen = parse_families(families) if families else list(TUNE_FAMILIES)
     say = progress or (lambda s: None)
+    if "win_fused_fwd" in chosen and twin.CONFIG["fwd_two_pass"]:  # the default: nothing of its own to time
+        say("tune win_fused_fwd: skipped: the two-pass window forward (CONFIG fwd_two_pass) runs the fused linear "
+            "forward shifted by W, whose settings lin_fused_fwd sweeps")
+        chosen = [f for f in chosen if f != "win_fused_fwd"]
     dev = torch.device(device)
     gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type
     bf = torch.bfloat16
@@ -341,7 +345,7 @@ def tune_kernels(heads: int = 32, dim: int = 128, progress: Optional[Callable[[s
     fused = {"fused_bv": [32, 64, 128], "fused_warps": [4, 8, 16]}
     sweep("lin_fused_fwd", tlin, {"fused_bt": [16, 32, 64], "fused_stages": [1, 2]}, lin_fused_fwd)
     sweep("lin_fused_fwd", tlin, fused, lin_fused_fwd)
-    sweep("win_fused_fwd", twin, fused, win_fused_fwd)
+    sweep("win_fused_fwd", twin, fused, win_fused_fwd)  # the single-pass window kernel's value block and warps
     waves = [0.0, 0.5, 1.0, 2.0]  # 0: one program per (batch, KV head)
     sweep("lin_step", tstep, {"linear_step_waves": waves, "linear_step_heads": [0, 1, 2]}, lin_step)
     sweep("win_step", tstep, {"step_waves": waves, "step_warps": [4, 8, 16], "step_heads": [0, 1, 2]}, win_step)

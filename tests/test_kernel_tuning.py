@@ -197,3 +197,17 @@ def test_decode_step_sweeps_run_and_save(iso):
     assert out["step"]["linear_step_waves"] == 2.0
     saved = json.loads(tuning.tuned_path("cpu").read_text())
     assert saved["step"] == out["step"]
+
+
+def test_window_fused_sweep_is_skipped_under_the_two_pass_forward(iso):
+    """With the two-pass window forward (the default) the window's fused forward is the linear kernel's, shifted:
+    its own fused_bv / fused_warps change nothing (an H200 sweep of 2026-12-02 timed nine candidates within 0.6% and
+    kept one by noise), so the sweep says so and leaves them."""
+    from linearize.bench import tune_kernels
+
+    before = dict(triton_window.CONFIG)
+    said = []
+    out = tune_kernels(heads=4, dim=16, families=["win_fused_fwd"], device="cpu", progress=said.append,
+                       timer=lambda fn: 1.0)
+    assert triton_window.CONFIG == before and out["window"] == before
+    assert len(said) == 2 and said[0].startswith("tune win_fused_fwd: skipped") and said[1].startswith("tuned:")
