@@ -380,7 +380,8 @@ CONFIG = {  # picked by linearize.bench.tune_kernels on an H200 (triton 3.6), se
     "fused_warps": 8,
     "scan_split_below_waves": 0.0,  # as in triton_linear.CONFIG (not yet measured on a GPU)
     "scan_waves": 8.0,
-    # two-pass forward for W <= 64 (segmented launches only at W = 64): the plain linear forward on keys and
+    # two-pass forward for W <= 64 (segmented launches when W is whole chunks of the linear forward: 64, or 32 / 64
+    # with fused features): the plain linear forward on keys and
     # values shifted by W (no window), then a chunk-parallel softmax-window kernel that adds the window and
     # normalises; no carried state next to the score tiles (the single pass spills 452 bytes; the window kernel
     # takes 168-208 registers at 4 warps without spills, offline for sm_90a). With 4 warps: 1.25x / 1.29x faster
