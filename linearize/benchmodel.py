@@ -44,9 +44,7 @@ import torch
 
 from .cache import softmax_windows
 from .errors import LinearizeError, SpecError
-from .sources import shipped_configs
-
-#: the published configs shipped as package data; the file name is the alias in ``sources.ALIASES``
+from .sources import shipped_configs, text_part
 
 #: ``--sdpa`` names -> ``torch.nn.attention.SDPBackend`` member names
 SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
@@ -112,9 +110,7 @@ def load_config(spec: str):
     except (ValueError, KeyError, TypeError) as e:
         raise SpecError(f"{path}: cannot build a config of model_type {model_type!r} "
                         f"({type(e).__name__}: {str(e).splitlines()[0][:160]})") from None
-    from .sources import text_part
-
-    return text_part(config), name
+    return text_part(config), name  # a vision-language config: its text decoder's
 
 
 #: non-persistent buffer -> the attribute holding its value as a Python number (rebuilt after meta init)
@@ -792,7 +788,7 @@ def plan_pair(spec: str, *, against: str | None, random_weights: bool, ratio: st
 
     from transformers import AutoConfig
 
-    from .sources import is_hybrid_dir, load_model, local_dir, resolve, text_part
+    from .sources import is_hybrid_dir, load_model, local_dir, resolve
 
     r = resolve(spec)
     path = local_dir(r)

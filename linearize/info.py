@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from .select import describe_layout
-from .sources import local_dir, resolve, text_part
+from .sources import local_dir, resolve, shipped_configs, text_part
 
 # torch, transformers and the model code are imported where they are used: a spec that cannot be found ends in
 # one line before any of them loads
@@ -24,8 +24,6 @@ def base_config(spec: str):
         r = resolve(spec)
         path = local_dir(r)
     except SpecError:
-        from .sources import shipped_configs
-
         if spec not in shipped_configs():
             raise
         from .benchmodel import load_config
