@@ -172,6 +172,8 @@ def info(spec: str = typer.Argument(..., help="Model spec or hybrid checkpoint d
                              "--softmax-layers")
     data = model_info(spec, ratio=ratio, softmax_layers=softmax_layers, recipe=recipe)
     console.print(f"[bold]{data['name']}[/] ({data['model_type']}, {data['num_layers']} layers)", highlight=False)
+    if data.get("note"):
+        console.print(data["note"], highlight=False)
     console.print(f"layers: {data['layout']}", highlight=False)
     if data.get("sliding"):
         console.print(f"sliding: {data['sliding']}", highlight=False)

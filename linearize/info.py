@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from .select import describe_layout
-from .sources import local_dir, resolve, shipped_configs, text_part
+from .sources import local_dir, resolve, shipped_configs, text_part, vision_language_note
 
 # torch, transformers and the model code are imported where they are used: a spec that cannot be found ends in
 # one line before any of them loads
@@ -87,6 +87,7 @@ def model_info(spec: str, *, ratio: str | None = None, softmax_layers: str | Non
         "cache_bytes": {ctx: cache_bytes(config, n) for ctx, n in CONTEXTS.items()},
         "bounds": speed_bounds(model, config, extra) if config.model_type == "linearize" else None,
         "quality": conversion_quality(path) if path is not None and not planned else {},
+        "note": vision_language_note(path) if path is not None else None,
     }
 
 

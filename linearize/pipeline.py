@@ -85,10 +85,13 @@ def convert(spec: str, *, ratio: str | None = None, softmax_layers: str | None =
     if train:  # window vs seq_len, budgets vs one step, data specs
         recipes.check_training(rec, {"distill": distill_tokens, **({"finetune": finetune_tokens} if finetune else {})})
     resolved = resolve(spec)
-    from .sources import local_dir
+    from .sources import local_dir, vision_language_note
     from .surgery import load_base_config
 
     base_config = load_base_config(spec, local_dir(resolved))  # encoder-only, no attention, ...: one line
+    note = vision_language_note(local_dir(resolved))
+    if note:
+        log(note)
     plan = None
     if auto:
         kw = dict(ratio=ratio, kv_budget=kv_budget, dtype=dtype, device=device, train=train, finetune=finetune,

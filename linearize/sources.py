@@ -332,18 +332,28 @@ def load_model(spec: str, *, dtype=None, device=None, max_memory=None, offload_d
     return model, tokenizer
 
 
-def _text_decoder_loading(path: Path) -> dict:
-    """``from_pretrained`` arguments that load only the text decoder of a vision-language checkpoint
-    (:data:`TEXT_DECODERS`) as its text causal LM; ``{}`` for any other checkpoint."""
+def vision_language_note(path) -> str | None:
+    """One line for a vision-language checkpoint whose text decoder is what linearize loads and converts; None
+    for any other (or an unreadable) ``path``."""
     try:
         model_type = json.loads((Path(path) / "config.json").read_text()).get("model_type")
     except (OSError, ValueError, AttributeError):
-        return {}
+        return None
     if model_type not in TEXT_DECODERS:
+        return None
+    return (f"{model_type} is a vision-language model: its text decoder is loaded and converted, the vision tower "
+            "is not (the hybrid is a text model)")
+
+
+def _text_decoder_loading(path: Path) -> dict:
+    """``from_pretrained`` arguments that load only the text decoder of a vision-language checkpoint
+    (:data:`TEXT_DECODERS`) as its text causal LM; ``{}`` for any other checkpoint."""
+    if vision_language_note(path) is None:
         return {}
     from transformers import AutoConfig
 
-    return {"config": text_part(AutoConfig.from_pretrained(path)), "key_mapping": TEXT_DECODERS[model_type][1]}
+    config = AutoConfig.from_pretrained(path)
+    return {"config": text_part(config), "key_mapping": TEXT_DECODERS[config.model_type][1]}
 
 
 # ----------------------------------------------------------------------------------- offloading

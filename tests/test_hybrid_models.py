@@ -587,9 +587,11 @@ def test_vision_language_models_convert_their_text_decoder(family, tmp_path):
         assert (model(ids).logits - expected).abs().max().item() <= 1e-5
     plan = model_info(str(tmp_path / "vlm"), ratio="1:1")
     assert plan["model_type"] == text_type and plan["num_layers"] == 4
+    note = f"{family} is a vision-language model: its text decoder is loaded and converted"
+    assert plan["note"].startswith(note)
     proc = run_cli("convert", str(tmp_path / "vlm"), "--ratio", "0:1", "--no-train", "--dtype", "float32", "-o",
                    str(tmp_path / "out"))
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.returncode == 0 and note in proc.stdout + proc.stderr, proc.stderr[-2000:]
     hybrid = AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=True).eval()
     assert hybrid.config.base_model_type == text_type
     with torch.no_grad():
