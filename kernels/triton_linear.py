@@ -344,17 +344,19 @@ def _fwd(q, k, v, S0, z0, normalize, eps, want_final, store_den, wqx=None, wkx=N
     segmented only for a shift of one chunk)."""
     B, T, H, D = q.shape
     HK, V = k.shape[2], v.shape[-1]
-    K = wqx.shape[-1] if wqx is not None else D
+    fused = wqx is not None
+    K = wqx.shape[-1] if fused else D
     dev = q.device
-    BT = CONFIG["fused_bt" if wqx is not None else "fwd_bt"]
+    BT = CONFIG["fused_bt" if fused else "fwd_bt"]
     BK = pow2(K)
-    BV, stages, warps = fwd_blocks(CONFIG, BK, V, q.dtype, fused=wqx is not None)
+    BV, stages, warps = fwd_blocks(CONFIG, BK, V, q.dtype, fused=fused)
     NVB = triton.cdiv(V, BV)
     N = triton.cdiv(T, BT)
     progs = B * H * NVB
     # a shift of whole chunks lags the segment sums by as many chunks (seg_off); other shifts run one segment
-    seg_off = shift // BT if shift % BT == 0 else 0
-    nseg, seg_chunks = plan_segments(CONFIG, N, progs, dev) if shift % BT == 0 else (1, max(N, 1))
+    whole_chunks = shift % BT == 0
+    seg_off = shift // BT if whole_chunks else 0
+    nseg, seg_chunks = plan_segments(CONFIG, N, progs, dev) if whole_chunks else (1, max(N, 1))
     fuse_k = wkx is not None and nseg == 1
     if wkx is not None and not fuse_k:
         k = make_fk()
@@ -375,10 +377,10 @@ def _fwd(q, k, v, S0, z0, normalize, eps, want_final, store_den, wqx=None, wkx=N
         wqx if wqx is not None else dummy, wkx if wkx is not None else dummy,
         T, H, HK, nseg, seg_chunks, eps, feps, shift,
         K=K, V=V, BK=BK, BV=BV, BT=BT, NORMALIZE=normalize, HAS_SEG=seg_S is not None,
-        STORE_FINAL=want_final, SHIFTED=shift > 0, STORE_DEN=den is not None, NORM_MMA=norm_mma(CONFIG, warps, fused=wqx is not None),
+        STORE_FINAL=want_final, SHIFTED=shift > 0, STORE_DEN=den is not None, NORM_MMA=norm_mma(CONFIG, warps, fused=fused),
         SPLIT=q.dtype != torch.float32 and CONFIG["fwd_norm_split"], ROWSUM_LANES=CONFIG["fwd_rowsum_lanes"],
         PREC=prec(q.dtype),
-        D=D, BD=pow2(D), FUSE_Q=wqx is not None, FUSE_K=fuse_k,
+        D=D, BD=pow2(D), FUSE_Q=fused, FUSE_K=fuse_k,
         num_warps=warps, num_stages=stages,
     )
     return o, den, fin_S, fin_z

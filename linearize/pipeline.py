@@ -88,8 +88,9 @@ def convert(spec: str, *, ratio: str | None = None, softmax_layers: str | None =
     from .sources import local_dir, vision_language_note
     from .surgery import load_base_config
 
-    base_config = load_base_config(spec, local_dir(resolved))  # encoder-only, no attention, ...: one line
-    note = vision_language_note(local_dir(resolved))
+    source_dir = local_dir(resolved)
+    base_config = load_base_config(spec, source_dir)  # encoder-only, no attention, ...: one line
+    note = vision_language_note(source_dir)
     if note:
         log(note)
     plan = None

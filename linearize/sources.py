@@ -248,12 +248,17 @@ def local_dir(spec: str | ResolvedSpec) -> Path:
     return r.path
 
 
+def _model_type(path) -> str | None:
+    """``model_type`` of ``path/config.json`` read as plain JSON (no transformers), None if unreadable."""
+    try:
+        return json.loads((Path(path) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def is_hybrid_dir(path: Path) -> bool:
     """True when ``path`` holds a linearize hybrid checkpoint."""
-    try:
-        return json.loads((Path(path) / "config.json").read_text()).get("model_type") == "linearize"
-    except (OSError, ValueError):
-        return False
+    return _model_type(path) == "linearize"
 
 
 def load_model(spec: str, *, dtype=None, device=None, max_memory=None, offload_dir=None):
@@ -335,10 +340,7 @@ def load_model(spec: str, *, dtype=None, device=None, max_memory=None, offload_d
 def vision_language_note(path) -> str | None:
     """One line for a vision-language checkpoint whose text decoder is what linearize loads and converts; None
     for any other (or an unreadable) ``path``."""
-    try:
-        model_type = json.loads((Path(path) / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        return None
+    model_type = _model_type(path)
     if model_type not in TEXT_DECODERS:
         return None
     return (f"{model_type} is a vision-language model: its text decoder is loaded and converted, the vision tower "
@@ -348,12 +350,12 @@ def vision_language_note(path) -> str | None:
 def _text_decoder_loading(path: Path) -> dict:
     """``from_pretrained`` arguments that load only the text decoder of a vision-language checkpoint
     (:data:`TEXT_DECODERS`) as its text causal LM; ``{}`` for any other checkpoint."""
-    if vision_language_note(path) is None:
+    model_type = _model_type(path)
+    if model_type not in TEXT_DECODERS:
         return {}
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(path)
-    return {"config": text_part(config), "key_mapping": TEXT_DECODERS[config.model_type][1]}
+    return {"config": text_part(AutoConfig.from_pretrained(path)), "key_mapping": TEXT_DECODERS[model_type][1]}
 
 
 # ----------------------------------------------------------------------------------- offloading

@@ -62,12 +62,12 @@ def load_base_config(spec: str, path) -> Any:
     from . import modeling  # noqa: F401  (registers the hybrid, so a hybrid is named as one)
 
     try:
-        config = AutoConfig.from_pretrained(path)
+        config = text_part(AutoConfig.from_pretrained(path))
     except (ValueError, OSError, KeyError, TypeError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0].split(". ")[0][:200]
         raise UnsupportedModelError(f"{spec}: cannot read its config.json ({first})") from None
     check_config_supported(config, spec)
-    return text_part(config)
+    return config
 
 
 def check_supported(model: PreTrainedModel) -> str:

@@ -496,6 +496,15 @@ def _hedgehog_expected(q, k, v, wf, wq, wk, init, W):
         initial_state=None if init is None else (d(init[0]), d(init[1])))
 
 
+def _linear_hedgehog_expected(q, k, v, wq, wk, init, normalize=True):
+    """float64 reference of plain linear attention on the features the unfused layer would compute, with its final
+    state."""
+    fq, fk = (hedgehog_features(x.float(), w.float()).to(x.dtype).double() for x, w in ((q, wq), (k, wk)))
+    init64 = None if init is None else (init[0].double(), init[1].double())
+    return linear_attention_reference(fq, fk, v.double(), normalize=normalize, initial_state=init64,
+                                      output_final_state=True)
+
+
 HH_CASES = [(shape, two) for shape in HH_SHAPES for two in (False, True) if shape[-1] <= 64 or not two]
 
 
@@ -655,12 +664,8 @@ def test_linear_hedgehog_fused_forward_vs_reference(shape, dtype):
         tol = 2e-2
     for state in (False, True):
         q, k, v, _, wq, wk, init = _hedgehog_case(B, T, H, Hk, D, f, V, 64, dtype, state=state)
-        fq = hedgehog_features(q.float(), wq.float()).to(dtype).double()
-        fk = hedgehog_features(k.float(), wk.float()).to(dtype).double()
-        init64 = None if init is None else (init[0].double(), init[1].double())
         for normalize in (True, False):
-            ro, (rS, rz) = linear_attention_reference(fq, fk, v.double(), normalize=normalize, initial_state=init64,
-                                                      output_final_state=True)
+            ro, (rS, rz) = _linear_hedgehog_expected(q, k, v, wq, wk, init, normalize)
             with torch.no_grad():
                 o, (S, z) = linear_attention_hedgehog(q, k, v, wq, wk, normalize=normalize, initial_state=init,
                                                       output_final_state=True, backend="triton")
@@ -674,10 +679,7 @@ def test_linear_hedgehog_fused_forward_segmented_and_with_gradients(monkeypatch)
 
     monkeypatch.setitem(triton_linear.CONFIG, "force_segments", 3)
     q, k, v, _, wq, wk, init = _hedgehog_case(1, 300, 2, 1, 16, 8, 16, 64, torch.bfloat16, state=True)
-    fq = hedgehog_features(q.float(), wq.float()).to(q.dtype).double()
-    fk = hedgehog_features(k.float(), wk.float()).to(k.dtype).double()
-    ro, (rS, _) = linear_attention_reference(fq, fk, v.double(), initial_state=(init[0].double(), init[1].double()),
-                                             output_final_state=True)
+    ro, (rS, _) = _linear_hedgehog_expected(q, k, v, wq, wk, init)
     o, (S, _) = linear_attention_hedgehog(q, k, v, wq, wk, initial_state=init, output_final_state=True,
                                           backend="triton")
     assert rel_err(o, ro) <= 1e-2 and rel_err(S, rS) <= 1e-2
@@ -716,10 +718,7 @@ def test_forwards_with_narrower_chunks(bt, monkeypatch):
             o, (S, _) = window_linear_attention_hedgehog(q, k, v, wf, wq, wk, window=W, initial_state=init,
                                                          output_final_state=True, backend="triton")
             assert rel_err(o, ro) <= 1e-2 and rel_err(S, rS) <= 1e-2, (segments, W)
-        fq = hedgehog_features(q.float(), wq.float()).to(q.dtype).double()
-        fk = hedgehog_features(k.float(), wk.float()).to(k.dtype).double()
-        ro, (rS, _) = linear_attention_reference(fq, fk, v.double(), output_final_state=True,
-                                                 initial_state=(init[0].double(), init[1].double()))
+        ro, (rS, _) = _linear_hedgehog_expected(q, k, v, wq, wk, init)
         o, (S, _) = linear_attention_hedgehog(q, k, v, wq, wk, initial_state=init, output_final_state=True,
                                               backend="triton")
         assert rel_err(o, ro) <= 2e-2 and rel_err(S, rS) <= 2e-2, segments
