@@ -669,10 +669,11 @@ def summarize(rows: List[dict]) -> List[dict]:
 
 def print_table(rows: List[dict]) -> None:
     """Print the benchmark rows and the target summary with rich."""
-    from rich.console import Console
     from rich.table import Table
 
-    con = Console()
+    from .progress import make_console
+
+    con = make_console()
     meta = next((r["meta"] for r in rows if "meta" in r), {})
     if meta:
         con.print(", ".join(f"{k}={v}" for k, v in meta.items()))

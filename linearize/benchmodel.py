@@ -1067,14 +1067,13 @@ def _row_line(r: dict) -> str:
 
 def print_result(result: dict, console=None) -> None:
     """The hybrid-vs-original table (and the issue-8 targets the rows answer) with rich."""
-    from rich.console import Console
     from rich.table import Table
 
     if console is None:
-        import sys
+        from .progress import make_console
 
         # a captured (non-terminal) stdout would otherwise get 80 columns and truncate the 14-column table
-        console = Console() if sys.stdout.isatty() else Console(width=200)
+        console = make_console()
     con = console
     meta = result["meta"]
     con.print(f"{meta['hybrid']} vs {meta['original']} | {meta.get('layout') or ''} | {meta['dtype']} on "

@@ -212,10 +212,11 @@ def _write_result(out_dir: Path, result: dict) -> None:
 
 def print_result(result: dict, console=None) -> None:
     """A table of the stages and the projected conversion time."""
-    from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    from .progress import make_console
+
+    console = console or make_console()
     shape = f"batch {result['batch']} x {result['seq_len']}"
     if result.get("grad_accum", 1) > 1:
         shape += f" x {result['grad_accum']} micro-batches"

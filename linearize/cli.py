@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Callable, List, Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from .errors import LinearizeError
+from .progress import make_console
 
 app = typer.Typer(
     help="Convert softmax-attention LLMs into fast linear-attention hybrids.",
@@ -22,8 +22,8 @@ app = typer.Typer(
 bench_app = typer.Typer(help="Benchmarks: kernels (vs fla and SDPA), model speed vs the original, training throughput.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 
-console = Console()
-err_console = Console(stderr=True)
+console = make_console()
+err_console = make_console(stderr=True)
 
 
 def fail(message: str, code: int = 2) -> None:

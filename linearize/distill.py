@@ -214,16 +214,14 @@ def distill(model, tokenizer, recipe, *, state_dir: Path | None = None, resume: 
             _save_state(ckpt, {"fingerprint": fp, "step": run["step"], "params": [p.detach().cpu() for p in master],
                                "optimizer": opt.state_dict(), "scheduler": sched.state_dict()})
 
-    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+    from .progress import step_progress
 
     guard = LossGuard("distill", cfg, ckpt=ckpt, layers=[m.layer_idx for m in model.linear_modules()],
                       dtype=next(model.parameters()).dtype)
-    bar = Progress(TextColumn("distill"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
-                   TextColumn("{task.fields[info]}"), TimeRemainingColumn(), disable=not (progress and dist.is_main()),
-                   transient=False)
+    bar = step_progress("distill", disable=not (progress and dist.is_main()))
     try:
         with guard.stops(run, total_steps, save, opt), bar:
-            task = bar.add_task("distill", total=total_steps, completed=step, info="")
+            task = bar.add_task("distill", total=total_steps, completed=step, info="", unit="steps")
             pieces = 0
             while run["step"] < total_steps:
                 opt.zero_grad(set_to_none=True)

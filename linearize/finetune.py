@@ -389,14 +389,11 @@ def finetune(model, tokenizer, recipe, *, state_dir: Path | None = None, resume:
                                    "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                                    "rng": run["rng"], "history": run["history"], "before": before})
 
-        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-
         from .guards import LossGuard, whole_step
+        from .progress import step_progress
 
         guard = LossGuard("finetune", cfg, ckpt=ckpt, dtype=next(model.parameters()).dtype)
-        bar = Progress(TextColumn("finetune"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
-                       TextColumn("{task.fields[info]}"), TimeRemainingColumn(),
-                       disable=not (progress and dist.is_main()), transient=False)
+        bar = step_progress("finetune", disable=not (progress and dist.is_main()))
         no_sync = ddp.no_sync if ddp is not peft_model else contextlib.nullcontext
 
         def forward(ids: torch.Tensor) -> torch.Tensor:
@@ -422,7 +419,7 @@ def finetune(model, tokenizer, recipe, *, state_dir: Path | None = None, resume:
                 else None)  # linearize.memory's plan turns it on when one row does not fit
 
         with guard.stops(run, total_steps, save, opt), bar:
-            task = bar.add_task("finetune", total=total_steps, completed=step, info="")
+            task = bar.add_task("finetune", total=total_steps, completed=step, info="", unit="steps")
             pieces = 0
             while run["step"] < total_steps:
                 opt.zero_grad(set_to_none=True)

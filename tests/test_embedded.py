@@ -173,6 +173,8 @@ def test_short_all_stages_end_to_end(tmp_path, embedded_dir):
     assert res.returncode == 0, res.stderr[-3000:]
     # lolcats' select.method auto does not pay at 512 tokens (scoring alone would take ~1.6M): the ratio's layers
     assert "select: interleave (the recipe's auto selection would score the layers" in res.stdout
+    # off a terminal each stage prints plain progress lines (a rich bar would print nothing until it ended)
+    assert "distill  2/2 steps (100%)  loss " in res.stdout and "finetune  2/2 steps (100%)  kl " in res.stdout
     report = json.loads((out / "report.json").read_text())
     assert "select" not in report["stages"]
     d, f = report["stages"]["distill"], report["stages"]["finetune"]

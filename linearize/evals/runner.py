@@ -83,12 +83,14 @@ def _default_loader() -> Callable:
 
 class _RichProgress(Progress):
     def __init__(self, console):
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress as RP, TextColumn,  # noqa: PLC0415
-                                   TimeElapsedColumn, TimeRemainingColumn)
+        from rich.progress import (BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn,  # noqa: PLC0415
+                                   TimeRemainingColumn)
+
+        from linearize.progress import make_progress  # noqa: PLC0415 - bars on a terminal, lines in a log
 
         self.console = console
-        self.p = RP(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    TimeRemainingColumn(), console=console)
+        self.p = make_progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                               TimeElapsedColumn(), TimeRemainingColumn(), console=console)
         self.task = None
 
     def __enter__(self):
@@ -263,9 +265,9 @@ def run_eval(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f"{out_dir.name}.tmp-", dir=out_dir.parent))
     if console is None and progress:
-        from rich.console import Console  # noqa: PLC0415
+        from linearize.progress import make_console  # noqa: PLC0415
 
-        console = Console(stderr=True)
+        console = make_console(stderr=True)
     ui = _RichProgress(console) if progress else _Quiet()
     roles = ([("against", against)] if against else []) + [("model", spec)]
     results: dict[str, dict] = {}
