@@ -22,7 +22,10 @@ TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num
 #: published parameter counts of the shipped configs
 PUBLISHED = {"llama-3-8b": 8_030_261_248, "llama-3.2-1b": 1_235_814_400, "mistral-7b": 7_248_023_552,
              "qwen2.5-7b": 7_615_616_512, "qwen3-8b": 8_190_735_360, "qwen3-30b-a3b": 30_532_122_624,
-             "gemma-3-1b": 999_885_952}  # Gemma 3 1B: counted from its published config (the model card says 1B)
+             "gemma-3-1b": 999_885_952,  # Gemma 3 1B: counted from its published config (the model card says 1B)
+             # vision-language Gemma 3: the text decoder linearize builds (model cards, with the ~0.42B vision
+             # tower: 4.3B, 12.2B, 27.4B)
+             "gemma-3-4b": 3_880_263_168, "gemma-3-12b": 11_766_034_176, "gemma-3-27b": 27_009_346_304}
 
 
 @pytest.fixture(autouse=True)
