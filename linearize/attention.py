@@ -71,11 +71,14 @@ class ArchSpec:
 
     attention: str = "self_attn"  # attribute of a decoder layer
     projections: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
-    q_norm: str | None = None  # norm applied before rotary (Qwen3, OLMo 2)
+    q_norm: str | None = None  # norm applied before rotary (Qwen3, OLMo 2); absent on the module: not applied
     k_norm: str | None = None
-    # what q_norm / k_norm normalise: "head", each head's vector (Qwen3); "projection", the whole projection before
-    # it is split into heads (OLMo 2)
+    # what q_norm / k_norm normalise: "head", each head's vector (Qwen3), laid out [B, T, H, D]; "heads_first", the
+    # same laid out [B, H, T, D] (StableLM's one LayerNorm per head); "projection", the whole projection before it
+    # is split into heads (OLMo 2)
     qk_norm_over: str = "head"
+    # config field bounding q, k and v after projection, |x| <= bound (OLMo's clip_qkv); None in the config: no bound
+    clip_qkv: str | None = None
     # one projection computing queries, keys and values, in that order (Phi-3: qkv_proj); None: q_proj, k_proj, v_proj
     qkv: str | None = None
 
@@ -102,18 +105,46 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     # Phi-3 / Phi-3.5 / Phi-4: fused qkv_proj; Phi-4-mini rotates only part of each head (the rotary tables say how
     # much)
     "phi3": ArchSpec(projections=("qkv_proj", "o_proj"), qkv="qkv_proj"),
+    # Llama-shaped attention under other names; sliding windows (Starcoder2, Ministral, OLMo 3) are read from the
+    # config, partial rotary (StableLM, Nemotron) from the rotary tables
+    "arcee": ArchSpec(),
+    "seed_oss": ArchSpec(),
+    "starcoder2": ArchSpec(),
+    "ministral": ArchSpec(),
+    "nemotron": ArchSpec(),
+    "olmo": ArchSpec(clip_qkv="clip_qkv"),
+    "olmo3": ArchSpec(q_norm="q_norm", k_norm="k_norm", qk_norm_over="projection"),
+    "apertus": ArchSpec(q_norm="q_norm", k_norm="k_norm"),
+    "stablelm": ArchSpec(q_norm="q_layernorm", k_norm="k_layernorm", qk_norm_over="heads_first"),  # qk_layernorm
+    "granitemoe": ArchSpec(),
     # mixture-of-experts variants: attention laid out as their dense family; the expert MLPs are left as they are
     "mixtral": ArchSpec(),
     "qwen2_moe": ArchSpec(),
     "qwen3_moe": ArchSpec(q_norm="q_norm", k_norm="k_norm"),
+    "phimoe": ArchSpec(),
+    "glm4_moe": ArchSpec(q_norm="q_norm", k_norm="k_norm"),  # GLM-4.5: q/k norms when use_qk_norm, partial rotary
+}
+
+
+#: model types checked and not supported: why their attention is not what the converted layers compute
+NOT_SUPPORTED: dict[str, str] = {
+    "smollm3": "some of its layers use no rotary embedding",
+    "glm": "its partial rotary turns interleaved pairs",
+    "glm4": "its partial rotary turns interleaved pairs",
+    "cohere": "its rotary turns interleaved pairs",
+    "cohere2": "its rotary turns interleaved pairs",
+    "hunyuan_v1_dense": "it normalises q and k after rotary",
+    "hunyuan_v1_moe": "it normalises q and k after rotary",
+    "gpt_oss": "its attention has learned sinks",
 }
 
 
 def arch_spec(model_type: str) -> ArchSpec:
-    """The :class:`ArchSpec` of a model type, or a one-line error listing the supported ones."""
+    """The :class:`ArchSpec` of a model type, or a one-line error naming why (where known) and the supported ones."""
     if model_type not in ARCHITECTURES:
+        why = f": {NOT_SUPPORTED[model_type]}" if model_type in NOT_SUPPORTED else ""
         raise UnsupportedModelError(
-            f"model type {model_type!r} is not supported (supported: {', '.join(sorted(ARCHITECTURES))})"
+            f"model type {model_type!r} is not supported{why} (supported: {', '.join(sorted(ARCHITECTURES))})"
         )
     return ARCHITECTURES[model_type]
 
@@ -181,9 +212,10 @@ class LinearAttention(nn.Module):
         for name in arch.projections:
             setattr(self, name, getattr(original, name))
         self.qkv = arch.qkv
-        self.q_norm = getattr(original, arch.q_norm) if arch.q_norm else None
-        self.k_norm = getattr(original, arch.k_norm) if arch.k_norm else None
+        self.q_norm = getattr(original, arch.q_norm, None) if arch.q_norm else None
+        self.k_norm = getattr(original, arch.k_norm, None) if arch.k_norm else None
         self.qk_norm_over = arch.qk_norm_over
+        self.clip_qkv = getattr(config, arch.clip_qkv, None) if arch.clip_qkv else None
         self.window = int(settings.get("window") or 0)
         self.eps = float(settings.get("eps", 1e-6))
         fm_params = {}
@@ -220,6 +252,9 @@ class LinearAttention(nn.Module):
                 [self.num_heads * self.head_dim, kv_width, kv_width], dim=-1)
         else:
             q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+        if self.clip_qkv is not None:
+            c = float(self.clip_qkv)
+            q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
         if self.q_norm is not None and self.qk_norm_over == "projection":
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(B, T, self.num_heads, self.head_dim)
@@ -227,6 +262,8 @@ class LinearAttention(nn.Module):
         v = v.reshape(B, T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.qk_norm_over == "head":
             q, k = self.q_norm(q), self.k_norm(k)
+        elif self.q_norm is not None and self.qk_norm_over == "heads_first":
+            q, k = self.q_norm(q.transpose(1, 2)).transpose(1, 2), self.k_norm(k.transpose(1, 2)).transpose(1, 2)
         cos, sin = position_embeddings
         q, k = rotary_embedding(q, k, cos, sin, backend=ROTARY_BACKEND)
         return q, k, v

@@ -634,7 +634,9 @@ def cost_model(model) -> dict:
     experts = [p for n, p in model.named_parameters() if ".experts." in n]  # routed experts (not shared_expert)
     if experts:  # a hybrid's config keeps its base's fields, not the base class's aliases (num_experts in Mixtral)
         base = cfg.base_config() if hasattr(cfg, "base_config") else cfg
-        share = int(base.num_experts_per_tok) / int(getattr(base, "num_experts", None) or base.num_local_experts)
+        total = next(getattr(base, f) for f in ("num_experts", "num_local_experts", "n_routed_experts")
+                     if getattr(base, f, None))
+        share = int(base.num_experts_per_tok) / int(total)
     else:
         share = 1.0
     expert_numel = sum(p.numel() for p in experts)

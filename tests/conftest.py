@@ -15,7 +15,8 @@ os.environ.setdefault("LINEARIZE_CACHE", str(Path.home() / ".cache" / "linearize
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "granite", "gemma", "gemma2", "gemma3_text", "olmo2", "phi3",
-            "mixtral", "qwen2_moe", "qwen3_moe"]
+            "mixtral", "qwen2_moe", "qwen3_moe", "arcee", "seed_oss", "starcoder2", "ministral", "nemotron", "olmo",
+            "olmo3", "apertus", "stablelm", "granitemoe", "phimoe", "glm4_moe"]
 #: configuration class of each family, and what its tiny model needs beyond the shared sizes
 _TINY_FAMILIES = {
     "llama": ("LlamaConfig", {"tie_word_embeddings": True}),
@@ -38,6 +39,21 @@ _TINY_FAMILIES = {
                                      "shared_expert_intermediate_size": 32, "qkv_bias": True}),
     "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                                      "tie_word_embeddings": True}),
+    # Llama-shaped attention under other names: biases, sliding windows, partial rotary, q/k norms, a q/k/v bound
+    "arcee": ("ArceeConfig", {}),
+    "seed_oss": ("SeedOssConfig", {"attention_bias": True}),
+    "starcoder2": ("Starcoder2Config", {"sliding_window": 16, "use_bias": True}),
+    "ministral": ("MinistralConfig", {"sliding_window": 16}),
+    "nemotron": ("NemotronConfig", {"partial_rotary_factor": 0.5}),
+    "olmo": ("OlmoConfig", {"clip_qkv": 0.1, "pad_token_id": 1}),  # the bound bites on random projections
+    "olmo3": ("Olmo3Config", {"sliding_window": 16, "pad_token_id": 1}),
+    "apertus": ("ApertusConfig", {}),
+    "stablelm": ("StableLmConfig", {"qk_layernorm": True, "use_qkv_bias": True}),  # one LayerNorm per head
+    "granitemoe": ("GraniteMoeConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
+                                        "attention_multiplier": 0.5}),
+    "phimoe": ("PhimoeConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32}),
+    "glm4_moe": ("Glm4MoeConfig", {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                   "first_k_dense_replace": 1, "use_qk_norm": True}),
 }
 
 

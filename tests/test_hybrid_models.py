@@ -54,6 +54,11 @@ def test_prefill_then_decode_equals_full_forward(family, recipe):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_linear_layers_differ_from_softmax_and_modes(family):
     model = tiny_model(family)
+    with torch.no_grad():  # norm weights and biases away from their initial values, so a misplaced norm shows
+        gen = torch.Generator().manual_seed(1)
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.add_(0.3 * torch.randn(p.shape, generator=gen))
     ids = torch.randint(0, 128, (1, 50))
     ref = model(ids).logits
     hybrid = linearize_model(model, select_layout(4, ratio="1:0"), R.load("elu"))
@@ -458,11 +463,12 @@ def test_feature_maps_start_from_the_models_softmax_scale(recipe):
     assert "softmax_scale" not in R.load(recipe)["attention"]
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "phi3"])
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "phi3", "olmo", "stablelm", "starcoder2", "glm4_moe"])
 def test_newer_families_train_both_stages(family, corpus, monkeypatch, tmp_path):
     """Attention transfer (with Hedgehog's attention loss, on the teacher's windowed, soft-capped weights) then
-    LoRA on 64-token rows, longer than the tiny Gemmas' 16-token sliding windows: held-out MSE and perplexity fall.
-    Phi-3's LoRA goes on its fused qkv_proj and o_proj (finetune checks what peft wrapped)."""
+    LoRA on 64-token rows, longer than the tiny Gemmas' (and Starcoder2's) 16-token sliding windows: held-out MSE
+    and perplexity fall. Phi-3's LoRA goes on its fused qkv_proj and o_proj (finetune checks what peft wrapped);
+    OLMo's q/k/v bound, StableLM's per-head LayerNorms and GLM-4.5's q/k norms are in the layers that train."""
     from linearize import distill as D
     from linearize import finetune as FT
 
@@ -605,3 +611,21 @@ def test_vision_language_models_convert_their_text_decoder(family, tmp_path):
     with pytest.raises(SpecError) as err:
         load_model(str(tmp_path / "vlm"), device="cpu")
     assert "lacks 1 weights of its text decoder (first: model.norm.weight)" in str(err.value)
+
+
+@pytest.mark.parametrize("model_type,why", [("smollm3", "no rotary"), ("glm4", "interleaved"), ("gpt_oss", "sinks"),
+                                            ("hunyuan_v1_dense", "after rotary"), ("helium", None)])
+def test_unsupported_families_are_refused_in_one_line(model_type, why):
+    """Families whose attention the converted layers do not compute are refused before any weight is read, saying
+    why where that is known; the supported ones are listed."""
+    from transformers import AutoConfig
+
+    from linearize.errors import UnsupportedModelError
+    from linearize.surgery import check_config_supported
+
+    config = AutoConfig.for_model(model_type)
+    with pytest.raises(UnsupportedModelError) as err:
+        check_config_supported(config, "m")
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith(f"m: model type '{model_type}'") and "olmo3" in msg
+    assert (why in msg) if why else ("is not supported (supported:" in msg)
