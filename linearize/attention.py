@@ -19,6 +19,7 @@ import os
 import warnings
 import weakref
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -79,6 +80,16 @@ class ArchSpec:
     qk_norm_over: str = "head"
     # config field bounding q, k and v after projection, |x| <= bound (OLMo's clip_qkv); None in the config: no bound
     clip_qkv: str | None = None
+    # whether the original module rotates q and k (None: always); False for the layers without positions of
+    # SmolLM3 and EXAONE 4
+    uses_rope: Optional[Callable[[nn.Module], bool]] = None
+    # the q/k norms come after rotary instead of before it (Hunyuan)
+    qk_norm_after_rope: bool = False
+    # rotary turns interleaved pairs (x[2i], x[2i+1]) by frequency i: "pairs" with the usual half-split tables
+    # (GLM, Helium, ERNIE 4.5), "tables" with interleaved tables too (Cohere). The converted layers gather each
+    # head's rotated channels as [evens, odds] first (tables: their even entries, twice), which makes it the usual
+    # half-split rotary and leaves every q.k (and so the teacher) unchanged
+    rope_interleaved: str | None = None
     # one projection computing queries, keys and values, in that order (Phi-3: qkv_proj); None: q_proj, k_proj, v_proj
     qkv: str | None = None
 
@@ -117,24 +128,38 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "apertus": ArchSpec(q_norm="q_norm", k_norm="k_norm"),
     "stablelm": ArchSpec(q_norm="q_layernorm", k_norm="k_layernorm", qk_norm_over="heads_first"),  # qk_layernorm
     "granitemoe": ArchSpec(),
+    "smollm3": ArchSpec(uses_rope=lambda m: bool(m.use_rope)),  # every fourth layer without rotary
+    # global layers without rotary when the model has sliding ones
+    "exaone4": ArchSpec(q_norm="q_norm", k_norm="k_norm",
+                        uses_rope=lambda m: m.sliding_window is None or bool(m.is_sliding)),
+    "hunyuan_v1_dense": ArchSpec(q_norm="query_layernorm", k_norm="key_layernorm", qk_norm_after_rope=True),
     # mixture-of-experts variants: attention laid out as their dense family; the expert MLPs are left as they are
     "mixtral": ArchSpec(),
     "qwen2_moe": ArchSpec(),
     "qwen3_moe": ArchSpec(q_norm="q_norm", k_norm="k_norm"),
     "phimoe": ArchSpec(),
     "glm4_moe": ArchSpec(q_norm="q_norm", k_norm="k_norm"),  # GLM-4.5: q/k norms when use_qk_norm, partial rotary
+    "hunyuan_v1_moe": ArchSpec(q_norm="query_layernorm", k_norm="key_layernorm", qk_norm_after_rope=True),
+    "glm": ArchSpec(rope_interleaved="pairs"),  # GLM-4 0414 (glm4) and GLM 4 (glm): partial, interleaved rotary
+    "glm4": ArchSpec(rope_interleaved="pairs"),
+    "helium": ArchSpec(rope_interleaved="pairs"),
+    "ernie4_5": ArchSpec(rope_interleaved="pairs"),
+    "ernie4_5_moe": ArchSpec(rope_interleaved="pairs"),
+    # Command R: interleaved rotary, optional q/k LayerNorms ([heads, head_dim] weights); Command R7B: rotary in
+    # the sliding layers only
+    "cohere": ArchSpec(q_norm="q_norm", k_norm="k_norm", rope_interleaved="tables"),
+    "cohere2": ArchSpec(rope_interleaved="tables", uses_rope=lambda m: m.sliding_window is not None),
 }
+
+
+def _evens_first(x: torch.Tensor, rotary: int) -> torch.Tensor:
+    """``x [..., D]`` with its first ``rotary`` channels reordered as the even ones, then the odd ones."""
+    parts = [x[..., 0:rotary:2], x[..., 1:rotary:2]] + ([x[..., rotary:]] if rotary < x.shape[-1] else [])
+    return torch.cat(parts, dim=-1)
 
 
 #: model types checked and not supported: why their attention is not what the converted layers compute
 NOT_SUPPORTED: dict[str, str] = {
-    "smollm3": "some of its layers use no rotary embedding",
-    "glm": "its partial rotary turns interleaved pairs",
-    "glm4": "its partial rotary turns interleaved pairs",
-    "cohere": "its rotary turns interleaved pairs",
-    "cohere2": "its rotary turns interleaved pairs",
-    "hunyuan_v1_dense": "it normalises q and k after rotary",
-    "hunyuan_v1_moe": "it normalises q and k after rotary",
     "gpt_oss": "its attention has learned sinks",
 }
 
@@ -216,6 +241,9 @@ class LinearAttention(nn.Module):
         self.k_norm = getattr(original, arch.k_norm, None) if arch.k_norm else None
         self.qk_norm_over = arch.qk_norm_over
         self.clip_qkv = getattr(config, arch.clip_qkv, None) if arch.clip_qkv else None
+        self.rope = arch.uses_rope is None or bool(arch.uses_rope(original))
+        self.qk_norm_after_rope = arch.qk_norm_after_rope
+        self.rope_interleaved = arch.rope_interleaved
         self.window = int(settings.get("window") or 0)
         self.eps = float(settings.get("eps", 1e-6))
         fm_params = {}
@@ -260,13 +288,26 @@ class LinearAttention(nn.Module):
         q = q.reshape(B, T, self.num_heads, self.head_dim)
         k = k.reshape(B, T, self.num_kv_heads, self.head_dim)
         v = v.reshape(B, T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.qk_norm_over == "head":
-            q, k = self.q_norm(q), self.k_norm(k)
-        elif self.q_norm is not None and self.qk_norm_over == "heads_first":
-            q, k = self.q_norm(q.transpose(1, 2)).transpose(1, 2), self.k_norm(k.transpose(1, 2)).transpose(1, 2)
-        cos, sin = position_embeddings
-        q, k = rotary_embedding(q, k, cos, sin, backend=ROTARY_BACKEND)
+        if not self.qk_norm_after_rope:
+            q, k = self._head_norms(q, k)
+        if self.rope:
+            cos, sin = position_embeddings
+            if self.rope_interleaved:
+                q, k = _evens_first(q, cos.shape[-1]), _evens_first(k, cos.shape[-1])
+            if self.rope_interleaved == "tables":  # [f0, f0, f1, f1, ...] -> [f0, f1, ..., f0, f1, ...]
+                cos, sin = (torch.cat([t[..., 0::2]] * 2, dim=-1) for t in (cos, sin))
+            q, k = rotary_embedding(q, k, cos, sin, backend=ROTARY_BACKEND)
+        if self.qk_norm_after_rope:
+            q, k = self._head_norms(q, k)
         return q, k, v
+
+    def _head_norms(self, q, k):
+        """The per-head q/k norms (``[B, T, H, D]`` in and out), if the family has them."""
+        if self.q_norm is not None and self.qk_norm_over == "head":
+            return self.q_norm(q), self.k_norm(k)
+        if self.q_norm is not None and self.qk_norm_over == "heads_first":
+            return self.q_norm(q.transpose(1, 2)).transpose(1, 2), self.k_norm(k.transpose(1, 2)).transpose(1, 2)
+        return q, k
 
     # -- the two attentions --------------------------------------------------------------------
     def softmax_attention(self, q, k, v, attention_mask=None) -> torch.Tensor:

@@ -124,6 +124,9 @@ class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
         self._base_forward = type(base_model).forward
         self.model = base_model.model
         self.lm_head = base_model.lm_head
+        for name, value in vars(base_model).items():  # scalars the base forward reads (Cohere's logit_scale)
+            if not name.startswith("_") and isinstance(value, (bool, int, float, str)) and not hasattr(self, name):
+                setattr(self, name, value)
         self.vocab_size = config.vocab_size
         spec = arch_spec(config.base_model_type)
         for i in config.linear_layers:

@@ -16,7 +16,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "granite", "gemma", "gemma2", "gemma3_text", "olmo2", "phi3",
             "mixtral", "qwen2_moe", "qwen3_moe", "arcee", "seed_oss", "starcoder2", "ministral", "nemotron", "olmo",
-            "olmo3", "apertus", "stablelm", "granitemoe", "phimoe", "glm4_moe"]
+            "olmo3", "apertus", "stablelm", "granitemoe", "phimoe", "glm4_moe", "smollm3", "exaone4", "hunyuan_v1_dense",
+            "hunyuan_v1_moe", "glm", "glm4", "helium", "ernie4_5", "ernie4_5_moe", "cohere", "cohere2"]
 #: configuration class of each family, and what its tiny model needs beyond the shared sizes
 _TINY_FAMILIES = {
     "llama": ("LlamaConfig", {"tie_word_embeddings": True}),
@@ -54,6 +55,22 @@ _TINY_FAMILIES = {
     "phimoe": ("PhimoeConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32}),
     "glm4_moe": ("Glm4MoeConfig", {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                                    "first_k_dense_replace": 1, "use_qk_norm": True}),
+    # layers without rotary: SmolLM3's every fourth (layer 3), EXAONE 4's global ones (1 and 3 at pattern 2)
+    "smollm3": ("SmolLM3Config", {"pad_token_id": 1}),
+    "exaone4": ("Exaone4Config", {"sliding_window": 16, "sliding_window_pattern": 2}),
+    # q/k norms after rotary
+    "hunyuan_v1_dense": ("HunYuanDenseV1Config", {}),
+    "hunyuan_v1_moe": ("HunYuanMoEV1Config", {"num_experts": 4, "moe_topk": 2, "moe_intermediate_size": 32,
+                                             "intermediate_size": 32}),
+    # rotary over interleaved pairs: GLM's partial (half of each head), Helium's and ERNIE's whole; Cohere's with
+    # interleaved tables, q/k LayerNorms and a logit scale, Command R7B's (cohere2) only in its sliding layers
+    "glm": ("GlmConfig", {"pad_token_id": 1}),
+    "glm4": ("Glm4Config", {"pad_token_id": 1}),
+    "helium": ("HeliumConfig", {}),
+    "ernie4_5": ("Ernie4_5Config", {}),
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", {"moe_num_experts": 4, "moe_k": 2, "moe_intermediate_size": 32}),
+    "cohere": ("CohereConfig", {"use_qk_norm": True, "logit_scale": 0.5}),
+    "cohere2": ("Cohere2Config", {"sliding_window": 16}),
 }
 
 
