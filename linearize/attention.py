@@ -127,28 +127,28 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "olmo3": ArchSpec(q_norm="q_norm", k_norm="k_norm", qk_norm_over="projection"),
     "apertus": ArchSpec(q_norm="q_norm", k_norm="k_norm"),
     "stablelm": ArchSpec(q_norm="q_layernorm", k_norm="k_layernorm", qk_norm_over="heads_first"),  # qk_layernorm
-    "granitemoe": ArchSpec(),
     "smollm3": ArchSpec(uses_rope=lambda m: bool(m.use_rope)),  # every fourth layer without rotary
     # global layers without rotary when the model has sliding ones
     "exaone4": ArchSpec(q_norm="q_norm", k_norm="k_norm",
                         uses_rope=lambda m: m.sliding_window is None or bool(m.is_sliding)),
     "hunyuan_v1_dense": ArchSpec(q_norm="query_layernorm", k_norm="key_layernorm", qk_norm_after_rope=True),
-    # mixture-of-experts variants: attention laid out as their dense family; the expert MLPs are left as they are
-    "mixtral": ArchSpec(),
-    "qwen2_moe": ArchSpec(),
-    "qwen3_moe": ArchSpec(q_norm="q_norm", k_norm="k_norm"),
-    "phimoe": ArchSpec(),
-    "glm4_moe": ArchSpec(q_norm="q_norm", k_norm="k_norm"),  # GLM-4.5: q/k norms when use_qk_norm, partial rotary
-    "hunyuan_v1_moe": ArchSpec(q_norm="query_layernorm", k_norm="key_layernorm", qk_norm_after_rope=True),
-    "glm": ArchSpec(rope_interleaved="pairs"),  # GLM-4 0414 (glm4) and GLM 4 (glm): partial, interleaved rotary
+    "glm": ArchSpec(rope_interleaved="pairs"),  # GLM 4 (glm) and GLM-4 0414 (glm4): partial, interleaved rotary
     "glm4": ArchSpec(rope_interleaved="pairs"),
     "helium": ArchSpec(rope_interleaved="pairs"),
     "ernie4_5": ArchSpec(rope_interleaved="pairs"),
-    "ernie4_5_moe": ArchSpec(rope_interleaved="pairs"),
     # Command R: interleaved rotary, optional q/k LayerNorms ([heads, head_dim] weights); Command R7B: rotary in
     # the sliding layers only
     "cohere": ArchSpec(q_norm="q_norm", k_norm="k_norm", rope_interleaved="tables"),
     "cohere2": ArchSpec(rope_interleaved="tables", uses_rope=lambda m: m.sliding_window is not None),
+    # mixture-of-experts variants: attention laid out as their dense family; the expert MLPs are left as they are
+    "mixtral": ArchSpec(),
+    "qwen2_moe": ArchSpec(),
+    "qwen3_moe": ArchSpec(q_norm="q_norm", k_norm="k_norm"),
+    "granitemoe": ArchSpec(),
+    "phimoe": ArchSpec(),
+    "glm4_moe": ArchSpec(q_norm="q_norm", k_norm="k_norm"),  # GLM-4.5: q/k norms when use_qk_norm, partial rotary
+    "hunyuan_v1_moe": ArchSpec(q_norm="query_layernorm", k_norm="key_layernorm", qk_norm_after_rope=True),
+    "ernie4_5_moe": ArchSpec(rope_interleaved="pairs"),
 }
 
 
