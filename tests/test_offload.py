@@ -13,6 +13,12 @@ import pytest
 import torch
 
 from conftest import FAMILIES, char_tokenizer, run_cli, tiny_model
+
+#: the families whose checkpoints are offloaded here: the first thirteen, and of the later ones those whose
+#: converted layers read something beyond the Llama layout (a config bound, per-head norm modules, a flag on the
+#: original module, the base model's logit scale, routed experts); the rest differ in attention only, which
+#: tests/test_hybrid_models.py covers
+OFFLOADED = FAMILIES[:13] + ["olmo", "stablelm", "smollm3", "cohere", "glm4_moe"]
 from linearize import recipe as R
 from linearize.checkpoint import save_checkpoint
 from linearize.errors import SpecError
@@ -58,7 +64,7 @@ def _plain_dir(root: Path) -> Path:
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("offload")
-    return {"plain": _plain_dir(root), **{f: _hybrid_dir(root, f) for f in FAMILIES}}
+    return {"plain": _plain_dir(root), **{f: _hybrid_dir(root, f) for f in OFFLOADED}}
 
 
 def _ids(tokenizer, model):
@@ -89,7 +95,7 @@ def _check_same(spec: Path, max_memory: dict, offload: Path, expect: set[str]):
     assert not private[0].exists()  # ... removed when the model is freed
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", OFFLOADED)
 def test_hybrid_offloaded_same_logits_and_tokens(ckpts, tmp_path, family):
     _check_same(ckpts[family], MIXED, tmp_path / "off", {"cpu", "disk"})
 
