@@ -164,10 +164,15 @@ NOT_SUPPORTED: dict[str, str] = {
 }
 
 
+def not_supported_reason(model_type: str) -> str:
+    """``": why"`` for a model type checked and not supported (:data:`NOT_SUPPORTED`), else ``""``."""
+    return f": {NOT_SUPPORTED[model_type]}" if model_type in NOT_SUPPORTED else ""
+
+
 def arch_spec(model_type: str) -> ArchSpec:
     """The :class:`ArchSpec` of a model type, or a one-line error naming why (where known) and the supported ones."""
     if model_type not in ARCHITECTURES:
-        why = f": {NOT_SUPPORTED[model_type]}" if model_type in NOT_SUPPORTED else ""
+        why = not_supported_reason(model_type)
         raise UnsupportedModelError(
             f"model type {model_type!r} is not supported{why} (supported: {', '.join(sorted(ARCHITECTURES))})"
         )

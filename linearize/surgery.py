@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from .attention import ARCHITECTURES, NOT_SUPPORTED, arch_spec
+from .attention import ARCHITECTURES, arch_spec, not_supported_reason
 from .errors import UnsupportedModelError
 from .modeling import LinearizeConfig, LinearizeForCausalLM
 from .recipe import Recipe
@@ -45,8 +45,8 @@ def check_config_supported(config, spec: str | None = None) -> str:
                                     f"({supported})")
     if mt not in ARCHITECTURES:
         archs = ", ".join(getattr(config, "architectures", None) or []) or "no architectures listed"
-        why = f": {NOT_SUPPORTED[mt]}" if mt in NOT_SUPPORTED else ""
-        raise UnsupportedModelError(f"{name}model type {mt!r} ({archs}) is not supported{why} (supported: {supported})")
+        raise UnsupportedModelError(f"{name}model type {mt!r} ({archs}) is not supported{not_supported_reason(mt)} "
+                                    f"(supported: {supported})")
     for attr in ("num_hidden_layers", "num_attention_heads", "hidden_size"):
         if not isinstance(getattr(config, attr, None), int):
             raise UnsupportedModelError(f"{name}{mt} config has no {attr}: not a standard attention model")
