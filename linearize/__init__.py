@@ -1,8 +1,10 @@
 """linearize: convert softmax-attention LLMs into linear-attention hybrids.
 
-Importing the package registers the hybrid config and model with transformers' Auto classes, so
-``AutoModelForCausalLM.from_pretrained(hybrid_dir)`` works without ``trust_remote_code``. (The ``linearize``
-command line, started through ``_linearize_cli``, defers that to the commands that open a hybrid.)
+A hybrid checkpoint loads with ``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`` (it carries
+its own code) or, with this package, ``linearize.LinearizeForCausalLM.from_pretrained(dir)``; its tokenizer with a
+plain ``AutoTokenizer.from_pretrained(dir)``. Importing the package also registers the hybrid config and model
+with transformers' Auto classes for configs built in memory. (The ``linearize`` command line, started through
+``_linearize_cli``, defers that to the commands that open a hybrid.)
 """
 
 import sys

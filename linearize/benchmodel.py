@@ -788,9 +788,7 @@ def plan_pair(spec: str, *, against: str | None, random_weights: bool, ratio: st
             hybrid_from_original=reuse, layer_types=layer_types, notes=notes,
             layout_from_checkpoint=cfg.model_type == "linearize")
 
-    from transformers import AutoConfig
-
-    from .sources import is_hybrid_dir, load_model, local_dir, resolve
+    from .sources import is_hybrid_dir, load_model, local_dir, read_config, resolve
 
     r = resolve(spec)
     path = local_dir(r)
@@ -806,12 +804,12 @@ def plan_pair(spec: str, *, against: str | None, random_weights: bool, ratio: st
             resolve(base)
         except SpecError as e:
             raise SpecError(f"{spec}: its original {base!r} cannot be loaded ({e}); pass --against SPEC") from None
-        layer_types = list(AutoConfig.from_pretrained(path).layer_types)
+        layer_types = list(read_config(path).layer_types)
         return Pair(original_name=base, hybrid_name=r.name,
                     build_original=lambda: load_model(base, dtype=dtype, device=device)[0],
                     build_hybrid=lambda orig: load_model(str(path), dtype=dtype, device=device)[0],
                     hybrid_from_original=False, layer_types=layer_types, layout_from_checkpoint=True)
-    cfg = text_part(AutoConfig.from_pretrained(path))  # a vision-language model: its text decoder
+    cfg = read_config(path)  # a vision-language model: its text decoder
     if getattr(cfg, "model_type", None) == "linearize":
         raise SpecError(f"{spec}: a hybrid config without a checkpoint")
     arch_spec(cfg.model_type)

@@ -234,15 +234,17 @@ def model_card(model, *, base: str, recipe_name: str, reports: dict[str, Any]) -
         "## Load",
         "",
         "```python",
-        "import linearize  # registers the hybrid with transformers' Auto classes",
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
-        'model = AutoModelForCausalLM.from_pretrained("PATH")  # or trust_remote_code=True, no import',
+        'model = AutoModelForCausalLM.from_pretrained("PATH", trust_remote_code=True)',
         'tokenizer = AutoTokenizer.from_pretrained("PATH")',
         "```",
         "",
-        "The directory carries its modeling code (`modeling_linearize.py`, `linearize_*.py`), so with "
-        "`trust_remote_code=True` it loads without the `linearize` package; the import above needs "
-        "`pip install linearize`.",
+        "The directory carries its modeling code (`modeling_linearize.py`, `linearize_*.py`), so it loads without "
+        "the `linearize` package; with it, `linearize.LinearizeForCausalLM.from_pretrained(\"PATH\")` loads "
+        "the same model from the package's code. `config.json` names the base family as its `model_type` (the "
+        "tokenizer loads as the original's, with no custom code) and the hybrid as its architecture: without "
+        "`trust_remote_code=True` transformers would build the plain base architecture and report the linear "
+        "layers' weights as unexpected.",
         "",
         "## Stages",
         "",

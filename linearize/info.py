@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from .select import describe_layout
-from .sources import local_dir, resolve, shipped_configs, text_part, vision_language_note
+from .sources import local_dir, read_config, resolve, shipped_configs, vision_language_note
 
 # torch, transformers and the model code are imported where they are used: a spec that cannot be found ends in
 # one line before any of them loads
@@ -29,11 +29,7 @@ def base_config(spec: str):
         from .benchmodel import load_config
 
         return load_config(spec)[0], f"{spec} (published config; weights not on this machine)", None
-    from transformers import AutoConfig
-
-    from . import modeling  # noqa: F401  (registers the hybrid)
-
-    return text_part(AutoConfig.from_pretrained(path)), r.name, path
+    return read_config(path), r.name, path
 
 
 def model_info(spec: str, *, ratio: str | None = None, softmax_layers: str | None = None,

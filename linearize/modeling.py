@@ -7,11 +7,17 @@ family's causal LM from that config, replaces the attention of every ``linear_at
 with :class:`~linearize.attention.LinearAttention`, and runs the base family's own forward.
 Parameter names are the base model's plus the feature-map and window parameters.
 
-Importing :mod:`linearize` registers both with the Auto classes.
+In memory the config's ``model_type`` is ``linearize``; on disk ``config.json`` names the base family
+(``llama``, ``gemma3_text``, ...) and the hybrid by ``architectures`` and ``auto_map``. transformers'
+``AutoTokenizer`` reads ``config.json`` before the tokenizer files; under the base family's type it loads
+the checkpoint's tokenizer exactly as the original's, with no custom code, prompt or warning, while the model
+itself loads with ``trust_remote_code=True`` (or :func:`linearize.sources.load_model`). Checkpoints written
+with ``model_type: linearize`` load the same way.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import torch
@@ -43,6 +49,22 @@ class LinearizeConfig(PretrainedConfig):
         self.linearize_version = linearize_version
         self.use_cache = kwargs.pop("use_cache", True)
         super().__init__(**kwargs)
+
+    def to_json_string(self, use_diff: bool = True) -> str:
+        """``config.json``'s text: ``model_type`` is the base family's (see the module docstring)."""
+        d = json.loads(super().to_json_string(use_diff))
+        d["model_type"] = self.base_model_type
+        return json.dumps(d, indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def get_config_dict(cls, *args, **kwargs) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Read ``config.json`` written with the base family's ``model_type`` (or ``linearize``) as this class."""
+        config_dict, kwargs = super().get_config_dict(*args, **kwargs)
+        on_disk = config_dict.get("model_type")
+        if on_disk != cls.model_type:
+            config_dict = {**config_dict, "model_type": cls.model_type,
+                           "base_model_type": config_dict.get("base_model_type") or on_disk}
+        return config_dict, kwargs
 
     @classmethod
     def from_base(cls, base_config: PretrainedConfig, layer_types: list[str], linear_attention: dict) -> "LinearizeConfig":

@@ -261,17 +261,37 @@ def local_dir(spec: str | ResolvedSpec) -> Path:
     return r.path
 
 
-def _model_type(path) -> str | None:
-    """``model_type`` of ``path/config.json`` read as plain JSON (no transformers), None if unreadable."""
+def _config_json(path) -> dict:
+    """``path/config.json`` read as plain JSON (no transformers); ``{}`` if unreadable."""
     try:
-        return json.loads((Path(path) / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        return None
+        d = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return d if isinstance(d, dict) else {}
+
+
+def _model_type(path) -> str | None:
+    """``model_type`` of ``path/config.json``, None if unreadable."""
+    return _config_json(path).get("model_type")
 
 
 def is_hybrid_dir(path: Path) -> bool:
-    """True when ``path`` holds a linearize hybrid checkpoint."""
-    return _model_type(path) == "linearize"
+    """True when ``path`` holds a linearize hybrid checkpoint (its ``config.json`` names the hybrid class; ones
+    written before 0.1.0 also said ``model_type: linearize``)."""
+    d = _config_json(path)
+    return d.get("model_type") == "linearize" or "LinearizeForCausalLM" in (d.get("architectures") or ())
+
+
+def read_config(path):
+    """The config of the model in ``path``: a hybrid's :class:`~linearize.modeling.LinearizeConfig`, a
+    vision-language model's text decoder config (what ``convert`` converts), any other model's own."""
+    if is_hybrid_dir(path):
+        from .modeling import LinearizeConfig
+
+        return LinearizeConfig.from_pretrained(path)
+    from transformers import AutoConfig
+
+    return text_part(AutoConfig.from_pretrained(path))
 
 
 def load_model(spec: str, *, dtype=None, device=None, max_memory=None, offload_dir=None):
@@ -318,9 +338,10 @@ def load_model(spec: str, *, dtype=None, device=None, max_memory=None, offload_d
         else:
             # memory-lean: on CUDA the safetensors shards stream straight onto the GPU (no full CPU copy first)
             onto = {} if device.type != "cuda" else {"device_map": {"": f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"}}
+        # a hybrid's config.json names its base family (so its tokenizer loads as the original's): load its class
+        loader = modeling.LinearizeForCausalLM if is_hybrid_dir(path) else AutoModelForCausalLM
         with _quiet_accelerate(), _quiet_load_report(bool(text)):  # accelerate's meta-device note: see placement()
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **onto, **text,
-                                                         output_loading_info=bool(text))
+            model = loader.from_pretrained(path, dtype=dtype, **onto, **text, output_loading_info=bool(text))
         if text:  # the vision tower's weights are left out on purpose; the text decoder's must all be there
             model, loading = model
             if loading["missing_keys"]:
@@ -354,7 +375,7 @@ def vision_language_note(path) -> str | None:
     """One line for a vision-language checkpoint whose text decoder is what linearize loads and converts; None
     for any other (or an unreadable) ``path``."""
     model_type = _model_type(path)
-    if model_type not in TEXT_DECODERS:
+    if model_type not in TEXT_DECODERS or is_hybrid_dir(path):
         return None
     return (f"{model_type} is a vision-language model: its text decoder is loaded and converted, the vision tower "
             "is not (the hybrid is a text model)")
@@ -364,7 +385,7 @@ def _text_decoder_loading(path: Path) -> dict:
     """``from_pretrained`` arguments that load only the text decoder of a vision-language checkpoint
     (:data:`TEXT_DECODERS`) as its text causal LM; ``{}`` for any other checkpoint."""
     model_type = _model_type(path)
-    if model_type not in TEXT_DECODERS:
+    if model_type not in TEXT_DECODERS or is_hybrid_dir(path):
         return {}
     from transformers import AutoConfig
 

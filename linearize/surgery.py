@@ -56,14 +56,10 @@ def check_config_supported(config, spec: str | None = None) -> str:
 def load_base_config(spec: str, path) -> Any:
     """Read ``path/config.json`` (one line on failure) and check it is a supported architecture; a
     vision-language model's config is its text decoder's (what ``convert`` converts)."""
-    from transformers import AutoConfig
-
-    from .sources import text_part
-
-    from . import modeling  # noqa: F401  (registers the hybrid, so a hybrid is named as one)
+    from .sources import read_config
 
     try:
-        config = text_part(AutoConfig.from_pretrained(path))
+        config = read_config(path)
     except (ValueError, OSError, KeyError, TypeError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0].split(". ")[0][:200]
         raise UnsupportedModelError(f"{spec}: cannot read its config.json ({first})") from None

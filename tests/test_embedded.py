@@ -45,7 +45,7 @@ def test_fresh_process_loads_and_generates(converted):
         "out = m.generate(**x, max_new_tokens=5, do_sample=False)\n"
         "print('NEW', out.shape[1] - x.input_ids.shape[1])\n"
         "import linearize\n"
-        "m2 = AutoModelForCausalLM.from_pretrained(p)\n"
+        "m2 = linearize.LinearizeForCausalLM.from_pretrained(p)\n"
         "print('TYPE', type(m2).__name__)\n"
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)

@@ -281,7 +281,7 @@ def _tiny_tokenizer(tmp_path):
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "qwen3_moe"])
 def test_checkpoint_round_trip(tmp_path, family):
-    from transformers import AutoModelForCausalLM
+    from linearize.modeling import LinearizeForCausalLM
 
     hybrid = linearize_model(tiny_model(family), select_layout(4, ratio="3:1"), R.load("lolcats", RECIPES["lolcats"]))
     with torch.no_grad():  # make the learned parts non-trivial so the round trip is checked
@@ -299,12 +299,13 @@ def test_checkpoint_round_trip(tmp_path, family):
                      "configuration_linearize.py"):
         assert required in names
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["model_type"] == "linearize" and cfg["base_model_type"] == family
+    assert cfg["model_type"] == cfg["base_model_type"] == family  # the tokenizer loads as the original's
+    assert cfg["architectures"] == ["LinearizeForCausalLM"]
     assert cfg["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
     assert cfg["auto_map"]["AutoModelForCausalLM"] == "modeling_linearize.LinearizeForCausalLM"
     assert not any(p.name.startswith(".ckpt") for p in tmp_path.iterdir())  # no temporary left behind
     verify_checkpoint(out, hashes=True)
-    loaded = AutoModelForCausalLM.from_pretrained(out)
+    loaded = LinearizeForCausalLM.from_pretrained(out)
     ids = torch.randint(0, 128, (1, 30))
     with torch.no_grad():
         assert (loaded(ids).logits - hybrid(ids).logits).abs().max().item() <= 1e-6

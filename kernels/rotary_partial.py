@@ -3,7 +3,7 @@ R = 96 dims of each head turn), the one-launch Triton kernel against the PyTorch
 runs (``rotary_reference``), bf16, for a decode step (B = 8, T = 1) and prefills (1 x 4K, 1 x 32K); full rotary
 (R = D) alongside. Errors against the float64 formula. Needs a GPU:
 
-    python benchmarks/rotary_partial.py
+    python kernels/rotary_partial.py
 """
 import torch
 from triton.testing import do_bench

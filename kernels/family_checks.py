@@ -4,7 +4,7 @@ difference of softmax mode vs the original model, of prefill 150 + 50 decode ste
 64-token window) and of the Triton path vs the chunked PyTorch path. Run from a checkout (it reads the tiny
 family table of ``tests/conftest.py``; pytest must be installed):
 
-    python benchmarks/family_checks.py [FAMILY ...] [--device cpu]
+    python kernels/family_checks.py [FAMILY ...] [--device cpu]
 """
 import argparse
 import copy

@@ -4,8 +4,8 @@ abs difference, beside the largest logit. A checkpoint directory is checked as i
 ``--recipe`` is converted first (surgery only, untrained). ``--backend torch`` runs the linear layers on the
 chunked PyTorch path even on a GPU (where the default is Triton); TF32 is off so fp32 means fp32.
 
-    python benchmarks/decode_consistency.py smollm2-135m --ratio 3:1 --recipe elu
-    python benchmarks/decode_consistency.py OUT --device cuda --backend torch
+    python kernels/decode_consistency.py smollm2-135m --ratio 3:1 --recipe elu
+    python kernels/decode_consistency.py OUT --device cuda --backend torch
 """
 import argparse
 

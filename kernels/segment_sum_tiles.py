@@ -2,7 +2,7 @@
 and unnormalised linear forward against fla's ``chunk_linear_attn`` (normalize True / False) in the same process,
 and the window forward (W=64); each output compared with the 64 x 64 tile's. Needs a GPU and fla-core 0.6.0:
 
-    LINEARIZE_KERNEL_TUNING=0 FLA_DISABLE_BACKEND_DISPATCH=1 python benchmarks/segment_sum_tiles.py
+    LINEARIZE_KERNEL_TUNING=0 FLA_DISABLE_BACKEND_DISPATCH=1 python kernels/segment_sum_tiles.py
 """
 import torch
 from triton.testing import do_bench

@@ -3,7 +3,7 @@ only, at the four benchmark shapes (``LENGTHS=32768,131072`` picks some) (bf16, 
 launch configuration; median of ``do_bench`` (warmup 25 ms, rep 150 ms). The forward rows of
 ``linearize bench kernels`` without its other rows and checks. Needs a GPU and fla-core 0.6.0:
 
-    LINEARIZE_KERNEL_TUNING=0 FLA_DISABLE_BACKEND_DISPATCH=1 python benchmarks/linear_fwd_vs_fla.py
+    LINEARIZE_KERNEL_TUNING=0 FLA_DISABLE_BACKEND_DISPATCH=1 python kernels/linear_fwd_vs_fla.py
 
 ``CONFIG="fwd_rowsum_lanes=1 seg_warps=8"`` overrides ``triton_linear.CONFIG`` entries (ints; booleans as 0 / 1);
 ``VARIANTS="fwd_waves=4.13;fwd_rowsum_lanes=1"`` also times ours with each ``;``-separated set of overrides in the

@@ -4,7 +4,7 @@ its 3:1 hybrid (random weights, surgery only). A hybrid whose allocation grows f
 next is keeping tensors alive (2026-12-02: Triton's ``OutOfResources`` reference cycle held ~0.5 GiB per linear
 layer of the Gemma-3-1B shape until the garbage collector ran).
 
-    LINEARIZE_KERNEL_TUNING=0 python benchmarks/prefill_memory_by_layer.py gemma-3-1b --length 32768
+    LINEARIZE_KERNEL_TUNING=0 python kernels/prefill_memory_by_layer.py gemma-3-1b --length 32768
 """
 import argparse
 

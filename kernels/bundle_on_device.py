@@ -5,7 +5,7 @@ the max logit difference over 2 x 700 tokens and whether 16 greedy tokens match 
 our Triton kernels the checkpoint's copies launched (``torch.profiler``). Needs a GPU (CPU: ``DEV=cpu``, the
 PyTorch path, as ``tests/test_hybrid_models.py`` does):
 
-    python benchmarks/bundle_on_device.py [TOKENIZER]     # default: the embedded smollm2-135m tokenizer
+    python kernels/bundle_on_device.py [TOKENIZER]     # default: the embedded smollm2-135m tokenizer
 """
 import json
 import os

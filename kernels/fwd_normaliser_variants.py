@@ -2,7 +2,7 @@
 at 2K x 16 and 32K x 1 (segment tile 64 x 128), bf16, H=32, K=V=128, with fla's ``chunk_linear_attn`` (normalize
 True / False) timed in the same process; errors against an fp32 PyTorch forward. Needs a GPU and fla-core 0.6.0:
 
-    LINEARIZE_KERNEL_TUNING=0 FLA_DISABLE_BACKEND_DISPATCH=1 python benchmarks/fwd_normaliser_variants.py
+    LINEARIZE_KERNEL_TUNING=0 FLA_DISABLE_BACKEND_DISPATCH=1 python kernels/fwd_normaliser_variants.py
 """
 import torch
 from triton.testing import do_bench

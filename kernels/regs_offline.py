@@ -8,7 +8,7 @@ the same shared-memory sizes), so kernel changes can be checked for register pre
 
     pip download --no-deps triton==3.6.0 -d /tmp/t36w && python -m zipfile -e /tmp/t36w/triton-3.6.0-*.whl /tmp/t36
     chmod +x /tmp/t36/triton/backends/nvidia/bin/*
-    PYTHONPATH=/tmp/t36 python benchmarks/regs_offline.py
+    PYTHONPATH=/tmp/t36 python kernels/regs_offline.py
 """
 import os
 import re

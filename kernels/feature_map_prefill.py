@@ -4,7 +4,7 @@
 prefill) with ``FUSED_FEATURE_MAPS = "decode"`` (PyTorch maps for prefill) vs ``"maps"`` (the kernel), both in
 one process. Needs a GPU:
 
-    T=32768 B=8 python benchmarks/feature_map_prefill.py
+    T=32768 B=8 python kernels/feature_map_prefill.py
 """
 import os
 import time

@@ -10,7 +10,7 @@ blocks (the default: ``step_waves`` programs per SM) and a few warp counts, one 
 heads spread over programs (``linear_step_heads``), with the features computed in the kernel and precomputed (as
 an elu layer's). Each part starts with the defaults' row. Needs a GPU:
 
-    python benchmarks/window_step_blocks.py
+    python kernels/window_step_blocks.py
 
 (``DEV=cpu TRITON_INTERPRET=1 B=1 H=2 HK=1 D=16 F=8 V=32 W=8``: a dry run of the script under the interpreter.)
 """

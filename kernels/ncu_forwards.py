@@ -2,7 +2,7 @@
 (2K x 16), then the registers / spills / shared memory of every compiled variant. Run under Nsight Compute:
 
     ncu --clock-control none --section SpeedOfLight --section Occupancy --section LaunchStats \
-        --section WarpStateStats -k regex:"_la_fwd_kernel|_win_fwd_kernel|_scan_kernel" python benchmarks/ncu_forwards.py
+        --section WarpStateStats -k regex:"_la_fwd_kernel|_win_fwd_kernel|_scan_kernel" python kernels/ncu_forwards.py
 """
 import torch
 from linearize.kernels import linear_attention, window_linear_attention

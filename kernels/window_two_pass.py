@@ -4,7 +4,7 @@ kernel; ``softmax_warps`` 4 / 8), against our plain linear forward, in one proce
 features computed in the kernels (``window_linear_attention_hedgehog``, f = 64). bf16, H = 32, D = K = V = 128,
 B * T = 32768 (2K x 16, 8K x 4, and 32K x 1, which runs in segments); errors against an fp32 PyTorch forward. Needs a GPU:
 
-    LINEARIZE_KERNEL_TUNING=0 python benchmarks/window_two_pass.py
+    LINEARIZE_KERNEL_TUNING=0 python kernels/window_two_pass.py
 """
 import torch
 from triton.testing import do_bench

@@ -3,7 +3,7 @@
 first call, i.e. compilation; median time; memory beyond the inputs; error against an fp32 PyTorch forward), and
 our plain linear forward on the same features. Needs a GPU:
 
-    LINEARIZE_KERNEL_TUNING=0 python benchmarks/window_wide_heads.py
+    LINEARIZE_KERNEL_TUNING=0 python kernels/window_wide_heads.py
 """
 import time
 

@@ -6,7 +6,7 @@ prefill's default) against the fused forwards (``linear_attention_hedgehog``, an
 64-, 32- and 16-token chunks. bf16, H = Hk = 32, D = 128, f = 64 (K = 2f = 128), V = 128, B * T = 32768 (2K x 16,
 8K x 4, 32K x 1: segmented); relative errors against an fp32 PyTorch forward on the same features. Needs a GPU:
 
-    LINEARIZE_KERNEL_TUNING=0 python benchmarks/forward_chunk_sizes.py
+    LINEARIZE_KERNEL_TUNING=0 python kernels/forward_chunk_sizes.py
 """
 import os
 

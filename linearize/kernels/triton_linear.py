@@ -316,7 +316,7 @@ CONFIG = {  # picked by linearize.bench.tune_kernels on an H200 (triton 3.6), se
     # ... and their own chunk and pipeline depth: compiled for sm_90a (triton 3.6, bf16, K = V = D = 128, 8 warps)
     # 64-token chunks spill 1.1-1.5 KB per thread and need > 227 KB of shared memory with 2 stages, 32-token
     # chunks 0-36 bytes; on an H200 32 / 2 stages was 1.87x faster at 2K x 16 and 8K x 4, 0.91x at 32K x 1
-    # (benchmarks/forward_chunk_sizes.py, 2026-12-02); the plain forward stays at 64 (32: 1.9-2.2x slower)
+    # (kernels/forward_chunk_sizes.py, 2026-12-02); the plain forward stays at 64 (32: 1.9-2.2x slower)
     "fused_bt": 32,
     "fused_stages": 2,
     # backward state scans: cut into segments below this many programs per SM (0 = never: not yet measured

@@ -5,7 +5,7 @@ rotary embedding (``ROTARY_BACKEND = None``) vs PyTorch's (``"torch"``). Llama-3
 lolcats layers, random weights, bf16, one prefill of ``B`` x ``T`` tokens, then CUDA-graph decode steps timed by
 ``bench model``'s own ``_time_steps``. Needs a GPU (~60 GB at 32K x 8):
 
-    T=32768 B=8 VARIANT=rotary python benchmarks/fused_decode_steps.py
+    T=32768 B=8 VARIANT=rotary python kernels/fused_decode_steps.py
 """
 import os
 

@@ -1,0 +1,523 @@
+# Bundled by linearize 0.1.0 from linearize.attention for trust_remote_code=True; do not edit.
+"""Linear and window-hybrid attention layers that wrap an original softmax attention module.
+
+The wrapper adopts the original module's projections (and Qwen3's q/k norms) under the same
+attribute names, so a hybrid checkpoint keeps the base model's parameter names and only adds
+``feature_map_q``, ``feature_map_k`` and ``window_logit``. Rotary embeddings arrive from the decoder
+layer as ``position_embeddings`` exactly as for the original module.
+
+Modes (``layer.mode``):
+- ``"linear"``: the converted layer (default);
+- ``"softmax"``: the original attention, computed from the same projections (the teacher);
+- ``"distill"``: both; the teacher output flows on and ``layer.distill_pair`` keeps
+  ``(linear_output, softmax_output)`` (per-head outputs before ``o_proj``) for attention transfer.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+import weakref
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .linearize_cache import HybridCache, softmax_windows
+from .linearize_errors import UnsupportedModelError
+from .linearize_feature_maps import HedgehogFeatureMap, build_feature_map
+from .linearize_kernels import (
+    hedgehog_feature_map,
+    linear_attention,
+    linear_attention_hedgehog,
+    linear_attention_step,
+    linear_attention_step_hedgehog,
+    rotary_embedding,
+    window_linear_attention,
+    window_linear_attention_hedgehog,
+    window_linear_attention_step,
+    window_linear_attention_step_hedgehog,
+    window_state_from_prefill,
+)
+
+#: Where GPU inference of Hedgehog layers computes the features in Triton kernels instead of the PyTorch map
+#: (``LINEARIZE_FUSED_FEATURE_MAPS``), in increasing order: ``none``; ``decode`` inside the decode-step kernels
+#: (the hybrid Llama-3-8B-shaped step at 32K x 8 took 10.27 ms against 11.05 unfused, CUDA graphs, H200,
+#: 2026-12-01); ``maps`` (the default) also for prefill, by a standalone feature-map kernel whose output the
+#: attention kernels read (13x faster than the PyTorch map on [8, 32K, 32, 128]; the hybrid's 32K x 8 prefill
+#: 1.06x faster than with ``decode``, H200, 2026-12-01); ``all`` inside the prefill forwards instead (slower on
+#: the H200: kernels/README.md). ``1`` / ``0`` mean ``all`` / ``none``. Training always uses the PyTorch map.
+_FUSED_DEFAULT = "maps"
+_fused_env = os.environ.get("LINEARIZE_FUSED_FEATURE_MAPS", _FUSED_DEFAULT)
+FUSED_FEATURE_MAPS = {"1": "all", "0": "none"}.get(_fused_env, _fused_env)
+if FUSED_FEATURE_MAPS not in ("none", "decode", "maps", "all"):
+    warnings.warn(f"LINEARIZE_FUSED_FEATURE_MAPS={FUSED_FEATURE_MAPS!r} is not one of none, decode, maps, all (or 0, 1): "
+                  f"using {_FUSED_DEFAULT}", stacklevel=1)
+    FUSED_FEATURE_MAPS = _FUSED_DEFAULT
+
+
+#: fp32 scores per block of query rows in the soft-capped teacher (Gemma 2), which SDPA cannot compute
+TEACHER_BLOCK_SCORES = 1 << 26
+
+#: Backend of the layers' rotary embedding (:func:`linearize.kernels.rotary_embedding`): None = one Triton kernel
+#: for queries and keys on a GPU (ten PyTorch kernels otherwise); ``"torch"`` for comparisons
+ROTARY_BACKEND: str | None = None
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """Where a family keeps its attention pieces. Architecture support is data, not branches."""
+
+    attention: str = "self_attn"  # attribute of a decoder layer
+    projections: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    q_norm: str | None = None  # norm applied before rotary (Qwen3, OLMo 2); absent on the module: not applied
+    k_norm: str | None = None
+    # what q_norm / k_norm normalise: "head", each head's vector (Qwen3), laid out [B, T, H, D]; "heads_first", the
+    # same laid out [B, H, T, D] (StableLM's one LayerNorm per head); "projection", the whole projection before it
+    # is split into heads (OLMo 2)
+    qk_norm_over: str = "head"
+    # config field bounding q, k and v after projection, |x| <= bound (OLMo's clip_qkv); None in the config: no bound
+    clip_qkv: str | None = None
+    # whether the original module rotates q and k (None: always); False for the layers without positions of
+    # SmolLM3 and EXAONE 4
+    uses_rope: Optional[Callable[[nn.Module], bool]] = None
+    # the q/k norms come after rotary instead of before it (Hunyuan)
+    qk_norm_after_rope: bool = False
+    # rotary turns interleaved pairs (x[2i], x[2i+1]) by frequency i: "pairs" with the usual half-split tables
+    # (GLM, Helium, ERNIE 4.5), "tables" with interleaved tables too (Cohere). The converted layers gather each
+    # head's rotated channels as [evens, odds] first (tables: their even entries, twice), which makes it the usual
+    # half-split rotary and leaves every q.k (and so the teacher) unchanged
+    rope_interleaved: str | None = None
+    # one projection computing queries, keys and values, in that order (Phi-3: qkv_proj); None: q_proj, k_proj, v_proj
+    qkv: str | None = None
+
+    def lora_targets(self, targets: list[str]) -> list[str]:
+        """A recipe's LoRA targets (named as in Llama: q_proj, k_proj, v_proj, o_proj) as this family's modules:
+        q/k/v become the fused projection where there is one (in order, once)."""
+        out = [self.qkv if self.qkv and t in ("q_proj", "k_proj", "v_proj") else t for t in targets]
+        return list(dict.fromkeys(out))
+
+
+#: model_type -> how its attention is laid out
+ARCHITECTURES: dict[str, ArchSpec] = {
+    "llama": ArchSpec(),
+    "mistral": ArchSpec(),
+    "qwen2": ArchSpec(),  # q/k/v biases live inside the adopted nn.Linear modules
+    "qwen3": ArchSpec(q_norm="q_norm", k_norm="k_norm"),
+    "granite": ArchSpec(),  # softmax scale = attention_multiplier (read from the module); other multipliers in the base
+    "gemma": ArchSpec(),
+    # Gemma 2 / 3 (text): sliding-window softmax layers and Gemma 2's logit soft-cap are read from the base config
+    # and the original module (the teacher keeps both; the converted layers' window uses plain softmax scores)
+    "gemma2": ArchSpec(),
+    "gemma3_text": ArchSpec(q_norm="q_norm", k_norm="k_norm"),
+    "olmo2": ArchSpec(q_norm="q_norm", k_norm="k_norm", qk_norm_over="projection"),
+    # Phi-3 / Phi-3.5 / Phi-4: fused qkv_proj; Phi-4-mini rotates only part of each head (the rotary tables say how
+    # much)
+    "phi3": ArchSpec(projections=("qkv_proj", "o_proj"), qkv="qkv_proj"),
+    # Llama-shaped attention under other names; sliding windows (Starcoder2, Ministral, OLMo 3) are read from the
+    # config, partial rotary (StableLM, Nemotron) from the rotary tables
+    "arcee": ArchSpec(),
+    "seed_oss": ArchSpec(),
+    "starcoder2": ArchSpec(),
+    "ministral": ArchSpec(),
+    "nemotron": ArchSpec(),
+    "olmo": ArchSpec(clip_qkv="clip_qkv"),
+    "olmo3": ArchSpec(q_norm="q_norm", k_norm="k_norm", qk_norm_over="projection"),
+    "apertus": ArchSpec(q_norm="q_norm", k_norm="k_norm"),
+    "stablelm": ArchSpec(q_norm="q_layernorm", k_norm="k_layernorm", qk_norm_over="heads_first"),  # qk_layernorm
+    "smollm3": ArchSpec(uses_rope=lambda m: bool(m.use_rope)),  # every fourth layer without rotary
+    # global layers without rotary when the model has sliding ones
+    "exaone4": ArchSpec(q_norm="q_norm", k_norm="k_norm",
+                        uses_rope=lambda m: m.sliding_window is None or bool(m.is_sliding)),
+    "hunyuan_v1_dense": ArchSpec(q_norm="query_layernorm", k_norm="key_layernorm", qk_norm_after_rope=True),
+    "glm": ArchSpec(rope_interleaved="pairs"),  # GLM 4 (glm) and GLM-4 0414 (glm4): partial, interleaved rotary
+    "glm4": ArchSpec(rope_interleaved="pairs"),
+    "helium": ArchSpec(rope_interleaved="pairs"),
+    "ernie4_5": ArchSpec(rope_interleaved="pairs"),
+    # Command R: interleaved rotary, optional q/k LayerNorms ([heads, head_dim] weights); Command R7B: rotary in
+    # the sliding layers only
+    "cohere": ArchSpec(q_norm="q_norm", k_norm="k_norm", rope_interleaved="tables"),
+    "cohere2": ArchSpec(rope_interleaved="tables", uses_rope=lambda m: m.sliding_window is not None),
+    # mixture-of-experts variants: attention laid out as their dense family; the expert MLPs are left as they are
+    "mixtral": ArchSpec(),
+    "qwen2_moe": ArchSpec(),
+    "qwen3_moe": ArchSpec(q_norm="q_norm", k_norm="k_norm"),
+    "granitemoe": ArchSpec(),
+    "phimoe": ArchSpec(),
+    "glm4_moe": ArchSpec(q_norm="q_norm", k_norm="k_norm"),  # GLM-4.5: q/k norms when use_qk_norm, partial rotary
+    "hunyuan_v1_moe": ArchSpec(q_norm="query_layernorm", k_norm="key_layernorm", qk_norm_after_rope=True),
+    "ernie4_5_moe": ArchSpec(rope_interleaved="pairs"),
+}
+
+
+def _evens_first(x: torch.Tensor, rotary: int) -> torch.Tensor:
+    """``x [..., D]`` with its first ``rotary`` channels reordered as the even ones, then the odd ones."""
+    parts = [x[..., 0:rotary:2], x[..., 1:rotary:2]] + ([x[..., rotary:]] if rotary < x.shape[-1] else [])
+    return torch.cat(parts, dim=-1)
+
+
+#: model types checked and not supported: why their attention is not what the converted layers compute
+NOT_SUPPORTED: dict[str, str] = {
+    "gpt_oss": "its attention has learned sinks",
+}
+
+
+def not_supported_reason(model_type: str) -> str:
+    """``": why"`` for a model type checked and not supported (:data:`NOT_SUPPORTED`), else ``""``."""
+    return f": {NOT_SUPPORTED[model_type]}" if model_type in NOT_SUPPORTED else ""
+
+
+def arch_spec(model_type: str) -> ArchSpec:
+    """The :class:`ArchSpec` of a model type, or a one-line error naming why (where known) and the supported ones."""
+    if model_type not in ARCHITECTURES:
+        why = not_supported_reason(model_type)
+        raise UnsupportedModelError(
+            f"model type {model_type!r} is not supported{why} (supported: {', '.join(sorted(ARCHITECTURES))})"
+        )
+    return ARCHITECTURES[model_type]
+
+
+#: the last mask :func:`real_tokens` read and its answer: every decoder layer of a forward passes the same mask
+_LAST_MASK: tuple = (None, None, None)
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """``t``'s in-place version counter, or -1 for an inference tensor (made under ``torch.inference_mode``, which
+    keeps none: generate() under inference mode builds its masks so)."""
+    return -1 if t.is_inference() else t._version
+
+
+def real_tokens(attention_mask, T: int) -> torch.Tensor | None:
+    """``[B, T]`` bool: which of a forward's ``T`` (> 1) tokens are not padding, read from the attention mask the
+    decoder layer passes on (the 2-D padding mask of flash attention, or the 4-D mask of SDPA / eager attention,
+    where a padding query attends to nothing, not even itself); None when every token is real, for a single
+    decode token (generation appends real tokens only) and for masks of another kind. Read once per mask (and
+    in-place version), not once per layer."""
+    global _LAST_MASK
+    if T < 2 or not torch.is_tensor(attention_mask):
+        return None
+    ref, version, real = _LAST_MASK
+    if ref is not None and ref() is attention_mask and version == (tensor_version(attention_mask), T):
+        return real
+    real = _read_real_tokens(attention_mask, T)
+    _LAST_MASK = (weakref.ref(attention_mask), (tensor_version(attention_mask), T), real)
+    return real
+
+
+def _read_real_tokens(attention_mask: torch.Tensor, T: int) -> torch.Tensor | None:
+    if attention_mask.dim() == 2:
+        real = attention_mask[:, -T:].bool()
+    elif attention_mask.dim() == 4 and attention_mask.shape[-2] == T:
+        diag = attention_mask[:, 0].diagonal(offset=attention_mask.shape[-1] - T, dim1=-2, dim2=-1)  # [B, T]
+        real = diag if diag.dtype == torch.bool else diag > torch.finfo(diag.dtype).min / 2
+    else:
+        return None
+    return None if bool(real.all()) else real
+
+
+class LinearAttention(nn.Module):
+    """A linear (optionally sliding-window hybrid) attention layer built from an original module.
+
+    Args:
+        original: the softmax attention module being replaced (its projections are adopted).
+        config: the base model config (heads, head_dim).
+        layer_idx: index of the decoder layer.
+        settings: the recipe's ``attention`` section (feature_map, feature_dim, window, window_init, eps).
+        arch: where the family keeps its projections and norms.
+    """
+
+    def __init__(self, original: nn.Module, config, layer_idx: int, settings: dict, arch: ArchSpec):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.scaling = float(getattr(original, "scaling", None) or self.head_dim**-0.5)  # softmax scale of q.k
+        # the original attention's reach and logit cap (the teacher's): a sliding window (Gemma 2 / 3, Mistral) and
+        # Gemma 2's soft-cap c, scores -> c tanh(scores / c)
+        self.teacher_window = softmax_windows(config)[layer_idx]
+        self.softcap = getattr(original, "attn_logit_softcapping", None)
+        for name in arch.projections:
+            setattr(self, name, getattr(original, name))
+        self.qkv = arch.qkv
+        self.q_norm = getattr(original, arch.q_norm, None) if arch.q_norm else None
+        self.k_norm = getattr(original, arch.k_norm, None) if arch.k_norm else None
+        self.qk_norm_over = arch.qk_norm_over
+        self.clip_qkv = getattr(config, arch.clip_qkv, None) if arch.clip_qkv else None
+        self.rope = arch.uses_rope is None or bool(arch.uses_rope(original))
+        self.qk_norm_after_rope = arch.qk_norm_after_rope
+        self.rope_interleaved = arch.rope_interleaved
+        self.window = int(settings.get("window") or 0)
+        self.eps = float(settings.get("eps", 1e-6))
+        fm_params = {}
+        if settings.get("feature_dim") is not None:
+            fm_params["feature_dim"] = settings["feature_dim"]
+        name = settings.get("feature_map", "hedgehog")
+        self.feature_map_q = build_feature_map(name, self.num_heads, self.head_dim, softmax_scale=self.scaling,
+                                               **fm_params)
+        self.feature_map_k = build_feature_map(name, self.num_kv_heads, self.head_dim, softmax_scale=self.scaling,
+                                               **fm_params)
+        if self.window > 0:
+            init = float(settings.get("window_init", 0.1))
+            logit = math.log(init / (1.0 - init))
+            self.window_logit = nn.Parameter(torch.full((self.num_heads,), logit))
+        else:
+            self.register_parameter("window_logit", None)
+        ref = getattr(self, arch.projections[0]).weight
+        self.feature_map_q.to(device=ref.device, dtype=ref.dtype)
+        self.feature_map_k.to(device=ref.device, dtype=ref.dtype)
+        if self.window_logit is not None:
+            self.window_logit.data = self.window_logit.data.to(device=ref.device, dtype=torch.float32)
+        self.mode = "linear"
+        self.distill_pair: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.xent_rows = 0  # > 0: in distill mode also compute Hedgehog's attention-weight cross-entropy
+        self.distill_xent: torch.Tensor | None = None
+
+    # -- projections -------------------------------------------------------------------------
+    def project(self, hidden_states: torch.Tensor, position_embeddings):
+        """Post-rotary ``q [B,T,H,D]``, ``k [B,T,Hk,D]`` and ``v [B,T,Hk,D]``."""
+        B, T, _ = hidden_states.shape
+        if self.qkv is not None:  # one fused projection, [q | k | v] along the last dim
+            kv_width = self.num_kv_heads * self.head_dim
+            q, k, v = getattr(self, self.qkv)(hidden_states).split(
+                [self.num_heads * self.head_dim, kv_width, kv_width], dim=-1)
+        else:
+            q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+        if self.clip_qkv is not None:
+            c = float(self.clip_qkv)
+            q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
+        if self.q_norm is not None and self.qk_norm_over == "projection":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.reshape(B, T, self.num_heads, self.head_dim)
+        k = k.reshape(B, T, self.num_kv_heads, self.head_dim)
+        v = v.reshape(B, T, self.num_kv_heads, self.head_dim)
+        if not self.qk_norm_after_rope:
+            q, k = self._head_norms(q, k)
+        if self.rope:
+            cos, sin = position_embeddings
+            if self.rope_interleaved:
+                q, k = _evens_first(q, cos.shape[-1]), _evens_first(k, cos.shape[-1])
+            if self.rope_interleaved == "tables":  # [f0, f0, f1, f1, ...] -> [f0, f1, ..., f0, f1, ...]
+                cos, sin = (torch.cat([t[..., 0::2]] * 2, dim=-1) for t in (cos, sin))
+            q, k = rotary_embedding(q, k, cos, sin, backend=ROTARY_BACKEND)
+        if self.qk_norm_after_rope:
+            q, k = self._head_norms(q, k)
+        return q, k, v
+
+    def _head_norms(self, q, k):
+        """The per-head q/k norms (``[B, T, H, D]`` in and out), if the family has them."""
+        if self.q_norm is not None and self.qk_norm_over == "head":
+            return self.q_norm(q), self.k_norm(k)
+        if self.q_norm is not None and self.qk_norm_over == "heads_first":
+            return self.q_norm(q.transpose(1, 2)).transpose(1, 2), self.k_norm(k.transpose(1, 2)).transpose(1, 2)
+        return q, k
+
+    # -- the two attentions --------------------------------------------------------------------
+    def softmax_attention(self, q, k, v, attention_mask=None) -> torch.Tensor:
+        """The original causal softmax attention (the teacher), ``[B, T, H, D]``, within the base layer's sliding
+        window and with its logit soft-cap where it has them."""
+        B, T = q.shape[:2]
+        if self.softcap:  # SDPA has no soft-cap: fp32 scores, in blocks of query rows (~256 MB of scores each)
+            vh = v.transpose(1, 2).float()
+            if self.num_kv_heads != self.num_heads:
+                vh = vh.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)  # [B, H, T, D]
+            rows = max(1, TEACHER_BLOCK_SCORES // (B * self.num_heads * T))
+            blocks = [self.teacher_logits(q[:, i:i + rows], k[:, :i + rows]).softmax(-1) @ vh[:, :, :i + rows]
+                      for i in range(0, T, rows)]  # queries i .. i+rows-1 see keys up to i+rows-1
+            return torch.cat(blocks, dim=2).transpose(1, 2).to(v.dtype)
+        qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, D]
+        if self.num_kv_heads != self.num_heads:
+            rep = self.num_heads // self.num_kv_heads
+            kh, vh = kh.repeat_interleave(rep, dim=1), vh.repeat_interleave(rep, dim=1)
+        mask = self.teacher_sees(0, T, q.device) if self.teacher_window and T > self.teacher_window else None
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=mask is None and T > 1,
+                                           scale=self.scaling)
+        return o.transpose(1, 2)
+
+    def teacher_sees(self, first: int, T: int, device) -> torch.Tensor:
+        """``[T - first, T]`` bool: which keys the original attention of queries ``first .. T-1`` looks at (the
+        earlier tokens and the query itself, within the base layer's sliding window)."""
+        i = torch.arange(first, T, device=device).unsqueeze(1)
+        j = torch.arange(T, device=device).unsqueeze(0)
+        sees = j <= i
+        if self.teacher_window:
+            sees = sees & (i - j < self.teacher_window)
+        return sees
+
+    def teacher_logits(self, q, k) -> torch.Tensor:
+        """fp32 ``[B, H, r, T]``: the original attention's logits (scale, soft-cap) of the last ``r`` queries ``q``
+        ``[B, r, H, D]`` over the keys ``k`` ``[B, T, Hk, D]``; ``-inf`` where the original does not look."""
+        T, r = k.shape[1], q.shape[1]
+        qs, kh = q.transpose(1, 2).float(), k.transpose(1, 2).float()
+        if self.num_kv_heads != self.num_heads:
+            kh = kh.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
+        scores = (qs @ kh.transpose(-1, -2)) * self.scaling
+        if self.softcap:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+        return scores.masked_fill(~self.teacher_sees(T - r, T, q.device), float("-inf"))
+
+    def attention_xent(self, q, k, rows: int) -> torch.Tensor:
+        """Hedgehog's loss: cross-entropy of the linear attention weights against the softmax weights.
+
+        Computed on the last ``rows`` query positions (they see every key), ``[B, H, rows, T]`` in fp32.
+        """
+        T = q.shape[1]
+        r = min(rows, T)
+        fq = self.feature_map_q(q[:, T - r :]).transpose(1, 2).float()  # [B, H, r, F]
+        fk = self.feature_map_k(k).transpose(1, 2).float()  # [B, Hk, T, F]
+        rep = self.num_heads // self.num_kv_heads
+        if rep > 1:
+            fk = fk.repeat_interleave(rep, dim=1)
+        causal = torch.arange(T, device=q.device).unsqueeze(0) <= torch.arange(T - r, T, device=q.device).unsqueeze(1)
+        p_true = torch.softmax(self.teacher_logits(q[:, T - r :], k), dim=-1)  # [B, H, r, T]
+        lin = (fq @ fk.transpose(-1, -2)).masked_fill(~causal, 0.0)
+        a_pred = lin / lin.sum(-1, keepdim=True).clamp_min(1e-12)
+        return -(p_true * torch.log(a_pred.clamp_min(1e-12))).sum(-1).mean()
+
+    @property
+    def window_factor(self) -> torch.Tensor | None:
+        return None if self.window_logit is None else torch.sigmoid(self.window_logit)
+
+    def fused_features(self, q, k, decode: bool) -> bool:
+        """Whether the kernel computes this layer's Hedgehog features itself: inference on a GPU (no gradient
+        needed), Hedgehog maps on both sides, and ``FUSED_FEATURE_MAPS`` covering this call (decode step or not)."""
+        if not (FUSED_FEATURE_MAPS == "all" or (FUSED_FEATURE_MAPS != "none" and decode)) or not q.is_cuda:
+            return False
+        if not (isinstance(self.feature_map_q, HedgehogFeatureMap) and isinstance(self.feature_map_k, HedgehogFeatureMap)):
+            return False
+        grads = (q, k, self.feature_map_q.weight, self.feature_map_k.weight, self.window_logit)
+        return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in grads))
+
+    def features(self, feature_map, x: torch.Tensor) -> torch.Tensor:
+        """``feature_map(x)``, by the standalone Triton kernel where :meth:`map_in_kernel` says so
+        (:func:`linearize.kernels.hedgehog_feature_map`, which leaves gradients to the PyTorch map)."""
+        if self.map_in_kernel(feature_map, x):
+            return hedgehog_feature_map(x, feature_map.weight, eps=feature_map.eps, backend="triton")
+        return feature_map(x)
+
+    def map_in_kernel(self, feature_map, x: torch.Tensor) -> bool:
+        """Hedgehog maps on a GPU with ``FUSED_FEATURE_MAPS`` ``maps`` or ``all``."""
+        return FUSED_FEATURE_MAPS in ("maps", "all") and x.is_cuda and isinstance(feature_map, HedgehogFeatureMap)
+
+    def signed_feature_weights(self, dtype: torch.dtype):
+        """``([Wq, -Wq], [Wk, -Wk])`` of the Hedgehog maps in ``dtype``, kept between decode steps (remade when
+        a weight changes: a new tensor or an in-place update)."""
+        from .linearize_kernels_triton_common import signed_projections
+
+        wq, wk = self.feature_map_q.weight, self.feature_map_k.weight
+        key = (wq.data_ptr(), wk.data_ptr(), tensor_version(wq), tensor_version(wk), dtype)
+        cached = getattr(self, "_signed_weights", None)
+        if cached is None or cached[0] != key:
+            cached = (key, signed_projections(wq.detach(), wk.detach(), dtype))
+            self._signed_weights = cached
+        return cached[1]
+
+    def linear_attention(self, q, k, v, layer_cache=None, real: torch.Tensor | None = None) -> torch.Tensor:
+        """The converted attention over ``[B, T, *, D]`` inputs, continuing ``layer_cache`` if given. ``real``
+        ``[B, T]`` bool marks the tokens that are not padding (None: all are); padding keys are left out of every
+        sum, state and window, so a left-padded row computes what its unpadded sequence computes."""
+        T = q.shape[1]
+        state = layer_cache.state if layer_cache is not None else None
+        want_state = layer_cache is not None
+        decode = state is not None and T == 1
+        if state is not None and self.window > 0 and not decode and real is None and not bool(state.keep.all()):
+            real = q.new_ones(q.shape[:2], dtype=torch.bool)  # the ring holds padding: mask it in the continuation
+        recording = layer_cache is not None and layer_cache.record_past  # crop() may take these tokens back
+        fused = real is None and not recording and self.fused_features(q, k, decode)  # features inside the kernels
+        fq = None if fused else self.features(self.feature_map_q, q)
+        # key features stay in memory without fusion, and for a window layer's prefill into a cache (its ring)
+        fk = (None if (fused and (decode or self.window == 0 or (state is None and not want_state)))
+              else self.features(self.feature_map_k, k))
+        if recording:
+            layer_cache.record(k, fk, v, real, self.window)
+        if self.window == 0:
+            if decode:
+                if fused:
+                    o = linear_attention_step_hedgehog(
+                        q[:, 0], k[:, 0], v[:, 0], self.feature_map_q.weight, self.feature_map_k.weight, state,
+                        eps=self.eps, feature_eps=self.feature_map_q.eps, signed=self.signed_feature_weights(q.dtype))
+                else:
+                    o = linear_attention_step(fq[:, 0], fk[:, 0], v[:, 0], state, eps=self.eps)
+                layer_cache.set_state(state, 1)
+                return o.unsqueeze(1)
+            if fused:
+                o, new_state = linear_attention_hedgehog(q, k, v, self.feature_map_q.weight, self.feature_map_k.weight,
+                                                         eps=self.eps, feature_eps=self.feature_map_q.eps,
+                                                         initial_state=state, output_final_state=want_state)
+            else:
+                o, new_state = linear_attention(fq, fk, v, eps=self.eps, initial_state=state,
+                                                output_final_state=want_state, key_mask=real)
+            if want_state:
+                layer_cache.set_state(new_state, T)
+            return o
+        wf = self.window_factor
+        if decode:
+            if fused:
+                o = window_linear_attention_step_hedgehog(
+                    q[:, 0], k[:, 0], v[:, 0], wf, self.feature_map_q.weight, self.feature_map_k.weight, state,
+                    scale=self.scaling, eps=self.eps, feature_eps=self.feature_map_q.eps,
+                    signed=self.signed_feature_weights(q.dtype))
+            else:
+                o = window_linear_attention_step(q[:, 0], k[:, 0], fq[:, 0], fk[:, 0], v[:, 0], wf, state,
+                                                 scale=self.scaling, eps=self.eps)
+            layer_cache.set_state(state, 1)
+            return o.unsqueeze(1)
+        n_prev = 0
+        init = None
+        if state is not None:  # a multi-token continuation: prepend the window ring in temporal order
+            n_prev = min(int(state.seen.item()), self.window)
+            order = (torch.arange(int(state.seen.item()) - n_prev, int(state.seen.item()), device=q.device)
+                     % self.window)
+            k = torch.cat([state.k_ring[:, :, order].transpose(1, 2).to(k.dtype), k], dim=1)
+            fk = torch.cat([state.fk_ring[:, :, order].transpose(1, 2).to(fk.dtype), fk], dim=1)
+            v = torch.cat([state.v_ring[:, :, order].transpose(1, 2).to(v.dtype), v], dim=1)
+            q = torch.cat([q.new_zeros(q.shape[0], n_prev, *q.shape[2:]), q], dim=1)
+            if fq is not None:
+                fq = torch.cat([fq.new_zeros(fq.shape[0], n_prev, *fq.shape[2:]), fq], dim=1)
+            if real is not None:
+                real = torch.cat([state.keep[:, order], real], dim=1)
+            init = (state.S, state.z)
+        if fused:  # the prepended zero queries get features too; their outputs are dropped below
+            o, final = window_linear_attention_hedgehog(
+                q, k, v, wf, self.feature_map_q.weight, self.feature_map_k.weight, fk=fk, window=self.window,
+                scale=self.scaling, eps=self.eps, feature_eps=self.feature_map_q.eps, initial_state=init,
+                output_final_state=want_state)
+        else:
+            o, final = window_linear_attention(q, k, fq, fk, v, wf, window=self.window, scale=self.scaling,
+                                               eps=self.eps, initial_state=init, output_final_state=want_state,
+                                               key_mask=real)
+        if want_state:
+            seen_before = int(state.seen.item()) - n_prev if state is not None else 0
+            new_state = window_state_from_prefill(k, fk, v, final, self.window, offset=seen_before, key_mask=real)
+            layer_cache.state = None
+            layer_cache.set_state(new_state, T)
+        return o[:, n_prev:]
+
+    # -- forward -------------------------------------------------------------------------------
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
+                cache=None, **kwargs):
+        cache = cache if cache is not None else past_key_values
+        B, T, _ = hidden_states.shape
+        q, k, v = self.project(hidden_states, position_embeddings)
+        layer_cache = cache.linear_layer(self.layer_idx) if isinstance(cache, HybridCache) else None
+        if self.mode == "softmax":
+            if layer_cache is not None:
+                raise RuntimeError("softmax (teacher) mode does not support a generation cache")
+            o = self.softmax_attention(q, k, v)
+        elif self.mode == "distill":
+            teacher = self.softmax_attention(q, k, v)
+            student = self.linear_attention(q, k, v)
+            self.distill_pair = (student, teacher.detach())
+            self.distill_xent = self.attention_xent(q, k, self.xent_rows) if self.xent_rows > 0 else None
+            o = teacher
+        else:
+            o = self.linear_attention(q, k, v, layer_cache, real=real_tokens(attention_mask, T))
+        o = o.reshape(B, T, self.num_heads * self.head_dim).to(hidden_states.dtype)
+        return self.o_proj(o), None
+
+    def extra_repr(self) -> str:
+        return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+                f"window={self.window}, mode={self.mode}")

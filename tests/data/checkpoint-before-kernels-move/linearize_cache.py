@@ -1,0 +1,224 @@
+# Bundled by linearize 0.1.0 from linearize.cache for trust_remote_code=True; do not edit.
+"""The hybrid generation cache (transformers Cache API).
+
+Softmax layers keep a growing KV cache (``DynamicLayer``; ``DynamicSlidingWindowLayer`` where the base model's
+layer has a sliding window, as the original's cache does); linear layers keep a fixed-size
+recurrent state ``(S, z)`` and, for window-hybrid layers, a ring buffer of the last W tokens
+(``linearize.kernels.WindowState``). Every layer reports the number of tokens seen, so masks and
+position ids come out as for a plain dynamic cache.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
+
+FULL = 'full_attention'
+
+#: tokens a :meth:`HybridCache.crop` may take back (assisted / speculative decoding drafts are far shorter)
+CROP_TOKENS = 256
+#: whether this transformers release crops to a length to keep (``crop(max_length)``, older releases) rather than
+#: by minus the number of tokens to remove (``crop(tokens_to_remove)``, 5.24)
+_CROP_TAKES_LENGTH = "max_length" in inspect.signature(DynamicLayer.crop).parameters
+
+
+def softmax_windows(config: Any) -> list[int | None]:
+    """Per decoder layer, the sliding window of the base model's own softmax attention (None: every earlier token),
+    read as transformers reads it: ``sliding_attention`` entries of the base ``layer_types`` take ``sliding_window``
+    (Gemma 2 / 3, Qwen2 / 3 with sliding layers); without ``layer_types`` a ``sliding_window`` covers every layer
+    (Mistral). A hybrid's config answers for its base model."""
+    n = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    if getattr(config, "model_type", None) == "linearize":
+        types = getattr(config, "base_layer_types", None)
+    else:
+        types = getattr(config, "layer_types", None)
+    if not window:
+        return [None] * n
+    if types is None:
+        return [int(window)] * n
+    return [int(window) if t == "sliding_attention" else None for t in types]
+
+
+class LinearStateLayer(CacheLayerMixin):
+    """Cache of one linear-attention layer: a kernel state object and a token counter."""
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, **kwargs):
+        super().__init__()
+        self.state: Any = None  # (S, z) tuple or a WindowState
+        self.seen = 0
+        self.record_past = False  # keep the recent tokens so that crop() can take them back
+        self.history: tuple[torch.Tensor, ...] | None = None  # (k, fk, v [B, n, Hk, *], keep [B, n]) of the last n
+
+    def lazy_initialization(self, key_states=None, value_states=None) -> None:
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise RuntimeError("a linear-attention layer keeps a recurrent state, not keys and values")
+
+    def set_state(self, state: Any, new_tokens: int) -> None:
+        """Record the layer's state after processing ``new_tokens`` more tokens."""
+        self.state = state
+        self.seen += int(new_tokens)
+        self.is_initialized = True
+        if isinstance(state, tuple) and len(state) and torch.is_tensor(state[0]):
+            self.device = state[0].device
+
+    def get_mask_sizes(self, query_length) -> tuple[int, int]:
+        if torch.is_tensor(query_length):  # older transformers pass cache_position
+            query_length = query_length.shape[0]
+        return self.seen + int(query_length), 0
+
+    def get_seq_length(self, *args) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.state = None
+        self.seen = 0
+        self.history = None
+        self.is_initialized = False
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.state is not None:
+            self.state = type(self.state)(*(
+                t if t.dim() == 1 else t.index_select(0, beam_idx.to(t.device)) for t in self.state
+            )) if hasattr(self.state, "_fields") else tuple(t.index_select(0, beam_idx.to(t.device)) for t in self.state)
+        if self.history is not None:
+            self.history = tuple(t.index_select(0, beam_idx.to(t.device)) for t in self.history)
+
+    # -- taking tokens back (assisted / speculative decoding) ------------------------------------
+    def activate_past_recording(self) -> None:
+        """Keep the last ``window + CROP_TOKENS`` tokens' keys, key features and values from now on."""
+        self.record_past = True
+
+    @property
+    def is_croppable(self) -> bool:
+        return self.record_past
+
+    def record(self, k: torch.Tensor, fk: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None, window: int):
+        """Append a forward's tokens (``k [B, T, Hk, D]``, ``fk``, ``v`` alike, ``keep [B, T]`` or None) to the
+        history, which holds the last ``window + CROP_TOKENS``."""
+        new = [k.detach(), fk.detach(), v.detach(),
+               keep if keep is not None else torch.ones(k.shape[:2], dtype=torch.bool, device=k.device)]
+        if self.history is not None:
+            new = [torch.cat([h, x], dim=1) for h, x in zip(self.history, new)]
+        cap = int(window) + CROP_TOKENS  # copies: a view would keep a long prompt's whole k, fk, v alive
+        self.history = tuple(x[:, -cap:].clone() for x in new)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Take back the last ``-tokens_to_remove`` tokens: their terms leave ``S, z`` (subtracted, so equal to
+        the state that never saw them up to fp32 rounding) and the window ring is rebuilt from the history."""
+        from .linearize_kernels import window_state_from_prefill
+
+        r = -int(tokens_to_remove)
+        if r <= 0 or self.state is None:
+            return
+        windowed = hasattr(self.state, "_fields")
+        W = self.state.window if windowed else 0
+        held = 0 if self.history is None else self.history[3].shape[1]
+        if not self.record_past or r > self.seen or held < min(self.seen, r + W):
+            raise RuntimeError(f"a linear-attention state can take back at most its last {CROP_TOKENS} tokens, and "
+                               f"only after activate_past_recording() (asked for {r}, {held} recorded)")
+        fk, v = self.history[1:3]
+        first = self.seen - held  # absolute position of the history's first token
+        seen = self.seen - r
+
+        def drop(lo: int, hi: int, S: torch.Tensor, z: torch.Tensor):  # remove positions [lo, hi) from S, z
+            if hi > lo:
+                f, vv = fk[:, lo - first:hi - first].to(S.dtype), v[:, lo - first:hi - first].to(S.dtype)
+                S = S - torch.einsum("bthk,bthv->bhkv", f, vv)
+                z = z - f.sum(1)
+            return S, z
+
+        if not windowed:
+            self.state = drop(seen, self.seen, *self.state)
+        else:  # S holds the tokens older than the window: positions < seen - W after the crop
+            S, z = drop(max(seen - W, 0), max(self.seen - W, 0), self.state.S, self.state.z)
+            lo = max(seen - W, 0)
+            ring = [x[:, lo - first:seen - first] for x in self.history]  # k, fk, v, keep of the new window
+            self.state = window_state_from_prefill(*ring[:3], (S, z), W, offset=lo, key_mask=ring[3])
+        self.history = tuple(x[:, : held - r] for x in self.history)
+        self.seen = seen
+
+    def offload(self):  # states are small; nothing to offload
+        pass
+
+    def prefetch(self):
+        pass
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by this layer's state."""
+        if self.state is None:
+            return 0
+        return sum(t.numel() * t.element_size() for t in self.state)
+
+
+def _cache_layer(layer_type: str, window: int | None) -> CacheLayerMixin:
+    """The cache layer of one decoder layer: recurrent state for a linear layer, KV for a softmax one (the last
+    ``window`` tokens where the base layer slides)."""
+    if layer_type != FULL:
+        return LinearStateLayer()
+    return DynamicSlidingWindowLayer(sliding_window=window) if window else DynamicLayer()
+
+
+class HybridCache(Cache):
+    """One cache layer per decoder layer: KV for ``full_attention`` (only the last ``windows[i]`` tokens where the
+    base layer slides), recurrent state otherwise."""
+
+    def __init__(self, layer_types: list[str], windows: list[int | None] | None = None):
+        windows = list(windows) if windows is not None else [None] * len(layer_types)
+        super().__init__(layers=[_cache_layer(t, w) for t, w in zip(layer_types, windows)])
+        self.layer_types = list(layer_types)
+        self.windows = windows
+
+    def linear_layer(self, idx: int) -> LinearStateLayer:
+        layer = self.layers[idx]
+        if not isinstance(layer, LinearStateLayer):
+            raise RuntimeError(f"layer {idx} is a softmax layer in this cache")
+        return layer
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        if layer_idx >= len(self.layers):
+            return 0
+        return self.layers[layer_idx].get_seq_length()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Take back the last ``-tokens_to_remove`` tokens (transformers 5.24; releases whose layers crop to a length
+        to keep pass that length, which is understood too). Linear layers need :meth:`activate_past_recording` first, which
+        ``generate()`` calls for assisted decoding."""
+        if _CROP_TAKES_LENGTH and tokens_to_remove >= 0:
+            remove = self.get_seq_length() - tokens_to_remove
+        else:
+            remove = -tokens_to_remove
+        for layer in self.layers:
+            layer.crop(-remove if isinstance(layer, LinearStateLayer) else tokens_to_remove)
+
+    def activate_past_recording(self) -> None:
+        for layer in self.layers:
+            if hasattr(layer, "activate_past_recording"):
+                layer.activate_past_recording()
+
+    @property
+    def is_croppable(self) -> bool:
+        return all(getattr(layer, "is_croppable", True) for layer in self.layers)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: KV tensors of softmax layers plus states of linear layers."""
+        total = 0
+        for layer in self.layers:
+            if isinstance(layer, LinearStateLayer):
+                total += layer.nbytes
+            elif getattr(layer, "keys", None) is not None and layer.keys.numel():
+                total += layer.keys.numel() * layer.keys.element_size() * 2
+        return total

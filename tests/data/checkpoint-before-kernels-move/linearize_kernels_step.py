@@ -1,0 +1,252 @@
+# Bundled by linearize 0.1.0 from linearize.kernels.step for trust_remote_code=True; do not edit.
+"""One-token decode steps for linear attention and the window hybrid.
+
+Both update their state in place and allocate nothing but the output (pass
+``out=`` to avoid even that), so a captured CUDA graph can replay them. On CUDA
+tensors they run one fused Triton kernel (``triton_step.py``); elsewhere a few
+in-place PyTorch ops that never read the step counter back to the host.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+
+from .linearize_kernels_reference import drop_keys
+
+State = Tuple[torch.Tensor, torch.Tensor]
+
+
+class WindowState(NamedTuple):
+    """Decode state of one window-hybrid layer.
+
+    ``S`` [B, Hk, K, V] fp32 and ``z`` [B, Hk, K] fp32: linear state of every token
+    older than the window; ``k_ring`` [B, Hk, W, D], ``fk_ring`` [B, Hk, W, K],
+    ``v_ring`` [B, Hk, W, V]: the last ``W`` tokens, token ``t`` in slot ``t % W``;
+    ``seen`` int64 [1]: tokens processed so far (lives on the device); ``keep`` bool [B, W]: False where a
+    slot holds a padding token of the prefill (left out of the window; its features are zero in the rings, so
+    it adds nothing when it leaves the window either).
+    """
+
+    S: torch.Tensor
+    z: torch.Tensor
+    k_ring: torch.Tensor
+    fk_ring: torch.Tensor
+    v_ring: torch.Tensor
+    seen: torch.Tensor
+    keep: torch.Tensor
+
+    @property
+    def window(self) -> int:
+        return self.k_ring.shape[2]
+
+
+def empty_linear_state(
+    batch: int, kv_heads: int, key_dim: int, value_dim: int, *, device=None, dtype=torch.float32
+) -> State:
+    """Zero linear-attention state ``(S [B,Hk,K,V], z [B,Hk,K])``."""
+    S = torch.zeros(batch, kv_heads, key_dim, value_dim, device=device, dtype=dtype)
+    z = torch.zeros(batch, kv_heads, key_dim, device=device, dtype=dtype)
+    return S, z
+
+
+def empty_window_state(
+    batch: int,
+    kv_heads: int,
+    head_dim: int,
+    feature_dim: int,
+    value_dim: int,
+    window: int = 64,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    device=None,
+    state_dtype: torch.dtype = torch.float32,
+) -> WindowState:
+    """Zero window-hybrid decode state (nothing seen yet). ``dtype`` is the ring's, ``state_dtype``
+    that of ``S`` and ``z`` (fp32; float64 only for float64 models)."""
+    S, z = empty_linear_state(batch, kv_heads, feature_dim, value_dim, device=device, dtype=state_dtype)
+    return WindowState(
+        S=S,
+        z=z,
+        k_ring=torch.zeros(batch, kv_heads, window, head_dim, device=device, dtype=dtype),
+        fk_ring=torch.zeros(batch, kv_heads, window, feature_dim, device=device, dtype=dtype),
+        v_ring=torch.zeros(batch, kv_heads, window, value_dim, device=device, dtype=dtype),
+        seen=torch.zeros(1, device=device, dtype=torch.int64),
+        keep=torch.ones(batch, window, device=device, dtype=torch.bool),
+    )
+
+
+@torch.no_grad()
+def window_state_from_prefill(
+    k: torch.Tensor,  # [B, T, Hk, D] raw keys of the prefill
+    fk: torch.Tensor,  # [B, T, Hk, K]
+    v: torch.Tensor,  # [B, T, Hk, V]
+    final_state: Optional[State],
+    window: int = 64,
+    *,
+    offset: int = 0,
+    key_mask: Optional[torch.Tensor] = None,  # [B, T] bool, False = a padding token
+) -> WindowState:
+    """Build the decode state after a prefill.
+
+    ``final_state`` is what ``window_linear_attention(..., output_final_state=True)``
+    returned for the same ``k, fk, v`` (and ``key_mask``; ``None`` means zeros). The last ``W``
+    tokens go to ring slots ``position % W``; ``seen = offset + T``. ``offset`` is the absolute
+    position of ``k[:, 0]`` (0 for a fresh sequence). Prefill of T tokens followed by
+    N steps then equals one forward over T + N tokens; padding tokens (``key_mask`` False) stay
+    out of the window of every step.
+    """
+    B, T, Hk, D = k.shape
+    W = int(window)
+    state_dtype = torch.float64 if k.dtype == torch.float64 else torch.float32
+    st = empty_window_state(B, Hk, D, fk.shape[-1], v.shape[-1], W, dtype=k.dtype, device=k.device,
+                            state_dtype=state_dtype)
+    n = min(T, W)
+    if key_mask is not None:
+        k, fk, v = drop_keys(key_mask, k, fk, v)
+    if n:
+        slots = (torch.arange(T - n, T, device=k.device) + offset) % W
+        if key_mask is not None:
+            st.keep[:, slots] = key_mask[:, T - n :]
+        st.k_ring[:, :, slots] = k[:, T - n :].transpose(1, 2).to(st.k_ring.dtype)
+        st.fk_ring[:, :, slots] = fk[:, T - n :].transpose(1, 2).to(st.fk_ring.dtype)
+        st.v_ring[:, :, slots] = v[:, T - n :].transpose(1, 2).to(st.v_ring.dtype)
+    if final_state is not None:
+        st.S.copy_(final_state[0].detach())
+        st.z.copy_(final_state[1].detach())
+    st.seen.fill_(offset + T)
+    return st
+
+
+def _use_triton(x: torch.Tensor, backend: Optional[str]) -> bool:
+    if backend == "triton":
+        return True
+    if backend in ("torch", "reference"):
+        return False
+    if backend is not None:
+        raise ValueError(f"backend must be None, 'triton', 'torch' or 'reference', got {backend!r}")
+    return x.is_cuda
+
+
+# ---------------------------------------------------------------------------
+# linear attention step
+
+
+def _linear_step_torch(q, k, v, S, z, normalize, eps, out):
+    B, H, K = q.shape
+    Hk, V = k.shape[1], v.shape[-1]
+    G = H // Hk
+    dt = S.dtype
+    kf, vf = k.to(dt), v.to(dt)
+    S.view(B * Hk, K, V).baddbmm_(kf.reshape(B * Hk, K, 1), vf.reshape(B * Hk, 1, V))
+    z.add_(kf)
+    qf = q.to(dt).reshape(B, Hk, G, K)
+    o = qf @ S  # [B, Hk, G, V]
+    if normalize:
+        o = o / ((qf @ z.unsqueeze(-1)) + eps)
+    o = o.reshape(B, H, V)
+    if out is None:
+        return o.to(v.dtype)
+    out.copy_(o)
+    return out
+
+
+def check_linear_state(name: str, state: State) -> State:
+    """``(S, z)``, which a step updates in place: both must be contiguous."""
+    S, z = state
+    if not (S.is_contiguous() and z.is_contiguous()):
+        raise ValueError(f"{name}: state tensors must be contiguous (updated in place)")
+    return S, z
+
+
+def linear_attention_step(
+    q: torch.Tensor,  # [B, H, K]
+    k: torch.Tensor,  # [B, Hk, K]
+    v: torch.Tensor,  # [B, Hk, V]
+    state: State,  # (S [B, Hk, K, V] fp32, z [B, Hk, K] fp32), updated in place
+    *,
+    normalize: bool = True,
+    eps: float = 1e-6,
+    out: Optional[torch.Tensor] = None,  # [B, H, V]
+    backend: Optional[str] = None,
+) -> torch.Tensor:
+    """One decode token: ``S += k v^T; z += k`` in place, then ``o = q.S / (q.z + eps)``."""
+    S, z = check_linear_state("linear_attention_step", state)
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
+    if _use_triton(q, backend):
+        from .linearize_kernels_triton_step import linear_step_triton
+
+        return linear_step_triton(q, k, v, S, z, normalize=normalize, eps=eps, out=out)
+    return _linear_step_torch(q, k, v, S, z, normalize, eps, out)
+
+
+# ---------------------------------------------------------------------------
+# window hybrid step
+
+
+def _window_step_torch(q, k, fq, fk, v, wf, st: WindowState, scale, eps, out):
+    S, z, kr, fkr, vr, seen, keep = st
+    B, H, D = q.shape
+    Hk, W = kr.shape[1], kr.shape[2]
+    K, V = fkr.shape[-1], vr.shape[-1]
+    G = H // Hk
+    dt = S.dtype
+    slot = seen % W  # [1]
+    # fold the token leaving the window (t - W, in slot t % W) into the linear state
+    f_old = fkr.index_select(2, slot).to(dt) * (seen >= W).to(dt)  # [B, Hk, 1, K]
+    v_old = vr.index_select(2, slot).to(dt)  # [B, Hk, 1, V]
+    S.view(B * Hk, K, V).baddbmm_(f_old.reshape(B * Hk, K, 1), v_old.reshape(B * Hk, 1, V))
+    z.add_(f_old.reshape(B, Hk, K))
+    kr.index_copy_(2, slot, k.unsqueeze(2).to(kr.dtype))
+    fkr.index_copy_(2, slot, fk.unsqueeze(2).to(fkr.dtype))
+    vr.index_copy_(2, slot, v.unsqueeze(2).to(vr.dtype))
+    keep.index_fill_(1, slot, True)
+    valid = (torch.arange(W, device=q.device) <= seen) & keep.view(B, 1, 1, W)  # slots written so far, no padding
+    qf = q.to(dt).reshape(B, Hk, G, D)
+    fqf = fq.to(dt).reshape(B, Hk, G, K)
+    s = (qf @ kr.to(dt).transpose(-1, -2)) * scale  # [B, Hk, G, W]
+    s = s.masked_fill(~valid, float("-inf"))
+    m = s.amax(-1, keepdim=True).clamp_min(0.0)
+    em = torch.exp(-m)
+    p = torch.exp(s - m)
+    w = wf.to(dt).reshape(1, Hk, G, 1)
+    num = w * (p @ vr.to(dt)) + (1 - w) * em * (fqf @ S)
+    den = w * p.sum(-1, keepdim=True) + (1 - w) * em * (fqf @ z.unsqueeze(-1)) + eps * em
+    seen.add_(1)
+    o = (num / den).reshape(B, H, V)
+    if out is None:
+        return o.to(v.dtype)
+    out.copy_(o)
+    return out
+
+
+def window_linear_attention_step(
+    q: torch.Tensor,  # [B, H, D] raw post-rotary query
+    k: torch.Tensor,  # [B, Hk, D]
+    fq: torch.Tensor,  # [B, H, K]
+    fk: torch.Tensor,  # [B, Hk, K]
+    v: torch.Tensor,  # [B, Hk, V]
+    window_factor: torch.Tensor,  # [H] in (0, 1)
+    state: WindowState,  # updated in place
+    *,
+    scale: Optional[float] = None,
+    eps: float = 1e-12,
+    out: Optional[torch.Tensor] = None,  # [B, H, V]
+    backend: Optional[str] = None,
+) -> torch.Tensor:
+    """One decode token of the window hybrid (token index ``t = state.seen``).
+
+    If ``t >= W`` the token in slot ``t % W`` (token ``t - W``) is first folded into
+    ``S, z``; the new token is written to that slot; the output mixes softmax over
+    the valid ring slots with linear attention over ``S, z``; then ``seen += 1``.
+    """
+    st = WindowState(*state)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    if _use_triton(q, backend):
+        from .linearize_kernels_triton_step import window_step_triton
+
+        return window_step_triton(q, k, fq, fk, v, window_factor, st, scale=scale, eps=eps, out=out)
+    return _window_step_torch(q, k, fq, fk, v, window_factor, st, scale, eps, out)

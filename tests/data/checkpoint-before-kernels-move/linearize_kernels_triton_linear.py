@@ -1,0 +1,520 @@
+# Bundled by linearize 0.1.0 from linearize.kernels.triton_linear for trust_remote_code=True; do not edit.
+"""Triton kernels for causal (normalised) linear attention, forward and backward.
+
+Forward: one sequential pass per (value block, query head, segment) that carries
+the state ``S [K, BV]`` and the normaliser ``z [K]`` in registers across chunks of
+``BT`` tokens and writes the *normalised* output directly (the normaliser is
+fused: no separate pass, no materialised per-chunk states). When the grid would
+not fill the GPU (few heads, long sequences) the sequence is split into
+segments: a parallel kernel sums ``k^T v`` per segment, a tiny cumulative sum
+gives each segment its starting state, and segments then run independently.
+
+Backward (math in README.md): per-chunk states are recomputed by two scans
+(forward ``sum k^T v``, reverse ``sum q^T dn``), then two chunk-parallel kernels
+produce ``dq`` and ``(dk, dv)``; the GQA sum over a KV group's query heads is
+done inside the kernels.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+try:  # imported only where the Triton kernels run
+    import triton
+    import triton.language as tl
+except ImportError:  # a CPU-only install without Triton never calls this module
+    triton = tl = None
+
+from .linearize_kernels_triton_common import (
+    chunk_states,
+    fwd_blocks,
+    hedgehog_tile,
+    launch,
+    mm,
+    new_empty,
+    plan_segments,
+    pow2,
+    prec,
+    row_stats,
+    segment_starts,
+    segment_sum_launch,
+    signed_projections,
+)
+from .linearize_kernels_tuning import ensure_applied
+
+
+
+@triton.jit
+def _la_fwd_kernel(
+    Q, Kp, Vp, O, DEN,  # q [B,T,H,K], k [B,T,HK,K], v [B,T,HK,V], o [B,T,H,V], den [B,T,H] fp32
+    SEG_S, SEG_Z,  # starting state per segment [B,HK,NSEG,K,V], [B,HK,NSEG,K]
+    FIN_S, FIN_Z,  # final state [B,HK,K,V], [B,HK,K]
+    WQX, WKX,  # fused Hedgehog maps [Wq, -Wq] [H,D,K], [Wk, -Wk] [HK,D,K]: then q (FUSE_Q) / k (FUSE_K) are raw [.., D]
+    T, H, HK, NSEG, SEG_CHUNKS, eps, feps, SHIFT,  # SHIFT (SHIFTED): query t sees keys/values j <= t - SHIFT
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+    NORMALIZE: tl.constexpr, HAS_SEG: tl.constexpr, STORE_FINAL: tl.constexpr, SHIFTED: tl.constexpr,
+    STORE_DEN: tl.constexpr, NORM_MMA: tl.constexpr, SPLIT: tl.constexpr, ROWSUM_LANES: tl.constexpr,
+    PREC: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, FUSE_Q: tl.constexpr, FUSE_K: tl.constexpr,
+):
+    # NORM_MMA: the normaliser's reductions (rowsum(A), q.z, the column sums of k that update z) run as
+    # tensor-core products against a [BT, 16] block of ones, with z carried as a [BK, 16] block whose
+    # columns are all equal (hi + lo 16-bit split of z for q.z when SPLIT), instead of lane reductions
+    pv = tl.program_id(0)
+    pbh = tl.program_id(1)
+    ps = tl.program_id(2)
+    b = pbh // H
+    h = pbh % H
+    G = H // HK
+    hk = h // G
+    ok = tl.arange(0, BK)
+    ov = pv * BV + tl.arange(0, BV)
+    od = tl.arange(0, BD)
+    mk = ok < K
+    mv = ov < V
+    md = od < D
+    S = tl.zeros([BK, BV], dtype=tl.float32)
+    z = tl.zeros([BK], dtype=tl.float32)
+    sbh = (b * HK + hk).to(tl.int64)
+    if HAS_SEG:
+        sp = SEG_S + (sbh * NSEG + ps) * K * V
+        S += tl.load(sp + ok[:, None] * V + ov[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
+        z += tl.load(SEG_Z + (sbh * NSEG + ps) * K + ok, mask=mk, other=0.0)
+    N = tl.cdiv(T, BT)
+    c0 = ps * SEG_CHUNKS
+    c1 = tl.minimum(c0 + SEG_CHUNKS, N)
+    ar = tl.arange(0, BT)
+    causal = ar[:, None] >= ar[None, :]
+    if NORM_MMA:
+        Z16 = tl.zeros([BK, 16], dtype=tl.float32) + z[:, None]  # [BK, 16], every column = z
+        ones = tl.full([BT, 16], 1.0, dtype=Vp.dtype.element_ty)
+    for i in range(c0, c1):
+        ot = i * BT + ar
+        mt = ot < T
+        qrow = (b.to(tl.int64) * T + ot) * H + h
+        if SHIFTED:  # row r of the key tiles holds token ot_r - SHIFT (zero before the sequence)
+            mkey = mt & (ot >= SHIFT)
+            krow = (b.to(tl.int64) * T + ot - SHIFT) * HK + hk
+        else:
+            mkey = mt
+            krow = (b.to(tl.int64) * T + ot) * HK + hk
+        if FUSE_Q:  # rows past T get features too; their outputs are never stored
+            q = tl.load(Q + qrow[:, None] * D + od[None, :], mask=mt[:, None] & md[None, :], other=0.0)
+            q = hedgehog_tile(q, WQX, h, od, ok, md, mk, D, K, K // 2, feps, PREC).to(q.dtype)
+        else:
+            q = tl.load(Q + qrow[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+        if FUSE_K:  # keys past T (or before 0, shifted) must add nothing to the state: zero their features
+            k = tl.load(Kp + krow[:, None] * D + od[None, :], mask=mkey[:, None] & md[None, :], other=0.0)
+            k = tl.where(mkey[:, None], hedgehog_tile(k, WKX, hk, od, ok, md, mk, D, K, K // 2, feps, PREC), 0.0)
+            k = k.to(Kp.dtype.element_ty)
+        else:
+            k = tl.load(Kp + krow[:, None] * K + ok[None, :], mask=mkey[:, None] & mk[None, :], other=0.0)
+        v = tl.load(Vp + krow[:, None] * V + ov[None, :], mask=mkey[:, None] & mv[None, :], other=0.0)
+        A = mm(q, tl.trans(k), PREC)
+        A = tl.where(causal, A, 0.0).to(v.dtype)  # rounded once: numerator and normaliser agree
+        o = mm(A, v, PREC)
+        o += mm(q, S.to(q.dtype), PREC)
+        if NORMALIZE:
+            if NORM_MMA:
+                Z_hi = Z16.to(q.dtype)
+                d16 = mm(q, Z_hi, PREC)  # [BT, 16], every column = q.z
+                if SPLIT:
+                    d16 += mm(q, (Z16 - Z_hi.to(tl.float32)).to(q.dtype), PREC)
+                if ROWSUM_LANES:  # rowsum(A) from the accumulator already in registers: one product fewer
+                    d = tl.max(d16, 1) + tl.sum(A.to(tl.float32), 1) + eps
+                else:
+                    d = tl.max(d16 + mm(A, ones, PREC), 1) + eps
+            else:
+                d = tl.sum(A.to(tl.float32), 1) + tl.sum(q.to(tl.float32) * z[None, :], 1) + eps
+            o = o / d[:, None]
+            if STORE_DEN:
+                if pv == 0:
+                    tl.store(DEN + qrow, d, mask=mt)
+        tl.store(O + qrow[:, None] * V + ov[None, :], o.to(O.dtype.element_ty), mask=mt[:, None] & mv[None, :])
+        S += mm(tl.trans(k), v, PREC)
+        if NORM_MMA:
+            Z16 += mm(tl.trans(k), ones.to(k.dtype), PREC)
+        else:
+            z += tl.sum(k.to(tl.float32), 0)
+    if NORM_MMA:
+        z = tl.max(Z16, 1)
+    if STORE_FINAL:
+        if ps == NSEG - 1:
+            if h % G == 0:
+                tl.store(FIN_S + sbh * K * V + ok[:, None] * V + ov[None, :], S, mask=mk[:, None] & mv[None, :])
+                if pv == 0:
+                    tl.store(FIN_Z + sbh * K + ok, z, mask=mk)
+
+
+@triton.jit
+def _la_bwd_dq_kernel(
+    Kp, Vp, DO, INVD, DD,  # k, v, do [B,T,H,V], 1/den and dd [B,T,H] fp32
+    ST_S, ST_Z,  # exclusive per-chunk states [B,HK,N,K,V], [B,HK,N,K]
+    DQ,
+    T, H, HK,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+    NV_BLK: tl.constexpr, NORMALIZE: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
+):
+    pk = tl.program_id(0)
+    i = tl.program_id(1)
+    pbh = tl.program_id(2)
+    b = pbh // H
+    h = pbh % H
+    hk = h // (H // HK)
+    N = tl.cdiv(T, BT)
+    ar = tl.arange(0, BT)
+    ot = i * BT + ar
+    mt = ot < T
+    ok = pk * BK + tl.arange(0, BK)
+    mk = ok < K
+    qrow = (b.to(tl.int64) * T + ot) * H + h
+    krow = (b.to(tl.int64) * T + ot) * HK + hk
+    st = ((b * HK + hk).to(tl.int64) * N + i)
+    Bm = tl.zeros([BT, BT], dtype=tl.float32)
+    dq = tl.zeros([BT, BK], dtype=tl.float32)
+    for vb in tl.static_range(NV_BLK):
+        ov = vb * BV + tl.arange(0, BV)
+        mv = ov < V
+        do = tl.load(DO + qrow[:, None] * V + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
+        v = tl.load(Vp + krow[:, None] * V + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
+        Bm += mm(do, tl.trans(v), PREC)
+        S = tl.load(ST_S + st * K * V + ok[:, None] * V + ov[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
+        St = tl.trans(S)
+        S_hi = St.to(do.dtype)
+        dq += mm(do, S_hi, PREC)
+        if SPLIT:
+            # 16-bit operands: add the rounding residual of the fp32 state (dq cancels strongly)
+            dq += mm(do, (St - S_hi.to(tl.float32)).to(do.dtype), PREC)
+    if NORMALIZE:
+        invd = tl.load(INVD + qrow, mask=mt, other=0.0)
+        dd = tl.load(DD + qrow, mask=mt, other=0.0)
+        Bm = Bm * invd[:, None] + dd[:, None]
+        z = tl.load(ST_Z + st * K + ok, mask=mk, other=0.0)
+        dq = dq * invd[:, None] + dd[:, None] * z[None, :]
+    Bm = tl.where(ar[:, None] >= ar[None, :], Bm, 0.0)
+    k = tl.load(Kp + krow[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+    dq += mm(Bm.to(k.dtype), k, PREC)
+    tl.store(DQ + qrow[:, None] * K + ok[None, :], dq.to(DQ.dtype.element_ty), mask=mt[:, None] & mk[None, :])
+
+
+@triton.jit
+def _la_bwd_dkv_kernel(
+    Q, Kp, Vp, DO, INVD, DD,
+    RS, RZ,  # reverse exclusive states [B,HK,N,K,V], [B,HK,N,K] (already summed over the group)
+    DK, DV,
+    T, H, HK,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+    NK_BLK: tl.constexpr, NV_BLK: tl.constexpr, G: tl.constexpr,
+    NORMALIZE: tl.constexpr, PREC: tl.constexpr,
+):
+    p0 = tl.program_id(0)
+    i = tl.program_id(1)
+    pbh = tl.program_id(2)
+    b = pbh // HK
+    hk = pbh % HK
+    N = tl.cdiv(T, BT)
+    ar = tl.arange(0, BT)
+    ot = i * BT + ar
+    mt = ot < T
+    krow = (b.to(tl.int64) * T + ot) * HK + hk
+    st = (pbh.to(tl.int64) * N + i)
+    tri = ar[:, None] >= ar[None, :]  # [t, j]: t >= j
+    if p0 < NK_BLK:
+        ok = p0 * BK + tl.arange(0, BK)
+        mk = ok < K
+        dk = tl.zeros([BT, BK], dtype=tl.float32)
+        for g in tl.static_range(G):
+            h = hk * G + g
+            qrow = (b.to(tl.int64) * T + ot) * H + h
+            Bm = tl.zeros([BT, BT], dtype=tl.float32)
+            if NORMALIZE:
+                invd = tl.load(INVD + qrow, mask=mt, other=0.0)
+                dd = tl.load(DD + qrow, mask=mt, other=0.0)
+            for vb in tl.static_range(NV_BLK):
+                ov = vb * BV + tl.arange(0, BV)
+                mv = ov < V
+                do = tl.load(DO + qrow[:, None] * V + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
+                v = tl.load(Vp + krow[:, None] * V + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
+                Bm += mm(do, tl.trans(v), PREC)
+            if NORMALIZE:
+                Bm = Bm * invd[:, None] + dd[:, None]
+            Bm = tl.where(tri, Bm, 0.0)
+            q = tl.load(Q + qrow[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+            dk += mm(tl.trans(Bm).to(q.dtype), q, PREC)
+        for vb in tl.static_range(NV_BLK):
+            ov = vb * BV + tl.arange(0, BV)
+            mv = ov < V
+            v = tl.load(Vp + krow[:, None] * V + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
+            R = tl.load(RS + st * K * V + ok[:, None] * V + ov[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
+            dk += mm(v, tl.trans(R).to(v.dtype), PREC)
+        if NORMALIZE:
+            r = tl.load(RZ + st * K + ok, mask=mk, other=0.0)
+            dk += r[None, :]
+        tl.store(DK + krow[:, None] * K + ok[None, :], dk.to(DK.dtype.element_ty), mask=mt[:, None] & mk[None, :])
+    else:
+        ov = (p0 - NK_BLK) * BV + tl.arange(0, BV)
+        mv = ov < V
+        dv = tl.zeros([BT, BV], dtype=tl.float32)
+        for g in tl.static_range(G):
+            h = hk * G + g
+            qrow = (b.to(tl.int64) * T + ot) * H + h
+            A = tl.zeros([BT, BT], dtype=tl.float32)
+            for kb in tl.static_range(NK_BLK):
+                ok = kb * BK + tl.arange(0, BK)
+                mk = ok < K
+                q = tl.load(Q + qrow[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+                k = tl.load(Kp + krow[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+                A += mm(q, tl.trans(k), PREC)
+            A = tl.where(tri, A, 0.0)
+            do = tl.load(DO + qrow[:, None] * V + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
+            if NORMALIZE:
+                invd = tl.load(INVD + qrow, mask=mt, other=0.0)
+                dn = (do.to(tl.float32) * invd[:, None]).to(do.dtype)
+            else:
+                dn = do
+            dv += mm(tl.trans(A).to(dn.dtype), dn, PREC)
+        for kb in tl.static_range(NK_BLK):
+            ok = kb * BK + tl.arange(0, BK)
+            mk = ok < K
+            k = tl.load(Kp + krow[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+            R = tl.load(RS + st * K * V + ok[:, None] * V + ov[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
+            dv += mm(k, R.to(k.dtype), PREC)
+        tl.store(DV + krow[:, None] * V + ov[None, :], dv.to(DV.dtype.element_ty), mask=mt[:, None] & mv[None, :])
+
+
+# ---------------------------------------------------------------------------
+# launch configuration (tuned on an H200; see README.md)
+
+CONFIG = {  # picked by linearize.bench.tune_kernels on an H200 (triton 3.6), see README.md
+    # chunk of the backward: its per-chunk states scale with T / bwd_bt; 128 with 8 warps: 1.03-1.10x faster
+    # fwd+bwd than 64 with 4 at 2K-32K on an H200 (2026-11-30 sweep)
+    "bwd_bt": 128,
+    "fwd_bt": 64,  # chunk of the forward (128: 1.17-1.35x slower on an H200, and the tensor-core normaliser crashed)
+    "fwd_bv": 128,  # value block of the forward kernel (capped so the [K, BV] state fits)
+    "fwd_warps": 8,
+    "fwd_stages": 3,
+    "split_below_waves": 0.5,  # cut sequences into segments only below this many programs per SM ...
+    "fwd_waves": 4.0,  # ... and then into enough segments for this many (H200 sweep, 2026-11-30)
+    # normaliser reductions as tensor-core products: 1.08-1.13x faster forwards at 2K-32K on an H200
+    "fwd_norm_mma": True,
+    # with 16-bit inputs, also add q times the rounding residual of z (hi + lo split) to the normaliser: off,
+    # 1.09-1.15x faster at 2K-32K on an H200 at the same error vs fp32 (1.9e-3; the numerator's q.S is unsplit)
+    "fwd_norm_split": False,
+    # ... and rowsum(A) as a lane reduction of the accumulator instead of a product (252 registers and no spills
+    # instead of 255 and 8 bytes, offline for sm_90a): 1.06x / 1.09x / 1.05x / 1.06x faster normalised forwards
+    # at 2K x 16 / 8K x 4 / 32K x 1 / 128K x 1 at the same error (H200, one process, 2026-12-01)
+    "fwd_rowsum_lanes": True,
+    "bwd_bk": 128,
+    "bwd_bv": 128,
+    "bwd_warps": 8,
+    "scan_warps": 4,
+    # the forward's segment sums (long T, small batch): warps and [seg_bk, seg_bv] state tile per program;
+    # 64 x 128 (k read twice, v once): 1.05-1.13x faster forwards at 32K x 1 and 128K x 1 than 64 x 64 (H200)
+    "seg_warps": 4,
+    "seg_bk": 64,
+    "seg_bv": 128,
+    # forwards that compute Hedgehog features in the kernel hold more live tiles: their own value block and
+    # warps (the window's took 4.3x the unfused time with the fwd_* ones on an H200; swept by --tune)
+    "fused_bv": 128,
+    "fused_warps": 8,
+    # ... and their own chunk and pipeline depth: compiled for sm_90a (triton 3.6, bf16, K = V = D = 128, 8 warps)
+    # 64-token chunks spill 1.1-1.5 KB per thread and need > 227 KB of shared memory with 2 stages, 32-token
+    # chunks 0-36 bytes; on an H200 32 / 2 stages was 1.87x faster at 2K x 16 and 8K x 4, 0.91x at 32K x 1
+    # (benchmarks/forward_chunk_sizes.py, 2026-12-02); the plain forward stays at 64 (32: 1.9-2.2x slower)
+    "fused_bt": 32,
+    "fused_stages": 2,
+    # backward state scans: cut into segments below this many programs per SM (0 = never: not yet measured
+    # on a GPU), then aim for scan_waves programs per SM
+    "scan_split_below_waves": 0.0,
+    "scan_waves": 8.0,
+}
+
+
+def norm_mma(cfg: dict, warps: int, fused: bool = False) -> bool:
+    """Whether the forward's normaliser runs as tensor-core products (``fwd_norm_mma``): only with 8 or more
+    warps and features read from memory. triton 3.6 miscompiled it on an H200 (bisected 2026-12-01): with 4
+    warps (wrong outputs, or an out-of-range shared address at a value block of 64), and with the Hedgehog
+    features computed in the kernel (normalised outputs off by 18-54% at D = 16 / 32, f = 12 / 16, and illegal
+    addresses under compute-sanitizer); lane reductions gave the reference's result in both cases."""
+    return bool(cfg["fwd_norm_mma"]) and warps >= 8 and not fused
+
+
+def _fwd(q, k, v, S0, z0, normalize, eps, want_final, store_den, wqx=None, wkx=None, feps=0.0, make_fk=None,
+         shift=0):
+    """Launch the forward. With ``wqx`` (Hedgehog ``[W, -W]`` per head) ``q`` is raw and its features are
+    computed in the kernel; so are ``k``'s unless the launch is segmented, whose segment sums need the key
+    features in memory (``make_fk()``; the kernel then reads them instead of raw ``k``). ``shift > 0``: query
+    ``t`` sees keys and values ``j <= t - shift`` only (the linear part of the window hybrid's two-pass forward;
+    segmented only for a shift of one chunk)."""
+    B, T, H, D = q.shape
+    HK, V = k.shape[2], v.shape[-1]
+    fused = wqx is not None
+    K = wqx.shape[-1] if fused else D
+    dev = q.device
+    BT = CONFIG["fused_bt" if fused else "fwd_bt"]
+    BK = pow2(K)
+    BV, stages, warps = fwd_blocks(CONFIG, BK, V, q.dtype, fused=fused)
+    NVB = triton.cdiv(V, BV)
+    N = triton.cdiv(T, BT)
+    progs = B * H * NVB
+    # a shift of whole chunks lags the segment sums by as many chunks (seg_off); other shifts run one segment
+    whole_chunks = shift % BT == 0
+    seg_off = shift // BT if whole_chunks else 0
+    nseg, seg_chunks = plan_segments(CONFIG, N, progs, dev) if whole_chunks else (1, max(N, 1))
+    fuse_k = wkx is not None and nseg == 1
+    if wkx is not None and not fuse_k:
+        k = make_fk()
+    o = new_empty((B, T, H, V), dtype=v.dtype, device=dev)
+    den = new_empty((B, T, H), dtype=torch.float32, device=dev) if (store_den and normalize) else None
+    f32 = torch.float32
+    seg_S, seg_z = segment_starts(k, v, HK, (S0, z0) if S0 is not None else None, nseg, seg_chunks, BT,
+                                  **segment_sum_launch(CONFIG), seg_off=seg_off)
+    fin_S = new_empty((B, HK, K, V), dtype=f32, device=dev) if want_final else None
+    fin_z = new_empty((B, HK, K), dtype=f32, device=dev) if want_final else None
+    dummy = o
+    grid = (NVB, B * H, nseg)
+    launch(
+        _la_fwd_kernel, grid,
+        q, k, v, o, den if den is not None else dummy,
+        seg_S if seg_S is not None else dummy, seg_z if seg_z is not None else dummy,
+        fin_S if want_final else dummy, fin_z if want_final else dummy,
+        wqx if wqx is not None else dummy, wkx if wkx is not None else dummy,
+        T, H, HK, nseg, seg_chunks, eps, feps, shift,
+        K=K, V=V, BK=BK, BV=BV, BT=BT, NORMALIZE=normalize, HAS_SEG=seg_S is not None,
+        STORE_FINAL=want_final, SHIFTED=shift > 0, STORE_DEN=den is not None, NORM_MMA=norm_mma(CONFIG, warps, fused=fused),
+        SPLIT=q.dtype != torch.float32 and CONFIG["fwd_norm_split"], ROWSUM_LANES=CONFIG["fwd_rowsum_lanes"],
+        PREC=prec(q.dtype),
+        D=D, BD=pow2(D), FUSE_Q=fused, FUSE_K=fuse_k,
+        num_warps=warps, num_stages=stages,
+    )
+    return o, den, fin_S, fin_z
+
+
+def _bwd(q, k, v, o, den, S0, z0, do, dS_f, dz_f, normalize, need_state_grads):
+    B, T, H, K = q.shape
+    HK, V = k.shape[2], v.shape[-1]
+    G = H // HK
+    dev = q.device
+    BT = CONFIG["bwd_bt"] if q.dtype != torch.float32 else 64
+    f32 = torch.float32
+    N = triton.cdiv(T, BT)
+    do = do.contiguous()
+    invd = dd = None
+    if normalize:
+        invd, dd = row_stats(do, o, den)
+    # forward-direction exclusive states (for dq)
+    init_f = None
+    if S0 is not None:
+        init_f = (S0.to(f32).contiguous(), z0.to(f32).contiguous())
+    st, stz, _, _ = chunk_states(k, v, heads=HK, cfg=CONFIG, do_z=normalize, init=init_f, BT=BT)
+    # reverse exclusive states sum_{t in later chunks} q_t^T dn_t (+ dS_f), summed over the group
+    init_r = None
+    if dS_f is not None or (normalize and dz_f is not None):
+        Sr = dS_f.to(f32).contiguous() if dS_f is not None else torch.zeros(B, HK, K, V, device=dev, dtype=f32)
+        zr = None
+        if normalize:
+            zr = dz_f.to(f32).contiguous() if dz_f is not None else torch.zeros(B, HK, K, device=dev, dtype=f32)
+        init_r = (Sr, zr)
+    rs, rz, fin, finz = chunk_states(q, do, heads=HK, cfg=CONFIG, a=invd, u=dd, do_z=normalize, init=init_r,
+                                     reverse=True, store_final=need_state_grads, BT=BT)
+    BK = min(CONFIG["bwd_bk"], pow2(K))
+    BV = min(CONFIG["bwd_bv"], pow2(V))
+    if q.dtype == torch.float32:  # fp32 tiles are twice as large
+        BK, BV = min(BK, 64), min(BV, 64)
+    NKB, NVB = triton.cdiv(K, BK), triton.cdiv(V, BV)
+    dq = new_empty(q.shape, dtype=q.dtype, device=dev)
+    dk = new_empty(k.shape, dtype=k.dtype, device=dev)
+    dv = new_empty(v.shape, dtype=v.dtype, device=dev)
+    dummy = dq
+    pr = prec(q.dtype)
+    launch(
+        _la_bwd_dq_kernel, (NKB, N, B * H),
+        k, v, do, invd if normalize else dummy, dd if normalize else dummy, st, stz if normalize else dummy, dq,
+        T, H, HK, K=K, V=V, BK=BK, BV=BV, BT=BT, NV_BLK=NVB, NORMALIZE=normalize,
+        SPLIT=q.dtype != torch.float32, PREC=pr,
+        num_warps=CONFIG["bwd_warps"],
+    )
+    launch(
+        _la_bwd_dkv_kernel, (NKB + NVB, N, B * HK),
+        q, k, v, do, invd if normalize else dummy, dd if normalize else dummy, rs, rz if normalize else dummy,
+        dk, dv, T, H, HK, K=K, V=V, BK=BK, BV=BV, BT=BT, NK_BLK=NKB, NV_BLK=NVB, G=G,
+        NORMALIZE=normalize, PREC=pr, num_warps=CONFIG["bwd_warps"],
+    )
+    if not normalize and dz_f is not None:
+        dk = (dk.to(f32) + dz_f.to(f32).unsqueeze(1)).to(k.dtype)
+    dS0 = dz0 = None
+    if need_state_grads:
+        dS0 = fin
+        if normalize:
+            dz0 = finz
+        else:
+            dz0 = dz_f.to(f32).clone() if dz_f is not None else torch.zeros(B, HK, K, device=dev, dtype=f32)
+    return dq, dk, dv, dS0, dz0
+
+
+class _LinearAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, S0, z0, normalize, eps, output_final_state):
+        needs_grad = any(ctx.needs_input_grad[:5])
+        o, den, S_f, z_f = _fwd(q, k, v, S0, z0, normalize, eps, output_final_state, store_den=needs_grad)
+        ctx.save_for_backward(q, k, v, o, den, S0, z0)
+        ctx.normalize = normalize
+        ctx.set_materialize_grads(False)
+        if output_final_state:
+            return o, S_f, z_f
+        return o, None, None
+
+    @staticmethod
+    def backward(ctx, do, dS_f, dz_f):
+        q, k, v, o, den, S0, z0 = ctx.saved_tensors
+        if do is None:
+            do = torch.zeros_like(o)
+        need_state = ctx.needs_input_grad[3] or ctx.needs_input_grad[4]
+        dq, dk, dv, dS0, dz0 = _bwd(q, k, v, o, den, S0, z0, do, dS_f, dz_f, ctx.normalize, need_state)
+        return dq, dk, dv, dS0, dz0, None, None, None
+
+
+def linear_attention_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    normalize: bool = True,
+    eps: float = 1e-6,
+    initial_state: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+    output_final_state: bool = False,
+):
+    """Triton path of :func:`linearize.kernels.linear_attention`."""
+    ensure_applied(q.device)  # this GPU's saved launch configuration (bench kernels --tune), once
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    S0 = z0 = None
+    if initial_state is not None:
+        S0, z0 = initial_state
+        S0 = S0.float().contiguous()
+        z0 = z0.float().contiguous()
+    o, S_f, z_f = _LinearAttention.apply(q, k, v, S0, z0, normalize, float(eps), output_final_state)
+    return o, ((S_f, z_f) if output_final_state else None)
+
+
+def linear_attention_hedgehog_triton(
+    q, k, v, weight_q, weight_k, *, normalize: bool = True, eps: float = 1e-6, feature_eps: float = 1e-12,
+    initial_state: Optional[Tuple[torch.Tensor, torch.Tensor]] = None, output_final_state: bool = False,
+):
+    """Triton path of :func:`linearize.kernels.linear_attention_hedgehog`: forward only (no autograd), the
+    Hedgehog features of the raw ``q``, ``k`` computed inside the kernel."""
+    from .linearize_kernels_reference import hedgehog_features_rounded
+
+    ensure_applied(q.device)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    wqx, wkx = signed_projections(weight_q, weight_k, q.dtype)  # [H, D, 2f], [Hk, D, 2f]
+
+    def make_fk():  # a segmented launch: as HedgehogFeatureMap (fp32 features, rounded to the inputs' dtype)
+        return hedgehog_features_rounded(k, weight_k, feature_eps).contiguous()
+
+    S0 = z0 = None
+    if initial_state is not None:
+        S0, z0 = initial_state[0].float().contiguous(), initial_state[1].float().contiguous()
+    with torch.no_grad():
+        o, _, S_f, z_f = _fwd(q, k, v, S0, z0, normalize, float(eps), output_final_state, False, wqx=wqx, wkx=wkx,
+                              feps=float(feature_eps), make_fk=make_fk)
+    return o, ((S_f, z_f) if output_final_state else None)

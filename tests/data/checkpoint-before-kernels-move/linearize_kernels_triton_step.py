@@ -1,0 +1,408 @@
+# Bundled by linearize 0.1.0 from linearize.kernels.triton_step for trust_remote_code=True; do not edit.
+"""Triton decode-step kernels (one token, state updated in place).
+
+Linear step: programs over (batch x KV head, value block) read their columns of the ``[K, V]`` state once, add
+``k v^T``, write them back and answer every query head of the KV group from registers; ``z`` is shared by all
+value columns, so with more than one block a second kernel adds ``phi(k)`` to it afterwards (with one block,
+``CONFIG["linear_step_waves"]`` 0, the program updates it itself). With ``CONFIG["linear_step_heads"]`` the
+group's query heads are spread over programs too; those only read ``S``, and the second kernel adds ``k v^T``.
+
+Window step: programs over (batch x KV head, value block) each fold the token leaving the window into their
+columns of ``S`` and answer the group's query heads for those columns, reading ``z`` and the key rings
+unchanged; a second, small kernel then updates ``z`` and writes the new key and key features into the rings
+(stream order makes that race-free without one program owning the whole state, so a batch of 8 with 8 KV
+heads fills the GPU). With ``CONFIG["step_heads"]`` a group's query heads are also spread over programs; those
+only read the state, and the second kernel writes the fold into ``S`` and the new value as well. Nothing is
+allocated except the output (``out=`` avoids that too), so a CUDA graph can replay the call; the window step's
+token counter ``seen`` is read on the device and incremented by one in-place add after the kernels.
+
+At small batches (``CONFIG["small_grid_heads_per_sm"]``) both steps answer one query head per program.
+"""
+
+from __future__ import annotations
+
+import torch
+try:  # imported only where the Triton kernels run
+    import triton
+    import triton.language as tl
+except ImportError:  # a CPU-only install without Triton never calls this module
+    triton = tl = None
+
+from .linearize_kernels_triton_common import hedgehog_row, num_sms, pow2
+from .linearize_kernels_tuning import ensure_applied
+
+
+@triton.jit
+def _linear_step_kernel(
+    Q, Kp, Vp, S, Z, O,  # q [B,H,K], k [B,HK,K], v [B,HK,V], S [B,HK,K,V], z [B,HK,K], o [B,H,V]
+    WQX, WKX,  # FUSE: q, k are raw [B,H|HK,D] and these the Hedgehog maps [Wq, -Wq] [H,D,K], [Wk, -Wk] [HK,D,K]
+    H, HK, eps, feps,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, G: tl.constexpr,
+    NORMALIZE: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, FUSE: tl.constexpr, UPDATE_Z: tl.constexpr,
+    GH: tl.constexpr, OWN: tl.constexpr,
+):
+    """Program (batch x KV head, value block, head group): adds ``k v^T`` to its columns of ``S`` and answers
+    ``GH`` of the KV group's ``G`` query heads for them. With one head group (``OWN``) it writes those columns
+    back; with several every program only reads ``S`` and :func:`_linear_step_commit_kernel` adds ``k v^T``.
+    ``z`` is shared by the value blocks: with one block and one head group (``UPDATE_Z``) it is written here,
+    otherwise read here and updated by the commit kernel after this one."""
+    pbh = tl.program_id(0)
+    pg = tl.program_id(2)
+    b = pbh // HK
+    hk = pbh % HK
+    ok = tl.arange(0, BK)
+    ov = tl.program_id(1) * BV + tl.arange(0, BV)
+    od = tl.arange(0, BD)
+    mk, mv, md = ok < K, ov < V, od < D
+    base = pbh.to(tl.int64)
+    if FUSE:  # the features the layer would compute: fp32, rounded to the input dtype
+        k = tl.load(Kp + base * D + od, mask=md, other=0.0)
+        k = hedgehog_row(k.to(tl.float32), WKX, hk, od, ok, md, mk, D, K, K // 2, feps).to(k.dtype).to(tl.float32)
+    else:
+        k = tl.load(Kp + base * K + ok, mask=mk, other=0.0).to(tl.float32)
+    v = tl.load(Vp + base * V + ov, mask=mv, other=0.0).to(tl.float32)
+    sp = S + base * K * V + ok[:, None] * V + ov[None, :]
+    s = tl.load(sp, mask=mk[:, None] & mv[None, :], other=0.0)
+    s += k[:, None] * v[None, :]
+    if OWN:
+        tl.store(sp, s, mask=mk[:, None] & mv[None, :])
+    z = tl.load(Z + base * K + ok, mask=mk, other=0.0) + k
+    if UPDATE_Z:
+        tl.store(Z + base * K + ok, z, mask=mk)
+    for g in tl.static_range(GH):
+        # a short last head group answers the group's last head again past the end (the same row, the same value)
+        h = hk * G + tl.minimum(pg * GH + g, G - 1)
+        qrow = b.to(tl.int64) * H + h
+        if FUSE:
+            q = tl.load(Q + qrow * D + od, mask=md, other=0.0)
+            q = hedgehog_row(q.to(tl.float32), WQX, h, od, ok, md, mk, D, K, K // 2, feps).to(q.dtype).to(tl.float32)
+        else:
+            q = tl.load(Q + qrow * K + ok, mask=mk, other=0.0).to(tl.float32)
+        o = tl.sum(q[:, None] * s, 0)
+        if NORMALIZE:
+            o = o / (tl.sum(q * z, 0) + eps)
+        tl.store(O + qrow * V + ov, o.to(O.dtype.element_ty), mask=mv)
+
+
+@triton.jit
+def _linear_step_commit_kernel(
+    Kp, Z, WKX,  # k [B,HK,K] (raw [B,HK,D] with FUSE), z [B,HK,K], [Wk, -Wk] [HK,D,K]
+    Vp, S,  # FOLD: v [B,HK,V], S [B,HK,K,V]
+    HK, feps,
+    K: tl.constexpr, BK: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, FUSE: tl.constexpr,
+    V: tl.constexpr, BVC: tl.constexpr, FOLD: tl.constexpr,
+):
+    """Program (batch x KV head), after a split :func:`_linear_step_kernel`: ``z += phi(k)``; ``FOLD`` (the step
+    kernel ran in several head groups, so it wrote nothing to ``S``): also ``S += phi(k) v^T``, ``BVC`` columns
+    at a time."""
+    pbh = tl.program_id(0)
+    ok, od = tl.arange(0, BK), tl.arange(0, BD)
+    mk, md = ok < K, od < D
+    base = pbh.to(tl.int64)
+    if FUSE:  # as the step kernel computes them
+        k = tl.load(Kp + base * D + od, mask=md, other=0.0)
+        k = hedgehog_row(k.to(tl.float32), WKX, pbh % HK, od, ok, md, mk, D, K, K // 2, feps).to(k.dtype)
+    else:
+        k = tl.load(Kp + base * K + ok, mask=mk, other=0.0)
+    k = k.to(tl.float32)
+    tl.store(Z + base * K + ok, tl.load(Z + base * K + ok, mask=mk, other=0.0) + k, mask=mk)
+    if FOLD:
+        for v0 in tl.static_range(0, V, BVC):
+            ov = v0 + tl.arange(0, BVC)
+            mv = ov < V
+            v = tl.load(Vp + base * V + ov, mask=mv, other=0.0).to(tl.float32)
+            sp = S + base * K * V + ok[:, None] * V + ov[None, :]
+            m2 = mk[:, None] & mv[None, :]
+            tl.store(sp, tl.load(sp, mask=m2, other=0.0) + k[:, None] * v[None, :], mask=m2)
+
+
+@triton.jit
+def _window_step_kernel(
+    Q, FQ, Kr, Vp, WF,  # q [B,H,D], fq [B,H,K] (not read with FUSE), k [B,HK,D], v [B,HK,V], wf [H] fp32
+    S, Z, KR, FKR, VR, SEEN, KEEP,  # state; rings [B,HK,W,*]; seen int64 [1]; keep bool [B,W] (False: padding)
+    O,
+    WQX,  # FUSE: Hedgehog map [Wq, -Wq] [H,D,K]; fq is then computed here
+    H, HK, W, scale, eps, feps,
+    D: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr, G: tl.constexpr,
+    FUSE: tl.constexpr, GH: tl.constexpr, OWN: tl.constexpr,
+):
+    """Program (batch x KV head, value block, head group): answers ``GH`` of the KV group's ``G`` query heads for
+    its value columns, with the token leaving the window folded into ``S`` and the new value in the ring. With
+    one head group (``OWN``) it also writes that fold and value into its columns of ``S`` and the value ring;
+    with several, every program only reads the state and :func:`_window_step_commit_kernel` writes them.
+    ``z``, the key ring and the key-feature ring are shared by every value block, so they are read here and
+    written only by the commit kernel, launched after this one."""
+    pbh = tl.program_id(0)
+    pv = tl.program_id(1)
+    pg = tl.program_id(2)
+    b = pbh // HK
+    hk = pbh % HK
+    od, ok, ow = tl.arange(0, BD), tl.arange(0, BK), tl.arange(0, BW)
+    ov = pv * BV + tl.arange(0, BV)
+    md, mk, mv, mw = od < D, ok < K, ov < V, ow < W
+    base = pbh.to(tl.int64)
+    t = tl.load(SEEN)
+    slot = (t % W).to(tl.int32)
+    # ring tiles before the write; the new token replaces row `slot` in registers
+    kr = tl.load(KR + (base * W + ow[:, None]) * D + od[None, :], mask=mw[:, None] & md[None, :], other=0.0)
+    vr = tl.load(VR + (base * W + ow[:, None]) * V + ov[None, :], mask=mw[:, None] & mv[None, :], other=0.0)
+    sel = ow == slot
+    fold = (t >= W).to(tl.float32)
+    fk_old = tl.load(FKR + (base * W + slot) * K + ok, mask=mk, other=0.0).to(tl.float32) * fold  # [BK]
+    v_old = tl.sum(tl.where(sel[:, None], vr.to(tl.float32), 0.0), 0)  # [BV]
+    sp = S + base * K * V + ok[:, None] * V + ov[None, :]
+    s = tl.load(sp, mask=mk[:, None] & mv[None, :], other=0.0) + fk_old[:, None] * v_old[None, :]
+    z = tl.load(Z + base * K + ok, mask=mk, other=0.0) + fk_old
+    k_new = tl.load(Kr + base * D + od, mask=md, other=0.0)
+    v_new = tl.load(Vp + base * V + ov, mask=mv, other=0.0)
+    if OWN:
+        tl.store(sp, s, mask=mk[:, None] & mv[None, :])
+        tl.store(VR + (base * W + slot) * V + ov, v_new.to(VR.dtype.element_ty), mask=mv)
+    kr = tl.where(sel[:, None], k_new.to(KR.dtype.element_ty)[None, :], kr).to(tl.float32)
+    vr = tl.where(sel[:, None], v_new.to(VR.dtype.element_ty)[None, :], vr).to(tl.float32)
+    kept = tl.load(KEEP + b.to(tl.int64) * W + ow, mask=mw, other=0) != 0
+    valid = (ow <= t) & mw & (kept | sel)  # the new token is never padding
+    for g in tl.static_range(GH):
+        # a short last head group answers the group's last head again past the end (the same row, the same value)
+        h = hk * G + tl.minimum(pg * GH + g, G - 1)
+        qrow = b.to(tl.int64) * H + h
+        w = tl.load(WF + h).to(tl.float32)
+        q = tl.load(Q + qrow * D + od, mask=md, other=0.0).to(tl.float32)
+        if FUSE:  # rounded to q's dtype, as the layer's feature map returns them
+            fq = hedgehog_row(q, WQX, h, od, ok, md, mk, D, K, K // 2, feps).to(Q.dtype.element_ty).to(tl.float32)
+        else:
+            fq = tl.load(FQ + qrow * K + ok, mask=mk, other=0.0).to(tl.float32)
+        sc = tl.where(valid, tl.sum(kr * q[None, :], 1) * scale, float("-inf"))
+        m = tl.maximum(tl.max(sc, 0), 0.0)
+        p = tl.where(valid, tl.exp(sc - m), 0.0)
+        em = tl.exp(-m)
+        c = (1.0 - w) * em
+        num = w * tl.sum(p[:, None] * vr, 0) + c * tl.sum(fq[:, None] * s, 0)
+        den = w * tl.sum(p, 0) + c * tl.sum(fq * z, 0) + eps * em
+        tl.store(O + qrow * V + ov, (num / den).to(O.dtype.element_ty), mask=mv)
+
+
+@triton.jit
+def _window_step_commit_kernel(
+    Kr, FK, KR, FKR, Z, SEEN, KEEP,  # k [B,HK,D], fk [B,HK,K] (not read with FUSE); rings; z; seen; keep [B,W]
+    WKX,  # FUSE: Hedgehog map [Wk, -Wk] [HK,D,K]; fk is then computed here
+    Vp, S, VR,  # FOLD: v [B,HK,V], S [B,HK,K,V], value ring [B,HK,W,V]
+    HK, W, feps,
+    D: tl.constexpr, K: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, FUSE: tl.constexpr,
+    V: tl.constexpr, BVC: tl.constexpr, FOLD: tl.constexpr,
+):
+    """Program (batch x KV head), after :func:`_window_step_kernel`: ``z`` gains the key features leaving the
+    window, and the new token's key and key features take their ring slot (which no longer holds padding). ``FOLD`` (the step kernel ran in
+    several head groups, so it wrote nothing): also folds the token leaving the window into ``S`` and writes
+    the new value into the value ring, ``BVC`` columns at a time."""
+    pbh = tl.program_id(0)
+    hk = pbh % HK
+    od, ok = tl.arange(0, BD), tl.arange(0, BK)
+    md, mk = od < D, ok < K
+    base = pbh.to(tl.int64)
+    t = tl.load(SEEN)
+    slot = (t % W).to(tl.int32)
+    fk_old = tl.load(FKR + (base * W + slot) * K + ok, mask=mk, other=0.0).to(tl.float32) * (t >= W).to(tl.float32)
+    tl.store(Z + base * K + ok, tl.load(Z + base * K + ok, mask=mk, other=0.0) + fk_old, mask=mk)
+    if FOLD:
+        for v0 in tl.static_range(0, V, BVC):
+            ov = v0 + tl.arange(0, BVC)
+            mv = ov < V
+            vrow = VR + (base * W + slot) * V + ov
+            v_old = tl.load(vrow, mask=mv, other=0.0).to(tl.float32)  # read before the new value replaces it
+            sp = S + base * K * V + ok[:, None] * V + ov[None, :]
+            m2 = mk[:, None] & mv[None, :]
+            tl.store(sp, tl.load(sp, mask=m2, other=0.0) + fk_old[:, None] * v_old[None, :], mask=m2)
+            tl.store(vrow, tl.load(Vp + base * V + ov, mask=mv, other=0.0).to(VR.dtype.element_ty), mask=mv)
+    k_new = tl.load(Kr + base * D + od, mask=md, other=0.0)
+    if FUSE:  # the features the layer would compute: fp32, rounded to the ring's dtype
+        fk_new = hedgehog_row(k_new.to(tl.float32), WKX, hk, od, ok, md, mk, D, K, K // 2, feps)
+    else:
+        fk_new = tl.load(FK + base * K + ok, mask=mk, other=0.0)
+    if hk == 0:
+        tl.store(KEEP + (pbh // HK).to(tl.int64) * W + slot, 1)
+    tl.store(KR + (base * W + slot) * D + od, k_new.to(KR.dtype.element_ty), mask=md)
+    tl.store(FKR + (base * W + slot) * K + ok, fk_new.to(FKR.dtype.element_ty), mask=mk)
+
+
+CONFIG = {
+    # window step: each (batch, KV head)'s value columns are split over programs (value blocks of >= 16) until
+    # the grid has step_waves programs per SM, each with step_warps warps. Llama-3-8B shape at B = 8 (64 pairs),
+    # H200, CUDA graphs, 2026-12-01: one program per pair (the earlier kernel) 50.2 us; value blocks of 64 with
+    # 4 warps (128 programs) 21.7 us, of 32 24.1 us, of 16 41.3 us; 8 / 16 warps 26-55 us
+    "step_waves": 0.5,
+    "step_bv": 0,  # > 0: this value block (tests, sweeps)
+    # query heads of a KV group answered per program (0: the whole group); fewer spread a group over more
+    # programs, which only read the state, and the commit kernel then writes the fold into S and the new value;
+    # value blocks stay <= SPLIT_HEADS_MAX_BV then. B = 8, H = 32, H200, CUDA graphs, 2026-12-01 14:02 UTC: Hk = 4
+    # (groups of 8, Qwen3-30B-A3B) whole groups 36.4 us, 2 heads per program 19.2 us (4: 22.5, 1: 21.8);
+    # Hk = 8 (groups of 4, Llama-3-8B) 21.5 -> 19.5 us (1: 22.0); H = 28, Hk = 4 (groups of 7) 27.3 -> 19.2 us
+    "step_heads": 2,
+    # warps of the window step's main kernel at value blocks <= 64 (0: from its tile sizes, as wider blocks
+    # always are: 16 at 128 (48.4 us above); 4 warps would spill ~7 KB per thread there, offline for sm_90a)
+    "step_warps": 4,
+    # the linear step's split over value blocks (then z is added by a second kernel; 0 = one program per
+    # (batch, KV head)): Llama-3-8B shape, B 8, Hedgehog features in the kernel: one program 20.8 us, 0.5 waves
+    # (value blocks of 64) 18.2 us, 1.0 21.1, 2.0 29.4 (H200, CUDA graphs, 2026-12-01)
+    "linear_step_waves": 0.5,
+    # query heads of a KV group answered per program of the linear step, as step_heads for the window step (0: the
+    # whole group). B = 8, H = 32, Hedgehog features in the kernel, H200, CUDA graphs, 2026-12-01 16:49 UTC: Hk = 4
+    # whole groups 27.4 us, 2 heads per program 17.7 (4: 20.1, 1: 17.7); Hk = 8 18.7 -> 17.9; H = 28, Hk = 4
+    # 24.8 -> 17.4 (fed precomputed features only from groups of unfused_linear_step_split_min_group)
+    "linear_step_heads": 2,
+    # both steps answer one query head per program, whatever *_heads says, when the batch's query heads
+    # (batch x H) are at most this many per SM (0: never): such a step is latency-bound and more programs beat
+    # fewer reads of the state. H200, H = 32, Hk = 4, batch 1 (32 query heads on 132 SMs), 2026-12-01: linear
+    # step 2 heads per program 13.8 us, 1 head 11.8 us; window step 16.0 / 13.0 us
+    "small_grid_heads_per_sm": 1.0,
+    # the linear step fed precomputed features (elu) spreads a KV group's query heads over programs only from
+    # groups of this many: each program then holds little, and at groups of 4 whole groups were faster. H200,
+    # H = 32, CUDA graphs, 2026-12-01: Hk = 8, B = 8 whole groups 6.4-6.8 us, 2 heads per program 7.6; B = 1
+    # 5.1 / 6.0 (1 head); Hk = 4 (groups of 8), B = 8 7.8 / 7.6-7.7; B = 1 7.7 / 5.8 (1 head)
+    "unfused_linear_step_split_min_group": 8,
+}
+
+
+#: widest value block of either step when a KV group's query heads are split over programs: in the window step 128
+#: took 31-49 us where 64 took 19-23 (the measurements at ``step_heads`` above)
+SPLIT_HEADS_MAX_BV = 64
+
+#: widest value block of the linear step when it computes Hedgehog features: 64 matched the PyTorch step exactly
+#: on an H200 (bf16, every warp count), 128 with 8 / 16 warps did not (7.8e-3 / 8.5e-3 relative error)
+FUSED_LINEAR_STEP_MAX_BV = 64
+
+
+def step_value_block(programs: int, V: int, device: torch.device, waves: float, max_bv: int | None = None) -> int:
+    """Value block of a decode step for ``programs`` (batch x KV head) pairs: halved from the whole ``V``
+    while the grid stays under ``waves`` programs per SM (one program per pair off CUDA or at 0 waves), and
+    never wider than ``max_bv``."""
+    BV = pow2(V) if max_bv is None else min(pow2(V), max_bv)
+    if CONFIG["step_bv"]:
+        return min(int(CONFIG["step_bv"]), BV)
+    if device.type == "cuda":
+        target = waves * num_sms(device)
+        while BV > 16 and programs * triton.cdiv(V, BV) < target:
+            BV //= 2
+    return BV
+
+
+def step_heads(G: int, key: str = "step_heads") -> int:
+    """Query heads per program of a decode step for KV groups of ``G`` (``CONFIG[key]``; 0 or ``>= G``: the whole
+    group). Need not divide ``G``: the last program of a group then answers the remaining heads."""
+    n = int(CONFIG[key])
+    return n if 0 < n < G else G
+
+
+def _tiles(pairs: int, G: int, V: int, device: torch.device, heads_key: str, waves_key: str,
+           max_bv: int | None, split_max_bv: int | None, min_split_group: int = 1) -> tuple[int, int]:
+    """``(query heads per program, value block)`` of a decode step for ``pairs`` (batch x KV head) with KV groups
+    of ``G``: heads per program from ``CONFIG[heads_key]`` (one at small batches: ``small_grid_heads_per_sm``), the
+    value block for all the programs (pairs x head groups) at ``CONFIG[waves_key]``, at most ``max_bv``, or
+    ``split_max_bv`` when given and the heads are split; groups under ``min_split_group`` stay whole)."""
+    GH = step_heads(G, heads_key)
+    if G < min_split_group:
+        GH = G
+    elif device.type == "cuda" and pairs * G <= CONFIG["small_grid_heads_per_sm"] * num_sms(device):
+        GH = 1
+    cap = split_max_bv if GH < G and split_max_bv is not None else max_bv
+    return GH, step_value_block(pairs * triton.cdiv(G, GH), V, device, CONFIG[waves_key], cap)
+
+
+def window_step_tiles(pairs: int, G: int, V: int, device: torch.device) -> tuple[int, int]:
+    """:func:`_tiles` of the window step (value blocks of at most ``SPLIT_HEADS_MAX_BV`` when heads are split)."""
+    return _tiles(pairs, G, V, device, "step_heads", "step_waves", None, SPLIT_HEADS_MAX_BV)
+
+
+def linear_step_tiles(pairs: int, G: int, V: int, device: torch.device, fuse: bool) -> tuple[int, int]:
+    """:func:`_tiles` of the linear step (``fuse``: Hedgehog features in the kernel, value blocks of at most
+    ``FUSED_LINEAR_STEP_MAX_BV``; at most ``SPLIT_HEADS_MAX_BV`` when heads are split; without ``fuse`` groups
+    under ``CONFIG["unfused_linear_step_split_min_group"]`` stay whole)."""
+    return _tiles(pairs, G, V, device, "linear_step_heads", "linear_step_waves",
+                  FUSED_LINEAR_STEP_MAX_BV if fuse else None, SPLIT_HEADS_MAX_BV,
+                  1 if fuse else int(CONFIG["unfused_linear_step_split_min_group"]))
+
+
+#: value columns the commit kernels fold into ``S`` at a time when the heads are split
+COMMIT_BV = 32
+
+
+def _commit_launch(BD: int, BK: int, V: int, fuse: bool, split: bool) -> tuple[int, int]:
+    """``(BVC, num_warps)`` of a commit kernel: the key-feature tile when it computes features, the fold tile
+    when it folds ``S``."""
+    BVC = min(pow2(V), COMMIT_BV)
+    return BVC, _warps(4 * max(BD * BK if fuse else 0, BK * BVC if split else 0))
+
+
+def _warps(nbytes: int) -> int:
+    return 4 if nbytes <= 32 * 1024 else (8 if nbytes <= 96 * 1024 else 16)
+
+
+def window_step_warps(BD: int, BK: int, BV: int, BW: int, fuse: bool) -> int:
+    """Warps of :func:`_window_step_kernel`: ``step_warps`` at value blocks <= 64, else from the tiles it holds."""
+    if BV <= 64 and CONFIG["step_warps"]:
+        return int(CONFIG["step_warps"])
+    return _warps(4 * (BK * BV + BW * (BD + BV) + (BD * BK if fuse else 0)))  # fp32 values live at once
+
+
+def linear_step_triton(q, k, v, S, z, *, normalize=True, eps=1e-6, out=None, wqx=None, wkx=None, feps=0.0):
+    """The linear step; with ``wqx`` / ``wkx`` (``signed_projections``) ``q`` / ``k`` are the raw rows and the
+    kernel computes their Hedgehog features itself."""
+    ensure_applied(q.device)  # this GPU's saved launch configuration (bench kernels --tune), once
+    fuse = wqx is not None
+    B, H, D = q.shape
+    K = wqx.shape[-1] if fuse else D
+    HK, V = k.shape[1], v.shape[-1]
+    if out is None:
+        out = torch.empty((B, H, V), dtype=v.dtype, device=q.device)
+    BK, BD = pow2(K), pow2(D)
+    G = H // HK
+    GH, BV = linear_step_tiles(B * HK, G, V, q.device, fuse)
+    split = GH < G  # several head groups per (batch, KV head): the commit kernel adds k v^T to S
+    NV = triton.cdiv(V, BV)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    _linear_step_kernel[(B * HK, NV, triton.cdiv(G, GH))](
+        q, k, v, S, z, out, wqx if fuse else q, wkx if fuse else q, H, HK, eps, float(feps),
+        K=K, V=V, BK=BK, BV=BV, G=G, NORMALIZE=normalize, D=D, BD=BD, FUSE=fuse, UPDATE_Z=NV == 1 and not split,
+        GH=GH, OWN=not split, num_warps=_warps(BK * BV * 4),
+    )
+    if NV > 1 or split:
+        BVC, warps = _commit_launch(BD, BK, V, fuse, split)
+        _linear_step_commit_kernel[(B * HK,)](
+            k, z, wkx if fuse else k, v, S, HK, float(feps), K=K, BK=BK, D=D, BD=BD, FUSE=fuse, V=V, BVC=BVC,
+            FOLD=split, num_warps=warps)
+    return out
+
+
+def window_step_triton(q, k, fq, fk, v, wf, st, *, scale, eps=1e-12, out=None, wqx=None, wkx=None, feps=0.0):
+    """The window step: :func:`_window_step_kernel` over (batch x KV head, value block), then
+    :func:`_window_step_commit_kernel` and ``seen += 1``. With ``wqx`` / ``wkx`` (``signed_projections``)
+    ``fq`` / ``fk`` are None and the kernels compute the Hedgehog features of ``q`` and ``k`` themselves."""
+    ensure_applied(q.device)
+    B, H, D = q.shape
+    HK, W = st.k_ring.shape[1], st.k_ring.shape[2]
+    K, V = st.fk_ring.shape[-1], st.v_ring.shape[-1]
+    if out is None:
+        out = torch.empty((B, H, V), dtype=v.dtype, device=q.device)
+    if wf.dtype != torch.float32:
+        wf = wf.float()
+    BD, BK, BW = pow2(D), pow2(K), pow2(W)
+    G = H // HK
+    GH, BV = window_step_tiles(B * HK, G, V, q.device)
+    split = GH < G  # then the grid has several head groups per (batch, KV head), and the commit kernel folds
+    fuse = wqx is not None
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    _window_step_kernel[(B * HK, triton.cdiv(V, BV), triton.cdiv(G, GH))](
+        q, q if fuse else fq.contiguous(), k, v, wf.contiguous(), st.S, st.z, st.k_ring, st.fk_ring, st.v_ring,
+        st.seen, st.keep, out, wqx if fuse else q,
+        H, HK, W, float(scale), eps, float(feps), D=D, K=K, V=V, BD=BD, BK=BK, BV=BV, BW=BW, G=G, FUSE=fuse,
+        GH=GH, OWN=not split, num_warps=window_step_warps(BD, BK, BV, BW, fuse),
+    )
+    BVC, warps = _commit_launch(BD, BK, V, fuse, split)
+    _window_step_commit_kernel[(B * HK,)](
+        k, k if fuse else fk.contiguous(), st.k_ring, st.fk_ring, st.z, st.seen, st.keep, wkx if fuse else k,
+        v, st.S, st.v_ring, HK, W, float(feps), D=D, K=K, BD=BD, BK=BK, FUSE=fuse, V=V, BVC=BVC, FOLD=split,
+        num_warps=warps,
+    )
+    st.seen.add_(1)
+    return out

@@ -1,0 +1,100 @@
+# Bundled by linearize 0.1.0 from linearize.kernels.tuning for trust_remote_code=True; do not edit.
+"""Per-GPU launch configurations: measured by ``linearize bench kernels --tune``, saved, reloaded.
+
+The shipped defaults in ``triton_linear.CONFIG`` / ``triton_window.CONFIG`` / ``triton_step.CONFIG`` were picked
+on an H200. A sweep on
+another GPU (:func:`linearize.bench.tune_kernels`) ends with :func:`save`, which writes
+``$LINEARIZE_CACHE/kernels/<gpu>.json`` (GPU name, Triton version, the three configurations). The first Triton
+launch on a CUDA device calls :func:`ensure_applied`, which loads that file when it was written for the same
+GPU name and Triton version and holds only known keys, and updates the configurations in place; otherwise the
+defaults stay. ``LINEARIZE_KERNEL_TUNING=0`` ignores saved files (e.g. to benchmark the shipped defaults).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+
+__all__ = ["tuned_path", "save", "load", "ensure_applied", "applied_from"]
+
+_STATE = {"checked": False, "source": None}
+
+
+def _modules():
+    from . import linearize_kernels_triton_linear as triton_linear, linearize_kernels_triton_step as triton_step, linearize_kernels_triton_window as triton_window
+
+    return {"linear": triton_linear, "window": triton_window, "step": triton_step}
+
+
+def _triton_version() -> str:
+    import triton
+
+    return str(triton.__version__)
+
+
+def _gpu_name(device=None) -> str:
+    import torch
+
+    return torch.cuda.get_device_name(device)
+
+
+def tuned_path(gpu_name: str) -> Path:
+    """``$LINEARIZE_CACHE/kernels/<gpu name as a slug>.json``."""
+    root = Path(os.environ.get("LINEARIZE_CACHE", Path.home() / ".cache" / "linearize"))
+    return root / "kernels" / (re.sub(r"[^A-Za-z0-9]+", "-", gpu_name).strip("-").lower() + ".json")
+
+
+def save(gpu_name: str) -> Path:
+    """Write the current configurations as the tuned ones for ``gpu_name`` (atomically); return the path."""
+    path = tuned_path(gpu_name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    blob = {"gpu": gpu_name, "triton": _triton_version(),
+            **{name: dict(mod.CONFIG) for name, mod in _modules().items()}}
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".tmp-")
+    with os.fdopen(fd, "w") as f:
+        json.dump(blob, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+    return path
+
+
+def load(gpu_name: str) -> dict | None:
+    """The saved configurations for ``gpu_name`` if usable (same GPU and Triton version, only known keys); a
+    module the file does not name keeps its defaults (files written before it was tuned)."""
+    path = tuned_path(gpu_name)
+    try:
+        blob = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(blob, dict) or blob.get("gpu") != gpu_name or blob.get("triton") != _triton_version():
+        return None
+    out = {}
+    for name, mod in _modules().items():
+        cfg = blob.get(name, {})
+        if not isinstance(cfg, dict) or not set(cfg) <= set(mod.CONFIG):
+            return None  # written by another version of the kernels
+        out[name] = cfg
+    return out
+
+
+def ensure_applied(device) -> None:
+    """Apply the saved configurations for ``device``'s GPU once per process (no-op off CUDA or when opted out)."""
+    if _STATE["checked"]:
+        return
+    _STATE["checked"] = True
+    if getattr(device, "type", None) != "cuda" or os.environ.get("LINEARIZE_KERNEL_TUNING", "1") == "0":
+        return
+    name = _gpu_name(device)
+    tuned = load(name)
+    if tuned is None:
+        return
+    for key, mod in _modules().items():
+        mod.CONFIG.update(tuned[key])
+    _STATE["source"] = str(tuned_path(name))
+
+
+def applied_from() -> str | None:
+    """The file whose configurations are in use, or None (the shipped defaults)."""
+    return _STATE["source"]

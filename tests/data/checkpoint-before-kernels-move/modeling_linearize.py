@@ -1,0 +1,229 @@
+# Bundled by linearize 0.1.0 from linearize.modeling for trust_remote_code=True; do not edit.
+"""The hybrid model: a Hugging Face config and causal-LM class with its own ``model_type``.
+
+``LinearizeConfig`` carries every field of the base model's config (so generic code reads
+``hidden_size``, ``vocab_size``, ... as usual), plus ``base_model_type``, the hybrid
+``layer_types`` and the ``linear_attention`` settings. ``LinearizeForCausalLM`` builds the base
+family's causal LM from that config, replaces the attention of every ``linear_attention`` layer
+with :class:`~linearize.attention.LinearAttention`, and runs the base family's own forward.
+Parameter names are the base model's plus the feature-map and window parameters.
+
+Importing :mod:`linearize` registers both with the Auto classes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers.cache_utils import Cache
+
+from .linearize_attention import LinearAttention, arch_spec
+from .linearize_cache import HybridCache, softmax_windows
+LINEAR = 'linear_attention'
+
+#: base-config fields that belong to the hybrid and must not be passed to the base config class
+_OWN_FIELDS = ("base_model_type", "layer_types", "linear_attention", "base_layer_types", "base_rope_parameters",
+               "linearize_version")
+
+
+class LinearizeConfig(PretrainedConfig):
+    """Config of a linearize hybrid: the base config's fields + the layer layout + layer settings."""
+
+    model_type = "linearize"
+
+    def __init__(self, base_model_type: str = "llama", layer_types: list[str] | None = None,
+                 linear_attention: dict | None = None, base_layer_types: list[str] | None = None,
+                 base_rope_parameters: dict | None = None, linearize_version: str | None = None, **kwargs):
+        self.base_model_type = base_model_type
+        self.layer_types = list(layer_types) if layer_types is not None else None
+        self.linear_attention = dict(linear_attention or {})
+        self.base_layer_types = base_layer_types
+        self.base_rope_parameters = base_rope_parameters
+        self.linearize_version = linearize_version
+        self.use_cache = kwargs.pop("use_cache", True)
+        super().__init__(**kwargs)
+
+    @classmethod
+    def from_base(cls, base_config: PretrainedConfig, layer_types: list[str], linear_attention: dict) -> "LinearizeConfig":
+        """Wrap a base config (e.g. ``LlamaConfig``) with a hybrid layout and layer settings."""
+        __version__ = '0.1.0'
+
+        d = base_config.to_dict()
+        base_type = d.pop("model_type")
+        arch_spec(base_type)  # one-line error for unsupported families
+        for k in ("architectures", "auto_map", "transformers_version", "quantization_config"):
+            d.pop(k, None)
+        base_layer_types = d.pop("layer_types", None)
+        rope = d.get("rope_parameters")
+        # rotary parameters per base layer type (Gemma 3: {"sliding_attention": {...}, "full_attention": {...}}) are
+        # kept aside: transformers would read them against the hybrid's layer_types, as one flat set, and rewrite them
+        nested = isinstance(rope, dict) and rope and all(x is None or isinstance(x, dict) for x in rope.values())
+        base_rope_parameters = d.pop("rope_parameters") if nested else None
+        n = base_config.num_hidden_layers
+        if len(layer_types) != n:
+            raise ValueError(f"layer_types has {len(layer_types)} entries for {n} layers")
+        return cls(base_model_type=base_type, layer_types=layer_types, linear_attention=linear_attention,
+                   base_layer_types=base_layer_types, base_rope_parameters=base_rope_parameters,
+                   linearize_version=__version__, **d)
+
+    def base_config(self) -> PretrainedConfig:
+        """The base family's config object (its own ``layer_types`` restored)."""
+        d = self.to_dict()
+        for k in _OWN_FIELDS + ("model_type", "architectures", "auto_map", "transformers_version"):
+            d.pop(k, None)
+        if self.base_layer_types is not None:
+            d["layer_types"] = self.base_layer_types
+        if self.base_rope_parameters is not None:
+            d["rope_parameters"] = self.base_rope_parameters
+        cfg = AutoConfig.for_model(self.base_model_type, **d)
+        impl = getattr(self, "_attn_implementation", None)
+        if impl is not None:
+            cfg._attn_implementation = _base_attention(cfg, impl)
+        return cfg
+
+    @property
+    def linear_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types or []) if t == LINEAR]
+
+
+def _base_attention(base_config: PretrainedConfig, impl: str) -> str:
+    """The attention implementation the base family runs: ``impl``, or eager where the family has no SDPA path
+    (Gemma 2, whose scores are soft-capped), as transformers picks for the original model."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(base_config)]
+    except KeyError:
+        return impl
+    return "eager" if impl == "sdpa" and not getattr(cls, "_supports_sdpa", True) else impl
+
+
+class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
+    """A causal LM whose ``linear_attention`` layers run linear attention. Loads with ``from_pretrained``."""
+
+    config_class = LinearizeConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _supports_sdpa = True
+    _supports_flash_attn = True
+    _supports_flex_attn = False
+    _supports_attention_backend = True
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    # no _no_split_modules here: post_init collects the adopted base model's (its decoder layer class), so
+    # layer-wise offloading places whole decoder layers for every family without a list kept by hand
+
+    def __init__(self, config: LinearizeConfig, base_model: PreTrainedModel | None = None):
+        super().__init__(config)
+        base_cfg = config.base_config()
+        if base_model is None:
+            base_model = AutoModelForCausalLM.from_config(base_cfg, dtype=config.dtype if isinstance(config.dtype, torch.dtype) else None)
+        else:  # adopted weights stay as they are: post_init below initialises only the modules added here
+            for module in base_model.modules():
+                module._is_hf_initialized = True
+        self._base_forward = type(base_model).forward
+        self.model = base_model.model
+        self.lm_head = base_model.lm_head
+        for name, value in vars(base_model).items():  # scalars the base forward reads (Cohere's logit_scale)
+            if not name.startswith("_") and isinstance(value, (bool, int, float, str)) and not hasattr(self, name):
+                setattr(self, name, value)
+        self.vocab_size = config.vocab_size
+        spec = arch_spec(config.base_model_type)
+        for i in config.linear_layers:
+            layer = self.model.layers[i]
+            original = getattr(layer, spec.attention)
+            setattr(layer, spec.attention, LinearAttention(original, base_cfg, i, config.linear_attention, spec))
+        self.post_init()
+
+    def _init_weights(self, module):
+        # New modules (feature maps, window logits) initialise themselves; base weights come from the checkpoint.
+        if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)) and not getattr(module, "_is_hf_initialized", False):
+            super()._init_weights(module)
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def linear_modules(self) -> list[LinearAttention]:
+        """The linear-attention layers, in order."""
+        return [m for m in self.modules() if isinstance(m, LinearAttention)]
+
+    def set_attention_mode(self, mode: str) -> None:
+        """``"linear"`` (converted), ``"softmax"`` (original attention) or ``"distill"`` (both)."""
+        if mode not in ("linear", "softmax", "distill"):
+            raise ValueError(f"unknown attention mode {mode!r}")
+        for m in self.linear_modules():
+            m.mode = mode
+
+    def set_softmax_layers(self, layers) -> None:
+        """The linear layers whose index is in ``layers`` run their original softmax attention, every other one
+        linear attention (layer ablations: the probe, its swap check, ``eval --task swapback``)."""
+        for m in self.linear_modules():
+            m.mode = "softmax" if m.layer_idx in layers else "linear"
+
+    def new_cache(self) -> HybridCache:
+        return HybridCache(self.config.layer_types, softmax_windows(self.config))
+
+    def _swap_cache(self, cache: Any) -> Any:
+        if cache is None or isinstance(cache, HybridCache):
+            return cache
+        if isinstance(cache, Cache) and cache.get_seq_length() == 0:
+            return self.new_cache()
+        raise ValueError("a linearize hybrid needs its own HybridCache (model.new_cache()), got " + type(cache).__name__)
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        out = super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        for key in ("cache", "past_key_values"):
+            c = model_kwargs.get(key)
+            if isinstance(c, Cache) and not isinstance(c, HybridCache) and not getattr(c, "_is_user_defined", False):
+                model_kwargs[key] = self.new_cache()
+                if getattr(generation_config, "is_assistant", False):  # an assistant's drafts are taken back
+                    model_kwargs[key].activate_past_recording()
+        return out
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, cache=None,
+                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
+        impl = self.config._attn_implementation
+        if impl is not None and self.model.config._attn_implementation != impl:  # e.g. set on the hybrid's config
+            self.model.config._attn_implementation = _base_attention(self.model.config, impl)
+        c = cache if cache is not None else past_key_values
+        if use_cache is None:
+            use_cache = self.config.use_cache and not self.training
+        if use_cache and c is None:
+            c = self.new_cache()
+        c = self._swap_cache(c)
+        if "cache" in _base_forward_params(self._base_forward):
+            kwargs["cache"] = c
+        else:
+            kwargs["past_key_values"] = c
+        return self._base_forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                  inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
+                                  logits_to_keep=logits_to_keep, **kwargs)
+
+
+_PARAMS_CACHE: dict[Any, set[str]] = {}
+
+
+def _base_forward_params(fn) -> set[str]:
+    if fn not in _PARAMS_CACHE:
+        import inspect
+
+        _PARAMS_CACHE[fn] = set(inspect.signature(inspect.unwrap(fn)).parameters)
+    return _PARAMS_CACHE[fn]
+
+
+def register_auto_classes() -> None:
+    """Make ``AutoConfig``/``AutoModelForCausalLM`` know the ``linearize`` model type."""
+    try:
+        AutoConfig.register("linearize", LinearizeConfig)
+    except ValueError:
+        pass
+    try:
+        AutoModelForCausalLM.register(LinearizeConfig, LinearizeForCausalLM)
+    except ValueError:
+        pass
+
+
