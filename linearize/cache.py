@@ -53,6 +53,7 @@ class LinearStateLayer(CacheLayerMixin):
         self.state: Any = None  # (S, z) tuple or a WindowState
         self.seen = 0
         self.record_past = False  # keep the recent tokens so that crop() can take them back
+        self.keep = CROP_TOKENS  # how many of them (besides the window)
         self.history: tuple[torch.Tensor, ...] | None = None  # (k, fk, v [B, n, Hk, *], keep [B, n]) of the last n
 
     def lazy_initialization(self, key_states=None, value_states=None) -> None:
@@ -95,9 +96,16 @@ class LinearStateLayer(CacheLayerMixin):
             self.history = tuple(t.index_select(0, beam_idx.to(t.device)) for t in self.history)
 
     # -- taking tokens back (assisted / speculative decoding) ------------------------------------
-    def activate_past_recording(self) -> None:
-        """Keep the last ``window + CROP_TOKENS`` tokens' keys, key features and values from now on."""
+    def activate_past_recording(self, recurrent_states_to_keep: int | None = None) -> None:
+        """Keep the last ``window + max(CROP_TOKENS, recurrent_states_to_keep)`` tokens' keys, key features and values
+        from now on (transformers 5.25 passes the longest draft it may take back; older releases pass nothing)."""
         self.record_past = True
+        self.keep = max(self.keep, int(recurrent_states_to_keep or 0))
+
+    @property
+    def recurrent_states_to_keep(self) -> int:
+        """How many tokens :meth:`crop` can take back (transformers' ``Cache.get_recurrent_states_to_keep``)."""
+        return self.keep if self.record_past else 0
 
     @property
     def is_croppable(self) -> bool:
@@ -105,12 +113,12 @@ class LinearStateLayer(CacheLayerMixin):
 
     def record(self, k: torch.Tensor, fk: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None, window: int):
         """Append a forward's tokens (``k [B, T, Hk, D]``, ``fk``, ``v`` alike, ``keep [B, T]`` or None) to the
-        history, which holds the last ``window + CROP_TOKENS``."""
+        history, which holds the last ``window + self.keep``."""
         new = [k.detach(), fk.detach(), v.detach(),
                keep if keep is not None else torch.ones(k.shape[:2], dtype=torch.bool, device=k.device)]
         if self.history is not None:
             new = [torch.cat([h, x], dim=1) for h, x in zip(self.history, new)]
-        cap = int(window) + CROP_TOKENS  # copies: a view would keep a long prompt's whole k, fk, v alive
+        cap = int(window) + self.keep  # copies: a view would keep a long prompt's whole k, fk, v alive
         self.history = tuple(x[:, -cap:].clone() for x in new)
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -125,7 +133,7 @@ class LinearStateLayer(CacheLayerMixin):
         W = self.state.window if windowed else 0
         held = 0 if self.history is None else self.history[3].shape[1]
         if not self.record_past or r > self.seen or held < min(self.seen, r + W):
-            raise RuntimeError(f"a linear-attention state can take back at most its last {CROP_TOKENS} tokens, and "
+            raise RuntimeError(f"a linear-attention state can take back at most its last {self.keep} tokens, and "
                                f"only after activate_past_recording() (asked for {r}, {held} recorded)")
         fk, v = self.history[1:3]
         first = self.seen - held  # absolute position of the history's first token
@@ -160,6 +168,14 @@ class LinearStateLayer(CacheLayerMixin):
         if self.state is None:
             return 0
         return sum(t.numel() * t.element_size() for t in self.state)
+
+
+def _accepted(fn, kwargs: dict) -> dict:
+    """The part of ``kwargs`` that ``fn`` takes (all of it when ``fn`` has ``**kwargs``)."""
+    params = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params}
 
 
 def _cache_layer(layer_type: str, window: int | None) -> CacheLayerMixin:
@@ -202,10 +218,13 @@ class HybridCache(Cache):
         for layer in self.layers:
             layer.crop(-remove if isinstance(layer, LinearStateLayer) else tokens_to_remove)
 
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(self, **kwargs) -> None:
+        """Let :meth:`crop` take tokens back. ``kwargs`` (transformers 5.25: ``recurrent_states_to_keep``, the longest
+        draft) reach each layer whose own method takes them; transformers' KV layers of older releases take none."""
         for layer in self.layers:
-            if hasattr(layer, "activate_past_recording"):
-                layer.activate_past_recording()
+            fn = getattr(layer, "activate_past_recording", None)
+            if fn is not None:
+                fn(**_accepted(fn, kwargs))
 
     @property
     def is_croppable(self) -> bool:

@@ -21,13 +21,16 @@ def build_inputs(tokenizer, prompt: str, chat: bool) -> torch.Tensor:
 
 def generation_kwargs(*, temperature: float = 0.0, top_p: float = 1.0, prompt_lookup: int = 0) -> dict:
     """``generate()`` arguments: greedy at temperature 0, else sampling (nucleus ``top_p``); ``prompt_lookup`` > 0
-    drafts that many tokens from n-gram matches in the prompt (transformers' prompt-lookup decoding: the drafts are
+    drafts that many tokens (at most ``CROP_TOKENS``, what a linear layer's cache can take back on every supported
+    transformers release) from n-gram matches in the prompt (transformers' prompt-lookup decoding: the drafts are
     checked in one forward and rejected ones taken back with ``HybridCache.crop``)."""
+    from .cache import CROP_TOKENS
+
     kw: dict = {"do_sample": temperature > 0}
     if temperature > 0:
         kw.update(temperature=temperature, top_p=top_p, top_k=0)  # top_k 0: no top-k cut (only top_p)
     if prompt_lookup > 0:
-        kw["prompt_lookup_num_tokens"] = prompt_lookup
+        kw["prompt_lookup_num_tokens"] = min(prompt_lookup, CROP_TOKENS)
     return kw
 
 
