@@ -1129,5 +1129,5 @@ def print_result(result: dict, console=None) -> None:
                       f"{_fmt(x.get('decode_bound'), '.2f') or 'n/a'}x (bytes per step: weights + cache)",
                       highlight=False)
     for tg in result.get("targets", []):
-        mark = {True: "met", False: "NOT met", None: "n/a"}[tg["met"]]
-        con.print(f"  target: {tg['target']}: {_fmt(tg['value'], '.3f') or 'n/a'} ({mark})", highlight=False)
+        mark = {True: "reached", False: "not reached", None: "n/a"}[tg["met"]]
+        con.print(f"  goal: {tg['target']}: {_fmt(tg['value'], '.3f') or 'n/a'} ({mark})", highlight=False)
