@@ -1,4 +1,4 @@
-"""Issue 2's decode check on any model: logits of a prefill of ``P`` tokens followed by ``D`` single-token decode
+"""The decode consistency check on any model: logits of a prefill of ``P`` tokens followed by ``D`` single-token decode
 steps against one full forward over the same ``P + D`` tokens (held-out wiki text of the embedded corpus), as max
 abs difference, beside the largest logit. A checkpoint directory is checked as it is; a spec with ``--ratio`` /
 ``--recipe`` is converted first (surgery only, untrained). ``--backend torch`` runs the linear layers on the

@@ -52,7 +52,7 @@ SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "effici
 
 RESULT_FILE = "bench_model.json"
 
-#: the issue-8 targets, checked when the rows they need exist: (what, metric, T, batch, bound)
+#: the speed goals, checked when the rows they need exist: (what, metric, T, batch, bound)
 TARGETS = (
     ("prefill tokens/s at 32K >= 1.8x the original", "prefill_speedup", 32768, 1, (">=", 1.8)),
     ("prefill tokens/s at 128K >= 3x the original", "prefill_speedup", 131072, 1, (">=", 3.0)),
@@ -896,7 +896,7 @@ def ratios(rows: list[dict]) -> list[dict]:
 
 
 def check_targets(rat: list[dict]) -> list[dict]:
-    """The issue-8 targets that the measured rows can answer (``met`` is None when a side has no number)."""
+    """The speed goals that the measured rows can answer (``met`` is None when a side has no number)."""
     by = {(r["T"], r["B"]): r for r in rat}
     out = []
     for what, metric, T, B, (op, bound) in TARGETS:
@@ -1066,7 +1066,7 @@ def _row_line(r: dict) -> str:
 
 
 def print_result(result: dict, console=None) -> None:
-    """The hybrid-vs-original table (and the issue-8 targets the rows answer) with rich."""
+    """The hybrid-vs-original table (and the speed goals the rows answer) with rich."""
     from rich.table import Table
 
     if console is None:

@@ -9,7 +9,7 @@ tokenizer, whose ids fit any larger vocabulary): which tokens flow does not chan
 
 Per stage the result holds tokens/s and seconds per step of the timed run (its own training time, without the
 held-out evaluation around it), the peak GPU memory, and from them the projected wall time of a conversion
-with ``tokens`` split evenly across the stages (or the recipe's budgets): the number issue 8 asks for
+with ``tokens`` split evenly across the stages (or the recipe's budgets): the figure a conversion plan needs
 (a 40M-token conversion of an 8B model in at most one hour of one H200).
 
 Under ``torchrun`` the stages train data parallel as ``convert`` does (:mod:`linearize.distributed`): ``batch``
@@ -30,7 +30,7 @@ from .errors import LinearizeError, ResourceError, SpecError
 
 RESULT_FILE = "bench_train.json"
 STAGES = ("distill", "finetune")
-#: issue 8's conversion target: 40M tokens (20M + 20M) within one hour of one GPU
+#: the conversion goal: 40M tokens (20M + 20M) within one hour of one GPU
 TARGET_TOKENS, TARGET_SECONDS = 40_000_000, 3600.0
 
 

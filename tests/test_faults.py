@@ -1,4 +1,4 @@
-"""Fault injection (issue 9): what happens when things go wrong, through the CLI.
+"""Fault injection: what happens when things go wrong, through the CLI.
 
 Kills during save and during training, out-of-memory in every stage, exploding and non-finite losses,
 corrupt shards, bad YAML and bad inputs. Each case asserts the exit code, ONE line on stderr naming

@@ -8,7 +8,7 @@ not fill the GPU (few heads, long sequences) the sequence is split into
 segments: a parallel kernel sums ``k^T v`` per segment, a tiny cumulative sum
 gives each segment its starting state, and segments then run independently.
 
-Backward (math in README.md): per-chunk states are recomputed by two scans
+Backward (math in the kernel lab, kernels/README.md): per-chunk states are recomputed by two scans
 (forward ``sum k^T v``, reverse ``sum q^T dn``), then two chunk-parallel kernels
 produce ``dq`` and ``(dk, dv)``; the GQA sum over a KV group's query heads is
 done inside the kernels.

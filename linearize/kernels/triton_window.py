@@ -10,7 +10,7 @@ normaliser together), split into segments when the grid would not fill the
 GPU. The backward recomputes scores from the saved row shift ``m`` and
 denominator ``D`` (``[B,T,H]`` fp32 each): a query-side kernel gives ``dq``,
 ``dfq`` and the window-factor gradient, a key-side kernel ``dk``, ``dfk``,
-``dv``. Math in README.md.
+``dv``. Math in the kernel lab, kernels/README.md.
 """
 
 from __future__ import annotations
