@@ -48,14 +48,13 @@ def check_writable(out: Path) -> None:
     os.unlink(name)
 
 
-def check_output_dir(out: Path, overwrite: bool) -> None:
-    """Refuse an existing output unless ``overwrite``; check the parent is writable. Writes nothing."""
-    out = Path(out)
-    if out.exists() and not overwrite:
-        raise OutputError(f"output {out} already exists (pass --overwrite to replace it)")
-    if out.exists() and not out.is_dir():
-        raise OutputError(f"output {out} exists and is not a directory")
-    check_writable(out)
+def check_output_dir(out: Path, overwrite: bool, *, command: str | None = None) -> None:
+    """Refuse an existing output unless ``overwrite``, a model checkpoint (or a folder inside one) and, on the
+    command line, a folder another command wrote (:func:`linearize.outputs.check_output`); check the parent is
+    writable. Writes nothing."""
+    from .outputs import check_output
+
+    check_output(out, overwrite=overwrite, command=command)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -88,8 +87,12 @@ def recover_output(out: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_dir(out: Path, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary directory that becomes ``out`` only if the block completes."""
+def atomic_dir(out: Path, overwrite: bool = False, *, marker: str | None = None) -> Iterator[Path]:
+    """Yield a temporary directory that becomes ``out`` only if the block completes. With ``marker`` (a command
+    name), the finished directory carries the marker naming it (:data:`linearize.outputs.MARKER`); its files get the
+    usual modes (0644 / 0755 under umask 022) whatever their writer used."""
+    from .outputs import normalize_modes, write_marker
+
     out = Path(out)
     recover_output(out)
     check_output_dir(out, overwrite)
@@ -99,6 +102,9 @@ def atomic_dir(out: Path, overwrite: bool = False) -> Iterator[Path]:
     tmp.mkdir()
     try:
         yield tmp
+        if marker is not None:
+            write_marker(tmp, marker)
+        normalize_modes(tmp)
         old = None
         if out.exists():
             old = out.parent / f".{out.name}.old-{os.getpid()}"
@@ -210,24 +216,49 @@ def stage_summary(reports: dict[str, Any]) -> list[str]:
             "Every field of each stage's report:", ""]
 
 
-def model_card(model, *, base: str, recipe_name: str, reports: dict[str, Any]) -> str:
-    """The checkpoint's README.md: metadata front matter, layer map, how to load, scores."""
+def base_model_id(base: str, source: str | Path | None = None) -> str:
+    """The original's Hugging Face id for a model card's ``base_model``: an alias's hub id (``smollm2-135m`` ->
+    ``HuggingFaceTB/SmolLM2-135M-Instruct``), the id a hybrid ``source`` folder recorded, the id of a hub-cache
+    snapshot ``source`` (``.../models--ORG--NAME/snapshots/...``), else ``base`` as given."""
+    from .sources import ALIASES
+
+    if base in ALIASES:
+        return ALIASES[base]
+    if source:
+        src = Path(str(source))
+        try:
+            recorded = json.loads((src / "report.json").read_text()).get("base_model_id")
+        except (OSError, ValueError, AttributeError):
+            recorded = None
+        if isinstance(recorded, str) and recorded:
+            return recorded
+        for part in src.parts:
+            if part.startswith("models--") and part.count("--") >= 2:
+                return part[len("models--"):].replace("--", "/", 1)
+    return base
+
+
+def model_card(model, *, base: str, recipe_name: str, reports: dict[str, Any], base_id: str | None = None) -> str:
+    """The checkpoint's README.md: metadata front matter, layer map, how to load, scores. ``base_id``: the
+    original's hub id for ``base_model`` (default: :func:`base_model_id` of ``base``)."""
     from . import __version__
     from .select import describe_layout
 
     cfg = model.config
+    base_id = base_id or base_model_id(base)
+    named = f"`{base_id}`" + (f" (alias `{base}`)" if base_id != base else "")
     lines = [
         "---",
         "library_name: transformers",
-        f"base_model: {base}",
+        f"base_model: {base_id}",
         "tags: [linearize, linear-attention, hybrid-attention]",
         "---",
         "",
-        f"# {base} → linear-attention hybrid",
+        f"# {base_id} → linear-attention hybrid",
         "",
         f"Converted with [linearize](https://pypi.org/project/linearize/) {__version__} using recipe `{recipe_name}`.",
         "",
-        f"- base model: `{base}` ({cfg.base_model_type}, {cfg.num_hidden_layers} layers)",
+        f"- base model: {named} ({cfg.base_model_type}, {cfg.num_hidden_layers} layers)",
         f"- layer map (L = linear, S = softmax): `{describe_layout(cfg.layer_types)}`",
         f"- linear attention: `{json.dumps(cfg.linear_attention, sort_keys=True)}`",
         "",
@@ -268,16 +299,22 @@ def model_card(model, *, base: str, recipe_name: str, reports: dict[str, Any]) -
 
 def save_checkpoint(model, tokenizer, out: Path, *, base: str, recipe, overwrite: bool = False,
                     reports: dict[str, dict] | None = None, resolved: dict[str, Any] | None = None,
-                    max_shard_bytes: int = DEFAULT_SHARD_BYTES, state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+                    max_shard_bytes: int = DEFAULT_SHARD_BYTES, state_dict: dict[str, torch.Tensor] | None = None,
+                    command: str | None = None) -> Path:
     """Write the complete checkpoint directory atomically; return its path. ``state_dict`` replaces the
-    model's own (``--fsdp``: the full weights gathered on rank 0 by :func:`linearize.fsdp.full_state_dict`)."""
+    model's own (``--fsdp``: the full weights gathered on rank 0 by :func:`linearize.fsdp.full_state_dict`).
+    ``command``: what the output marker names (default: the running command line command, else convert)."""
     from .bundle import remote_code_files
+    from .outputs import current_scope
     from .recipe import resolved_yaml
 
     out = Path(out)
     reports = reports or {}
     t0 = time.time()
-    with atomic_dir(out, overwrite) as tmp:
+    scope = current_scope()
+    command = command or (scope.command if scope is not None else "convert")
+    base_id = base_model_id(base, getattr(tokenizer, "name_or_path", None))  # the source folder it was loaded from
+    with atomic_dir(out, overwrite, marker=command) as tmp:
         cfg = model.config
         cfg.architectures = ["LinearizeForCausalLM"]
         cfg.auto_map = {"AutoConfig": "configuration_linearize.LinearizeConfig",
@@ -290,10 +327,11 @@ def save_checkpoint(model, tokenizer, out: Path, *, base: str, recipe, overwrite
         for name, text in remote_code_files().items():  # trust_remote_code=True without the package
             (tmp / name).write_text(text)
         (tmp / "linearize_recipe.yaml").write_text(resolved_yaml(recipe, {"base_model": base, **(resolved or {})}))
-        (tmp / "README.md").write_text(model_card(model, base=base, recipe_name=recipe.name, reports=reports))
+        (tmp / "README.md").write_text(model_card(model, base=base, recipe_name=recipe.name, reports=reports,
+                                                  base_id=base_id))
         for stage, rep in reports.items():
             (tmp / f"report_{stage}.json").write_text(json.dumps(rep, indent=2, default=str) + "\n")
-        summary = {"base_model": base, "recipe": recipe.name, "layer_types": cfg.layer_types,
+        summary = {"base_model": base, "base_model_id": base_id, "recipe": recipe.name, "layer_types": cfg.layer_types,
                    "stages": reports, "save_seconds": round(time.time() - t0, 2)}
         (tmp / "report.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
         (tmp / "report.md").write_text(_report_md(summary))

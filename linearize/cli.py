@@ -25,6 +25,48 @@ app.add_typer(bench_app, name="bench")
 console = make_console()
 err_console = make_console(stderr=True)
 
+_DTYPE_HELP = "float32 | bfloat16 | float16 (default: float32 on CPU, bfloat16 on GPU)."
+_DEVICE_HELP = "cpu | cuda | cuda:N (default: cuda when available)."
+_OVERWRITE_HELP = ("Replace an earlier output of this command (a folder it wrote, with its .linearize-output.json); "
+                   "never a model checkpoint or anything else.")
+
+
+def _plain_flags() -> None:
+    """Show on/off options as bare flags in ``--help``: this Typer prints a value type (``<bool>``) beside every
+    option, flags included, which reads as if ``--no-train`` took a value."""
+    try:
+        from typer.core import TyperOption
+    except ImportError:  # pragma: no cover - another Typer layout: its own help
+        return
+    shown = getattr(TyperOption, "display_type_rich", None)
+    if shown is None or getattr(shown, "_linearize_plain_flags", False):
+        return
+
+    def display_type_rich(self, ctx):
+        if getattr(self, "is_flag", False) and not getattr(self, "count", False):
+            return None
+        return shown(self, ctx)
+
+    display_type_rich._linearize_plain_flags = True
+    TyperOption.display_type_rich = display_type_rich
+
+
+_plain_flags()
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from . import __version__
+
+        console.print(f"linearize {__version__}", highlight=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                       help="Print the version and exit.")):
+    """Convert softmax-attention LLMs into fast linear-attention hybrids."""
+
 
 def fail(message: str, code: int = 2) -> None:
     """Print one line on stderr and exit non-zero."""
@@ -94,19 +136,21 @@ def convert(
     loss: Optional[str] = typer.Option(None, "--loss", help="LoRA loss: xent (next token) or kl (to the original); default: the recipe's."),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run from its last checkpoint."),
     out: Optional[Path] = typer.Option(None, "-o", "--output", help="Output directory (default: MODEL-LAYOUT-RECIPE)."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="float32 | bfloat16 | float16 (default: float32 on CPU, bfloat16 on GPU)."),
-    device: Optional[str] = typer.Option(None, "--device", help="cpu | cuda | cuda:N (default: cuda when available)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help=_OVERWRITE_HELP),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help=_DTYPE_HELP),
+    device: Optional[str] = typer.Option(None, "--device", help=_DEVICE_HELP),
     fsdp: bool = typer.Option(False, "--fsdp", help="Under torchrun: shard the model over the processes (FSDP2) instead of copying it to each; for models that do not fit one device."),
 ):
     """Convert a model into a linear-attention hybrid checkpoint."""
+    from .outputs import command_scope
     from .pipeline import convert as run
 
-    path = run(spec, ratio=ratio, softmax_layers=softmax_layers, select=select, kv_budget=kv_budget, recipe=recipe,
-               overrides=_overrides(set_),
-               train=not no_train, out=out, overwrite=overwrite, dtype=dtype, device=device, tokens=tokens,
-               distill_tokens=distill_tokens, finetune_tokens=finetune_tokens, finetune=not no_finetune, loss=loss,
-               resume=resume, fsdp=fsdp, log=_log)
+    with command_scope("convert"):  # -o: never a model checkpoint; --overwrite: only an earlier convert output
+        path = run(spec, ratio=ratio, softmax_layers=softmax_layers, select=select, kv_budget=kv_budget,
+                   recipe=recipe, overrides=_overrides(set_),
+                   train=not no_train, out=out, overwrite=overwrite, dtype=dtype, device=device, tokens=tokens,
+                   distill_tokens=distill_tokens, finetune_tokens=finetune_tokens, finetune=not no_finetune,
+                   loss=loss, resume=resume, fsdp=fsdp, log=_log)
     _log(f"wrote {path}")
 
 
@@ -116,17 +160,19 @@ def distill(
     path: str = typer.Argument(..., help="A hybrid checkpoint directory (from `linearize convert`)."),
     tokens: Optional[str] = typer.Option(None, "--tokens", help="Token budget, e.g. 256K, 20M (default: the recipe's)."),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a recipe field: section.field=value (repeatable)."),
-    out: Optional[Path] = typer.Option(None, "-o", "--output", help="Write here instead of updating PATH in place."),
+    out: Optional[Path] = typer.Option(None, "-o", "--output", help="Write here (a new folder, outside any model checkpoint) instead of updating PATH in place."),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run from its last checkpoint."),
-    dtype: Optional[str] = typer.Option(None, "--dtype"),
-    device: Optional[str] = typer.Option(None, "--device"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help=_DTYPE_HELP),
+    device: Optional[str] = typer.Option(None, "--device", help=_DEVICE_HELP),
     fsdp: bool = typer.Option(False, "--fsdp", help="Under torchrun: shard the model over the processes (FSDP2) instead of copying it to each; for models that do not fit one device."),
 ):
     """(Re)run attention transfer (stage 1) on a hybrid checkpoint."""
+    from .outputs import command_scope
     from .pipeline import rerun_stage
 
-    p = rerun_stage("distill", path, out=out, overrides=_overrides(set_), tokens=tokens, resume=resume, dtype=dtype,
-                    device=device, fsdp=fsdp, log=_log)
+    with command_scope("distill", in_place=path):  # PATH itself is updated in place; -o never a model checkpoint
+        p = rerun_stage("distill", path, out=out, overrides=_overrides(set_), tokens=tokens, resume=resume,
+                        dtype=dtype, device=device, fsdp=fsdp, log=_log)
     _log(f"wrote {p}")
 
 
@@ -138,18 +184,25 @@ def finetune(
     loss: Optional[str] = typer.Option(None, "--loss", help="xent (next token) or kl (to the original attention)."),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a recipe field: section.field=value (repeatable)."),
     adapter_only: bool = typer.Option(False, "--adapter-only", help="Write only the LoRA adapter (default PATH-adapter)."),
-    out: Optional[Path] = typer.Option(None, "-o", "--output", help="Write here instead of updating PATH in place."),
+    out: Optional[Path] = typer.Option(None, "-o", "--output", help="Write here (a new folder, outside any model checkpoint) instead of updating PATH in place."),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run from its last checkpoint."),
-    dtype: Optional[str] = typer.Option(None, "--dtype"),
-    device: Optional[str] = typer.Option(None, "--device"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help=_DTYPE_HELP),
+    device: Optional[str] = typer.Option(None, "--device", help=_DEVICE_HELP),
     fsdp: bool = typer.Option(False, "--fsdp", help="Under torchrun: shard the model over the processes (FSDP2) instead of copying it to each; for models that do not fit one device."),
 ):
     """(Re)run the LoRA stage (stage 2) on a hybrid checkpoint; adapters are merged before saving."""
+    from .outputs import command_scope, finish_output
     from .pipeline import rerun_stage
 
-    p = rerun_stage("finetune", path, out=out, overrides=_overrides(set_), tokens=tokens, loss=loss,
-                    adapter_only=adapter_only, resume=resume, dtype=dtype, device=device,
-                    fsdp=fsdp, log=_log)
+    # PATH itself is updated in place (an adapter never goes into it); -o is never a model checkpoint
+    with command_scope("finetune", in_place=None if adapter_only else path):
+        p = rerun_stage("finetune", path, out=out, overrides=_overrides(set_), tokens=tokens, loss=loss,
+                        adapter_only=adapter_only, resume=resume, dtype=dtype, device=device,
+                        fsdp=fsdp, log=_log)
+    from .distributed import is_main
+
+    if adapter_only and is_main():  # the adapter folder peft wrote: its marker and the usual file modes
+        finish_output(p, "finetune")
     _log(f"wrote {p}")
 
 
@@ -264,8 +317,8 @@ def generate(
     prompt_lookup: int = typer.Option(0, "--prompt-lookup", min=0, help=(
         "Speculative decoding without a second model: draft up to N tokens by matching the last tokens in the "
         "prompt, checked in one forward (greedy text unchanged; faster when the answer repeats the prompt). 0: off.")),
-    dtype: Optional[str] = typer.Option(None, "--dtype"),
-    device: Optional[str] = typer.Option(None, "--device"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help=_DTYPE_HELP),
+    device: Optional[str] = typer.Option(None, "--device", help=_DEVICE_HELP),
     max_memory: Optional[str] = typer.Option(None, "--max-memory", help=_MAX_MEMORY_HELP),
     offload_dir: Optional[Path] = typer.Option(None, "--offload-dir", help=_OFFLOAD_DIR_HELP),
 ):
@@ -291,7 +344,7 @@ def eval_cmd(
     spec: str = typer.Argument(..., help="Model spec or hybrid checkpoint directory to evaluate."),
     task: str = typer.Option(..., "--task", help="niah,passkey,copy,ppl,recall,agreement,speed,swapback,lm-eval:TASKS (comma-separated)."),
     against: Optional[str] = typer.Option(None, "--against", help="The original model, evaluated on identical prompts."),
-    out: Optional[Path] = typer.Option(None, "-o", "--output", help="Report directory (default: eval-MODEL)."),
+    out: Optional[Path] = typer.Option(None, "-o", "--output", help="Report directory (default: a new eval-MODEL-TASKS-DATE-TIME per run)."),
     lengths: str = typer.Option("1K,2K,4K", "--lengths", help="Context lengths in the model's tokens, e.g. 1K,2K,4K,8K."),
     depths: str = typer.Option("5", "--depths", help="Needle depths: a count (11 = 0%,10%,...,100%) or fractions 0,0.5,1."),
     seeds: str = typer.Option("2", "--seeds", help="Samples per (length, depth) cell: a count or explicit seeds."),
@@ -299,21 +352,25 @@ def eval_cmd(
     data: Optional[str] = typer.Option(None, "--data", help="Text for ppl/agreement (default: held-out embedded corpus)."),
     batch: str = typer.Option("1", "--batch", help="Batch sizes for the speed task, e.g. 1,8."),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", help="Override each task's generation length."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing report directory."),
-    dtype: Optional[str] = typer.Option(None, "--dtype"),
-    device: Optional[str] = typer.Option(None, "--device"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an earlier eval report (a folder eval wrote, with its .linearize-output.json); never a model checkpoint or anything else."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help=_DTYPE_HELP),
+    device: Optional[str] = typer.Option(None, "--device", help=_DEVICE_HELP),
     max_memory: Optional[str] = typer.Option(None, "--max-memory", help=_MAX_MEMORY_HELP + " Applies to --against too."),
     offload_dir: Optional[Path] = typer.Option(None, "--offload-dir", help=_OFFLOAD_DIR_HELP),
 ):
-    """Evaluate recall, quality and speed, side by side with the original."""
-    from .evals.runner import run_eval
-    from .sources import resolve
+    """Evaluate recall, quality and speed, side by side with the original (results table on stdout)."""
+    from .evals.report import summary_table
+    from .evals.runner import default_out_dir, run_eval
+    from .outputs import command_scope
 
-    out = out or Path(f"eval-{resolve(spec).name}")
-    run_eval(spec, task, against=against, out_dir=out, lengths=lengths, depths=depths, seeds=seeds,
-             chat_template=chat_template, data=data, batch_sizes=batch, max_new_tokens=max_new_tokens,
-             device=device, dtype=dtype, max_memory=max_memory, offload_dir=offload_dir, overwrite=overwrite)
-    console.print(f"wrote {out}")
+    out = out or default_out_dir(spec, task)
+    with command_scope("eval"):  # -o: never a model checkpoint; --overwrite: only an earlier eval report
+        summary = run_eval(spec, task, against=against, out_dir=out, lengths=lengths, depths=depths, seeds=seeds,
+                           chat_template=chat_template, data=data, batch_sizes=batch, max_new_tokens=max_new_tokens,
+                           device=device, dtype=dtype, max_memory=max_memory, offload_dir=offload_dir,
+                           overwrite=overwrite, console=err_console, table=False)
+    console.print(summary_table(summary))
+    console.print(f"wrote {out}", highlight=False)
 
 
 @bench_app.command("kernels")

@@ -81,6 +81,30 @@ def _diff_cell(task: str, d: dict, metric: str | None) -> str:
     return fmt(d.get("score"), metric, signed=True)
 
 
+def headline_rows(summary: dict) -> list[tuple[str, str, dict, dict | None, dict]]:
+    """The summary table's rows: ``(task, metric label, model, original or None, difference)``, each a dict with
+    ``score``. One row per task, except ppl: one row per context length, each named (``ppl @ 2K``), so the
+    table never shows one length's perplexity as the task's."""
+    m_all = summary["tasks"]
+    ag = summary.get("against")
+    d_all = summary.get("difference") or {}
+    rows = []
+    for t in [t for t in TASK_ORDER if t in m_all]:
+        m = m_all[t]
+        a = ag["tasks"].get(t, {}) if ag else None
+        d = d_all.get(t, {})
+        metric = str(m.get("metric"))
+        arrow = "↑" if m.get("higher_is_better") else "↓"
+        if t == "ppl" and m.get("by_length"):
+            for k in sorted(m["by_length"], key=int):
+                rows.append((t, f"{metric} @ {format_length(int(k))} {arrow}", {"score": m["by_length"][k]},
+                             {"score": (a.get("by_length") or {}).get(k)} if a is not None else None,
+                             {"score": (d.get("by_length") or {}).get(k)}))
+            continue
+        rows.append((t, f"{metric} {arrow}", m, a, d))
+    return rows
+
+
 def _label_depth(d: str) -> str:
     return f"{100 * float(d):.0f}%"
 
@@ -240,14 +264,11 @@ def render_markdown(summary: dict, images: dict[str, dict[str, str]]) -> str:
     # headline table
     L += ["## Summary", ""]
     rows = []
-    for t in [t for t in TASK_ORDER if t in m_all]:
-        m = m_all[t]
-        metric = m.get("metric")
-        better = "↑" if m.get("higher_is_better") else "↓"
-        row = [t, f"{metric} {better}", fmt(m.get("score"), metric)]
+    for t, label, m, a, d in headline_rows(summary):
+        metric = m_all[t].get("metric")
+        row = [t, label, fmt(m.get("score"), metric)]
         if has_a:
-            a = a_all.get(t, {})
-            row += [fmt(a.get("score"), metric), _diff_cell(t, d_all.get(t, {}), metric)]
+            row += [fmt((a or {}).get("score"), metric), _diff_cell(t, d, metric)]
         rows.append(row)
     L += _table(["task", "metric", "model"] + (["original", "difference"] if has_a else []), rows) + [""]
     if has_a and "speed" in m_all:
@@ -439,7 +460,6 @@ def summary_table(summary: dict):
     from rich.table import Table  # noqa: PLC0415
 
     ag = summary.get("against")
-    d_all = summary.get("difference") or {}
     table = Table(title=f"linearize eval · {summary['model']}" + (f" vs {ag['model']}" if ag else ""))
     table.add_column("task")
     table.add_column("metric")
@@ -447,19 +467,17 @@ def summary_table(summary: dict):
     if ag:
         table.add_column("original", justify="right")
         table.add_column("difference", justify="right")
-    for t in [t for t in TASK_ORDER if t in summary["tasks"]]:
-        m = summary["tasks"][t]
-        metric = m.get("metric")
-        row = [t, f"{metric} {'↑' if m.get('higher_is_better') else '↓'}", fmt(m.get("score"), metric)]
+    for t, label, m, a, d in headline_rows(summary):
+        task = summary["tasks"][t]
+        metric = task.get("metric")
+        row = [t, label, fmt(m.get("score"), metric)]
         if ag:
-            a = ag["tasks"].get(t, {})
-            d = d_all.get(t, {}).get("score")
             style = ""
-            dv = _num(d)
+            dv = _num(d.get("score"))
             if dv is not None and abs(dv) > 1e-12:
-                good = (dv > 0) == bool(m.get("higher_is_better"))
+                good = (dv > 0) == bool(task.get("higher_is_better"))
                 style = "green" if good else "red"
-            txt = _diff_cell(t, d_all.get(t, {}), metric)
-            row += [fmt(a.get("score"), metric), f"[{style}]{txt}[/{style}]" if style else txt]
+            txt = _diff_cell(t, d, metric)
+            row += [fmt((a or {}).get("score"), metric), f"[{style}]{txt}[/{style}]" if style else txt]
         table.add_row(*row)
     return table

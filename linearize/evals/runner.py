@@ -136,7 +136,7 @@ def _resolve_chat(tokenizer, chat_template: bool | None, spec: str) -> bool:
     if chat_template is None:
         return has
     if chat_template and not has:
-        raise EvalError(f"{spec} has no chat template: drop chat_template=True (--chat-template)")
+        raise EvalError(f"{spec} has no chat template: drop --chat-template")
     return bool(chat_template)
 
 
@@ -148,6 +148,22 @@ def _check_limit(spec: str, limit: int | None, cfg: EvalConfig, specs: list[Task
     if too_long:
         raise EvalError(f"length {format_length(too_long[0])} ({too_long[0]} tokens) exceeds the position limit of "
                         f"{spec} ({limit} tokens, max_position_embeddings): use lengths up to {limit}")
+
+
+def default_out_dir(spec: str, tasks: str | Sequence[str], *, now: _dt.datetime | None = None,
+                    parent: str | Path = ".") -> Path:
+    """A new report folder for this run: ``eval-MODEL-TASKS-YYYYMMDD-HHMMSS`` (``eval-smollm2-135m-passkey,ppl-
+    20261204-143012``), with ``-2``, ``-3``, ... when that name is taken, so runs never collide."""
+    from linearize.sources import resolve  # noqa: PLC0415
+
+    names = ",".join(dict.fromkeys(s.name for s in parse_tasks(tasks)))
+    stamp = (now or _dt.datetime.now()).strftime("%Y%m%d-%H%M%S")
+    base = Path(parent) / f"eval-{resolve(spec).name}-{names}-{stamp}"
+    out, n = base, 1
+    while out.exists() or out.is_symlink():
+        n += 1
+        out = base.with_name(f"{base.name}-{n}")
+    return out
 
 
 def _peek_max_positions(spec: str) -> int | None:
@@ -203,6 +219,7 @@ def run_eval(
     overwrite: bool = False,
     gen_batch_size: int | None = None,
     console: Any = None,
+    table: bool = True,
 ) -> dict:
     """Evaluate ``spec`` (and ``against``, the original, on identical prompts); return the summary.
 
@@ -224,11 +241,14 @@ def run_eval(
             or ``"0=40GiB,cpu=100GiB"``; see ``linearize.sources.load_model``), for both models; passed to the
             loader only when given.
         loader: ``loader(spec, dtype=, device=) -> (model, tokenizer)``; default ``linearize.sources.load_model``.
-        progress: rich progress bars and the summary table on the terminal (stderr).
-        overwrite: replace an existing ``out_dir``.
+        progress: rich progress bars (and with ``table`` the summary table) on the terminal (stderr).
+        overwrite: replace an existing ``out_dir``: never a model checkpoint (nor write inside one), never another
+            command's output; on the command line only an earlier eval output (:mod:`linearize.outputs`).
         gen_batch_size: prompts generated together (they have the same length: never any padding);
             None = automatic, 16384 // length clamped to 1..8.
         console: a rich Console to draw on (default: stderr).
+        table: print the summary table on ``console`` at the end (with ``progress``); the command line prints it
+            on stdout itself.
     """
     t_start = time.time()
     specs = parse_tasks(tasks)
@@ -248,13 +268,11 @@ def run_eval(
     if against is None and any(s.name == "agreement" for s in specs):
         raise EvalError("task 'agreement' needs against= (--against SPEC): the original generates the text it is scored on")
     out_dir = Path(out_dir)
-    if out_dir.exists() and not overwrite:
-        raise EvalError(f"output directory {out_dir} already exists: pass overwrite=True (--overwrite) to replace it")
-    if out_dir.exists() and not out_dir.is_dir():
-        raise EvalError(f"output path {out_dir} exists and is not a directory")
-    from linearize.checkpoint import check_writable  # noqa: PLC0415
+    from linearize.outputs import check_output, normalize_modes, write_marker  # noqa: PLC0415
 
-    check_writable(out_dir)  # a read-only or file parent fails here, before any model is loaded
+    # a model checkpoint, a folder inside one, another command's output, a read-only or file parent: one line here,
+    # before any model is loaded
+    check_output(out_dir, overwrite=overwrite, command="eval", error=EvalError)
     for s_ in (spec, against):  # local checkpoints: check before loading anything
         if s_:
             _check_limit(s_, _peek_max_positions(s_), cfg, specs)
@@ -303,6 +321,8 @@ def run_eval(
                                         advice="try shorter --lengths, --dtype bfloat16, --max-memory (offload layers) "
                                                "or --device cpu") from None
                     summ = ts.module.summarize(rows, cfg)
+                    if ts.name == "ppl" and summ.get("by_length"):  # its headline score is at the longest length
+                        summ.setdefault("score_length", max(int(k) for k in summ["by_length"]))
                     summ["seconds"] = round(time.time() - t0, 2)
                     if ts.arg:
                         summ["spec"] = ts.label
@@ -334,11 +354,14 @@ def run_eval(
         summary["elapsed_s"] = round(time.time() - t_start, 1)
         write_report(tmp, summary)
         (tmp / "summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        write_marker(tmp, "eval")
+        normalize_modes(tmp)  # mkdtemp made it private (0700)
+        check_output(out_dir, overwrite=overwrite, command="eval", error=EvalError)  # what is there now (a run beside)
         _commit(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if progress and console is not None:
+    if progress and table and console is not None:
         console.print(summary_table(summary))
     return summary
 
