@@ -12,6 +12,8 @@ import pytest
 from conftest import run_cli
 from linearize import benchtrain as bt
 
+pytestmark = pytest.mark.slow  # timed training steps, some under torchrun
+
 # the embedded tokenizer (49,152 tokens) must fit the vocabulary of a --random-weights model
 TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 49152,

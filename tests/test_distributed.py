@@ -11,6 +11,8 @@ from linearize import distributed as dist
 from linearize.errors import TrainingError
 from test_interrupt import _env, _weights, workspace  # noqa: F401 - the tiny model + corpus fixture
 
+pytestmark = pytest.mark.slow  # multi-process data-parallel training under torchrun
+
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone"]
 
 

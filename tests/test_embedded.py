@@ -12,6 +12,8 @@ from linearize import recipe as R
 from linearize.select import select_layout
 from linearize.surgery import linearize_model
 
+pytestmark = pytest.mark.slow  # the real embedded model end to end
+
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory, embedded_dir):

@@ -17,6 +17,8 @@ from linearize.errors import LinearizeError
 from test_distributed import TORCHRUN, _convert
 from test_interrupt import _args, _env, _weights, workspace  # noqa: F401 - the tiny model + corpus fixture
 
+pytestmark = pytest.mark.slow  # multi-process FSDP training under torchrun
+
 CLI = [sys.executable, "-m", "linearize.cli"]
 
 

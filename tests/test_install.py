@@ -203,6 +203,7 @@ def test_checkpoint_written_before_the_kernels_moved_still_loads(tmp_path):
     assert (got - torch.tensor(expected["last_logits"])).abs().max().item() <= 1e-5
 
 
+@pytest.mark.slow
 def test_every_family_tokenizer_loads_quietly(tmp_path):
     """Under the base family's model_type, transformers builds that family's config for the tokenizer: for every
     supported family the hybrid's extra fields (layer_types with linear layers among them) must not upset it."""

@@ -12,6 +12,8 @@ from safetensors.torch import load_file
 
 from conftest import char_tokenizer, tiny_workspace
 
+pytestmark = pytest.mark.slow  # training processes interrupted and resumed
+
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):

@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # the Triton kernels under the interpreter: minutes of CPU
+
 HERE = Path(__file__).resolve().parent
 MODULE = HERE / "test_kernels_triton.py"
 

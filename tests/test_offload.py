@@ -150,6 +150,7 @@ def test_load_model_option_errors(ckpts, tmp_path):
         load_model(spec, max_memory={"cpu": "1GB"}, offload_dir=tmp_path / "file")
 
 
+@pytest.mark.slow
 def test_cli_generate_same_text(ckpts, tmp_path):
     spec = str(ckpts["llama"])
     base = ["generate", spec, PROMPT, "--max-new-tokens", "5", "--dtype", "float32"]
@@ -171,6 +172,7 @@ def _generate_text(capsys, spec, *args) -> str:
     return out.out
 
 
+@pytest.mark.slow
 def test_cli_generate_sampling_and_prompt_lookup(ckpts, capsys):
     """On a hybrid: prompt-lookup drafts (taken back with HybridCache.crop when wrong) leave greedy text unchanged;
     sampling with a seed repeats itself."""
@@ -214,6 +216,7 @@ def test_cli_eval_bad_placement_is_one_line(ckpts, tmp_path):
     assert "Traceback" not in res.stderr and not (tmp_path / "ev").exists()
 
 
+@pytest.mark.slow
 def test_eval_ppl_same_with_offload(ckpts, tmp_path):
     from linearize.evals.runner import run_eval
 

@@ -244,6 +244,7 @@ def _convert(ws, out, *extra, select=("--select", "auto")):
     return run_cli("convert", str(ws / "tiny"), *select, *sets, "-o", str(out), *extra)
 
 
+@pytest.mark.slow
 def test_convert_takes_select_from_the_recipe(ws, tmp_path, monkeypatch):
     """No --select: lolcats' select.method (auto) runs where it can, interleave where it cannot."""
     monkeypatch.setenv("LINEARIZE_CACHE", str(tmp_path / "cache"))
@@ -280,6 +281,7 @@ def test_convert_takes_select_from_the_recipe(ws, tmp_path, monkeypatch):
     assert res.returncode != 0 and "less than one batch" in res.stderr and not (tmp_path / "E").exists()
 
 
+@pytest.mark.slow
 def test_convert_select_auto_cli(ws, tmp_path, monkeypatch):
     monkeypatch.setenv("LINEARIZE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -326,6 +328,7 @@ def test_convert_select_auto_cli(ws, tmp_path, monkeypatch):
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)  # cached = fresh, bit for bit
 
 
+@pytest.mark.slow
 def test_convert_kv_budget_too_small_cli(ws, tmp_path, monkeypatch):
     monkeypatch.setenv("LINEARIZE_CACHE", str(tmp_path / "cache"))
     res = run_cli("convert", str(ws / "tiny"), "--select", "auto", "--kv-budget", "1KB@1K", "-o", str(tmp_path / "O"))
@@ -407,6 +410,7 @@ def test_swap_check_keeps_the_swap_the_joint_loss_prefers(ws, monkeypatch):
         model(ids)
 
 
+@pytest.mark.slow
 def test_convert_with_swap_check_reports_it(ws, tmp_path, monkeypatch):
     monkeypatch.setenv("LINEARIZE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
