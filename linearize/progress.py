@@ -109,9 +109,9 @@ class LineProgress:
             parts.append(info)
         elapsed = time.monotonic() - t["t0"]
         parts.append(f"elapsed {_clock(elapsed)}")
-        ran = done - t["start_completed"]
-        if total and 0 < ran and done < total:
-            parts.append(f"eta {_clock(elapsed / ran * (total - done))}")
+        left = eta_seconds(elapsed, done, t["start_completed"], total)
+        if left is not None:
+            parts.append(f"eta {_clock(left)}")
         return "  ".join(parts)
 
     def _print(self, task_id: int) -> None:
@@ -123,20 +123,61 @@ class LineProgress:
                 stream.flush()
 
 
-def make_progress(*columns, disable: bool = False, console=None, transient: bool = False):
-    """A rich ``Progress(*columns)`` on a terminal, else a :class:`LineProgress` (same calls)."""
-    from rich.progress import Progress
+def eta_seconds(elapsed: float | None, done: float, start: float, total: float | None) -> float | None:
+    """Seconds left at this run's average pace: ``elapsed`` seconds for ``done - start`` units (None before the
+    first unit, without a total, or when finished)."""
+    ran = done - start
+    if elapsed is None or not total or ran <= 0 or done >= total:
+        return None
+    return elapsed / ran * (total - done)
 
+
+def _eta_column():
+    """A rich column with :func:`eta_seconds`, the estimate of the plain lines. rich's ``TimeRemainingColumn`` needs
+    two updates within its 30 s window, so a run whose steps take longer (a large model on a CPU) never showed one."""
+    from rich.progress import ProgressColumn
+    from rich.text import Text
+
+    class EtaColumn(ProgressColumn):
+        max_refresh = 0.5
+
+        def render(self, task) -> Text:
+            if task.finished:
+                return Text(f"elapsed {_clock(task.finished_time or task.elapsed or 0.0)}", style="progress.elapsed")
+            left = eta_seconds(task.elapsed, task.completed, task.fields.get("start_completed", 0), task.total)
+            return Text(f"eta {_clock(left)}" if left is not None else "eta -:--:--", style="progress.remaining")
+
+    return EtaColumn()
+
+
+def _rich_progress(*columns, **kwargs):
+    """rich's ``Progress`` whose tasks remember where they started (a resumed run's first step), which the ETA
+    column reads; rich's own time-remaining columns are replaced by it."""
+    from rich.progress import Progress, TimeRemainingColumn
+
+    class StepProgress(Progress):
+        def add_task(self, description, start=True, total=100.0, completed=0, visible=True, **fields):
+            fields.setdefault("start_completed", completed)
+            return super().add_task(description, start=start, total=total, completed=completed, visible=visible,
+                                    **fields)
+
+    columns = tuple(_eta_column() if isinstance(c, TimeRemainingColumn) else c for c in columns)
+    return StepProgress(*columns, **kwargs)
+
+
+def make_progress(*columns, disable: bool = False, console=None, transient: bool = False):
+    """A rich ``Progress(*columns)`` on a terminal (its time remaining as the plain lines estimate it), else a
+    :class:`LineProgress` (same calls)."""
     console = console if console is not None else make_console()
     if _interactive(console):
-        return Progress(*columns, disable=disable, console=console, transient=transient)
+        return _rich_progress(*columns, disable=disable, console=console, transient=transient)
     return LineProgress(console, disable=disable)
 
 
-def step_progress(label: str, *, disable: bool = False):
+def step_progress(label: str, *, disable: bool = False, console=None):
     """The training stages' bar: ``label``, the bar, ``completed/total steps``, the task's ``info`` field and the
     time remaining; lines off a terminal (add the task with ``unit="steps"``)."""
     from rich.progress import BarColumn, TextColumn, TimeRemainingColumn
 
     return make_progress(TextColumn(label), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
-                         TextColumn("{task.fields[info]}"), TimeRemainingColumn(), disable=disable)
+                         TextColumn("{task.fields[info]}"), TimeRemainingColumn(), disable=disable, console=console)

@@ -172,10 +172,8 @@ def resolve(spec: str) -> ResolvedSpec:
     hub_id = ALIASES.get(spec)
     if hub_id is None:
         if "/" not in spec or spec.count("/") > 1:
-            raise SpecError(
-                f"unknown model spec {spec!r}: not a directory, .gguf file, alias or hub id "
-                f"(aliases: {', '.join(sorted(ALIASES))})"
-            )
+            raise SpecError(f"unknown model spec {spec!r}: not a directory, .gguf file, alias or hub id "
+                            f"({_closest_aliases(spec)})")
         hub_id = spec
     local = _hub_local_dir(hub_id)
     if local is not None:
@@ -185,6 +183,17 @@ def resolve(spec: str) -> ResolvedSpec:
     if spec in EMBEDDED:
         fix = f"`{EMBEDDED[spec][2]}`"
     raise SpecError(f"model {spec!r} not found (tried {'; '.join(tried)}); fix: {fix}")
+
+
+def _closest_aliases(spec: str) -> str:
+    """``did you mean llama-3-8b or llama-3.1-8b? ...``: the few aliases nearest to ``spec`` and how to list all."""
+    import difflib
+
+    names = difflib.get_close_matches(spec.lower(), ALIASES, n=3, cutoff=0.5)
+    every = f"all {len(ALIASES)} aliases: python -c \"import linearize.sources as s; print(*s.ALIASES)\""
+    if not names:
+        return every
+    return f"did you mean {' or '.join(names) if len(names) < 3 else f'{names[0]}, {names[1]} or {names[2]}'}? {every}"
 
 
 def _hub_local_dir(hub_id: str) -> Path | None:
