@@ -33,6 +33,7 @@ Errors a user can cause raise :class:`DataError` with a one-line message.
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import importlib.util
 import json
@@ -70,6 +71,8 @@ __all__ = [
     "COPY_MAX_SPAN",
     "copy_rng",
     "copy_augment",
+    "check_text_files",
+    "check_training_source",
 ]
 
 log = logging.getLogger("linearize.data")
@@ -296,7 +299,7 @@ def _read_jsonl(path: Path, text_field: str) -> Iterator[str]:
             if text_field not in obj:
                 keys = ", ".join(sorted(map(str, obj))) or "none"
                 raise DataError(
-                    f"{where}: no field {text_field!r} (fields: {keys}); pass --text-field"
+                    f"{where}: no field {text_field!r} (fields: {keys}); every line needs its document there"
                 )
             value = obj[text_field]
             if value is None:
@@ -347,7 +350,7 @@ def _hf_dataset(src: DataSource, seed: int | None, epoch: int = 0) -> Iterable[A
     except ImportError:
         raise DataError(
             f"data spec {src.spec!r} needs the optional 'datasets' package; run: "
-            "pip install 'linearize[data]' (or pip install datasets), or use --data wiki / a local file"
+            "pip install 'linearize[data]' (or pip install datasets), or use wiki or a local file as the data"
         ) from None
     offline = _hf_offline()
     desc = src.hf_name + (f" (config {src.hf_config})" if src.hf_config else "") + f", split {src.hf_split}"
@@ -392,7 +395,7 @@ def _hf_documents(src: DataSource, split: str, text_field: str, seed: int | None
         if not isinstance(row, dict) or text_field not in row:
             keys = ", ".join(sorted(map(str, row))) if isinstance(row, dict) else type(row).__name__
             raise DataError(
-                f"dataset {src.hf_name} row {i}: no field {text_field!r} (fields: {keys}); pass --text-field"
+                f"dataset {src.hf_name} row {i}: no field {text_field!r} (fields: {keys}); the document is read from it"
             )
         value = row[text_field]
         if not isinstance(value, str):
@@ -428,13 +431,97 @@ def iter_texts(
         yield docs[i]
 
 
+class _EmptySplit(DataError):
+    """A source whose split holds no document."""
+
+
 def _empty_split_error(src: DataSource, split: str) -> DataError:
     if split == "heldout":
-        return DataError(
+        return _EmptySplit(
             f"data source {src.spec!r} has no held-out documents (~{HELDOUT_PER_MILLE / 10:g}% of "
-            "documents are held out); use a larger source or --data wiki for evaluation"
+            "documents are held out); use a larger source, or the embedded corpus (wiki)"
         )
-    return DataError(f"data source {src.spec!r} has no documents in split {split!r}")
+    return _EmptySplit(f"data source {src.spec!r} has no documents in split {split!r}")
+
+
+# ----------------------------------------------------------------------------------------------
+# checks before any model is loaded
+
+#: bytes of each data file read by :func:`check_text_files`
+_SNIFF_BYTES = 1 << 16
+_TEXT = "a UTF-8 .txt / .jsonl file with text"
+
+
+def _fix(field: str, other: str = "a larger source") -> str:
+    return f"use --set {field}=wiki (the embedded corpus) or {other}"
+
+
+def check_text_files(spec: str, *, field: str = "data") -> DataSource:
+    """Refuse a local source that holds no text, reading at most the first 64 KiB of each file: a binary file (a
+    NUL byte, or not UTF-8), or a file / folder without a non-blank character. ``field`` names the setting in the
+    one-line message (``distill.data``). Returns the parsed source."""
+    src = parse_spec(spec)
+    if src.kind != "files":
+        if src.kind == "hf" and importlib.util.find_spec("datasets") is None:
+            raise DataError(f"{field} {spec!r} needs the optional 'datasets' package; run: pip install "
+                            f"'linearize[data]' (or pip install datasets), or {_fix(field, _TEXT)}")
+        if src.kind == "wiki":
+            wiki_corpus_path()  # the install command when it is missing
+        return src
+    has_text = False
+    for path in src.paths:
+        try:
+            with path.open("rb") as fh:
+                head = fh.read(_SNIFF_BYTES)
+                more = bool(fh.read(1))
+        except OSError as e:
+            raise DataError(f"{field}: cannot read data file {str(path)!r}: {e.strerror or e}") from None
+        nul = head.find(b"\0")
+        if nul >= 0:
+            raise DataError(f"{field}: data file {str(path)!r} is binary, not text (a NUL byte at offset {nul:,}); "
+                            f"{_fix(field, _TEXT)}")
+        try:
+            text = codecs.getincrementaldecoder("utf-8")().decode(head, final=not more)
+        except UnicodeDecodeError as e:
+            raise DataError(f"{field}: data file {str(path)!r} is not UTF-8 text ({e.reason} at byte {e.start:,}); "
+                            f"{_fix(field, _TEXT)}") from None
+        has_text = has_text or more or bool(text.strip())
+    if not has_text:
+        what = "data file" if len(src.paths) == 1 and Path(spec).expanduser().is_file() else "every data file in"
+        raise DataError(f"{field}: {what} {spec!r} is empty; {_fix(field, _TEXT)}")
+    return src
+
+
+def _split_tokens(tokenizer: Any, spec: str, split: str, text_field: str) -> int:
+    """Tokens of a local source's split, one EOS per document (0: no document)."""
+    try:
+        ids, offsets = tokenized_documents(tokenizer, spec, split, text_field)
+    except _EmptySplit:
+        return 0
+    return int(ids.size + offsets.size - 1)
+
+
+def check_training_source(tokenizer: Any, spec: str, *, field: str, seq_len: int, batch_size: int, eval_seqs: int,
+                          text_field: str = "text") -> None:
+    """Refuse a local source too small for a training stage: fewer training tokens than one batch
+    (``batch_size x seq_len``), or fewer held-out tokens than the stage's evaluation (``eval_seqs x seq_len``).
+    Tokenizes (and caches) the source; ``hf:`` sources are streamed and not measured. ``field`` names the setting
+    (``distill.data``) and its stage in the one-line message."""
+    src = check_text_files(spec, field=field)
+    if not src.cacheable:
+        return
+    stage = field.rpartition(".")[0] or "training"
+    knobs = f"{stage}.seq_len / {stage}.batch_size" if stage != "training" else "seq_len / batch_size"
+    train, batch = _split_tokens(tokenizer, spec, "train", text_field), batch_size * seq_len
+    if train < batch:
+        raise DataError(f"{field}: {spec!r} holds {train:,} training tokens, less than one {stage} batch (batch_size "
+                        f"{batch_size} x seq_len {seq_len} = {batch:,} tokens); {_fix(field)}, or lower {knobs}")
+    held, need = _split_tokens(tokenizer, spec, "heldout", text_field), eval_seqs * seq_len
+    if held < need:
+        raise DataError(f"{field}: the held-out part of {spec!r} (the ~{HELDOUT_PER_MILLE / 10:g}% of its documents "
+                        f"never trained on) holds {held:,} tokens, and the {stage} evaluation needs {need:,} "
+                        f"({stage}.eval_seqs {eval_seqs} x seq_len {seq_len}); {_fix(field)}, or lower "
+                        f"{stage}.eval_seqs")
 
 
 # ----------------------------------------------------------------------------------------------

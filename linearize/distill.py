@@ -10,8 +10,9 @@ graph; a micro-batch that would still not fit the free memory runs as several pa
 
 Long runs checkpoint every ``checkpoint_every`` optimizer steps into a state directory beside the
 output; ``resume=True`` continues from it only when the fingerprint (model, recipe, data, seed)
-matches. A non-finite or exploding loss stops the run naming the layer and step, keeping the last checkpoint;
-running out of memory saves the state first, like Ctrl-C (:mod:`linearize.guards`).
+matches; the settings it hashes are saved beside it, so a refusal names the first one that differs. A
+non-finite or exploding loss stops the run naming the layer and step, keeping the last checkpoint; running out of
+memory saves the state first, like Ctrl-C (:mod:`linearize.guards`).
 """
 
 from __future__ import annotations
@@ -113,6 +114,81 @@ def evaluate_layers(model, ids: torch.Tensor, batch_size: int = 4) -> dict[str, 
     return {"mse": (raw / n).tolist(), "normalized_mse": (norm / n).tolist()}
 
 
+#: fields of a stage's recipe section that change no math: never part of a resume fingerprint
+NOT_FINGERPRINTED = ("checkpoint_every", "activation_checkpointing")
+DISTILL_STATE = "distill-state.pt"
+
+
+def stage_settings(recipe, stage: str, tokens: int, loss: str | None = None) -> dict[str, Any]:
+    """The recipe's part of a stage's resume fingerprint, flat and in schema order: ``distill.lr`` ..., the token
+    budget (``tokens``) and, for finetune, the loss. Known before any model is loaded."""
+    out: dict[str, Any] = {f"{stage}.{k}": v for k, v in recipe[stage].items() if k not in NOT_FINGERPRINTED}
+    out["tokens"] = int(tokens)
+    if loss is not None:
+        out["loss"] = loss
+    return out
+
+
+def model_settings(config) -> dict[str, Any]:
+    """The model's part of a resume fingerprint: the layer layout, the linear-attention settings, the source."""
+    return {"layers": list(config.layer_types),
+            **{f"attention.{k}": v for k, v in (config.linear_attention or {}).items()},
+            "base": getattr(config, "_name_or_path", "")}
+
+
+def _show(key: str, value: Any) -> str:
+    if key == "layers" and isinstance(value, list):
+        from .select import describe_layout
+
+        return describe_layout(value)
+    if isinstance(value, bool) or value is None:
+        return str(value)
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def first_difference(stage: str, saved: dict[str, Any], now: dict[str, Any]) -> str | None:
+    """``distill.lr differs (checkpoint 0.001, now 0.002)`` for the first setting of ``now`` that ``saved`` (a resume
+    state's settings) records with another value; None when every shared setting matches."""
+    labels = {"tokens": f"the {stage} token budget", "loss": f"the {stage} loss (--loss)",
+              "layers": "the layer layout", "base": "the model"}
+    for key, value in now.items():
+        if key in saved and saved[key] != value:
+            return (f"{labels.get(key, key)} differs (checkpoint {_show(key, saved[key])}, "
+                    f"now {_show(key, value)})")
+    return None
+
+
+def resume_refusal(stage: str, ckpt: Path, saved: dict[str, Any] | None, now: dict[str, Any],
+                   hashes: tuple[str, str] | None = None) -> TrainingError | None:
+    """The one-line refusal of a ``--resume`` whose settings differ from those its state ``ckpt`` was written with
+    (named setting first; the two fingerprints only for a state that recorded no settings). With ``hashes`` (the
+    state's fingerprint, this run's) those decide; without, the settings known so far (before the model loads)."""
+    if hashes is not None and hashes[0] == hashes[1]:
+        return None
+    diff = first_difference(stage, saved or {}, now)
+    if diff is not None:
+        return TrainingError(f"--resume: {diff}, and a {stage} state resumes only with the settings of its "
+                             f"fingerprint ({ckpt}); pass the checkpoint's value, or drop --resume to start over")
+    if hashes is not None:
+        return TrainingError(f"cannot resume from {ckpt}: it was written with other settings (model, recipe, data, "
+                             f"seed, budget; fingerprint {hashes[0]} != {hashes[1]}); remove it or drop --resume")
+    return None
+
+
+def saved_settings(ckpt: Path) -> dict[str, Any] | None:
+    """The settings a resume state was written with, read without its tensors (None: an older state records none)."""
+    try:
+        state = torch.load(ckpt, map_location="cpu", weights_only=False, mmap=True)
+    except Exception as e:  # noqa: BLE001 - a truncated or foreign file: one line
+        raise TrainingError(f"--resume: cannot read {ckpt} ({type(e).__name__}); remove it or drop --resume") from None
+    settings = state.get("settings") if isinstance(state, dict) else None
+    return settings if isinstance(settings, dict) else None
+
+
 def fingerprint(model, recipe, data: str, seed: int, tokens: int) -> str:
     """What must match for a checkpoint to be resumed."""
     cfg = model.config
@@ -158,6 +234,15 @@ def distill(model, tokenizer, recipe, *, state_dir: Path | None = None, resume: 
     for p in master:  # train in fp32 even when the model is bf16
         if p.dtype != torch.float32:
             p.data = p.data.float()
+    fp = fingerprint(model, recipe, cfg["data"], cfg["seed"], budget)
+    settings = {**stage_settings(recipe, "distill", budget), **model_settings(model.config)}
+    ckpt = Path(state_dir) / DISTILL_STATE if state_dir is not None else None
+    state = None
+    if resume and ckpt is not None and ckpt.is_file():  # before any work: a refusal comes at once
+        state = torch.load(ckpt, map_location="cpu", weights_only=False)
+        refusal = resume_refusal("distill", ckpt, state.get("settings"), settings, (state["fingerprint"], fp))
+        if refusal is not None:
+            raise refusal
     heldout = heldout_sequences(tokenizer, cfg["data"], seq_len=seq_len, n_seqs=cfg["eval_seqs"])
     t_start = time.time()
     before = evaluate_layers(model, heldout)
@@ -165,14 +250,8 @@ def distill(model, tokenizer, recipe, *, state_dir: Path | None = None, resume: 
     total_steps = max(1, micro_total // accum)
     opt = torch.optim.AdamW(master, lr=cfg["lr"], weight_decay=cfg["weight_decay"], betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(total_steps, cfg["warmup_steps"], cfg["min_lr_ratio"]))
-    fp = fingerprint(model, recipe, cfg["data"], cfg["seed"], budget)
-    ckpt = Path(state_dir) / "distill-state.pt" if state_dir is not None else None
     step = 0
-    if resume and ckpt is not None and ckpt.is_file():
-        state = torch.load(ckpt, map_location="cpu", weights_only=False)
-        if state["fingerprint"] != fp:
-            raise TrainingError(f"cannot resume from {ckpt}: it was written for a different model, recipe, data "
-                                f"or seed (fingerprint {state['fingerprint']} != {fp}); remove it or drop --resume")
+    if state is not None:
         for p, saved in zip(master, state["params"]):
             p.data.copy_(saved.to(p.device))
         opt.load_state_dict(state["optimizer"])
@@ -211,7 +290,8 @@ def distill(model, tokenizer, recipe, *, state_dir: Path | None = None, resume: 
 
     def save() -> None:
         if ckpt is not None and dist.is_main():
-            _save_state(ckpt, {"fingerprint": fp, "step": run["step"], "params": [p.detach().cpu() for p in master],
+            _save_state(ckpt, {"fingerprint": fp, "settings": settings, "step": run["step"],
+                               "params": [p.detach().cpu() for p in master],
                                "optimizer": opt.state_dict(), "scheduler": sched.state_dict()})
 
     from .progress import step_progress

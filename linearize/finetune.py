@@ -42,7 +42,8 @@ import torch.nn.functional as F
 from . import distributed as dist
 from .attention import arch_spec
 from .data import heldout_sequences, num_batches, packed_batches, parse_tokens
-from .distill import TrainingError, TrainingInterrupted, _lr_lambda, _save_state
+from .distill import (TrainingError, TrainingInterrupted, _lr_lambda, _save_state, model_settings, resume_refusal,
+                      stage_settings)
 from .fsdp import is_sharded, merge_lora
 from .memory import plan_pieces
 
@@ -300,14 +301,14 @@ def finetune(model, tokenizer, recipe, *, state_dir: Path | None = None, resume:
     dtypes_before = {n: p.dtype for n, p in model.named_parameters()}
     pretraining_tp = getattr(model.config, "pretraining_tp", None)
     fp = fingerprint(model, recipe, cfg["data"], cfg["seed"], budget, loss_kind)
+    settings = {**stage_settings(recipe, "finetune", budget, loss_kind), **model_settings(model.config)}
     ckpt = Path(state_dir) / STATE_FILE if state_dir is not None else None
     state = None
     if resume and ckpt is not None and ckpt.is_file():
         state = torch.load(ckpt, map_location="cpu", weights_only=False)
-        if state.get("fingerprint") != fp:
-            raise TrainingError(f"cannot resume from {ckpt}: it was written for a different model, recipe, data, "
-                                f"seed, budget or loss (fingerprint {state.get('fingerprint')} != {fp}); remove it "
-                                f"or drop --resume")
+        refusal = resume_refusal("finetune", ckpt, state.get("settings"), settings, (state.get("fingerprint"), fp))
+        if refusal is not None:
+            raise refusal
 
     for p in model.parameters():  # feature maps, window logits, everything: frozen; only adapters train
         p.requires_grad_(False)
@@ -385,7 +386,8 @@ def finetune(model, tokenizer, recipe, *, state_dir: Path | None = None, resume:
         def save() -> None:
             """Adapters, optimizer, schedule and RNG as of the last completed step."""
             if ckpt is not None and dist.is_main():
-                _save_state(ckpt, {"fingerprint": fp, "step": run["step"], "adapter": _adapter_state(peft_model),
+                _save_state(ckpt, {"fingerprint": fp, "settings": settings, "step": run["step"],
+                                   "adapter": _adapter_state(peft_model),
                                    "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                                    "rng": run["rng"], "history": run["history"], "before": before})
 

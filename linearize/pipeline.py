@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable
 
 from . import distributed as dist
 from . import recipe as recipes
-from .checkpoint import check_output_dir, save_checkpoint
+from .checkpoint import check_output_dir, save_checkpoint, verify_checkpoint
 from .data import parse_tokens
 from .errors import LinearizeError, SelectionError
 from .select import (check_select, describe_layout, layout_from_ratio, parse_layer_list, parse_ratio, select_layout,
@@ -106,6 +107,14 @@ def convert(spec: str, *, ratio: str | None = None, softmax_layers: str | None =
     out = Path(out or default_output_name(spec, ratio, softmax_layers, rec.name, select=mode if softmax_layers is None
                                           else "interleave", kv_budget=kv_budget))
     check_output_dir(out, overwrite)
+    if train:  # data, recall text, batch over ranks, --resume settings: before the model loads
+        stages = {"distill": distill_tokens, **({"finetune": finetune_tokens} if finetune else {})}
+        recall_stage = rec["finetune" if finetune else "distill"]
+        check_before_loading(rec, stages, source=source_dir, out=out, resume=resume, loss=loss,
+                             layer_types=layer_types, attention=dict(rec["attention"]),
+                             recall={"data": recall_stage["data"],
+                                     "length": RecallCheck.length_for(recall_stage, base_config)},
+                             probe=plan is not None)
     device = dist.init(device)  # torchrun: join the process group; this rank's device
     t0 = time.time()
     from .surgery import linearize_model
@@ -187,8 +196,7 @@ class RecallCheck:
         from .evals import copyspan
 
         stage = rec["finetune"] if finetune else rec["distill"]
-        limit = getattr(hybrid.config, "max_position_embeddings", None) or cls.MAX_LENGTH
-        length = min(int(stage["seq_len"]), cls.MAX_LENGTH, int(limit))
+        length = cls.length_for(stage, hybrid.config)
         t = time.time()
         hybrid.set_attention_mode("softmax")
         try:
@@ -196,6 +204,12 @@ class RecallCheck:
         finally:
             hybrid.set_attention_mode("linear")
         return cls(tokenizer, length=length, data=stage["data"], teacher=teacher, seconds=time.time() - t, log=log)
+
+    @classmethod
+    def length_for(cls, stage: dict[str, Any], config) -> int:
+        """The check's length for a stage's settings and the model's config (no weights needed)."""
+        limit = getattr(config, "max_position_embeddings", None) or cls.MAX_LENGTH
+        return min(int(stage["seq_len"]), cls.MAX_LENGTH, int(limit))
 
     @classmethod
     def from_report(cls, report: dict[str, Any], tokenizer, *, log: Callable[[str], None]) -> RecallCheck:
@@ -358,6 +372,84 @@ def run_finetune(model, tokenizer, rec, out: Path, *, tokens=None, loss=None, re
     return model, report
 
 
+def check_before_loading(rec, stages: dict[str, Any], *, source: Path, out: Path, resume: bool = False,
+                         loss: str | None = None, layer_types: list[str] | None = None,
+                         attention: dict[str, Any] | None = None, recall: dict[str, Any] | None = None,
+                         probe: bool = False) -> None:
+    """The checks of a training run that need no model, before one loads (each refusal one line, nothing written):
+    each stage's data (text, at least one batch, enough held-out text for its evaluation; tokenized with the
+    tokenizer in ``source``), the recall check's held-out text (``recall``: its ``data`` and ``length``), the batch
+    over torchrun processes and, with ``resume``, the settings a stage's saved state was written with (the first
+    that differs is named). ``stages`` maps a stage to its token budget (None: the recipe's); ``probe``: stage 1
+    starts after the ``--select auto`` probe, so its budget and layer layout are not known yet."""
+    from .data import check_training_source
+
+    for stage in stages:
+        dist.check_batch(stage, rec[stage]["batch_size"])
+    if resume:
+        _check_resume(rec, stages, state_dir_for(out), loss=loss, layer_types=layer_types, attention=attention,
+                      probe=probe)
+    tokenizer = _tokenizer(source)
+    if tokenizer is None:  # load_model names what is missing, before any weights load
+        return
+    for stage in stages:
+        cfg = rec[stage]
+        check_training_source(tokenizer, cfg["data"], field=f"{stage}.data", seq_len=cfg["seq_len"],
+                              batch_size=cfg["batch_size"], eval_seqs=cfg["eval_seqs"])
+    if recall is not None:
+        field = next((f"{s}.data" for s in reversed(list(stages)) if rec[s]["data"] == recall["data"]), "data")
+        _check_recall_text(tokenizer, recall["data"], int(recall["length"]), field)
+
+
+def _tokenizer(path: Path):
+    """The tokenizer in ``path`` (no model), or None when it does not load."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception:  # noqa: BLE001 - load_model reports it in one line
+        return None
+
+
+def _check_recall_text(tokenizer, data: str, length: int, field: str) -> None:
+    """The recall check's held-out text, read as the check reads it."""
+    from .data import DataError, check_text_files
+    from .evals.common import EvalError
+    from .evals.copyspan import POOL_TOKENS
+    from .evals.corpus import heldout_stream
+
+    if not check_text_files(data, field=field).cacheable:
+        return  # streamed: not measured in advance
+    try:
+        heldout_stream(tokenizer, data, max(POOL_TOKENS, 2 * length), at_least=length)
+    except (DataError, EvalError):
+        raise DataError(f"{field}: the held-out part of {data!r} (the documents never trained on) is too small for "
+                        f"the conversion's recall check (copy, {length:,} tokens); use --set {field}=wiki (the "
+                        f"embedded corpus) or a larger source") from None
+
+
+def _check_resume(rec, stages: dict[str, Any], sdir: Path, *, loss: str | None, layer_types: list[str] | None,
+                  attention: dict[str, Any] | None, probe: bool = False) -> None:
+    """Refuse a ``--resume`` whose stage state in ``sdir`` was written with other settings, naming the first."""
+    from .distill import DISTILL_STATE, resume_refusal, saved_settings, stage_settings
+    from .finetune import STATE_FILE
+
+    for stage, tokens in stages.items():
+        ckpt = sdir / (DISTILL_STATE if stage == "distill" else STATE_FILE)
+        if not ckpt.is_file():
+            continue
+        budget = parse_tokens(tokens if tokens is not None else rec[stage]["tokens"])
+        now = stage_settings(rec, stage, budget, (loss or rec["finetune"]["loss"]) if stage == "finetune" else None)
+        if stage == "distill" and probe:
+            now.pop("tokens")  # stage 1 less the probe's tokens: known once the probe has run
+        if layer_types is not None:
+            now["layers"] = list(layer_types)
+        now.update({f"attention.{k}": v for k, v in (attention or {}).items()})
+        refusal = resume_refusal(stage, ckpt, saved_settings(ckpt), now)
+        if refusal is not None:
+            raise refusal
+
+
 def state_dir_for(out: Path) -> Path:
     """Where resumable training state for output ``out`` lives (a hidden sibling directory)."""
     out = Path(out)
@@ -395,9 +487,11 @@ def rerun_stage(stage: str, path: str, *, out: Path | None = None, overrides: di
 
     from .sources import is_hybrid_dir, local_dir
 
-    src = Path(local_dir(path))
+    resolved = resolve(path)
+    src = Path(resolved.path if resolved.kind == "dir" else local_dir(resolved))
     if not is_hybrid_dir(src):
         raise LinearizeError(f"{path}: not a linearize hybrid checkpoint; use `linearize convert {path}` first")
+    verify_checkpoint(src)  # a missing or truncated shard, named first (without the model code local_dir imports)
     rec = recipes.load(str(src / "linearize_recipe.yaml"), overrides)
     if tokens is not None:
         parse_tokens(tokens)
@@ -408,7 +502,8 @@ def rerun_stage(stage: str, path: str, *, out: Path | None = None, overrides: di
         from .fsdp import check_options
 
         check_options(adapter_only=adapter_only)
-    window = (json.loads((src / "config.json").read_text()).get("linear_attention") or {}).get("window")
+    config = json.loads((src / "config.json").read_text())
+    window = (config.get("linear_attention") or {}).get("window")
     recipes.check_training(rec, {stage: tokens}, window=window)  # the model's window, not the recipe text's
     if adapter_only:
         out = Path(out) if out is not None else src.with_name(src.name + "-adapter")
@@ -416,6 +511,19 @@ def rerun_stage(stage: str, path: str, *, out: Path | None = None, overrides: di
         out = Path(out) if out is not None else src
     in_place = out.resolve() == src.resolve()
     check_output_dir(out, overwrite=in_place)  # in place: the parent must still take the new directory
+    summary = json.loads((src / "report.json").read_text()) if (src / "report.json").is_file() else {}
+    stages = dict(summary.get("stages", {}))
+    recall = None  # the recall check follows the weights: re-scored after this stage, the teacher kept
+    if not adapter_only:
+        if "teacher" in (stages.get("recall") or {}):
+            recall = {"data": stages["recall"]["data"], "length": stages["recall"]["length"]}
+        elif "finetune" not in stages:  # no adapters merged yet: softmax mode is still the teacher
+            recall_stage = rec["finetune" if stage == "finetune" else "distill"]
+            recall = {"data": recall_stage["data"], "length": RecallCheck.length_for(
+                recall_stage, SimpleNamespace(max_position_embeddings=config.get("max_position_embeddings")))}
+    check_before_loading(rec, {stage: tokens}, source=src, out=out, resume=resume, loss=loss,
+                         layer_types=config.get("layer_types"), attention=config.get("linear_attention"),
+                         recall=recall)
     device = dist.init(device)  # torchrun: join the process group; this rank's device
     if fsdp:  # rank 0 loads the model, every rank keeps only its shards (linearize.fsdp)
         from .fsdp import load_and_shard
@@ -423,13 +531,10 @@ def rerun_stage(stage: str, path: str, *, out: Path | None = None, overrides: di
         model, tokenizer = load_and_shard(str(src), device, dtype, log=log)
     else:
         model, tokenizer = load_model(str(src), dtype=dtype, device=device)
-    summary = json.loads((src / "report.json").read_text()) if (src / "report.json").is_file() else {}
-    stages = dict(summary.get("stages", {}))
-    recall = None  # the recall check follows the weights: re-scored after this stage, the teacher kept
-    if not adapter_only:
+    if recall is not None:
         if "teacher" in (stages.get("recall") or {}):
             recall = RecallCheck.from_report(stages["recall"], tokenizer, log=log)
-        elif "finetune" not in stages:  # no adapters merged yet: softmax mode is still the teacher
+        else:
             recall = RecallCheck.measure(model, tokenizer, rec, finetune=stage == "finetune", log=log)
     if stage == "distill":
         report = run_distill(model, tokenizer, rec, out, tokens=tokens, resume=resume, log=log)

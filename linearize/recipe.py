@@ -8,6 +8,7 @@ field, the value and what is allowed.
 from __future__ import annotations
 
 import copy
+import difflib
 import importlib.resources
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -266,7 +267,9 @@ def validate(raw: dict[str, Any], *, source: str = "", lines: dict[str, int] | N
             values[""][key] = _check("", key, val, where(key))
         else:
             allowed = sorted([k for k in SCHEMA if k] + list(SCHEMA[""]))
-            raise RecipeError(f"{where(key)}unknown field {key!r}; allowed: {', '.join(allowed)}")
+            hint = _did_you_mean("", key)
+            raise RecipeError(f"{where(key)}unknown field {key!r}; " + (f"{hint} (a field belongs under its section)"
+                                                                        if hint else f"allowed: {', '.join(allowed)}"))
     return Recipe(values=values, source=source)
 
 
@@ -298,9 +301,9 @@ def check_training(recipe: Recipe, stages: dict[str, Any], *, window: int | None
     ``window`` is the model's sliding window when it differs from the recipe's (a hybrid checkpoint).
     Refuses a window that covers the whole training sequence (the linear part would never see a
     token), a budget smaller than one batch (distill) or one optimizer step (finetune), and a data
-    spec that does not resolve.
+    spec that does not resolve or holds no text (:func:`linearize.data.check_text_files`).
     """
-    from .data import parse_spec, parse_tokens
+    from .data import check_text_files, parse_tokens
 
     win = recipe["attention"]["window"] if window is None else window
     for stage, tokens in stages.items():
@@ -318,14 +321,34 @@ def check_training(recipe: Recipe, stages: dict[str, Any], *, window: int | None
             parts = f"batch_size {cfg['batch_size']} x seq_len {seq}" + (f" x grad_accum {accum}" if accum > 1 else "")
             raise RecipeError(f"{stage}: {budget:,} tokens is smaller than {what} ({parts} = {need:,} tokens); raise "
                               f"the token budget or lower {stage}.batch_size / {stage}.seq_len")
-        parse_spec(cfg["data"])
+        check_text_files(cfg["data"], field=f"{stage}.data")  # exists, not binary, not empty: no tokenizer needed
+
+
+def _did_you_mean(section: str, name: str) -> str:
+    """``did you mean distill.lr or finetune.lr?`` for a field given without its section (every ``section.field``
+    with that name, else those closest to it) or misspelt inside one; ``""`` when nothing is close."""
+    def close(fields) -> list[str]:
+        return difflib.get_close_matches(name, list(fields), n=3)
+
+    if section:
+        names = [f"{section}.{f}" for f in close(SCHEMA[section])]
+    else:
+        names = [f"{s}.{name}" for s in SCHEMA if s and name in SCHEMA[s]] or [
+            f"{s}.{f}" for s, fields in SCHEMA.items() if s for f in fields if close([f])][:3]
+    if not names:
+        return ""
+    return "did you mean " + (" or ".join(names) if len(names) < 3 else f"{', '.join(names[:-1])} or {names[-1]}") + "?"
 
 
 def _check(section: str, name: str, value: Any, where: str) -> Any:
     fields = SCHEMA[section]
     full = f"{section}.{name}" if section else name
     if name not in fields:
-        raise RecipeError(f"{where}unknown field {full!r}; allowed in {section or 'top level'}: {', '.join(sorted(fields))}")
+        hint = _did_you_mean(section, name)
+        if hint and not section:  # a field without its section: its section.field spellings are the answer
+            raise RecipeError(f"{where}unknown field {full!r} (a field is written section.field); {hint}")
+        raise RecipeError(f"{where}unknown field {full!r}; {hint + ' ' if hint else ''}allowed in "
+                          f"{section or 'top level'}: {', '.join(sorted(fields))}")
     f = fields[name]
     if value is None:
         if f.nullable:
