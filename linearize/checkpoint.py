@@ -1,7 +1,7 @@
 """Write and verify hybrid checkpoint directories.
 
 A checkpoint is written into a temporary sibling directory and renamed into place only when
-complete, so an interrupted run never leaves a directory that looks finished. Layout (DESIGN.md):
+complete, so an interrupted run never leaves a directory that looks finished. Layout:
 ``config.json`` (+ ``auto_map``), ``model-0000k-of-0000N.safetensors`` + ``model.safetensors.index.json``
 (with per-shard sizes and sha256), tokenizer files, ``generation_config.json``,
 ``configuration_linearize.py``/``modeling_linearize.py`` and the ``linearize_*.py`` they import (the bundled

@@ -19,7 +19,7 @@ from .select import (check_select, describe_layout, layout_from_ratio, parse_lay
                      softmax_indices)
 from .sources import check_device, load_model, resolve, resolve_dtype
 
-#: the most the ``--select auto`` probe may take of a conversion's tokens (issue 7)
+#: the most the ``--select auto`` probe may take of a conversion's tokens
 PROBE_MAX_SHARE = 0.25
 
 

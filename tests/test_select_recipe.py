@@ -95,3 +95,17 @@ def test_ratio_that_leaves_no_softmax_layer_is_refused():
     with pytest.raises(SelectionError, match="none would stay softmax"):
         layout_from_ratio("30:1", 30)
     assert layout_from_ratio("29:1", 30)[-1] == FULL and layout_from_ratio("1:0", 30) == [LINEAR] * 30
+
+
+def test_cpu_recipe_is_lolcats_sized_for_a_cpu():
+    """lolcats-cpu trains the same layers with the same losses as lolcats; only sizes, budgets and the layer choice
+    (interleave: the probe would cost more than the budget trains) differ, and its budgets pass the pre-load checks."""
+    cpu, gpu = R.load("lolcats-cpu"), R.load("lolcats")
+    assert dict(cpu["attention"]) == dict(gpu["attention"])
+    sizing = {"tokens", "seq_len", "batch_size", "grad_accum", "lr", "warmup_steps", "eval_seqs", "checkpoint_every"}
+    for stage in ("distill", "finetune"):
+        changed = {k for k in gpu[stage] if cpu[stage][k] != gpu[stage][k]}
+        assert changed and changed <= sizing, changed
+        assert cpu[stage]["seq_len"] * cpu[stage]["batch_size"] < gpu[stage]["seq_len"] * gpu[stage]["batch_size"]
+    assert cpu["select"]["method"] == "interleave"
+    R.check_training(cpu, {"distill": None, "finetune": None})
