@@ -147,6 +147,9 @@ def test_ctrl_c_during_the_optimizer_step_saves_a_whole_step(corpus, monkeypatch
     import signal
 
     monkeypatch.setenv("LINEARIZE_CACHE", str(tmp_path / "cache"))
+    # Python's own Ctrl-C handler, whatever this process inherited (a job started in the background of a
+    # non-interactive shell starts with SIGINT ignored)
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
     tok = _tokenizer()
     rec = _recipe(corpus, checkpoint_every=100)
     a = _hybrid()
@@ -167,6 +170,7 @@ def test_ctrl_c_during_the_optimizer_step_saves_a_whole_step(corpus, monkeypatch
         D.distill(_hybrid(), tok, rec, state_dir=tmp_path / "b", progress=False, log=lambda m: None)
     monkeypatch.setattr(torch.optim.AdamW, "step", real_step)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    signal.signal(signal.SIGINT, inherited)
     c = _hybrid()
     rep = D.distill(c, tok, rec, state_dir=tmp_path / "b", resume=True, progress=False, log=lambda m: None)
     assert rep["steps"] == 8
