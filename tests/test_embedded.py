@@ -104,9 +104,11 @@ def test_prefill_100_then_20_steps_equals_full(embedded_dir, recipe, dtype, tol)
 def test_left_padded_batch_generates_each_prompt(converted):
     """The checkpoint as users batch it: the tokenizer pads on the left, and each row generates the tokens (and
     logits) of its prompt alone, the short prompt's window ring holding padding for its first steps."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32).eval()
+    from linearize import LinearizeForCausalLM
+
+    model = LinearizeForCausalLM.from_pretrained(converted, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(converted, padding_side="left")
     tok.pad_token = tok.pad_token or tok.eos_token
     ids = _prompt_ids(tok, 150)[0]
