@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -136,3 +137,23 @@ def tiny_workspace(root: Path, tokenizer, layers: int) -> Path:
     words = ["alpha", "beta", "gamma", "delta", "river", "stone", "light", "north"]
     (root / "corpus.txt").write_text("\n\n".join(" ".join(rng.choice(words) for _ in range(60)) for _ in range(300)))
     return root
+
+
+@contextlib.contextmanager
+def recorded_crops():
+    """While active, yield a list that records how many tokens each take-back of a linear layer's state removes
+    (``LinearStateLayer.crop``, what assisted and prompt-lookup decoding call for rejected drafts)."""
+    from linearize.cache import LinearStateLayer
+
+    taken_back: list[int] = []
+    crop = LinearStateLayer.crop
+
+    def spy(self, tokens_to_remove):
+        taken_back.append(-tokens_to_remove)
+        return crop(self, tokens_to_remove)
+
+    LinearStateLayer.crop = spy
+    try:
+        yield taken_back
+    finally:
+        LinearStateLayer.crop = crop

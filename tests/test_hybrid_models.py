@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from conftest import FAMILIES, char_tokenizer, run_cli, tiny_model
+from conftest import FAMILIES, char_tokenizer, recorded_crops, run_cli, tiny_model
 from test_distill import corpus  # noqa: F401 - the fixture is used by name
 from linearize import recipe as R
 from linearize.checkpoint import save_checkpoint, verify_checkpoint
@@ -233,22 +233,10 @@ def test_assisted_and_prompt_lookup_decoding_equal_greedy(recipe, family):
     prompt = torch.cat([ids, torch.tensor([[g, g, g, 5, 6, 7, 8, 9, 10, 11]]), ids[:, :5]], 1)
     kw = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=30, do_sample=False)
     want = main.generate(prompt, **kw)
-    from linearize.cache import LinearStateLayer
-
-    taken_back = []
-    crop = LinearStateLayer.crop
-
-    def spy(self, tokens_to_remove):
-        taken_back.append(-tokens_to_remove)
-        return crop(self, tokens_to_remove)
-
-    LinearStateLayer.crop = spy
-    try:
+    with recorded_crops() as taken_back:
         assert torch.equal(main.generate(prompt, prompt_lookup_num_tokens=6, **kw), want)
         assert max(taken_back) >= 3
         assert torch.equal(main.generate(prompt, assistant_model=helper, **kw), want)
-    finally:
-        LinearStateLayer.crop = crop
 
 
 def test_real_tokens_from_attention_masks():

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import char_tokenizer, run_cli, tiny_model
+from conftest import char_tokenizer, recorded_crops, run_cli, tiny_model
 from linearize import recipe as R
 from linearize.cache import CROP_TOKENS, HybridCache, LinearStateLayer
 from linearize.checkpoint import save_checkpoint
@@ -72,19 +72,9 @@ def test_prompt_lookup_equals_greedy_with_rejected_drafts(family):
     prompt = torch.cat([ids, torch.tensor([[g, g, g, 5, 6, 7, 8, 9, 10, 11]]), ids[:, :5], ids, ids[:, :6]], 1)
     kw = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=30, do_sample=False)
     want = main.generate(prompt, **kw)
-    taken_back = []
-    crop = LinearStateLayer.crop
-
-    def spy(self, tokens_to_remove):
-        taken_back.append(-tokens_to_remove)
-        return crop(self, tokens_to_remove)
-
-    LinearStateLayer.crop = spy
-    try:
+    with recorded_crops() as taken_back:
         for n in (2, 5):
             assert torch.equal(main.generate(prompt, prompt_lookup_num_tokens=n, **kw), want)
-    finally:
-        LinearStateLayer.crop = crop
     assert max(taken_back) >= 1
 
 
