@@ -360,15 +360,16 @@ def eval_cmd(
 ):
     """Evaluate recall, quality and speed, side by side with the original (results table on stdout)."""
     from .evals.report import summary_table
-    from .evals.runner import default_out_dir, run_eval
+    from .evals.runner import EvalOptions, LoadOptions, ReportOptions, default_out_dir, run_eval
     from .outputs import command_scope
 
     out = out or default_out_dir(spec, task)
+    options = EvalOptions(lengths=lengths, depths=depths, seeds=seeds, chat_template=chat_template, data=data,
+                          batch_sizes=batch, max_new_tokens=max_new_tokens)
+    load = LoadOptions(device=device, dtype=dtype, max_memory=max_memory, offload_dir=offload_dir)
     with command_scope("eval"):  # -o: never a model checkpoint; --overwrite: only an earlier eval report
-        summary = run_eval(spec, task, against=against, out_dir=out, lengths=lengths, depths=depths, seeds=seeds,
-                           chat_template=chat_template, data=data, batch_sizes=batch, max_new_tokens=max_new_tokens,
-                           device=device, dtype=dtype, max_memory=max_memory, offload_dir=offload_dir,
-                           overwrite=overwrite, console=err_console, table=False)
+        summary = run_eval(spec, task, ReportOptions(out, overwrite=overwrite, console=err_console, table=False),
+                           against=against, options=options, load=load)
     console.print(summary_table(summary))
     console.print(f"wrote {out}", highlight=False)
 

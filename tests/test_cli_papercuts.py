@@ -21,7 +21,7 @@ from linearize.checkpoint import base_model_id, save_checkpoint
 from linearize.cli import app
 from linearize.evals.common import EvalError
 from linearize.evals.report import render_markdown, summary_table
-from linearize.evals.runner import run_eval
+from linearize.evals.runner import EvalOptions, LoadOptions, ReportOptions, run_eval
 from linearize.select import select_layout
 from linearize.sources import ALIASES
 from linearize.surgery import linearize_model
@@ -109,8 +109,9 @@ def test_checkpoint_and_eval_folders_get_ordinary_modes(tmp_path, mask, file_mod
         model, tok = tiny_model("llama"), char_tokenizer()
         corpus = _corpus(tmp_path)
         report = tmp_path / "report"
-        run_eval("tiny", "ppl:128", out_dir=report, lengths="32", data=str(corpus), progress=False,
-                 loader=lambda spec, **kw: (model, tok))
+        run_eval("tiny", "ppl:128", ReportOptions(report, progress=False),
+                 options=EvalOptions(lengths="32", data=str(corpus)),
+                 load=LoadOptions(loader=lambda spec, **kw: (model, tok)))
     finally:
         os.umask(old)
     shards = list(out.glob("*.safetensors"))
@@ -126,11 +127,12 @@ def test_messages_name_options_not_python_keywords(tmp_path):
     out = tmp_path / "report"
     out.mkdir()
     with pytest.raises(EvalError) as e:
-        run_eval("tiny", "ppl", out_dir=out, progress=False, loader=lambda spec, **kw: (model, tok))
+        run_eval("tiny", "ppl", ReportOptions(out, progress=False),
+                 load=LoadOptions(loader=lambda spec, **kw: (model, tok)))
     assert "--overwrite" in str(e.value) and "overwrite=" not in str(e.value)
     with pytest.raises(EvalError) as e:  # the char tokenizer has no chat template
-        run_eval("tiny", "passkey", out_dir=tmp_path / "r2", chat_template=True, progress=False,
-                 loader=lambda spec, **kw: (model, tok))
+        run_eval("tiny", "passkey", ReportOptions(tmp_path / "r2", progress=False),
+                 options=EvalOptions(chat_template=True), load=LoadOptions(loader=lambda spec, **kw: (model, tok)))
     assert "--chat-template" in str(e.value) and "chat_template=" not in str(e.value)
     res = CliRunner().invoke(app, ["eval", "smollm2-135m", "--task", "ppl", "-o", str(out)], env={"COLUMNS": "200"})
     assert res.exit_code == 2 and "--overwrite" in res.stderr and "overwrite=" not in res.stderr, res.stderr

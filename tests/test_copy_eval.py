@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from linearize.evals import copyspan, run_eval
+from linearize.evals import EvalOptions, LoadOptions, ReportOptions, copyspan, run_eval
 from linearize.evals.common import EvalConfig, EvalError, ModelHandle, Progress
 
 
@@ -108,8 +108,8 @@ def test_run_eval_report_side_by_side(tmp_path, monkeypatch):
         return models[spec], tok
 
     out = tmp_path / "ev"
-    run_eval("copier", "copy:16", against="copier", out_dir=out, lengths="128,256", depths=3, seeds=1,
-             loader=loader, progress=False)
+    run_eval("copier", "copy:16", ReportOptions(out, progress=False), against="copier",
+             options=EvalOptions(lengths="128,256", depths=3, seeds=1), load=LoadOptions(loader=loader))
     summary = json.loads((out / "summary.json").read_text())
     assert summary["tasks"]["copy"]["score"] == 1.0 and summary["difference"]["copy"]["score"] == 0
     assert summary["prompts_identical"] is True

