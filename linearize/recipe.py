@@ -16,7 +16,8 @@ from typing import Any, Callable
 
 import yaml
 
-from .errors import RecipeError
+from .errors import DataError, RecipeError
+from .mixture import mixture_text
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,8 @@ def _feature_map_names() -> list[str]:
 def _training_fields(lr: float) -> dict[str, Field]:
     """Data, budget and optimizer fields shared by the training stages."""
     return {
-        "data": Field(str, "wiki", "a data spec: wiki, a .txt/.jsonl file or folder, hf:NAME[:CONFIG][:SPLIT]"),
+        "data": Field(str, "wiki", "a data spec: wiki, books, code, docs, a .txt/.jsonl file or folder, "
+                      "hf:NAME[:CONFIG][:SPLIT], or a mixture SPEC:WEIGHT,SPEC:WEIGHT (or a list of {data, weight})"),
         "tokens": Field((str, int), "2M", "a token budget > 0 such as 256K, 20M, 1B", _positive_tokens),
         "seq_len": Field(int, 512, "an integer in [16, 65536]", lambda v: 16 <= v <= 65536),
         "batch_size": Field(int, 4, "an integer in [1, 4096]", lambda v: 1 <= v <= 4096),
@@ -350,6 +352,11 @@ def _check(section: str, name: str, value: Any, where: str) -> Any:
         raise RecipeError(f"{where}unknown field {full!r}; {hint + ' ' if hint else ''}allowed in "
                           f"{section or 'top level'}: {', '.join(sorted(fields))}")
     f = fields[name]
+    if name == "data" and isinstance(value, list):  # a YAML list of {data, weight}: its one-line mixture form
+        try:
+            value = mixture_text(value)
+        except DataError as e:
+            raise RecipeError(f"{where}{full}: {e}") from None
     if value is None:
         if f.nullable:
             return None

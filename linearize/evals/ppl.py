@@ -7,6 +7,11 @@ exactly once and sees between ``L/2`` and ``L`` tokens of context (``L`` for the
 window's tokens, growing from 1). The same tokens are scored at every length, so the numbers
 are comparable across lengths and between models with the same tokenizer.
 
+Several specs (``--data wiki,code,docs``, or the parts of a mixture, whose weights do not matter
+here) are scored one by one, each on its own held-out tokens: one row per spec and length (``data``
+names the spec). The summary then gives each domain's perplexities under ``by_data``, and as
+``by_length`` / ``score`` their geometric mean (each domain counts once).
+
 Task argument: ``ppl:16K`` sets the number of held-out tokens (default 8K; twice the largest
 length when that is more, or as much as the held-out split holds, at least one full window).
 Headline score: perplexity at the largest length.
@@ -19,7 +24,7 @@ import math
 import torch
 
 from .common import EvalConfig, EvalError, ModelHandle, Progress, parse_count, tail_logits
-from .corpus import heldout_stream
+from .corpus import data_specs, heldout_stream
 
 NAME = "ppl"
 DEFAULT_TOKENS = 8192
@@ -55,7 +60,7 @@ def windows(n: int, length: int) -> list[tuple[int, int, int]]:
 
 def count(cfg: EvalConfig, args: dict) -> int:
     n = n_tokens(cfg, args)
-    return sum(len(windows(n, L)) for L in cfg.lengths)
+    return len(data_specs(cfg.data)) * sum(len(windows(n, L)) for L in cfg.lengths)
 
 
 @torch.no_grad()
@@ -71,7 +76,16 @@ def nll_of_window(handle: ModelHandle, ids: torch.Tensor, n_scored: int) -> floa
 
 
 def run(handle: ModelHandle, cfg: EvalConfig, args: dict, progress: Progress, shared: dict) -> list[dict]:
-    stream = heldout_stream(handle.tokenizer, cfg.data, n_tokens(cfg, args), at_least=max(cfg.lengths) + 1)
+    specs = data_specs(cfg.data)
+    if len(specs) == 1:
+        return _run_one(handle, cfg, args, progress, cfg.data, cfg.data or "wiki")
+    return [row for spec in specs for row in _run_one(handle, cfg, args, progress, spec, spec)]
+
+
+def _run_one(handle: ModelHandle, cfg: EvalConfig, args: dict, progress: Progress, spec: str | None,
+             label: str) -> list[dict]:
+    """The rows of one data spec, one per length (``data`` = ``label``)."""
+    stream = heldout_stream(handle.tokenizer, spec, n_tokens(cfg, args), at_least=max(cfg.lengths) + 1)
     n = stream.numel()
     rows = []
     for L in cfg.lengths:
@@ -84,12 +98,30 @@ def run(handle: ModelHandle, cfg: EvalConfig, args: dict, progress: Progress, sh
             progress.advance()
         mean = nll / scored
         rows.append({"task": NAME, "length": L, "tokens": scored, "windows": len(wins), "stride": max(1, L // 2),
-                     "nll": round(mean, 6), "ppl": round(math.exp(mean), 4), "data": cfg.data or "wiki"})
+                     "nll": round(mean, 6), "ppl": round(math.exp(mean), 4), "data": label})
     return rows
 
 
 def summarize(rows: list[dict], cfg: EvalConfig) -> dict:
+    specs = list(dict.fromkeys(r["data"] for r in rows))
+    if len(specs) > 1:
+        return _summarize_domains(rows, specs)
     by = {str(r["length"]): r["ppl"] for r in rows}
     top = max(rows, key=lambda r: r["length"])
     return {"metric": "ppl", "higher_is_better": False, "score": top["ppl"], "by_length": by,
             "nll_by_length": {str(r["length"]): r["nll"] for r in rows}, "tokens": top["tokens"], "data": top["data"]}
+
+
+def _summarize_domains(rows: list[dict], specs: list[str]) -> dict:
+    """Several data specs: each one's perplexities (``by_data``), and their geometric mean per length."""
+    lengths = sorted({r["length"] for r in rows})
+    nll = {d: {str(r["length"]): r["nll"] for r in rows if r["data"] == d} for d in specs}
+    mean = {str(L): sum(nll[d][str(L)] for d in specs) / len(specs) for L in lengths}
+    top = str(lengths[-1])
+    return {"metric": "ppl", "higher_is_better": False, "score": round(math.exp(mean[top]), 4),
+            "by_length": {k: round(math.exp(v), 4) for k, v in mean.items()},
+            "nll_by_length": {k: round(v, 6) for k, v in mean.items()},
+            "by_data": {d: {str(r["length"]): r["ppl"] for r in rows if r["data"] == d} for d in specs},
+            "nll_by_data": nll,
+            "tokens_by_data": {d: max(r["tokens"] for r in rows if r["data"] == d) for d in specs},
+            "tokens": sum(max(r["tokens"] for r in rows if r["data"] == d) for d in specs), "data": ",".join(specs)}

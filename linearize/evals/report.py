@@ -41,7 +41,7 @@ def task_difference(task: str, m: dict, a: dict) -> dict:
     (for speed also the model/original ratios)."""
     out: dict = {"metric": m.get("metric"), "higher_is_better": m.get("higher_is_better")}
     for key in ("score", "strict", "by_length", "strict_by_length", "by_depth", "grid", "by_pairs", "capacity",
-                "kl", "nll", "kl_by_length", "by_task", "prefill_by_length", "peak_mib_by_length", "key_nll"):
+                "kl", "nll", "kl_by_length", "by_task", "prefill_by_length", "peak_mib_by_length", "key_nll", "by_data"):
         if key in m and key in a:
             d = diff_values(m[key], a[key])
             if d is not None:
@@ -95,6 +95,13 @@ def headline_rows(summary: dict) -> list[tuple[str, str, dict, dict | None, dict
         d = d_all.get(t, {})
         metric = str(m.get("metric"))
         arrow = "↑" if m.get("higher_is_better") else "↓"
+        if t == "ppl" and m.get("by_data"):  # several data specs: one row per spec and length
+            for data, by in m["by_data"].items():
+                a_by, d_by = ((a or {}).get("by_data") or {}).get(data) or {}, (d.get("by_data") or {}).get(data) or {}
+                for k in sorted(by, key=int):
+                    rows.append((t, f"{metric} @ {format_length(int(k))} {data} {arrow}", {"score": by[k]},
+                                 {"score": a_by.get(k)} if a is not None else None, {"score": d_by.get(k)}))
+            continue
         if t == "ppl" and m.get("by_length"):
             for k in sorted(m["by_length"], key=int):
                 rows.append((t, f"{metric} @ {format_length(int(k))} {arrow}", {"score": m["by_length"][k]},
@@ -337,6 +344,13 @@ def render_markdown(summary: dict, images: dict[str, dict[str, str]]) -> str:
             rows += [[f"layer {i} softmax"] + cells(v) + [fmt(v["score"] - m["score"], "score", True)]
                      for i, v in m.get("layers", {}).items()]
             L += _table(["layout"] + [_lengths_label(k) for k in lens] + ["all", "key NLL", "gain"], rows) + [""]
+        elif t == "ppl" and m.get("by_data"):
+            for data, by in m["by_data"].items():
+                L += [f"Perplexity on {m['tokens_by_data'][data]} held-out tokens of `{data}` (sliding window, stride = "
+                      "length/2; lower is better):", ""]
+                L += _table(_sbs_header("length", has_a), _sbs_rows(
+                    sorted(by, key=int), by, a and (a.get("by_data") or {}).get(data),
+                    d and (d.get("by_data") or {}).get(data), "ppl", _lengths_label)) + [""]
         elif t == "ppl":
             L += [f"Perplexity on {m.get('tokens')} held-out tokens of `{m.get('data')}` (sliding window, stride = length/2; lower is better):", ""]
             L += _table(_sbs_header("length", has_a), _sbs_rows(sorted(m["by_length"], key=int), m["by_length"],

@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 from . import agreement, copyspan, lm_eval, niah, passkey, ppl, recall, speed, swapback
 from .common import (EvalConfig, EvalError, ModelHandle, Progress, format_length, parse_batch_sizes, parse_depths,
                      parse_lengths, parse_seeds)
+from .corpus import check_data
 from .report import summary_table, task_difference, write_report
 
 TASKS: dict[str, ModuleType] = {
@@ -297,6 +298,7 @@ def run_eval(spec: str, tasks: str | Sequence[str], report: ReportOptions, *, ag
     cfg = options.config()
     if against is None and any(s.name == "agreement" for s in specs):
         raise EvalError("task 'agreement' needs against= (--against SPEC): the original generates the text it is scored on")
+    check_data(cfg.data)  # a bad --data spec or a missing corpus: one line, before any model loads
     out_dir, overwrite = Path(report.out_dir), report.overwrite
     from linearize.outputs import check_output, normalize_modes, write_marker  # noqa: PLC0415
 
