@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import importlib.metadata
+import importlib.util
 import itertools
 import json
 import random
@@ -243,7 +244,7 @@ def test_fake_corpus_split_disjoint_and_deterministic(name, fake_corpora):
 def test_corpus_missing_or_other_version_names_the_pip_command(tmp_path, monkeypatch):
     monkeypatch.setattr(corpora, "_module_dir", lambda corpus: None)
     with pytest.raises(DataError) as e:
-        parse_spec("code") and data.check_text_files("code", field="distill.data")
+        data.check_text_files("code", field="distill.data")
     assert str(e.value) == "the 'code' corpus (Python source of boltons) is not installed; run: pip install --no-deps " \
                            "boltons==26.2.0"
     monkeypatch.undo()
