@@ -44,6 +44,7 @@ import torch
 
 from .cache import softmax_windows
 from .errors import LinearizeError, SpecError
+from .settings import DEFAULT_RATIO, DEFAULT_RECIPE
 from .sources import shipped_configs, text_part
 
 #: ``--sdpa`` names -> ``torch.nn.attention.SDPBackend`` member names
@@ -919,8 +920,8 @@ def _dominated(T: int, B: int, failed: list[tuple[int, int]]) -> bool:
     return any(T >= t and B >= b for t, b in failed)
 
 
-def bench_model(spec: str, *, against: str | None = None, random_weights: bool = False, ratio: str = "3:1",
-                recipe: str = "lolcats", lengths: Any = "4K,32K,128K", batches: Any = "1,8", decode_steps: int = 64,
+def bench_model(spec: str, *, against: str | None = None, random_weights: bool = False, ratio: str = DEFAULT_RATIO,
+                recipe: str = DEFAULT_RECIPE, lengths: Any = "4K,32K,128K", batches: Any = "1,8", decode_steps: int = 64,
                 dtype: str | None = None, device: str | None = None, sdpa: str = "flash,cudnn",
                 out_dir: Path | str = "bench-model", timing: Timing | None = None,
                 log: Callable[[str], None] = print, profile: bool = False) -> dict:

@@ -27,6 +27,7 @@ import torch
 
 from .data import parse_tokens
 from .errors import LinearizeError, ResourceError, SpecError
+from .settings import DEFAULT_MODEL, DEFAULT_RATIO, DEFAULT_RECIPE
 
 RESULT_FILE = "bench_train.json"
 STAGES = ("distill", "finetune")
@@ -87,9 +88,9 @@ def _run_stage(model, tok, rec, stage: str, tokens: int, quiet: Callable[[str], 
     return finetune(model, tok, rec, state_dir=None, tokens=tokens, progress=False, log=quiet)
 
 
-def bench_train(spec: str, *, random_weights: bool = False, ratio: str = "3:1", recipe: str = "lolcats",
+def bench_train(spec: str, *, random_weights: bool = False, ratio: str = DEFAULT_RATIO, recipe: str = DEFAULT_RECIPE,
                 stages: str = "distill,finetune", seq_len: int = 2048, batch: int = 4, grad_accum: int = 1,
-                steps: int = 10, warmup: int = 2, tokens: str | int | None = None, tokenizer: str = "smollm2-135m",
+                steps: int = 10, warmup: int = 2, tokens: str | int | None = None, tokenizer: str = DEFAULT_MODEL,
                 dtype: str | None = None, device: str | None = None, out_dir: Path | str = "bench-train",
                 overrides: dict | None = None, log: Callable[[str], None] = print) -> dict:
     """Time ``steps`` training steps of each stage after ``warmup`` steps; write ``out_dir/bench_train.json``.

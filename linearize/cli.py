@@ -12,6 +12,7 @@ from rich.table import Table
 
 from .errors import LinearizeError
 from .progress import make_console
+from .settings import DEFAULT_MODEL, DEFAULT_RATIO, DEFAULT_RECIPE
 
 app = typer.Typer(
     help="Convert softmax-attention LLMs into fast linear-attention hybrids.",
@@ -121,12 +122,12 @@ def _overrides(sets: Optional[List[str]]) -> dict:
 @app.command()
 @user_errors
 def convert(
-    spec: str = typer.Argument("smollm2-135m", help="Model: alias, local dir, .gguf file or hub id."),
-    ratio: Optional[str] = typer.Option(None, "--ratio", help="A:B = A linear layers per B softmax layers, repeating (default 3:1); with --select auto only the count is kept."),
+    spec: str = typer.Argument(DEFAULT_MODEL, help="Model: alias, local dir, .gguf file or hub id."),
+    ratio: Optional[str] = typer.Option(None, "--ratio", help=f"A:B = A linear layers per B softmax layers, repeating (default {DEFAULT_RATIO}); with --select auto only the count is kept."),
     softmax_layers: Optional[str] = typer.Option(None, "--softmax-layers", help="Explicit softmax layers, e.g. 3,7,11 (overrides --ratio and --select)."),
     select: Optional[str] = typer.Option(None, "--select", help="interleave (the --ratio pattern) or auto (probe every layer, keep the ones that matter most as softmax); default: the recipe's select.method (lolcats: auto when training)."),
     kv_budget: Optional[str] = typer.Option(None, "--kv-budget", help="Implies --select auto. BYTES@LENGTH, e.g. 2GB@32K: keep the most softmax layers whose KV cache + linear state at LENGTH tokens (batch 1) fits BYTES."),
-    recipe: str = typer.Option("lolcats", "--recipe", help="Recipe name (see `linearize recipes`) or YAML path."),
+    recipe: str = typer.Option(DEFAULT_RECIPE, "--recipe", help="Recipe name (see `linearize recipes`) or YAML path."),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a recipe field: section.field=value (repeatable)."),
     no_train: bool = typer.Option(False, "--no-train", help="Surgery only: write the untrained hybrid."),
     tokens: Optional[str] = typer.Option(None, "--tokens", help="Training tokens, split evenly across the stages, e.g. 40M (default: the recipe's)."),
@@ -144,13 +145,16 @@ def convert(
     """Convert a model into a linear-attention hybrid checkpoint."""
     from .outputs import command_scope
     from .pipeline import convert as run
+    from .plan import LayoutOptions, RunOptions, TrainingOptions
 
+    layout = LayoutOptions(ratio=ratio, softmax_layers=softmax_layers, select=select, kv_budget=kv_budget)
+    training = TrainingOptions(train=not no_train, finetune=not no_finetune, tokens=tokens,
+                               distill_tokens=distill_tokens, finetune_tokens=finetune_tokens, loss=loss,
+                               resume=resume)
+    where = RunOptions(out=out, overwrite=overwrite, dtype=dtype, device=device, fsdp=fsdp)
     with command_scope("convert"):  # -o: never a model checkpoint; --overwrite: only an earlier convert output
-        path = run(spec, ratio=ratio, softmax_layers=softmax_layers, select=select, kv_budget=kv_budget,
-                   recipe=recipe, overrides=_overrides(set_),
-                   train=not no_train, out=out, overwrite=overwrite, dtype=dtype, device=device, tokens=tokens,
-                   distill_tokens=distill_tokens, finetune_tokens=finetune_tokens, finetune=not no_finetune,
-                   loss=loss, resume=resume, fsdp=fsdp, log=_log)
+        path = run(spec, recipe=recipe, overrides=_overrides(set_), layout=layout, training=training, run=where,
+                   log=_log)
     _log(f"wrote {path}")
 
 
@@ -211,7 +215,7 @@ def finetune(
 def info(spec: str = typer.Argument(..., help="Model spec or hybrid checkpoint directory."),
          ratio: Optional[str] = typer.Option(None, "--ratio", help="Plan a conversion: show the hybrid A:B would build (no weights loaded; an alias not on this machine uses its shipped published config)."),
          softmax_layers: Optional[str] = typer.Option(None, "--softmax-layers", help="Plan a conversion with these softmax layers, e.g. 3,7,11 (overrides --ratio)."),
-         recipe: Optional[str] = typer.Option(None, "--recipe", help="With --ratio / --softmax-layers: the recipe (default lolcats)."),
+         recipe: Optional[str] = typer.Option(None, "--recipe", help=f"With --ratio / --softmax-layers: the recipe (default {DEFAULT_RECIPE})."),
          retrieval: Optional[str] = typer.Option(None, "--retrieval", help="LENGTHS (e.g. 1K,2K): load the original model and show, per layer, its attention from the answer position onto a hidden pass key (the layers that retrieve)."),
          dtype: Optional[str] = typer.Option(None, "--dtype", help="With --retrieval: float32, bfloat16 or float16."),
          device: Optional[str] = typer.Option(None, "--device", help="With --retrieval: cpu, cuda or cuda:N.")):
@@ -415,8 +419,8 @@ def bench_model_cmd(
     spec: str = typer.Argument(..., help="Hybrid checkpoint dir, or a model spec converted on the fly (surgery only, untrained)."),
     against: Optional[str] = typer.Option(None, "--against", help="The original (default: SPEC itself, or the base model a hybrid names)."),
     random_weights: bool = typer.Option(False, "--random-weights", help="Random weights from a shipped config (alias, e.g. llama-3-8b) or a config.json path: nothing downloaded."),
-    ratio: str = typer.Option("3:1", "--ratio", help="A:B layout of the on-the-fly conversion."),
-    recipe: str = typer.Option("lolcats", "--recipe", help="Recipe of the on-the-fly conversion (name or YAML path)."),
+    ratio: str = typer.Option(DEFAULT_RATIO, "--ratio", help="A:B layout of the on-the-fly conversion."),
+    recipe: str = typer.Option(DEFAULT_RECIPE, "--recipe", help="Recipe of the on-the-fly conversion (name or YAML path)."),
     lengths: str = typer.Option("4K,32K,128K", "--lengths", help="Context lengths T."),
     batch: str = typer.Option("1,8", "--batch", help="Batch sizes B."),
     decode_steps: int = typer.Option(64, "--decode-steps", help="Timed single-token decode steps per row."),
@@ -443,8 +447,8 @@ def bench_model_cmd(
 def bench_train_cmd(
     spec: str = typer.Argument(..., help="Model spec, or with --random-weights a shipped config alias (llama-3-8b) or config.json path."),
     random_weights: bool = typer.Option(False, "--random-weights", help="Random weights from a shipped config: nothing downloaded."),
-    ratio: str = typer.Option("3:1", "--ratio", help="A:B layout of the conversion."),
-    recipe: str = typer.Option("lolcats", "--recipe", help="Recipe (name or YAML path): layers, data, losses."),
+    ratio: str = typer.Option(DEFAULT_RATIO, "--ratio", help="A:B layout of the conversion."),
+    recipe: str = typer.Option(DEFAULT_RECIPE, "--recipe", help="Recipe (name or YAML path): layers, data, losses."),
     stages: str = typer.Option("distill,finetune", "--stages", help="Stages to time: distill, finetune."),
     seq_len: int = typer.Option(2048, "--seq-len", help="Tokens per sequence."),
     batch: int = typer.Option(4, "--batch", help="Sequences per micro-batch (under torchrun: over all processes)."),
@@ -452,7 +456,7 @@ def bench_train_cmd(
     steps: int = typer.Option(10, "--steps", help="Timed steps per stage."),
     warmup_steps: int = typer.Option(2, "--warmup-steps", help="Untimed steps first (compilation, autotuning)."),
     tokens: Optional[str] = typer.Option(None, "--tokens", help="Conversion budget to project, split evenly (default: the recipe's)."),
-    tokenizer: str = typer.Option("smollm2-135m", "--tokenizer", help="Tokenizer for --random-weights (its ids must fit the vocabulary)."),
+    tokenizer: str = typer.Option(DEFAULT_MODEL, "--tokenizer", help="Tokenizer for --random-weights (its ids must fit the vocabulary)."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="bfloat16 | float16 | float32 (default: bfloat16 on GPU, float32 on CPU)."),
     device: Optional[str] = typer.Option(None, "--device", help="cuda | cuda:N | cpu (default: cuda when available)."),
     out: Path = typer.Option(Path("bench-train"), "-o", "--output", help="Output directory for bench_train.json."),

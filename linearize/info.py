@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from .select import describe_layout
+from .settings import DEFAULT_RECIPE
 from .sources import local_dir, read_config, resolve, shipped_configs, vision_language_note
 
 # torch, transformers and the model code are imported where they are used: a spec that cannot be found ends in
@@ -57,7 +58,7 @@ def model_info(spec: str, *, ratio: str | None = None, softmax_layers: str | Non
     if planned:
         check_config_supported(config, spec)
         layout = select_layout(config.num_hidden_layers, ratio=ratio, softmax_layers=softmax_layers)
-        rec = recipes.load(recipe or "lolcats")  # validated before anything is built
+        rec = recipes.load(recipe or DEFAULT_RECIPE)  # validated before anything is built
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
         if planned:
@@ -169,7 +170,7 @@ def retrieval_layers(spec: str, lengths: list[int], *, prompts: int = 5, dtype: 
     model, tokenizer = load_model(spec, dtype=dtype, device=device)
     out: dict[str, Any] = {"prompts": prompts, "by_length": {}}
     for n in lengths:
-        rec = recipes.load("lolcats", {"select.retrieval_length": n, "select.retrieval_prompts": prompts})
+        rec = recipes.load(DEFAULT_RECIPE, {"select.retrieval_length": n, "select.retrieval_prompts": prompts})
         samples = probe.retrieval_samples(tokenizer, rec, getattr(model.config, "max_position_embeddings", None))
         with probe.all_linear(model, rec) as hybrid:  # softmax mode = the original attention, hooked per layer
             out["by_length"][str(n)] = probe.retrieval_attention(hybrid, samples)

@@ -1,6 +1,7 @@
 """The conversion pipeline: spec -> load -> select -> swap -> (train) -> save.
 
-Each step is a plain function; :func:`convert` strings them together for the CLI.
+Each step is a plain function; :func:`convert` builds the conversion's plan (:mod:`linearize.plan`) and runs it
+through them, for the CLI.
 """
 
 from __future__ import annotations
@@ -14,139 +15,73 @@ from . import distributed as dist
 from . import recipe as recipes
 from .checkpoint import check_output_dir, save_checkpoint, verify_checkpoint
 from .data import parse_tokens
-from .errors import LinearizeError, SelectionError
-from .select import (check_select, describe_layout, layout_from_ratio, parse_layer_list, parse_ratio, select_layout,
-                     softmax_indices)
-from .sources import check_device, load_model, resolve, resolve_dtype
-
-#: the most the ``--select auto`` probe may take of a conversion's tokens
-PROBE_MAX_SHARE = 0.25
+from .errors import LinearizeError
+from .plan import AutoSelect, LayoutOptions, RunOptions, TrainingOptions, build_plan
+from .select import describe_layout, softmax_indices
+from .settings import DEFAULT_MODEL, DEFAULT_RECIPE
+from .sources import check_device, load_model, resolve
 
 
-def default_output_name(spec: str, ratio: str | None, softmax_layers: str | None, recipe_name: str, *,
-                        select: str = "interleave", kv_budget: str | None = None) -> str:
-    """``smollm2-135m-3to1-lolcats`` style names for ``-o``'s default (``-3to1-auto-`` with ``--select auto``,
-    ``-kv2GB-32K-auto-`` with ``--kv-budget 2GB@32K``)."""
-    name = resolve(spec).name
-    if softmax_layers is not None:
-        return f"{name}-custom-{recipe_name}"
-    if select == "auto":
-        count = f"kv{kv_budget.replace('@', '-')}" if kv_budget else (ratio or "3:1").replace(":", "to")
-        return f"{name}-{count}-auto-{recipe_name}"
-    return f"{name}-{(ratio or '3:1').replace(':', 'to')}-{recipe_name}"
+def convert(spec: str = DEFAULT_MODEL, *, recipe: str = DEFAULT_RECIPE, overrides: dict[str, Any] | None = None,
+            layout: LayoutOptions = LayoutOptions(), training: TrainingOptions = TrainingOptions(),
+            run: RunOptions = RunOptions(), log: Callable[[str], None] = print) -> Path:
+    """Convert ``spec`` into a hybrid checkpoint; returns its path (``run.out``, default ``MODEL-LAYOUT-RECIPE``).
 
-
-def convert(spec: str, *, ratio: str | None = None, softmax_layers: str | None = None, select: str | None = None,
-            kv_budget: str | None = None, recipe: str = "lolcats",
-            overrides: dict[str, Any] | None = None, train: bool = True, out: Path | None = None,
-            overwrite: bool = False, dtype: str | None = None, device: str | None = None,
-            tokens: str | int | None = None, distill_tokens: str | int | None = None,
-            finetune_tokens: str | int | None = None, finetune: bool = True, loss: str | None = None,
-            resume: bool = False, fsdp: bool = False, log: Callable[[str], None] = print) -> Path:
-    """Convert ``spec`` into a hybrid checkpoint at ``out``; returns the path.
-
-    ``ratio`` (default 3:1) gives the interleave pattern, or with ``select="auto"`` only the number of
-    softmax layers; ``kv_budget`` (``BYTES@LENGTH``, auto only) gives that number from a cache budget
+    ``layout``: ``ratio`` (default 3:1) gives the interleave pattern, or with ``select="auto"`` only the number
+    of softmax layers; ``kv_budget`` (``BYTES@LENGTH``, auto only) gives that number from a cache budget
     instead. ``softmax_layers`` overrides both. ``select=None`` takes the recipe's ``select.method``
     (lolcats: auto) where auto can run: training, not ``fsdp``, a count strictly between 0 and every
     layer, a budget the probe fits, scoring (forward tokens) no larger than the training budget;
-    interleave otherwise. Everything the user can get wrong is checked before the
-    model is loaded, so a bad call writes nothing. ``fsdp`` (under torchrun) shards the model over the
-    ranks with FSDP2 instead of replicating it (:mod:`linearize.fsdp`).
+    interleave otherwise. Everything the user can get wrong is checked before the model is loaded
+    (:func:`linearize.plan.build_plan`), so a bad call writes nothing. ``run.fsdp`` (under torchrun) shards the
+    model over the ranks with FSDP2 instead of replicating it (:mod:`linearize.fsdp`).
     """
-    rec = recipes.load(recipe, overrides)
-    from_recipe = select is None and kv_budget is None  # the recipe's select.method, where it can run
-    mode = check_select(select, kv_budget=kv_budget, ratio_given=ratio is not None, default=rec["select"]["method"])
-    ratio = ratio or "3:1"
-    if softmax_layers is not None:
-        parse_layer_list(softmax_layers)
-    else:
-        parse_ratio(ratio)
-    if from_recipe and mode == "auto" and (softmax_layers is not None or not train or fsdp):
-        if fsdp and softmax_layers is None and train:
-            log("select: interleave (the recipe's auto selection does not run under --fsdp)")
-        mode = "interleave"  # named layers, or surgery only (the probe trains)
-    auto = mode == "auto" and softmax_layers is None
-    if mode == "auto" and softmax_layers is not None:
-        log("select: --softmax-layers overrides --select auto (no probe)")
-    if fsdp:
-        from .fsdp import check_options
-
-        check_options(select_auto=mode == "auto" and softmax_layers is None, train=train)
-    if auto:
-        from .probe import score_weights
-
-        score_weights(rec)  # all weights 0: one line
-    if dtype is not None:
-        resolve_dtype(dtype, device or "cpu")
-    distill_tokens, finetune_tokens = split_tokens(tokens, distill_tokens, finetune_tokens, finetune)
-    if loss is not None and loss not in ("xent", "kl"):
-        raise LinearizeError(f"--loss {loss!r}: expected xent or kl")
-    check_device(device)
-    if train:  # window vs seq_len, budgets vs one step, data specs
-        recipes.check_training(rec, {"distill": distill_tokens, **({"finetune": finetune_tokens} if finetune else {})})
-    resolved = resolve(spec)
-    from .sources import local_dir, vision_language_note
-    from .surgery import load_base_config
-
-    source_dir = local_dir(resolved)
-    base_config = load_base_config(spec, source_dir)  # encoder-only, no attention, ...: one line
-    note = vision_language_note(source_dir)
-    if note:
-        log(note)
-    plan = None
-    if auto:
-        kw = dict(ratio=ratio, kv_budget=kv_budget, dtype=dtype, device=device, train=train, finetune=finetune,
-                  distill_tokens=distill_tokens, finetune_tokens=finetune_tokens)
-        plan = plan_recipe_auto(base_config, rec, log=log, **kw) if from_recipe else plan_auto(base_config, rec, **kw)
-        mode = "auto" if plan is not None else "interleave"
-    if plan is not None:
-        layer_types = None
-    else:
-        layer_types = select_layout(base_config.num_hidden_layers, ratio=ratio, softmax_layers=softmax_layers)
-    out = Path(out or default_output_name(spec, ratio, softmax_layers, rec.name, select=mode if softmax_layers is None
-                                          else "interleave", kv_budget=kv_budget))
-    check_output_dir(out, overwrite)
-    if train:  # data, recall text, batch over ranks, --resume settings: before the model loads
-        stages = {"distill": distill_tokens, **({"finetune": finetune_tokens} if finetune else {})}
-        recall_stage = rec["finetune" if finetune else "distill"]
-        check_before_loading(rec, stages, source=source_dir, out=out, resume=resume, loss=loss,
-                             layer_types=layer_types, attention=dict(rec["attention"]),
+    plan = build_plan(spec, recipe=recipe, overrides=overrides, layout=layout, training=training, run=run, log=log)
+    rec, config = plan.recipe, plan.base_config
+    if plan.train:  # data, recall text, batch over ranks, --resume settings: before the model loads
+        recall_stage = rec["finetune" if plan.finetune else "distill"]
+        check_before_loading(rec, plan.tokens, source=plan.source_dir, out=plan.out, resume=plan.resume,
+                             loss=plan.loss, layer_types=plan.layer_types, attention=dict(rec["attention"]),
                              recall={"data": recall_stage["data"],
-                                     "length": RecallCheck.length_for(recall_stage, base_config)},
-                             probe=plan is not None)
-    device = dist.init(device)  # torchrun: join the process group; this rank's device
+                                     "length": RecallCheck.length_for(recall_stage, config)},
+                             probe=plan.auto is not None)
+    device = dist.init(plan.device)  # torchrun: join the process group; this rank's device
     t0 = time.time()
     from .surgery import linearize_model
 
-    if fsdp:  # rank 0 loads and converts the model, every rank keeps only its shards (linearize.fsdp)
+    layer_types = plan.layer_types
+    if plan.fsdp:  # rank 0 loads and converts the model, every rank keeps only its shards (linearize.fsdp)
         from .fsdp import load_and_shard
 
-        hybrid, tokenizer = load_and_shard(spec, device, dtype, log=log,
+        hybrid, tokenizer = load_and_shard(plan.source, device, plan.dtype, log=log,
                                            prepare=lambda m: linearize_model(m, layer_types, rec))
         model = None
     else:
-        model, tokenizer = load_model(spec, dtype=dtype, device=device)
+        model, tokenizer = load_model(plan.source, dtype=plan.dtype, device=device)
     reports = {}
-    probe = None
-    if plan is not None:
-        log(f"select: auto, {plan['count']} softmax layers of {base_config.num_hidden_layers} (from {plan['count_from']})")
-        layer_types, probe = run_auto_select(model, tokenizer, rec, plan, log=log)
+    probe = swaps = None
+    if plan.auto is not None:
+        log(f"select: auto, {plan.auto.count} softmax layers of {config.num_hidden_layers} "
+            f"(from {plan.auto.count_from})")
+        layer_types, probe, swaps = run_auto_select(model, tokenizer, rec, plan.auto, log=log)
         layer_types = dist.broadcast_object(layer_types)  # torchrun: every rank takes rank 0's choice
     log(f"layers: {describe_layout(layer_types)}")
-    if not fsdp:
+    if not plan.fsdp:
         hybrid = linearize_model(model, layer_types, rec)
-    if plan is not None:
-        reports["select"] = auto_report(hybrid, rec, plan, probe, train=train, log=log)
-        if probe is not None and train:
-            distill_tokens = plan["stage1_tokens"] - probe.tokens  # the probe's tokens are part of stage 1
+    distill_tokens = plan.tokens["distill"]
+    if plan.auto is not None:
+        reports["select"] = auto_report(hybrid, rec, plan.auto, probe, swaps, train=plan.train, log=log)
+        if probe is not None and plan.train:
+            distill_tokens = plan.auto.stage1_tokens - probe.tokens  # the probe's tokens are part of stage 1
     t_load = time.time() - t0
-    if train:
-        recall = RecallCheck.measure(hybrid, tokenizer, rec, finetune=finetune, log=log)  # the teacher's score first
-        reports["distill"] = run_distill(hybrid, tokenizer, rec, out, tokens=distill_tokens, resume=resume, log=log)
-        if finetune:
-            hybrid, reports["finetune"] = run_finetune(hybrid, tokenizer, rec, out, tokens=finetune_tokens, loss=loss,
-                                                       resume=resume, log=log)
+    if plan.train:
+        recall = RecallCheck.measure(hybrid, tokenizer, rec, finetune=plan.finetune, log=log)  # the teacher first
+        reports["distill"] = run_distill(hybrid, tokenizer, rec, plan.out, tokens=distill_tokens,
+                                         resume=plan.resume, log=log)
+        if plan.finetune:
+            hybrid, reports["finetune"] = run_finetune(hybrid, tokenizer, rec, plan.out,
+                                                       tokens=plan.tokens["finetune"], loss=plan.loss,
+                                                       resume=plan.resume, log=log)
         reports["recall"] = recall.finish(hybrid)
         if probe is not None:  # the share as run: probe / (probe + stage 1 + stage 2)
             sel = reports["select"]
@@ -157,17 +92,16 @@ def convert(spec: str, *, ratio: str | None = None, softmax_layers: str | None =
     if dist.is_main():  # torchrun: every rank holds the same weights; rank 0 writes, the others wait
         dtype_name = str(next(hybrid.parameters()).dtype).replace("torch.", "")
         save_checkpoint(
-            hybrid, tokenizer, out, base=resolved.name, recipe=rec, overwrite=overwrite, reports=reports,
-            state_dict=full,
-            resolved={"ratio": ratio if softmax_layers is None and kv_budget is None else None,
-                      "softmax_layers": softmax_layers, "select": mode, "kv_budget": kv_budget,
-                      "layer_types": layer_types, "dtype": dtype_name, "load_and_surgery_seconds": round(t_load, 2)},
+            hybrid, tokenizer, plan.out, base=plan.source.name, recipe=rec, overwrite=plan.overwrite,
+            reports=reports, state_dict=full,
+            resolved={**plan.layout.recorded(), "layer_types": layer_types, "dtype": dtype_name,
+                      "load_and_surgery_seconds": round(t_load, 2)},
         )
         import shutil
 
-        shutil.rmtree(state_dir_for(out), ignore_errors=True)
+        shutil.rmtree(state_dir_for(plan.out), ignore_errors=True)
     dist.barrier()
-    return out
+    return plan.out
 
 
 def _gather(model):
@@ -236,127 +170,56 @@ class RecallCheck:
         return rep
 
 
-def plan_recipe_auto(base_config, rec, *, log: Callable[[str], None] = print, **kwargs) -> dict[str, Any] | None:
-    """:func:`plan_auto` for the recipe's ``select.method: auto`` (not the flag): None, for interleave, where
-    there is nothing to choose, the probe does not fit the budget, or scoring the layers would take more forward
-    tokens than the whole training budget (the last two with a log line)."""
-    try:
-        plan = plan_auto(base_config, rec, **kwargs)
-    except SelectionError as e:
-        log(f"select: interleave (the recipe's auto selection does not fit: {e})")
-        return None
-    if plan["count"] in (0, base_config.num_hidden_layers):
-        return None
-    if plan["scoring_tokens"] > plan["total_tokens"]:
-        log(f"select: interleave (the recipe's auto selection would score the layers on about "
-            f"{plan['scoring_tokens']:,} forward tokens, more than the {plan['total_tokens']:,} training tokens; "
-            f"--select auto runs it anyway)")
-        return None
-    return plan
-
-
-def plan_auto(base_config, rec, *, ratio: str, kv_budget: str | None, dtype, device, train: bool, finetune: bool,
-              distill_tokens, finetune_tokens) -> dict[str, Any]:
-    """How many softmax layers ``--select auto`` keeps and what its probe costs; one-line errors for a budget
-    that cannot work. Nothing is loaded."""
-    import torch
-
-    from .probe import plan_probe_tokens, plan_scoring_tokens
-    from .select import softmax_count_for_budget, softmax_count_from_ratio
-
-    n = base_config.num_hidden_layers
-    plan: dict[str, Any] = {"ratio": ratio, "kv_budget": None, "kv_detail": None,
-                            "interleave": softmax_indices(layout_from_ratio(ratio, n))}
-    if kv_budget is not None:
-        dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        dtype_bytes = torch.empty((), dtype=resolve_dtype(dtype, dev)).element_size()
-        plan["count"], plan["kv_detail"] = softmax_count_for_budget(base_config, rec["attention"], kv_budget, dtype_bytes)
-        plan["count_from"] = f"--kv-budget {kv_budget}"
-        plan["kv_budget"] = kv_budget
-    else:
-        plan["count"] = softmax_count_from_ratio(ratio, n)
-        plan["count_from"] = f"--ratio {ratio}"
-    d = rec["distill"]
-    stage1 = parse_tokens(distill_tokens if distill_tokens is not None else d["tokens"])
-    stage2 = parse_tokens(finetune_tokens if finetune_tokens is not None else rec["finetune"]["tokens"]) if finetune else 0
-    probe_tokens = plan_probe_tokens(rec, stage1)
-    plan.update(stage1_tokens=stage1, probe_tokens=probe_tokens, total_tokens=stage1 + stage2 if train else None,
-                scoring_tokens=plan_scoring_tokens(rec, n, getattr(base_config, "max_position_embeddings", None)))
-    if train and 0 < plan["count"] < n:
-        batch = d["seq_len"] * d["batch_size"]
-        if stage1 - probe_tokens < batch:
-            raise SelectionError(f"--select auto: the stage-1 budget of {stage1:,} tokens leaves "
-                                 f"{stage1 - probe_tokens:,} after the probe's {probe_tokens:,}, less than one batch "
-                                 f"({batch:,}); raise --tokens / --distill-tokens")
-        share = probe_tokens / (stage1 + stage2)
-        if share > PROBE_MAX_SHARE:
-            raise SelectionError(f"--select auto: the probe's {probe_tokens:,} tokens (at least one step of "
-                                 f"distill.seq_len x batch_size x grad_accum) would be {share:.0%} of the "
-                                 f"conversion's {stage1 + stage2:,} tokens (limit {PROBE_MAX_SHARE:.0%}); raise "
-                                 f"--tokens or lower select.probe_fraction")
-    return plan
-
-
-def run_auto_select(model, tokenizer, rec, plan: dict[str, Any], *, log: Callable[[str], None] = print):
-    """Probe (or read the cached probe) and choose the softmax layers; ``(layer_types, probe result or None)``."""
+def run_auto_select(model, tokenizer, rec, auto: AutoSelect, *, log: Callable[[str], None] = print):
+    """Probe (or read the cached probe) and choose the softmax layers; ``(layer_types, probe result or None,
+    swap check report or None)``."""
     from .probe import run_probe, score_weights
     from .select import choose_softmax_layers, layout_from_softmax_layers, rank_layers, selection_boundary
 
-    n, count = model.config.num_hidden_layers, plan["count"]
+    n, count = model.config.num_hidden_layers, auto.count
     if count in (0, n):
         log(f"select: {count} of {n} layers softmax leaves nothing to choose; probe skipped")
-        return layout_from_softmax_layers(list(range(count)), n), None
-    probe = run_probe(model, tokenizer, rec, probe_tokens=plan["probe_tokens"], log=log)
+        return layout_from_softmax_layers(list(range(count)), n), None, None
+    probe = run_probe(model, tokenizer, rec, probe_tokens=auto.probe_tokens, log=log)
     scores = probe.scores(score_weights(rec))
     softmax = choose_softmax_layers(scores, count)
     top = rank_layers(scores)[: min(n, count + 3)]
     log(f"select: keeps softmax layers {','.join(map(str, softmax))} (interleave would keep "
-        f"{','.join(map(str, plan['interleave']))}); top scores " + ", ".join(f"L{i} {scores[i]:.3f}" for i in top))
+        f"{','.join(map(str, auto.interleave))}); top scores " + ", ".join(f"L{i} {scores[i]:.3f}" for i in top))
     edge = selection_boundary(scores, count)
     if edge and edge["close_call"]:
         log(f"select: close call: layer {edge['kept']} kept ({edge['kept_score']:.4f}), layer {edge['dropped']} not "
             f"({edge['dropped_score']:.4f}), {100 * edge['relative_margin']:.1f}% apart; recall can hinge on such a "
             f"pair: compare both with --softmax-layers"
             + ("" if rec["select"]["swap_rounds"] else ", or check swaps jointly with --set select.swap_rounds=2"))
+    swaps = None
     if rec["select"]["swap_rounds"] > 0:
         from .probe import swap_check
 
-        softmax, plan["swap_check"] = swap_check(model, tokenizer, rec, probe, softmax, scores, log=log)
-        if plan["swap_check"]["final_layers"] != plan["swap_check"]["start_layers"]:
+        softmax, swaps = swap_check(model, tokenizer, rec, probe, softmax, scores, log=log)
+        if swaps["final_layers"] != swaps["start_layers"]:
             log(f"select: after the swap check keeps softmax layers {','.join(map(str, softmax))}")
-    return layout_from_softmax_layers(softmax, n), probe
+    return layout_from_softmax_layers(softmax, n), probe, swaps
 
 
-def auto_report(hybrid, rec, plan: dict[str, Any], probe, *, train: bool, log: Callable[[str], None] = print) -> dict:
-    """The ``select`` stage report; with training, the linear layers start from the probe's trained maps."""
+def auto_report(hybrid, rec, auto: AutoSelect, probe, swaps: dict | None, *, train: bool,
+                log: Callable[[str], None] = print) -> dict:
+    """The ``select`` stage report (``swaps``: the swap check's); with training, the linear layers start from the
+    probe's trained maps."""
     from .probe import apply_feature_maps, select_report
 
     softmax = softmax_indices(hybrid.config.layer_types)
     if probe is None:
-        return {"method": "auto", "softmax_count": len(softmax), "count_from": plan["count_from"],
+        return {"method": "auto", "softmax_count": len(softmax), "count_from": auto.count_from,
                 "softmax_layers": ",".join(map(str, softmax)), "probe": "skipped (nothing to choose)",
-                **({"kv_budget": plan["kv_detail"]} if plan["kv_detail"] else {})}
+                **({"kv_budget": auto.kv_detail} if auto.kv_detail else {})}
     initialized = []
     if train and probe.maps:
         initialized = apply_feature_maps(hybrid, probe.maps)
         log(f"probe: {len(initialized)} linear layers start from the probe's trained feature maps")
-    return select_report(probe, rec, softmax, count_from=plan["count_from"], interleave=plan["interleave"],
-                         total_tokens=plan["total_tokens"], kv_budget=plan["kv_detail"], initialized=initialized,
-                         swap_check=plan.get("swap_check"))
-
-
-def split_tokens(tokens, distill_tokens, finetune_tokens, finetune: bool = True):
-    """Per-stage budgets: ``--tokens`` splits evenly across the stages that run (LoLCATs: 20M + 20M);
-    ``--distill-tokens`` / ``--finetune-tokens`` set one stage; None keeps the recipe's."""
-    for v in (tokens, distill_tokens, finetune_tokens):
-        if v is not None:
-            parse_tokens(v)  # one-line error for a bad budget
-    if tokens is not None:
-        total = parse_tokens(tokens)
-        share = total // 2 if finetune else total
-        distill_tokens = distill_tokens if distill_tokens is not None else share
-        finetune_tokens = finetune_tokens if finetune_tokens is not None else total - share
-    return distill_tokens, finetune_tokens
+    return select_report(probe, rec, softmax, count_from=auto.count_from, interleave=list(auto.interleave),
+                         total_tokens=auto.total_tokens, kv_budget=auto.kv_detail, initialized=initialized,
+                         swap_check=swaps)
 
 
 def run_finetune(model, tokenizer, rec, out: Path, *, tokens=None, loss=None, resume: bool = False,

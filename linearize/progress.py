@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any
 
-DEFAULT_LOG_EVERY = 30.0  # seconds between two lines of one task off a terminal
+from .settings import log_every
 
 
 def _interactive(console) -> bool:
@@ -31,15 +31,6 @@ def make_console(stderr: bool = False, width: int = 200):
     if _interactive(console) or os.environ.get("COLUMNS"):
         return console
     return Console(stderr=stderr, width=width, soft_wrap=True)
-
-
-def log_every() -> float:
-    """Seconds between progress lines off a terminal (``LINEARIZE_LOG_EVERY``; 0 prints every update)."""
-    raw = os.environ.get("LINEARIZE_LOG_EVERY", "")
-    try:
-        return max(0.0, float(raw)) if raw.strip() else DEFAULT_LOG_EVERY
-    except ValueError:
-        return DEFAULT_LOG_EVERY
 
 
 def _clock(seconds: float) -> str:

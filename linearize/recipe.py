@@ -18,6 +18,7 @@ import yaml
 
 from .errors import DataError, RecipeError
 from .mixture import mixture_text
+from .settings import DEFAULT_RECIPE
 
 
 @dataclass(frozen=True)
@@ -205,7 +206,7 @@ def find(name_or_path: str) -> Path:
     raise RecipeError(f"unknown recipe {name_or_path!r}: expected one of {', '.join(available())} or a .yaml path")
 
 
-def load(name_or_path: str = "lolcats", overrides: dict[str, Any] | None = None) -> Recipe:
+def load(name_or_path: str = DEFAULT_RECIPE, overrides: dict[str, Any] | None = None) -> Recipe:
     """Load, merge overrides and validate a recipe."""
     path = find(name_or_path)
     try:

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from .errors import SelectionError
+from .settings import DEFAULT_RATIO
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
@@ -86,10 +87,10 @@ def layout_from_softmax_layers(indices: list[int], num_layers: int) -> list[str]
 
 
 def select_layout(num_layers: int, *, ratio: str | None = None, softmax_layers: str | None = None) -> list[str]:
-    """Resolve the layout; an explicit list overrides the ratio; the default is 3:1."""
+    """Resolve the layout; an explicit list overrides the ratio; the default is :data:`DEFAULT_RATIO`."""
     if softmax_layers is not None:
         return layout_from_softmax_layers(parse_layer_list(softmax_layers), num_layers)
-    return layout_from_ratio(ratio or "3:1", num_layers)
+    return layout_from_ratio(ratio or DEFAULT_RATIO, num_layers)
 
 
 def describe_layout(layer_types: list[str]) -> str:

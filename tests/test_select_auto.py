@@ -12,6 +12,7 @@ from linearize import pipeline
 from linearize import probe as P
 from linearize import recipe as R
 from linearize.errors import LinearizeError, SelectionError
+from linearize.plan import LayoutOptions, RunOptions, TrainingOptions
 from linearize.select import (FULL, check_select, choose_softmax_layers, parse_kv_budget, selection_boundary,
                               softmax_count_for_budget, softmax_count_from_ratio)
 
@@ -125,28 +126,30 @@ def test_plan_probe_tokens():
 # ------------------------------------------------------------------------------------------- library errors
 
 
-BAD_CONVERT = [
-    (dict(select="best"), "--select"),
-    (dict(select="interleave", kv_budget="2GB@32K"), "needs --select auto"),
-    (dict(select="auto", ratio="3:1", kv_budget="2GB@32K"), "pass one"),
-    (dict(select="auto", kv_budget="2 lots@32K"), "not a byte size"),
-    (dict(select="auto", kv_budget="2GB@soon"), "not a context length"),
-    (dict(select="auto", kv_budget="1KB@1K"), "smaller than the all-linear state"),
-    (dict(select="auto", overrides={"select.mse_weight": 0, "select.loss_weight": 0, "select.retrieval_weight": 0,
-                                    "select.attention_weight": 0}), "all 0"),
-    (dict(select="auto", ratio="1:1", tokens="128", finetune=False), "less than one batch"),  # all of it: the probe
-    (dict(select="auto", ratio="1:1", tokens="384", finetune=False), "limit 25%"),  # one 128-token step = 33%
+NO_WEIGHTS = {"select.mse_weight": 0, "select.loss_weight": 0, "select.retrieval_weight": 0,
+              "select.attention_weight": 0}
+BAD_CONVERT = [  # (layout options, training options, recipe overrides, what the one line says)
+    (dict(select="best"), {}, {}, "--select"),
+    (dict(select="interleave", kv_budget="2GB@32K"), {}, {}, "needs --select auto"),
+    (dict(select="auto", ratio="3:1", kv_budget="2GB@32K"), {}, {}, "pass one"),
+    (dict(select="auto", kv_budget="2 lots@32K"), {}, {}, "not a byte size"),
+    (dict(select="auto", kv_budget="2GB@soon"), {}, {}, "not a context length"),
+    (dict(select="auto", kv_budget="1KB@1K"), {}, {}, "smaller than the all-linear state"),
+    (dict(select="auto"), {}, NO_WEIGHTS, "all 0"),
+    (dict(select="auto", ratio="1:1"), dict(tokens="128", finetune=False), {}, "less than one batch"),  # the probe's
+    (dict(select="auto", ratio="1:1"), dict(tokens="384", finetune=False), {}, "limit 25%"),  # one 128-token step: 33%
 ]
 
 
-@pytest.mark.parametrize("kwargs,needle", BAD_CONVERT, ids=[n for _, n in BAD_CONVERT])
-def test_bad_select_writes_nothing(ws, tmp_path, monkeypatch, kwargs, needle):
+@pytest.mark.parametrize("layout,training,overrides,needle", BAD_CONVERT, ids=[n for *_, n in BAD_CONVERT])
+def test_bad_select_writes_nothing(ws, tmp_path, monkeypatch, layout, training, overrides, needle):
     monkeypatch.setenv("LINEARIZE_CACHE", str(tmp_path / "cache"))
-    kwargs = {**kwargs, "overrides": {**_overrides(ws), **kwargs.get("overrides", {})}}
     loaded = []
     monkeypatch.setattr(pipeline, "load_model", lambda *a, **k: loaded.append(1))
     with pytest.raises(LinearizeError, match=needle) as e:
-        pipeline.convert(str(ws / "tiny"), out=tmp_path / "OUT", log=lambda m: None, **kwargs)
+        pipeline.convert(str(ws / "tiny"), overrides={**_overrides(ws), **overrides}, layout=LayoutOptions(**layout),
+                         training=TrainingOptions(**training), run=RunOptions(out=tmp_path / "OUT"),
+                         log=lambda m: None)
     assert "\n" not in str(e.value) and not loaded and not list(tmp_path.iterdir())
 
 
@@ -163,8 +166,8 @@ def test_recipe_auto_gives_way_under_fsdp(ws, tmp_path, monkeypatch):
     monkeypatch.setattr(fsdp, "check_options", check)
     for select in (None, "auto"):
         with pytest.raises(LinearizeError, match="stop here"):
-            pipeline.convert(str(ws / "tiny"), select=select, fsdp=True, out=tmp_path / "OUT", log=logs.append,
-                             overrides=_overrides(ws))
+            pipeline.convert(str(ws / "tiny"), overrides=_overrides(ws), layout=LayoutOptions(select=select),
+                             run=RunOptions(out=tmp_path / "OUT", fsdp=True), log=logs.append)
     assert [kw["select_auto"] for kw in seen] == [False, True]
     assert logs == ["select: interleave (the recipe's auto selection does not run under --fsdp)"]
     assert not (tmp_path / "OUT").exists()
