@@ -18,6 +18,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from .atomic import atomic_write
 from .errors import DeviceError, LinearizeError
 
 # fla's Triton path only (it otherwise dispatches to other backends when present)
@@ -561,10 +562,8 @@ def write_rows(out_json, meta: dict, checks: list, rows: list, *, complete: bool
     """Write ``{"meta", "checks", "rows", "complete"}`` to ``out_json`` atomically (``complete`` false while the
     benchmark is still running: after each block of rows, so an interrupted run keeps what it measured)."""
     out_json = Path(out_json)
-    out_json.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_json.with_suffix(out_json.suffix + ".tmp")
-    tmp.write_text(json.dumps({"meta": meta, "checks": checks, "rows": rows, "complete": complete}, indent=1))
-    tmp.replace(out_json)
+    with atomic_write(out_json) as tmp:
+        tmp.write_text(json.dumps({"meta": meta, "checks": checks, "rows": rows, "complete": complete}, indent=1))
     return out_json
 
 

@@ -42,10 +42,12 @@ from typing import Any, Callable
 
 import torch
 
+from .atomic import atomic_write
 from .cache import softmax_windows
 from .errors import LinearizeError, SpecError
 from .settings import DEFAULT_RATIO, DEFAULT_RECIPE
 from .sources import shipped_configs, text_part
+from .units import format_bytes
 
 #: ``--sdpa`` names -> ``torch.nn.attention.SDPBackend`` member names
 SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
@@ -911,9 +913,8 @@ def check_targets(rat: list[dict]) -> list[dict]:
 
 
 def _write(path: Path, result: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(result, indent=1, default=str) + "\n")
-    tmp.replace(path)
+    with atomic_write(path) as tmp:
+        tmp.write_text(json.dumps(result, indent=1, default=str) + "\n")
 
 
 def _dominated(T: int, B: int, failed: list[tuple[int, int]]) -> bool:
@@ -964,6 +965,7 @@ def bench_model(spec: str, *, against: str | None = None, random_weights: bool =
         out_dir.mkdir(parents=True, exist_ok=True)
         probe = out_dir / (RESULT_FILE + ".tmp")
         probe.write_text("")
+        probe.unlink()
     except OSError as e:
         raise LinearizeError(f"-o {out_dir}: cannot write there ({e.strerror or e})") from None
     out_path = out_dir / RESULT_FILE
@@ -1042,17 +1044,6 @@ def bench_model(spec: str, *, against: str | None = None, random_weights: bool =
 # printing
 
 
-def human_bytes(n) -> str:
-    """``1536`` -> ``"1.5 KiB"``; non-numbers pass through."""
-    if not isinstance(n, (int, float)):
-        return str(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024:
-            return f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} PiB"
-
-
 def _fmt(v, spec: str = ",.0f") -> str:
     return format(v, spec) if isinstance(v, (int, float)) else ("" if v is None else str(v))
 
@@ -1062,8 +1053,8 @@ def _row_line(r: dict) -> str:
         return f"{r['model']} T={r['T']} B={r['B']}: error {r.get('error', '')}"
     return (f"{r['model']} T={r['T']} B={r['B']}: prefill {_fmt(r.get('prefill_tok_s'))} tok/s "
             f"({r.get('prefill_sdpa', '-')}), decode {_fmt(r.get('decode_tok_s'))} tok/s "
-            f"({r.get('decode_mode', '-')}, {r.get('decode_sdpa', '-')}), peak {human_bytes(r.get('peak_bytes'))}, "
-            f"cache {human_bytes(r.get('cache_bytes'))}" + (f" [{r['note']}]" if r.get("note") else ""))
+            f"({r.get('decode_mode', '-')}, {r.get('decode_sdpa', '-')}), peak {format_bytes(r.get('peak_bytes'))}, "
+            f"cache {format_bytes(r.get('cache_bytes'))}" + (f" [{r['note']}]" if r.get("note") else ""))
 
 
 def print_result(result: dict, console=None) -> None:
@@ -1098,8 +1089,8 @@ def print_result(result: dict, console=None) -> None:
 
         t.add_row(str(T), str(B), val(o, "prefill_tok_s"), val(h, "prefill_tok_s"), xr("prefill_speedup"),
                   val(o, "decode_tok_s"), val(h, "decode_tok_s"), xr("decode_speedup"),
-                  human_bytes(o.get("cache_bytes", "")), human_bytes(h.get("cache_bytes", "")), xr("cache_ratio", ".1%"),
-                  human_bytes(o.get("peak_bytes", "")), human_bytes(h.get("peak_bytes", "")), xr("peak_ratio", ".1%"))
+                  format_bytes(o.get("cache_bytes", "")), format_bytes(h.get("cache_bytes", "")), xr("cache_ratio", ".1%"),
+                  format_bytes(o.get("peak_bytes", "")), format_bytes(h.get("peak_bytes", "")), xr("peak_ratio", ".1%"))
     con.print(t)
     modes = sorted({(r["model"], r.get("decode_mode"), r.get("decode_sdpa"), r.get("prefill_sdpa"))
                     for r in result["rows"] if r.get("status") == "ok"}, key=str)

@@ -25,9 +25,9 @@ from typing import Any, Callable
 
 import torch
 
-from .data import parse_tokens
 from .errors import LinearizeError, ResourceError, SpecError
 from .settings import DEFAULT_MODEL, DEFAULT_RATIO, DEFAULT_RECIPE
+from .units import format_tokens, parse_tokens
 
 RESULT_FILE = "bench_train.json"
 STAGES = ("distill", "finetune")
@@ -235,10 +235,10 @@ def print_result(result: dict, console=None) -> None:
         p = proj.get("seconds", {}).get(stage)
         table.add_row(stage, f"{row['tokens_per_second']:,.0f}", f"{row['seconds_per_step']:.3f}",
                       str(row.get("peak_gib", "n/a")),
-                      f"{proj['budgets'][stage] / 1e6:g}M tokens: {p / 60:.1f} min" if p else "")
+                      f"{format_tokens(proj['budgets'][stage])} tokens: {p / 60:.1f} min" if p else "")
     console.print(table)
     if "total_seconds" in proj:
-        line = f"projected conversion: {sum(proj['budgets'].values()) / 1e6:g}M tokens in {proj['total_seconds'] / 60:.1f} min"
+        line = f"projected conversion: {format_tokens(sum(proj['budgets'].values()))} tokens in {proj['total_seconds'] / 60:.1f} min"
         if result.get("world_size", 1) > 1:
             line += f" ({proj['gpu_seconds'] / 3600:.2f} GPU-hours)"
         if "target" in proj:

@@ -26,6 +26,7 @@ BUNDLE = {
     "linearize.cache": "linearize_cache",
     "linearize.feature_maps": "linearize_feature_maps",
     "linearize.errors": "linearize_errors",
+    "linearize.atomic": "linearize_atomic",
     "linearize.kernels": "linearize_kernels",
     **{f"linearize.kernels.{m}": f"linearize_kernels_{m}" for m in (
         "chunked", "reference", "step", "triton_common", "triton_features", "triton_linear", "triton_rotary",

@@ -25,6 +25,7 @@ from typing import Any, Iterator
 import torch
 from safetensors.torch import save_file
 
+from .atomic import atomic_write
 from .errors import OutputError
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -88,32 +89,21 @@ def recover_output(out: Path) -> None:
 
 @contextlib.contextmanager
 def atomic_dir(out: Path, overwrite: bool = False, *, marker: str | None = None) -> Iterator[Path]:
-    """Yield a temporary directory that becomes ``out`` only if the block completes. With ``marker`` (a command
-    name), the finished directory carries the marker naming it (:data:`linearize.outputs.MARKER`); its files get the
-    usual modes (0644 / 0755 under umask 022) whatever their writer used."""
+    """Yield a temporary directory that becomes ``out`` only if the block completes
+    (:func:`linearize.atomic.atomic_write`), after the leftovers of a killed run are cleaned up
+    (:func:`recover_output`) and ``out`` is checked (:func:`check_output_dir`). With ``marker`` (a command name), the
+    finished directory carries the marker naming it (:data:`linearize.outputs.MARKER`); its files get the usual
+    modes (0644 / 0755 under umask 022) whatever their writer used."""
     from .outputs import normalize_modes, write_marker
 
     out = Path(out)
     recover_output(out)
     check_output_dir(out, overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with atomic_write(out, directory=True) as tmp:
         yield tmp
         if marker is not None:
             write_marker(tmp, marker)
         normalize_modes(tmp)
-        old = None
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            os.replace(out, old)
-        os.replace(tmp, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _state_dict_for_save(model, state_dict: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:

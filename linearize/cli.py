@@ -13,6 +13,7 @@ from rich.table import Table
 from .errors import LinearizeError
 from .progress import make_console
 from .settings import DEFAULT_MODEL, DEFAULT_RATIO, DEFAULT_RECIPE
+from .units import format_bytes, format_length
 
 app = typer.Typer(
     help="Convert softmax-attention LLMs into fast linear-attention hybrids.",
@@ -245,7 +246,8 @@ def info(spec: str = typer.Argument(..., help="Model spec or hybrid checkpoint d
         table.add_column("prefill bound", justify="right")
         table.add_column("decode bound", justify="right")
     for length, row in data["cache_bytes"].items():
-        cells = [length, _human(row["original"]), _human(row["hybrid"]), f"{row['hybrid'] / row['original']:.1%}"]
+        cells = [length, format_bytes(row["original"]), format_bytes(row["hybrid"]),
+                 f"{row['hybrid'] / row['original']:.1%}"]
         if bounds:
             cells += [f"{bounds[length]['prefill']:.2f}x", f"{bounds[length]['decode']:.2f}x"]
         table.add_row(*cells)
@@ -272,7 +274,7 @@ def info(spec: str = typer.Argument(..., help="Model spec or hybrid checkpoint d
                       f"{100 * b['relative_margin']:.1f}% apart" + (" (a close call)" if b["close_call"] else "")
                       + "".join(f"; swap check: {describe_swap(r)}" for r in q["select"]["swaps"]), highlight=False)
     if retrieval is not None:
-        from .evals.common import format_length, parse_lengths
+        from .evals.common import parse_lengths
         from .info import retrieval_layers
 
         ret = retrieval_layers(spec, parse_lengths(retrieval), dtype=dtype, device=device)
@@ -296,14 +298,6 @@ _MAX_MEMORY_HELP = ("Run a model that does not fit one device, onloading layer b
                     "first listed GPU (else the CPU) just for its forward. Excludes --device.")
 _OFFLOAD_DIR_HELP = ("With --max-memory: where weights offloaded to disk may be written (a private folder, removed at "
                      "exit; default: under the linearize cache).")
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024:
-            return f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} PiB"
 
 
 @app.command()

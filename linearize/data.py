@@ -44,10 +44,8 @@ import hashlib
 import importlib.util
 import json
 import logging
-import math
 import os
 import re
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -55,17 +53,18 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 import torch
 
+from .atomic import atomic_write
 from .corpora import CORPORA, CORPUS_FORMAT, corpus_files, is_corpus
 from .corpora import documents as corpus_documents
 from .errors import DataError
 from .mixture import allocate, interleave, mixture_text, parse_mixture, row_parts
+from .units import UnitError, parse_tokens
 
 __all__ = [
     "DataError",
     "DataSource",
     "WIKI_INSTALL",
     "HELDOUT_PER_MILLE",
-    "parse_tokens",
     "parse_spec",
     "wiki_corpus_path",
     "is_heldout",
@@ -111,55 +110,17 @@ _COPY_STREAM = 0xC0B1
 # token counts
 
 
-_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
-_TOKENS_RE = re.compile(r"^([0-9]*\.?[0-9]+(?:e[0-9]+)?)([kmbgt]?)$")
-
-
-def parse_tokens(s: str | int) -> int:
-    """Parse a token count: ``500K``, ``20M``, ``1B``, ``256k``, ``1.5M``, ``1_000``, ``2048`` or an int.
-
-    Suffixes (case-insensitive): K = 1e3, M = 1e6, B/G = 1e9, T = 1e12. Underscores and commas
-    are ignored. The result must be a positive whole number; anything else raises
-    :class:`DataError` naming the bad value.
-    """
-    bad = DataError(
-        f"invalid token count {s!r}: expected a positive whole number like 500K, 20M, 1B or 1_000"
-    )
-    if isinstance(s, bool):
-        raise bad
-    if isinstance(s, int):
-        if s <= 0:
-            raise bad
-        return s
-    if isinstance(s, float):
-        if not (math.isfinite(s) and s > 0 and s == int(s)):
-            raise bad
-        return int(s)
-    if not isinstance(s, str):
-        raise bad
-    text = s.strip().replace("_", "").replace(",", "").lower()
-    m = _TOKENS_RE.match(text)
-    if not m:
-        raise bad
-    number, suffix = m.groups()
+def _budget(tokens: int | str) -> int:
+    """:func:`linearize.units.parse_tokens` (K = 1,000), failing with this module's :class:`DataError`."""
     try:
-        if re.fullmatch(r"[0-9]+", number):
-            value = int(number) * _SUFFIX[suffix]
-        else:
-            f = float(number) * _SUFFIX[suffix]
-            if not math.isfinite(f) or f != int(f):
-                raise bad
-            value = int(f)
-    except (ValueError, OverflowError):
-        raise bad from None
-    if value <= 0:
-        raise bad
-    return value
+        return parse_tokens(tokens)
+    except UnitError as e:
+        raise DataError(str(e)) from None
 
 
 def num_batches(tokens: int | str, seq_len: int, batch_size: int) -> int:
     """How many ``[batch_size, seq_len]`` batches :func:`packed_batches` yields for ``tokens``."""
-    return parse_tokens(tokens) // (seq_len * batch_size)
+    return _budget(tokens) // (seq_len * batch_size)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -686,21 +647,6 @@ def _tokenize_all(tokenizer: Any, docs: Iterable[str], batch: int = 1000) -> tup
     return ids.astype(dtype), offsets
 
 
-def _write_atomic_npz(path: Path, **arrays: np.ndarray) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            np.savez(fh, **arrays)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
 def tokenized_documents(
     tokenizer: Any, spec: str, split: str = "train", text_field: str = "text"
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -741,7 +687,8 @@ def tokenized_documents(
     if offsets.size <= 1:
         raise _empty_split_error(src, split)
     try:
-        _write_atomic_npz(path, ids=ids, offsets=offsets)
+        with atomic_write(path) as tmp, open(tmp, "wb") as fh:
+            np.savez(fh, ids=ids, offsets=offsets)
     except OSError as e:
         log.warning("could not write data cache %s (%s); continuing without it", path, e)
     return ids, offsets
@@ -940,7 +887,7 @@ def packed_batches(
     batch_size = _check_positive("batch_size", batch_size)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise DataError(f"invalid seed {seed!r}: expected an integer")
-    budget = parse_tokens(tokens)
+    budget = _budget(tokens)
     n_batches = budget // (seq_len * batch_size)
     if n_batches == 0:
         raise DataError(

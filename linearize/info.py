@@ -8,11 +8,13 @@ from typing import Any
 from .select import describe_layout
 from .settings import DEFAULT_RECIPE
 from .sources import local_dir, read_config, resolve, shipped_configs, vision_language_note
+from .units import parse_length
 
 # torch, transformers and the model code are imported where they are used: a spec that cannot be found ends in
 # one line before any of them loads
 
-CONTEXTS = {"4K": 4096, "32K": 32768, "128K": 131072}
+#: the context lengths info reports, by label
+CONTEXTS = {label: parse_length(label) for label in ("4K", "32K", "128K")}
 
 
 def base_config(spec: str):

@@ -52,7 +52,6 @@ import contextlib
 import hashlib
 import json
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +60,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from .atomic import atomic_write
 from .errors import SelectionError
 from .select import LINEAR, rank_layers, selection_boundary
 
@@ -216,26 +216,18 @@ def probes_dir() -> Path:
     return cache_root() / "probes"
 
 
-def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def _save(result: ProbeResult, inputs: dict[str, Any]) -> None:
     from safetensors.torch import save_file
 
     base = probes_dir() / result.key
     if result.maps:  # the maps first: the JSON's presence means the entry is complete
-        _atomic_write(base.with_suffix(".safetensors"), lambda p: save_file(result.maps, str(p)))
+        with atomic_write(base.with_suffix(".safetensors")) as tmp:
+            save_file(result.maps, str(tmp))
     doc = {"key": result.key, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "num_layers": result.num_layers,
            "measurements": result.measurements, "baseline": result.baseline, "tokens": result.tokens,
            "eval_tokens": result.eval_tokens, "seconds": result.seconds, "maps": bool(result.maps), "inputs": inputs}
-    _atomic_write(base.with_suffix(".json"), lambda p: p.write_text(json.dumps(doc, indent=1, default=str) + "\n"))
+    with atomic_write(base.with_suffix(".json")) as tmp:
+        tmp.write_text(json.dumps(doc, indent=1, default=str) + "\n")
     result.cache_path = base.with_suffix(".json")
 
 

@@ -19,6 +19,7 @@ import yaml
 from .errors import DataError, RecipeError
 from .mixture import mixture_text
 from .settings import DEFAULT_RECIPE
+from .units import parse_tokens
 
 
 @dataclass(frozen=True)
@@ -33,8 +34,6 @@ class Field:
 
 
 def _positive_tokens(v) -> bool:
-    from .data import parse_tokens
-
     try:
         return parse_tokens(v) > 0
     except ValueError:
@@ -306,7 +305,7 @@ def check_training(recipe: Recipe, stages: dict[str, Any], *, window: int | None
     token), a budget smaller than one batch (distill) or one optimizer step (finetune), and a data
     spec that does not resolve or holds no text (:func:`linearize.data.check_text_files`).
     """
-    from .data import check_text_files, parse_tokens
+    from .data import check_text_files
 
     win = recipe["attention"]["window"] if window is None else window
     for stage, tokens in stages.items():

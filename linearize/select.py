@@ -11,12 +11,12 @@ most that fit a cache budget) but chooses *which* layers from measured scores: s
 
 from __future__ import annotations
 
-import re
 from types import SimpleNamespace
 from typing import Any
 
 from .errors import SelectionError
 from .settings import DEFAULT_RATIO
+from .units import UnitError, parse_bytes, parse_length
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
@@ -132,34 +132,28 @@ def softmax_count_from_ratio(ratio: str, num_layers: int) -> int:
     return layout_from_ratio(ratio, num_layers).count(FULL)
 
 
-_BYTE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-               "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_BYTES_RE = re.compile(r"^([0-9]*\.?[0-9]+)\s*([a-z]*)$")
-
-
 def parse_kv_budget(text: str) -> tuple[int, int]:
     """Parse ``BYTES@LENGTH`` (``2GB@32K``, ``512MiB@4096``) into ``(bytes, tokens)``.
 
-    BYTES: a number with an optional unit, B, KB/MB/GB/TB (powers of 1000) or KiB/MiB/GiB/TiB (powers of
-    1024), case-insensitive. LENGTH: context tokens like ``--lengths``: ``32K`` = 32768, ``1M`` = 1048576.
+    BYTES: a positive byte size (:func:`linearize.units.parse_bytes`: K/KB, M/MB, G/GB, T/TB are powers of 1000,
+    KiB/MiB/GiB/TiB of 1024). LENGTH: context tokens like ``--lengths`` (:func:`linearize.units.parse_length`):
+    ``32K`` = 32768, ``1M`` = 1048576.
     """
-    from .evals.common import parse_count
-
     example = "expected BYTES@LENGTH, e.g. 2GB@32K or 512MiB@4096"
     raw = str(text).strip()
     if raw.count("@") != 1:
         raise SelectionError(f"--kv-budget {text!r}: {example}")
     b, length = (x.strip() for x in raw.split("@"))
-    m = _BYTES_RE.match(b.lower())
-    if not m or m.group(2) not in _BYTE_UNITS:
-        raise SelectionError(f"--kv-budget {text!r}: {b!r} is not a byte size (units B, KB, MB, GB, TB, KiB, MiB, "
-                             f"GiB, TiB); {example}")
-    n_bytes = int(float(m.group(1)) * _BYTE_UNITS[m.group(2)])
+    try:
+        n_bytes = parse_bytes(b)
+    except UnitError:
+        raise SelectionError(f"--kv-budget {text!r}: {b!r} is not a byte size (units B, K/KB, M/MB, G/GB, T/TB, "
+                             f"KiB, MiB, GiB, TiB); {example}") from None
     if n_bytes <= 0:
         raise SelectionError(f"--kv-budget {text!r}: the byte budget must be positive")
     try:
-        tokens = parse_count(length, what="length")
-    except ValueError:
+        tokens = parse_length(length)
+    except UnitError:
         raise SelectionError(f"--kv-budget {text!r}: {length!r} is not a context length (e.g. 4096, 32K); "
                              f"{example}") from None
     return n_bytes, tokens

@@ -15,12 +15,13 @@ import hashlib
 import importlib.util
 import json
 import os
-import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from .atomic import atomic_write
 from .errors import SpecError
+from .units import UnitError, parse_bytes
 from .settings import cache_root
 
 #: alias -> hub id. Kept as data: adding a model is one line.
@@ -225,10 +226,7 @@ def gguf_to_hf_dir(gguf: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with atomic_write(out, directory=True) as tmp:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         cfg = src.config
@@ -242,10 +240,6 @@ def gguf_to_hf_dir(gguf: Path) -> Path:
         if getattr(src, "generation_config", None) is not None:
             src.generation_config.save_pretrained(tmp)
         (tmp / ".complete").write_text(str(gguf))
-        shutil.rmtree(out, ignore_errors=True)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
@@ -398,23 +392,7 @@ def _text_decoder_loading(path: Path) -> dict:
 
 # ----------------------------------------------------------------------------------- offloading
 
-_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_SIZE_RE = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)$")
 _MM_FORM = "expected DEV=SIZE[,DEV=SIZE...] with DEV cpu, cuda:N or N and SIZE like 40GiB, 512MB, 1.5GB"
-
-
-def parse_size(text) -> int:
-    """``"40GiB"`` -> bytes; ``KB/MB/GB/TB`` are powers of 1000, ``KiB/MiB/GiB/TiB`` of 1024 (any case), a bare
-    number is bytes. Raises :class:`SpecError`."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        if text < 0:
-            raise SpecError(f"bad size {text!r}: must not be negative")
-        return text
-    m = _SIZE_RE.match(str(text).strip().lower())
-    if not m or m.group(2) not in _SIZE_UNITS:
-        raise SpecError(f"bad size {text!r}: expected a number with a unit: 512MB, 1.5GB, 40GiB (or bytes)")
-    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2)])
 
 
 def _memory_key(dev, visible: int):
@@ -460,8 +438,8 @@ def parse_max_memory(value) -> dict:
         if key in out:
             raise SpecError(f"--max-memory: {'cpu' if key == 'cpu' else f'GPU {key}'} is given twice")
         try:
-            out[key] = parse_size(size)
-        except SpecError as e:
+            out[key] = parse_bytes(size)
+        except UnitError as e:
             raise SpecError(f"--max-memory {dev}={size}: {e}") from None
     return {**{k: out[k] for k in sorted(k for k in out if k != "cpu")}, **({"cpu": out["cpu"]} if "cpu" in out else {})}
 

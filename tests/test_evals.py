@@ -389,7 +389,7 @@ def test_run_eval_side_by_side(tmp_path, tiny, tok):
     files = {p.name for p in out.iterdir()}
     assert {"results.jsonl", "summary.json", "report.md", "niah_model.png", "niah_against.png", "niah_diff.png",
             "passkey_model.png", "passkey_against.png", "passkey_diff.png", "recall.png"} <= files
-    assert not list(tmp_path.glob("report.tmp-*"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report"]  # no temporary or old folder left
     on_disk = json.loads((out / "summary.json").read_text())
     assert on_disk["model"] == "tiny" and on_disk["against"]["model"] == "orig"
     assert set(on_disk["tasks"]) == {"niah", "passkey", "ppl", "recall", "agreement", "speed"}

@@ -23,7 +23,7 @@ from linearize import recipe as R
 from linearize.checkpoint import save_checkpoint
 from linearize.errors import SpecError
 from linearize.select import select_layout
-from linearize.sources import input_device, load_model, parse_max_memory, parse_size, placement
+from linearize.sources import input_device, load_model, parse_max_memory, placement
 from linearize.surgery import linearize_model
 
 WINDOW = {"attention.window": 8}
@@ -128,7 +128,8 @@ def test_parse_max_memory(monkeypatch):
     assert parse_max_memory("cpu=200MB") == {"cpu": 200_000_000}
     assert parse_max_memory("CPU=1.5GB") == {"cpu": 1_500_000_000}
     assert parse_max_memory({"cpu": "40GiB"}) == {"cpu": 40 * 2**30}
-    assert parse_size("512mb") == 512_000_000 and parse_size("2KiB") == 2048 and parse_size("100") == 100
+    assert parse_max_memory("cpu=512mb") == {"cpu": 512_000_000} and parse_max_memory("cpu=2G") == {"cpu": 2 * 10**9}
+    assert parse_max_memory({"cpu": 2048}) == {"cpu": 2048} and parse_max_memory("cpu=2KiB") == {"cpu": 2048}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     mm = parse_max_memory("cpu=100GiB,cuda:1=20GiB,0=40GiB")

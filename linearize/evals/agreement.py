@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from .common import EvalConfig, EvalError, ModelHandle, Progress, parse_count, prompt_sha1, sample_rng, tail_logits
+from linearize.units import UnitError, parse_length
+
+from .common import EvalConfig, EvalError, ModelHandle, Progress, prompt_sha1, sample_rng, tail_logits
 from .corpus import heldout_stream
 
 NAME = "agreement"
@@ -31,8 +33,8 @@ def parse_args(arg: str | None) -> dict:
     if not arg:
         return {"tokens": DEFAULT_TOKENS}
     try:
-        return {"tokens": parse_count(arg, what="agreement token count")}
-    except EvalError:
+        return {"tokens": parse_length(arg, what="agreement token count")}
+    except UnitError:
         raise EvalError(f"bad task 'agreement:{arg}': expected a generated-token count like agreement:64") from None
 
 

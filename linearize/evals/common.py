@@ -17,6 +17,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from linearize.units import UnitError, parse_length
+
 __all__ = [
     "EvalError",
     "EvalConfig",
@@ -26,8 +28,6 @@ __all__ = [
     "parse_depths",
     "parse_seeds",
     "parse_batch_sizes",
-    "parse_count",
-    "format_length",
     "sample_rng",
     "greedy_generate",
     "substring_score",
@@ -53,28 +53,7 @@ class EvalError(_Base, ValueError):
 
 
 # --------------------------------------------------------------------------- parsing
-
-_SUFFIX = {"": 1, "K": 1024, "M": 1024**2}
-_NUM_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*$")
-
-
-def parse_count(value: Any, *, what: str = "length") -> int:
-    """``"2K"`` -> 2048, ``"1.5K"`` -> 1536, ``"300"`` / ``300`` -> 300 (positive integers only)."""
-    if isinstance(value, bool):
-        raise EvalError(f"bad {what} {value!r}: expected a positive integer or a number with a K/M suffix, e.g. 1K,2K,4K")
-    if isinstance(value, int):
-        n = value
-    else:
-        m = _NUM_RE.match(str(value))
-        if not m:
-            raise EvalError(f"bad {what} {value!r}: expected a positive integer or a number with a K/M suffix, e.g. 1K,2K,4K")
-        x = float(m.group(1)) * _SUFFIX[m.group(2).upper()]
-        if x != int(x):
-            raise EvalError(f"bad {what} {value!r}: it is not a whole number of tokens")
-        n = int(x)
-    if n <= 0:
-        raise EvalError(f"bad {what} {value!r}: must be positive")
-    return n
+# lengths and counts: :func:`linearize.units.parse_length` (K = 1,024)
 
 
 def _split(value: Any) -> list:
@@ -91,7 +70,10 @@ def parse_lengths(value: Any) -> list[int]:
     items = _split(value)
     if not items:
         raise EvalError(f"bad lengths {value!r}: give at least one, e.g. 1K,2K,4K")
-    return sorted({parse_count(v, what="length") for v in items})
+    try:
+        return sorted({parse_length(v) for v in items})
+    except UnitError as e:
+        raise EvalError(str(e)) from None
 
 
 def parse_batch_sizes(value: Any) -> list[int]:
@@ -99,7 +81,10 @@ def parse_batch_sizes(value: Any) -> list[int]:
     items = _split(value)
     if not items:
         raise EvalError(f"bad batch sizes {value!r}: give at least one, e.g. 1,8")
-    return sorted({parse_count(v, what="batch size") for v in items})
+    try:
+        return sorted({parse_length(v, what="batch size") for v in items})
+    except UnitError as e:
+        raise EvalError(str(e)) from None
 
 
 def parse_depths(value: Any) -> list[float]:
@@ -162,15 +147,6 @@ def no_args(task: str, arg: str | None) -> dict:
     if arg:
         raise EvalError(f"bad task '{task}:{arg}': {task} takes no arguments")
     return {}
-
-
-def format_length(n: int) -> str:
-    """1024 -> '1K', 1536 -> '1536', 1048576 -> '1M' (for labels)."""
-    if n % (1024**2) == 0:
-        return f"{n // 1024**2}M"
-    if n % 1024 == 0:
-        return f"{n // 1024}K"
-    return str(n)
 
 
 def sample_rng(*parts: Any) -> random.Random:

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from .common import EvalConfig, EvalError, ModelHandle, Progress, grid_summary, parse_count, prompt_sha1, sample_rng, tail_logits
+from linearize.units import UnitError, parse_length
+
+from .common import EvalConfig, EvalError, ModelHandle, Progress, grid_summary, prompt_sha1, sample_rng, tail_logits
 from .corpus import heldout_stream
 
 NAME = "copy"
@@ -35,8 +37,8 @@ def parse_args(arg: str | None) -> dict:
     if not arg:
         return {"span": DEFAULT_SPAN}
     try:
-        n = parse_count(arg, what="copy span length")
-    except EvalError:
+        n = parse_length(arg, what="copy span length")
+    except UnitError:
         raise EvalError(f"bad task 'copy:{arg}': expected a span length in tokens like copy:32") from None
     if n <= CUE:
         raise EvalError(f"bad task 'copy:{arg}': the span must be longer than its {CUE}-token cue")

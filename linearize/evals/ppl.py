@@ -23,7 +23,9 @@ import math
 
 import torch
 
-from .common import EvalConfig, EvalError, ModelHandle, Progress, parse_count, tail_logits
+from linearize.units import UnitError, parse_length
+
+from .common import EvalConfig, EvalError, ModelHandle, Progress, tail_logits
 from .corpus import data_specs, heldout_stream
 
 NAME = "ppl"
@@ -34,8 +36,8 @@ def parse_args(arg: str | None) -> dict:
     if not arg:
         return {"tokens": DEFAULT_TOKENS}
     try:
-        return {"tokens": parse_count(arg, what="ppl token count")}
-    except EvalError:
+        return {"tokens": parse_length(arg, what="ppl token count")}
+    except UnitError:
         raise EvalError(f"bad task 'ppl:{arg}': expected a token count like ppl:16K") from None
 
 

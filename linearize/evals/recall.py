@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from .common import EvalConfig, EvalError, ModelHandle, Progress, parse_count, prompt_sha1, sample_rng, tail_logits
+from linearize.units import UnitError, parse_length
+
+from .common import EvalConfig, EvalError, ModelHandle, Progress, prompt_sha1, sample_rng, tail_logits
 from .niah import _ADJ, _NOUN
 from .prompts import PieceEncoder, build_frame
 
@@ -31,8 +33,8 @@ def parse_args(arg: str | None) -> dict:
     if not arg:
         return {"pairs": list(DEFAULT_PAIRS)}
     try:
-        pairs = sorted({parse_count(p, what="pair count") for p in arg.split("+") if p.strip()})
-    except EvalError:
+        pairs = sorted({parse_length(p, what="pair count") for p in arg.split("+") if p.strip()})
+    except UnitError:
         raise EvalError(f"bad task 'recall:{arg}': expected pair counts joined by '+', e.g. recall:8+16+32") from None
     if not pairs or max(pairs) > len(_ADJ) * len(_NOUN):
         raise EvalError(f"bad task 'recall:{arg}': pair counts must be between 1 and {len(_ADJ) * len(_NOUN)}")

@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from . import copyspan
-from .common import depth_key, format_length
+from linearize.units import format_length
+
+from .common import depth_key
 
 ROLE_LABEL = {"model": "model", "against": "original", "diff": "difference"}
 TASK_ORDER = ("niah", "passkey", "swapback", "copy", "ppl", "recall", "agreement", "speed", "lm-eval")

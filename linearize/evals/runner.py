@@ -6,17 +6,17 @@ from __future__ import annotations
 import datetime as _dt
 import gc
 import json
-import shutil
-import tempfile
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Sequence
 
+from linearize.atomic import atomic_write
+from linearize.units import format_length
+
 from . import agreement, copyspan, lm_eval, niah, passkey, ppl, recall, speed, swapback
-from .common import (EvalConfig, EvalError, ModelHandle, Progress, format_length, parse_batch_sizes, parse_depths,
+from .common import (EvalConfig, EvalError, ModelHandle, Progress, parse_batch_sizes, parse_depths,
                      parse_lengths, parse_seeds)
 from .corpus import check_data
 from .report import summary_table, task_difference, write_report
@@ -261,7 +261,7 @@ class LoadOptions:
 class ReportOptions:
     """Where the report goes and what is shown while it is made.
 
-    out_dir: report directory; written atomically (``NAME.tmp-XXXX`` renamed at the end).
+    out_dir: report directory; written atomically (:func:`linearize.atomic.atomic_write`: ``.NAME.tmp-PID`` renamed).
     overwrite: replace an existing ``out_dir``: never a model checkpoint (nor write inside one), never another
         command's output; on the command line only an earlier eval output (:mod:`linearize.outputs`).
     progress: rich progress bars (and with ``table`` the summary table) on the terminal (stderr).
@@ -312,8 +312,6 @@ def run_eval(spec: str, tasks: str | Sequence[str], report: ReportOptions, *, ag
         lm_eval.require_lm_eval()  # fail before loading any model
     loader = load.loader or _default_loader()
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{out_dir.name}.tmp-", dir=out_dir.parent))
     console = report.console
     if console is None and report.progress:
         from linearize.progress import make_console  # noqa: PLC0415
@@ -325,7 +323,7 @@ def run_eval(spec: str, tasks: str | Sequence[str], report: ReportOptions, *, ag
     rows_by_role: dict[str, list[dict]] = {}
     shared: dict = {}
     meta: dict = {"chat_template": {}, "device": None, "dtype": None}
-    try:
+    with atomic_write(out_dir, directory=True) as tmp:  # renamed to out_dir at the end; removed on any error
         with ui, open(tmp / "results.jsonl", "w", encoding="utf-8") as fout:
             for role, s in roles:
                 model, tokenizer = loader(s, dtype=load.dtype, device=load.device, **placement)
@@ -388,12 +386,8 @@ def run_eval(spec: str, tasks: str | Sequence[str], report: ReportOptions, *, ag
         write_report(tmp, summary)
         (tmp / "summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
         write_marker(tmp, "eval")
-        normalize_modes(tmp)  # mkdtemp made it private (0700)
+        normalize_modes(tmp)  # the usual file modes, whatever a writer used
         check_output(out_dir, overwrite=overwrite, command="eval", error=EvalError)  # what is there now (a run beside)
-        _commit(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     if report.progress and report.table and console is not None:
         console.print(summary_table(summary))
     return summary
@@ -422,14 +416,3 @@ def _free() -> None:
             torch.cuda.empty_cache()
     except Exception:  # noqa: BLE001  # pragma: no cover
         pass
-
-
-def _commit(tmp: Path, out_dir: Path) -> None:
-    """Move the finished ``tmp`` directory to ``out_dir`` (replacing an old one last)."""
-    if out_dir.exists():
-        old = out_dir.with_name(f"{out_dir.name}.old-{uuid.uuid4().hex[:8]}")
-        out_dir.rename(old)
-        tmp.rename(out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(out_dir)

@@ -32,7 +32,9 @@ import time
 
 import torch
 
-from .common import EvalConfig, EvalError, ModelHandle, Progress, parse_count
+from linearize.units import UnitError, parse_length
+
+from .common import EvalConfig, EvalError, ModelHandle, Progress
 
 NAME = "speed"
 DEFAULT_DECODE_TOKENS = 32
@@ -42,8 +44,8 @@ def parse_args(arg: str | None) -> dict:
     if not arg:
         return {"decode_tokens": DEFAULT_DECODE_TOKENS}
     try:
-        return {"decode_tokens": parse_count(arg, what="decode token count")}
-    except EvalError:
+        return {"decode_tokens": parse_length(arg, what="decode token count")}
+    except UnitError:
         raise EvalError(f"bad task 'speed:{arg}': expected a decode-token count like speed:32") from None
 
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from pathlib import Path
+
+from ..atomic import atomic_write
 
 __all__ = ["tuned_path", "save", "load", "ensure_applied", "applied_from"]
 
@@ -49,13 +50,10 @@ def tuned_path(gpu_name: str) -> Path:
 def save(gpu_name: str) -> Path:
     """Write the current configurations as the tuned ones for ``gpu_name`` (atomically); return the path."""
     path = tuned_path(gpu_name)
-    path.parent.mkdir(parents=True, exist_ok=True)
     blob = {"gpu": gpu_name, "triton": _triton_version(),
             **{name: dict(mod.CONFIG) for name, mod in _modules().items()}}
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".tmp-")
-    with os.fdopen(fd, "w") as f:
+    with atomic_write(path) as tmp, open(tmp, "w") as f:
         json.dump(blob, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
     return path
 
 
