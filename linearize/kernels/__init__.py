@@ -19,6 +19,15 @@ Layout ``[B, T, H, D]`` (like flash-attn / fla). Public entry points:
 elsewhere; ``"triton"`` forces Triton (works on CPU under ``TRITON_INTERPRET=1``),
 ``"torch"`` the chunked PyTorch path, ``"reference"`` the naive quadratic spec.
 Every path supports autograd. The math is in ``kernels/README.md``.
+
+``log_decay`` (gated linear attention): ``[B, T, Hk]`` (steps: ``[B, Hk]``) per-token, per-KV-head log decays
+``<= 0``, float32 (other floating dtypes are cast; float64 stays float64). The linear state decays by
+``e^{log_decay_t}`` at each token: ``S_t = e^{log_decay_t} S_{t-1} + k_t v_t^T`` (and ``z``), so key ``j`` weighs
+``e^{b_t - b_j}`` at query ``t`` and the initial state ``e^{b_t}`` (``b`` = cumulative sum within the call). In
+the window hybrid only the linear part decays: the decay applies to the tokens older than the window; it accrues
+from each key's own position, so a token leaving the window has already decayed by the window's W steps.
+``None`` is the ungated computation, unchanged. Gradients reach ``log_decay`` on every path. A Triton entry point
+that does not take ``log_decay`` yet leaves gated calls to the chunked PyTorch path (steps: the PyTorch step).
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ import torch
 
 from .chunked import linear_attention_chunked, window_linear_attention_chunked
 from .reference import (
+    drop_decay,
     drop_keys,
     hedgehog_features,
     hedgehog_features_rounded,
@@ -40,10 +50,12 @@ from .reference import (
 from .step import (
     WindowState,
     check_linear_state,
+    check_log_decay,
     empty_linear_state,
     empty_window_state,
     linear_attention_step,
     window_linear_attention_step,
+    takes_log_decay,
     window_state_from_prefill,
 )
 
@@ -135,6 +147,7 @@ def linear_attention(
     output_final_state: bool = False,
     backend: Optional[str] = None,
     key_mask: Optional[torch.Tensor] = None,  # [B, T] bool, False = a padding token
+    log_decay: Optional[torch.Tensor] = None,  # [B, T, Hk], <= 0
 ) -> Tuple[torch.Tensor, Optional[State]]:
     """Causal linear attention.
 
@@ -143,19 +156,30 @@ def linear_attention(
     ``h`` reads KV head ``h // (H // Hk)``. Returns ``(o [B,T,H,V] in v.dtype, state)``
     with ``state = (S [B,Hk,K,V] fp32, z [B,Hk,K] fp32)`` if ``output_final_state``.
     Tokens where ``key_mask`` is False (padding) are left out of every sum and of the state.
+
+    ``log_decay`` (gated): ``S_t = e^{log_decay_t} S_{t-1} + k_t v_t^T``, ``z`` alike, from ``(S_0, z_0)``; the
+    final state is ``(S_{T-1}, z_{T-1})``, so two halves (the second from the first's state) equal one call.
+    Padding tokens do not decay.
     """
     _check("linear_attention", q, k, v, initial_state)
+    log_decay = check_log_decay("linear_attention", log_decay, (*k.shape[:3],))
     if key_mask is not None:
         _check_key_mask("linear_attention", key_mask, k)
         k, v = drop_keys(key_mask, k, v)
+        if log_decay is not None:
+            log_decay = drop_decay(key_mask, log_decay)
     be = _resolve_backend(backend, q)
     kw = dict(normalize=normalize, eps=eps, initial_state=initial_state, output_final_state=output_final_state)
+    if log_decay is not None:
+        kw["log_decay"] = log_decay
     if be == "reference":
         return linear_attention_reference(q, k, v, **kw)
     if be == "torch":
         return linear_attention_chunked(q, k, v, **kw)
     from .triton_linear import linear_attention_triton
 
+    if log_decay is not None and not takes_log_decay(linear_attention_triton):
+        return linear_attention_chunked(q, k, v, **kw)
     return linear_attention_triton(q, k, v, **kw)
 
 
@@ -174,6 +198,7 @@ def window_linear_attention(
     output_final_state: bool = False,
     backend: Optional[str] = None,
     key_mask: Optional[torch.Tensor] = None,  # [B, T] bool, False = a padding token
+    log_decay: Optional[torch.Tensor] = None,  # [B, T, Hk], <= 0
 ) -> Tuple[torch.Tensor, Optional[State]]:
     """LoLCATs sliding-window hybrid attention.
 
@@ -194,9 +219,17 @@ def window_linear_attention(
     neither the window nor the linear sum nor the final state; the window still spans ``W`` positions, so a
     left-padded row gets exactly the outputs of its unpadded sequence. On the Triton backend a ``key_mask``
     runs the two-pass forward for ``W <= 64`` without gradients, the chunked PyTorch path otherwise.
+
+    ``log_decay`` (gated): the softmax part is unchanged; the linear weights become ``(fq_i.fk_j) e^{b_i - b_j}``
+    and the initial state's ``e^{b_i}`` (``b`` = cumulative sum of ``log_decay`` in this call): the decay applies
+    to the tokens older than the window; it accrues from each key's own position, so a token leaving the window
+    has already decayed by the window's W steps. The final state is the linear state of tokens ``j <= T-1-W``
+    decayed to position ``T-1-W`` (``initial_state`` unchanged if ``T <= W``); to continue, prepend the
+    previous ``W`` tokens with their ``log_decay`` as above. Padding tokens do not decay.
     """
     _check("window_linear_attention(q,k,v)", q, k, v, None)
     _check("window_linear_attention(fq,fk,v)", fq, fk, v, initial_state)
+    log_decay = check_log_decay("window_linear_attention", log_decay, (*k.shape[:3],))
     if tuple(window_factor.shape) != (q.shape[2],):
         raise ValueError(f"window_factor must have shape [H]=[{q.shape[2]}], got {tuple(window_factor.shape)}")
     if int(window) < 1:
@@ -208,12 +241,16 @@ def window_linear_attention(
     if key_mask is not None:
         _check_key_mask("window_linear_attention", key_mask, k)
         kw["key_mask"] = key_mask
+    if log_decay is not None:
+        kw["log_decay"] = log_decay
     if be == "reference":
         return window_linear_attention_reference(q, k, fq, fk, v, window_factor, **kw)
     if be == "torch":
         return window_linear_attention_chunked(q, k, fq, fk, v, window_factor, **kw)
     from .triton_window import window_linear_attention_triton
 
+    if log_decay is not None and not takes_log_decay(window_linear_attention_triton):
+        return window_linear_attention_chunked(q, k, fq, fk, v, window_factor, **kw)
     return window_linear_attention_triton(q, k, fq, fk, v, window_factor, **kw)
 
 
@@ -233,6 +270,7 @@ def window_linear_attention_hedgehog(
     initial_state: Optional[State] = None,
     output_final_state: bool = False,
     backend: Optional[str] = None,
+    log_decay: Optional[torch.Tensor] = None,  # [B, T, Hk], <= 0
 ) -> Tuple[torch.Tensor, Optional[State]]:
     """:func:`window_linear_attention` with ``fq = hedgehog_features(q, weight_q)`` and
     ``fk = hedgehog_features(k, weight_k)`` (computed in fp32, rounded to ``q``'s dtype, clamped to
@@ -243,17 +281,19 @@ def window_linear_attention_hedgehog(
     features are still materialised for a segmented launch (long ``T``, few heads) and for the final state.
     Otherwise (gradients, or the ``torch`` / ``reference`` backends) the features are computed first and
     :func:`window_linear_attention` runs as usual, so autograd works. The kernel rounds the projections to
-    ``q``'s dtype (a bf16 model's own weights are bf16 already).
+    ``q``'s dtype (a bf16 model's own weights are bf16 already). With ``log_decay`` the features are always
+    computed first (the fused kernel has no decay).
     """
     H = q.shape[2]
     K = _hedgehog_shapes("window_linear_attention_hedgehog", q, k, weight_q, weight_k)
     be = _resolve_backend(backend, q)
     kw = dict(window=int(window), scale=scale, eps=eps, initial_state=initial_state,
               output_final_state=output_final_state)
-    if be != "triton" or _needs_grad(q, k, v, window_factor, weight_q, weight_k, fk, *(initial_state or ())) or \
+    if log_decay is not None or be != "triton" or \
+            _needs_grad(q, k, v, window_factor, weight_q, weight_k, fk, *(initial_state or ())) or \
             not _projection_fits(q.shape[-1], K, q.dtype):
         fq, fk = _features_first(q, k, weight_q, weight_k, feature_eps, fk)
-        return window_linear_attention(q, k, fq, fk, v, window_factor, backend=backend, **kw)
+        return window_linear_attention(q, k, fq, fk, v, window_factor, backend=backend, log_decay=log_decay, **kw)
     _check("window_linear_attention_hedgehog(q,k,v)", q, k, v, initial_state, qk_dim_pairs=(K,))
     if fk is not None and tuple(fk.shape) != (*k.shape[:3], K):
         raise ValueError(f"fk must have shape [B, T, Hk, 2f]={(*k.shape[:3], K)}, got {tuple(fk.shape)}")
@@ -281,17 +321,19 @@ def linear_attention_step_hedgehog(
     out: Optional[torch.Tensor] = None,  # [B, H, V]
     backend: Optional[str] = None,
     signed: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+    log_decay: Optional[torch.Tensor] = None,  # [B, Hk], <= 0
 ) -> torch.Tensor:
     """:func:`linear_attention_step` of the Hedgehog features of ``q`` and ``k``, computed inside the step kernel
-    on the Triton path (see :func:`window_linear_attention_step_hedgehog`), first elsewhere."""
+    on the Triton path (see :func:`window_linear_attention_step_hedgehog`), first elsewhere and with
+    ``log_decay``."""
     features = _hedgehog_shapes("linear_attention_step_hedgehog", q.unsqueeze(1), k.unsqueeze(1), weight_q, weight_k)
 
-    def features_first():  # off Triton, or where the projections do not fit the kernel's shared memory
+    def features_first():  # off Triton, gated, or where the projections do not fit the kernel's shared memory
         fq, fk = _features_first(q.unsqueeze(1), k.unsqueeze(1), weight_q, weight_k, feature_eps)
         return linear_attention_step(fq[:, 0], fk[:, 0], v, state, normalize=normalize, eps=eps, out=out,
-                                     backend=backend)
+                                     backend=backend, log_decay=log_decay)
 
-    if _resolve_backend(backend, q) != "triton":
+    if log_decay is not None or _resolve_backend(backend, q) != "triton":
         return features_first()
     from .triton_common import signed_projections, triton_or_fallback
     from .triton_step import linear_step_triton
@@ -320,21 +362,23 @@ def window_linear_attention_step_hedgehog(
     out: Optional[torch.Tensor] = None,  # [B, H, V]
     backend: Optional[str] = None,
     signed: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+    log_decay: Optional[torch.Tensor] = None,  # [B, Hk], <= 0
 ) -> torch.Tensor:
     """:func:`window_linear_attention_step` of ``hedgehog_features(q, weight_q)``, ``hedgehog_features(k,
     weight_k)``. On the Triton path the step kernel computes both from the raw rows (no feature tensors, no
     separate launches for the maps); ``signed`` passes ``signed_projections(weight_q, weight_k, q.dtype)``
-    when the caller keeps them (otherwise they are made per call). Elsewhere the features are computed first.
+    when the caller keeps them (otherwise they are made per call). Elsewhere, and with ``log_decay``, the
+    features are computed first.
     """
     features = _hedgehog_shapes("window_linear_attention_step_hedgehog", q.unsqueeze(1), k.unsqueeze(1), weight_q,
                                 weight_k)
 
-    def features_first():  # off Triton, or where the projections do not fit the kernel's shared memory
+    def features_first():  # off Triton, gated, or where the projections do not fit the kernel's shared memory
         fq, fk = _features_first(q.unsqueeze(1), k.unsqueeze(1), weight_q, weight_k, feature_eps)
         return window_linear_attention_step(q, k, fq[:, 0], fk[:, 0], v, window_factor, state, scale=scale, eps=eps,
-                                            out=out, backend=backend)
+                                            out=out, backend=backend, log_decay=log_decay)
 
-    if _resolve_backend(backend, q) != "triton":
+    if log_decay is not None or _resolve_backend(backend, q) != "triton":
         return features_first()
     from .triton_common import signed_projections, triton_or_fallback
     from .triton_step import window_step_triton
@@ -441,21 +485,23 @@ def linear_attention_hedgehog(
     initial_state: Optional[State] = None,
     output_final_state: bool = False,
     backend: Optional[str] = None,
+    log_decay: Optional[torch.Tensor] = None,  # [B, T, Hk], <= 0
 ) -> Tuple[torch.Tensor, Optional[State]]:
     """:func:`linear_attention` of ``hedgehog_features(q, weight_q)``, ``hedgehog_features(k, weight_k)``.
 
     On the Triton path without gradients the features are computed inside the forward kernel, so only the
     raw ``q``, ``k`` (``D`` wide instead of ``2f``) are read; key features are materialised only for a
-    segmented launch (long ``T``, few heads). Otherwise the features are computed first (autograd works).
+    segmented launch (long ``T``, few heads). Otherwise, and with ``log_decay`` (the fused kernel has no
+    decay), the features are computed first (autograd works).
     The kernel rounds the projections to ``q``'s dtype (a bf16 model's own weights are bf16 already).
     """
     K = _hedgehog_shapes("linear_attention_hedgehog", q, k, weight_q, weight_k)
     be = _resolve_backend(backend, q)
     kw = dict(normalize=normalize, eps=eps, initial_state=initial_state, output_final_state=output_final_state)
-    if be != "triton" or _needs_grad(q, k, v, weight_q, weight_k, *(initial_state or ())) or \
-            not _projection_fits(q.shape[-1], K, q.dtype):
+    if log_decay is not None or be != "triton" or _needs_grad(q, k, v, weight_q, weight_k, *(initial_state or ())) \
+            or not _projection_fits(q.shape[-1], K, q.dtype):
         fq, fk = _features_first(q, k, weight_q, weight_k, feature_eps)
-        return linear_attention(fq, fk, v, backend=backend, **kw)
+        return linear_attention(fq, fk, v, backend=backend, log_decay=log_decay, **kw)
     _check("linear_attention_hedgehog(q,k,v)", q, k, v, initial_state, qk_dim_pairs=(K,))
     from .triton_linear import linear_attention_hedgehog_triton
 

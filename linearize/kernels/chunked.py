@@ -6,6 +6,11 @@ is used (masked matmuls); across chunks the running state
 states. GQA is handled by folding the ``G = H / Hk`` query heads of a KV group
 into the rows of one matmul (``[G*C, K] @ [K, C]``), so K/V are never repeated.
 Everything runs in float32 (float64 for float64 inputs); autograd is PyTorch's.
+
+With ``log_decay`` (gated) the decays inside a chunk come from chunk-local cumulative sums ``c`` of
+``log_decay``: only ``e^{c_i - c_j}`` (``j <= i``), ``e^{c_i}`` and ``e^{c_last - c_j}`` are formed, all ``<= 1``;
+across chunks the state is carried by a scan over chunks (``S <- e^{c_last} S + chunk state``), since a
+cumulative sum cannot carry a decay.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .reference import drop_keys
+from .reference import decayed_sum, drop_decay, drop_keys
 
 State = Tuple[torch.Tensor, torch.Tensor]
 
@@ -53,6 +58,43 @@ def _o_unchunk(o: torch.Tensor, G: int, C: int, T: int) -> torch.Tensor:
     return o[:, :T]
 
 
+def _decay_chunks(log_decay: torch.Tensor, C: int, dt: torch.dtype) -> torch.Tensor:
+    """[B, T', Hk] (T' = N*C) -> [B, Hk, N, C]."""
+    B, Tp, Hk = log_decay.shape
+    return log_decay.to(dt).view(B, Tp // C, C, Hk).permute(0, 3, 1, 2)
+
+
+def _rows(x: torch.Tensor, G: int) -> torch.Tensor:
+    """[B, Hk, N, C, ...] -> [B, Hk, N, G*C, ...]: one copy per query head of the group (row g*C + i)."""
+    return torch.cat([x] * G, dim=3) if G > 1 else x
+
+
+def _gated_chunk_states(kc: torch.Tensor, vc: torch.Tensor, cum: torch.Tensor,
+                        initial_state: Optional[State]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Gated states at the chunk boundaries by a scan over chunks.
+
+    ``kc`` [B, Hk, N, C, K], ``vc`` [B, Hk, N, C, V], ``cum`` [B, Hk, N, C] chunk-local inclusive cumulative
+    sums of the log decays. Returns ``S`` [B, Hk, N+1, K, V], ``z`` [B, Hk, N+1, K]: entry ``n`` is the state of
+    the tokens before chunk ``n`` at the position just before it (entry 0 the initial state, entry ``N`` the
+    final state)."""
+    B, Hk, N, C, K = kc.shape
+    V = vc.shape[-1]
+    last = cum[..., -1:]  # [B, Hk, N, 1]
+    kd = kc * (last - cum).exp().unsqueeze(-1)  # [B, Hk, N, C, K]: keys decayed to their chunk's end
+    kvz = torch.cat([kd.transpose(-1, -2) @ vc, kd.sum(-2).unsqueeze(-1)], -1)  # [B, Hk, N, K, V+1]
+    keep = last.exp().unsqueeze(-1)  # [B, Hk, N, 1, 1]: e^{chunk's total log decay}
+    if initial_state is not None:
+        Sz = torch.cat([initial_state[0].to(kc.dtype), initial_state[1].to(kc.dtype).unsqueeze(-1)], -1)
+    else:
+        Sz = kc.new_zeros(B, Hk, K, V + 1)
+    states = [Sz]
+    for n in range(N):
+        Sz = keep[:, :, n] * Sz + kvz[:, :, n]
+        states.append(Sz)
+    Sz = torch.stack(states, 2)  # [B, Hk, N+1, K, V+1]
+    return Sz[..., :V], Sz[..., V]
+
+
 def linear_attention_chunked(
     q: torch.Tensor,  # [B, T, H, K]
     k: torch.Tensor,  # [B, T, Hk, K]
@@ -63,6 +105,7 @@ def linear_attention_chunked(
     initial_state: Optional[State] = None,
     output_final_state: bool = False,
     chunk_size: int = CHUNK,
+    log_decay: Optional[torch.Tensor] = None,  # [B, T, Hk], <= 0
 ) -> Tuple[torch.Tensor, Optional[State]]:
     """Chunked causal linear attention (same contract as the reference)."""
     B, T, H, K = q.shape
@@ -75,6 +118,9 @@ def linear_attention_chunked(
     qc = _q_chunks(_pad_t(q, pad), Hk, C, dt)  # [B, Hk, N, G*C, K]
     kc = _kv_chunks(_pad_t(k, pad), C, dt)  # [B, Hk, N, C, K]
     vc = _kv_chunks(_pad_t(v, pad), C, dt)  # [B, Hk, N, C, V]
+    if log_decay is not None:
+        return _linear_gated(qc, kc, vc, log_decay, G, T, pad, normalize=normalize, eps=eps,
+                             initial_state=initial_state, output_final_state=output_final_state, out_dtype=v.dtype)
 
     kv = kc.transpose(-1, -2) @ vc  # [B, Hk, N, K, V]
     ks = kc.sum(-2)  # [B, Hk, N, K]
@@ -103,6 +149,31 @@ def linear_attention_chunked(
     return o, state
 
 
+def _linear_gated(qc, kc, vc, log_decay, G, T, pad, *, normalize, eps, initial_state, output_final_state,
+                  out_dtype):
+    """:func:`linear_attention_chunked` with ``log_decay`` (chunked ``qc``, ``kc``, ``vc`` as there)."""
+    C, dt = kc.shape[3], kc.dtype
+    cum = _decay_chunks(F.pad(log_decay, (0, 0, 0, pad)), C, dt).cumsum(-1)  # [B, Hk, N, C]
+    S_ex, z_ex = _gated_chunk_states(kc, vc, cum, initial_state)  # [B, Hk, N+1, K, V], [B, Hk, N+1, K]
+    cq = _rows(cum.unsqueeze(-1), G)  # [B, Hk, N, G*C, 1]: b_i - b_{chunk start - 1}
+    causal = torch.ones(C, C, dtype=torch.bool, device=qc.device).tril().repeat(G, 1)  # [G*C, C]
+    decay = (cq - cum.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()  # [B, Hk, N, G*C, C]
+    a = (qc @ kc.transpose(-1, -2)) * decay
+    eq = cq.exp()  # [B, Hk, N, G*C, 1]
+    num = a @ vc + eq * (qc @ S_ex[:, :, :-1])  # [B, Hk, N, G*C, V]
+    if normalize:
+        den = a.sum(-1, keepdim=True) + eq * (qc @ z_ex[:, :, :-1].unsqueeze(-1))  # [B, Hk, N, G*C, 1]
+        num = num / (den + eps)
+    o = _o_unchunk(num, G, C, T).to(out_dtype)
+    state = None
+    if output_final_state:
+        S, z = S_ex[:, :, -1], z_ex[:, :, -1]
+        if dt != torch.float64:
+            S, z = S.float(), z.float()
+        state = (S.contiguous(), z.contiguous())  # views of the scan's [K, V+1] blocks; steps update states in place
+    return o, state
+
+
 def window_linear_attention_chunked(
     q: torch.Tensor,  # [B, T, H, D]
     k: torch.Tensor,  # [B, T, Hk, D]
@@ -118,13 +189,16 @@ def window_linear_attention_chunked(
     output_final_state: bool = False,
     chunk_size: int = CHUNK,
     key_mask: Optional[torch.Tensor] = None,  # [B, T] bool, False = a padding token
+    log_decay: Optional[torch.Tensor] = None,  # [B, T, Hk], <= 0
 ) -> Tuple[torch.Tensor, Optional[State]]:
     """Chunked LoLCATs sliding-window hybrid (same contract as the reference).
 
     Queries of chunk ``n`` look at the keys of chunks ``n-P .. n``
     (``P = ceil(W / C)``) through masked quadratic scores: softmax for the
     window, feature-map products for the older tokens of that span; tokens
-    before chunk ``n-P`` come from the carried linear state.
+    before chunk ``n-P`` come from the carried linear state. With ``log_decay`` the decays are
+    cumulative sums over each span (chunks ``n-P .. n``), and the carried state is the gated state just
+    before the span.
     """
     B, T, H, D = q.shape
     Hk = k.shape[2]
@@ -140,6 +214,8 @@ def window_linear_attention_chunked(
     dev = q.device
     if key_mask is not None:  # padding keys: zero features (no linear term), masked out of the window below
         k, fk, v = drop_keys(key_mask, k, fk, v)
+        if log_decay is not None:
+            log_decay = drop_decay(key_mask, log_decay)
 
     qc = _q_chunks(_pad_t(q, pad), Hk, C, dt)  # [B, Hk, N, G*C, D]
     fqc = _q_chunks(_pad_t(fq, pad), Hk, C, dt)  # [B, Hk, N, G*C, K]
@@ -173,18 +249,31 @@ def window_linear_attention_chunked(
     p = torch.exp(s - m)
     a = (fqc @ fksp.transpose(-1, -2)).masked_fill(~lin, 0.0)
 
-    # linear state before chunk n-P: S0 + sum of chunk states m < n-P
-    kv = fkc.transpose(-1, -2) @ vc  # [B, Hk, N, K, V]
-    ks = fkc.sum(-2)  # [B, Hk, N, K]
-    S_lin = torch.cat([torch.zeros_like(kv[:, :, :1]).expand(-1, -1, P + 1, -1, -1), kv], 2)[:, :, :N].cumsum(2)
-    z_lin = torch.cat([torch.zeros_like(ks[:, :, :1]).expand(-1, -1, P + 1, -1), ks], 2)[:, :, :N].cumsum(2)
-    if initial_state is not None:
-        S_lin = S_lin + initial_state[0].to(dt).unsqueeze(2)
-        z_lin = z_lin + initial_state[1].to(dt).unsqueeze(2)
+    if log_decay is None:
+        # linear state before chunk n-P: S0 + sum of chunk states m < n-P
+        kv = fkc.transpose(-1, -2) @ vc  # [B, Hk, N, K, V]
+        ks = fkc.sum(-2)  # [B, Hk, N, K]
+        S_lin = torch.cat([torch.zeros_like(kv[:, :, :1]).expand(-1, -1, P + 1, -1, -1), kv], 2)[:, :, :N].cumsum(2)
+        z_lin = torch.cat([torch.zeros_like(ks[:, :, :1]).expand(-1, -1, P + 1, -1), ks], 2)[:, :, :N].cumsum(2)
+        if initial_state is not None:
+            S_lin = S_lin + initial_state[0].to(dt).unsqueeze(2)
+            z_lin = z_lin + initial_state[1].to(dt).unsqueeze(2)
+    else:
+        ldc = _decay_chunks(F.pad(log_decay, (0, 0, 0, pad)), C, dt)  # [B, Hk, N, C]
+        cs = span(ldc.unsqueeze(-1))[..., 0].cumsum(-1)  # [B, Hk, N, (P+1)*C]: b_j - b_{span start - 1}
+        cq = _rows(cs[..., P * C :].unsqueeze(-1), G)  # [B, Hk, N, G*C, 1]: the queries' b_i - b_{span start - 1}
+        a = a * (cq - cs.unsqueeze(-2)).masked_fill(~lin, float("-inf")).exp()
+        # gated state just before the span (chunk n-P), i.e. at the boundary max(n-P, 0)
+        S_b, z_b = _gated_chunk_states(fkc, vc, ldc.cumsum(-1), initial_state)  # [B, Hk, N+1, ...]
+        at = (torch.arange(N, device=dev) - P).clamp_min(0)
+        S_lin, z_lin = S_b.index_select(2, at), z_b.index_select(2, at)
+        eq = cq.exp()  # [B, Hk, N, G*C, 1]
 
     wf = window_factor.to(dt).view(Hk, G, 1).expand(Hk, G, C).reshape(1, Hk, 1, G * C, 1)
     mix = wf * p + (1 - wf) * em * a  # disjoint supports
     lin_w = (1 - wf) * em  # [B, Hk, N, G*C, 1]
+    if log_decay is not None:
+        lin_w = lin_w * eq
     num = mix @ vsp + lin_w * (fqc @ S_lin)
     den = mix.sum(-1, keepdim=True) + lin_w * (fqc @ z_lin.unsqueeze(-1)) + eps * em
     o = _o_unchunk(num / den, G, C, T).to(v.dtype)
@@ -193,6 +282,8 @@ def window_linear_attention_chunked(
     if output_final_state:
         sdt = torch.float64 if dt == torch.float64 else torch.float32
         n = max(T - W, 0)
+        if log_decay is not None:  # decayed to position n-1 = T-1-W
+            return o, decayed_sum(log_decay[:, :n], fk[:, :n], v[:, :n], initial_state, sdt)
         S = torch.einsum("bthk,bthv->bhkv", fk[:, :n].to(sdt), v[:, :n].to(sdt))
         z = fk[:, :n].to(sdt).sum(1)
         if initial_state is not None:

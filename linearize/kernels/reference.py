@@ -27,6 +27,12 @@ def drop_keys(key_mask: torch.Tensor, *xs: torch.Tensor) -> Tuple[torch.Tensor, 
     return tuple(torch.where(keep, x, x.new_zeros(())) for x in xs)
 
 
+def drop_decay(key_mask: torch.Tensor, log_decay: torch.Tensor) -> torch.Tensor:
+    """``log_decay`` ``[B, T, Hk]`` with zeros where ``key_mask`` ``[B, T]`` is False: a padding token neither adds to
+    a gated state nor decays it (``torch.where``, so a non-finite padding value is dropped too)."""
+    return torch.where(key_mask.unsqueeze(-1), log_decay, log_decay.new_zeros(()))
+
+
 def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     # [B, T, Hk, D] -> [B, T, Hk * groups, D]; query head h reads KV head h // groups.
     return x if groups == 1 else x.repeat_interleave(groups, dim=2)
@@ -49,6 +55,36 @@ def hedgehog_features_rounded(x: torch.Tensor, weight: torch.Tensor, eps: float 
     dtype."""
     cd = torch.float64 if x.dtype == torch.float64 else torch.float32
     return hedgehog_features(x.to(cd), weight.to(cd), eps).to(x.dtype)
+
+
+def decay_matrix(log_decay: torch.Tensor, groups: int, dt: torch.dtype) -> torch.Tensor:
+    """``e^{b_i - b_j}`` for ``j <= i`` (0 above the diagonal), ``b`` the cumulative sum of ``log_decay``
+    ``[B, T, Hk]`` over time, per query head: ``[B, H, T, T]`` in ``dt``. Only differences are exponentiated,
+    so nothing overflows."""
+    b = _expand_kv(log_decay.to(dt).unsqueeze(-1), groups)[..., 0].cumsum(1).transpose(1, 2)  # [B, H, T]
+    diff = b.unsqueeze(-1) - b.unsqueeze(-2)  # [B, H, T, T]: b_i - b_j
+    T = b.shape[-1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=b.device).tril()
+    return diff.masked_fill(~causal, float("-inf")).exp()
+
+
+def decayed_sum(log_decay: torch.Tensor, fk: torch.Tensor, v: torch.Tensor, initial_state: Optional[State],
+                dt: torch.dtype) -> State:
+    """The gated linear state of all ``T`` tokens of ``fk`` ``[B, T, Hk, K]``, ``v`` ``[B, T, Hk, V]`` at the last
+    position: ``(sum_j e^{b_{T-1} - b_j} fk_j v_j^T + e^{b_{T-1}} S_0, same for z)`` in ``dt``. The exponents are
+    suffix sums of ``log_decay`` ``[B, T, Hk]`` (``b_{T-1} - b_j = sum_{j<s<=T-1} log_decay_s``), accumulated from the
+    end so that the weights that matter (near the end) are exact."""
+    ld = log_decay.to(dt)
+    tail = ld.flip(1).cumsum(1).flip(1) - ld  # [B, T, Hk]: sum_{s>j} ld_s
+    w = tail.exp().unsqueeze(-1)  # [B, T, Hk, 1], <= 1
+    fkd = fk.to(dt) * w
+    S = torch.einsum("bthk,bthv->bhkv", fkd, v.to(dt))
+    z = fkd.sum(1)
+    if initial_state is not None:
+        total = ld.sum(1).exp()  # [B, Hk]: e^{b_{T-1}}
+        S = S + total[..., None, None] * initial_state[0].to(dt)
+        z = z + total[..., None] * initial_state[1].to(dt)
+    return S, z
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -80,11 +116,15 @@ def linear_attention_reference(
     eps: float = 1e-6,
     initial_state: Optional[State] = None,
     output_final_state: bool = False,
+    log_decay: Optional[torch.Tensor] = None,  # [B, T, Hk], <= 0
 ) -> Tuple[torch.Tensor, Optional[State]]:
     """Causal linear attention, quadratic form.
 
     ``o_t = q_t . S_t / (q_t . z_t + eps)`` with ``S_t = S_0 + sum_{j<=t} k_j v_j^T``
     and ``z_t = z_0 + sum_{j<=t} k_j``; the numerator alone when ``normalize=False``.
+    With ``log_decay``: ``S_t = e^{log_decay_t} S_{t-1} + k_t v_t^T`` (and ``z``), i.e. the weight of key ``j``
+    at query ``t`` is ``e^{b_t - b_j}`` and that of the initial state ``e^{b_t}``, ``b`` = cumulative sum of
+    ``log_decay``.
     """
     B, T, H, K = q.shape
     Hk = k.shape[2]
@@ -96,18 +136,27 @@ def linear_attention_reference(
     a = torch.einsum("bihk,bjhk->bhij", qf, kf)  # [B, H, T, T]
     causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
     a = a.masked_fill(~causal, 0.0)
+    if log_decay is not None:
+        a = a * decay_matrix(log_decay, G, dt)
     num = torch.einsum("bhij,bjhv->bihv", a, vf)  # [B, T, H, V]
     den = a.sum(-1).transpose(1, 2)  # [B, T, H]
     if initial_state is not None:
         S0, z0 = initial_state
         S0 = _expand_kv(S0.to(dt).unsqueeze(1), G).squeeze(1)  # [B, H, K, V]
         z0 = _expand_kv(z0.to(dt).unsqueeze(1), G).squeeze(1)  # [B, H, K]
-        num = num + torch.einsum("bthk,bhkv->bthv", qf, S0)
-        den = den + torch.einsum("bthk,bhk->bth", qf, z0)
+        s_num = torch.einsum("bthk,bhkv->bthv", qf, S0)
+        s_den = torch.einsum("bthk,bhk->bth", qf, z0)
+        if log_decay is not None:  # e^{b_t}: the initial state decays from the position before token 0
+            e0 = _expand_kv(log_decay.to(dt).cumsum(1).exp().unsqueeze(-1), G)[..., 0]  # [B, T, H]
+            s_num, s_den = s_num * e0.unsqueeze(-1), s_den * e0
+        num = num + s_num
+        den = den + s_den
     o = num / (den.unsqueeze(-1) + eps) if normalize else num
     state = None
     if output_final_state:
         sdt = torch.float64 if dt == torch.float64 else torch.float32
+        if log_decay is not None:
+            return o.to(v.dtype), decayed_sum(log_decay, k, v, initial_state, sdt)
         S = torch.einsum("bthk,bthv->bhkv", k.to(sdt), v.to(sdt))
         z = k.to(sdt).sum(1)
         if initial_state is not None:
@@ -131,6 +180,7 @@ def window_linear_attention_reference(
     initial_state: Optional[State] = None,
     output_final_state: bool = False,
     key_mask: Optional[torch.Tensor] = None,  # [B, T] bool, False = a padding token
+    log_decay: Optional[torch.Tensor] = None,  # [B, T, Hk], <= 0
 ) -> Tuple[torch.Tensor, Optional[State]]:
     """LoLCATs sliding-window hybrid, quadratic form.
 
@@ -139,7 +189,9 @@ def window_linear_attention_reference(
     normaliser, mixed per head by ``window_factor``. Computed with the shift
     ``m_i = max(0, max_window s_ij)`` applied to both parts (and to ``eps``) so the
     result equals the unshifted formula exactly. Keys where ``key_mask`` is False
-    take part in neither sum (the window stays ``W`` positions wide).
+    take part in neither sum (the window stays ``W`` positions wide) and do not decay.
+    With ``log_decay`` the linear weights are ``(fq_i.fk_j) e^{b_i - b_j}``, the initial state's ``e^{b_i}``
+    (``b`` = cumulative sum of ``log_decay``); the softmax part does not decay.
     """
     B, T, H, D = q.shape
     Hk = k.shape[2]
@@ -150,6 +202,8 @@ def window_linear_attention_reference(
     dt = _acc_dtype(q, k, fq, fk, v)
     if key_mask is not None:
         k, fk, v = drop_keys(key_mask, k, fk, v)
+        if log_decay is not None:
+            log_decay = drop_decay(key_mask, log_decay)
     qf, kf = q.to(dt), _expand_kv(k.to(dt), G)
     fqf, fkf = fq.to(dt), _expand_kv(fk.to(dt), G)
     vf = _expand_kv(v.to(dt), G)
@@ -165,6 +219,8 @@ def window_linear_attention_reference(
     em = torch.exp(-m)
     p = torch.exp(s - m)  # zeros outside the window
     a = torch.einsum("bihk,bjhk->bhij", fqf, fkf).masked_fill(~lin, 0.0) * em
+    if log_decay is not None:
+        a = a * decay_matrix(log_decay, G, dt)
     w = window_factor.to(dt).view(1, H, 1)
     num_w = torch.einsum("bhij,bjhv->bhiv", p, vf)
     num_l = torch.einsum("bhij,bjhv->bhiv", a, vf)
@@ -174,8 +230,11 @@ def window_linear_attention_reference(
         S0, z0 = initial_state
         S0 = _expand_kv(S0.to(dt).unsqueeze(1), G).squeeze(1)
         z0 = _expand_kv(z0.to(dt).unsqueeze(1), G).squeeze(1)
-        num_l = num_l + torch.einsum("bthk,bhkv->bhtv", fqf, S0) * em
-        den_l = den_l + torch.einsum("bthk,bhk->bht", fqf, z0) * em[..., 0]
+        e0 = em  # [B, H, T, 1]
+        if log_decay is not None:  # e^{b_i}: the initial state decays from the position before token 0
+            e0 = em * _expand_kv(log_decay.to(dt).cumsum(1).exp().unsqueeze(-1), G)[..., 0].transpose(1, 2)[..., None]
+        num_l = num_l + torch.einsum("bthk,bhkv->bhtv", fqf, S0) * e0
+        den_l = den_l + torch.einsum("bthk,bhk->bht", fqf, z0) * e0[..., 0]
     num = w.unsqueeze(-1) * num_w + (1 - w.unsqueeze(-1)) * num_l
     den = w * den_w + (1 - w) * den_l + eps * em[..., 0]
     o = (num / den.unsqueeze(-1)).transpose(1, 2)  # [B, T, H, V]
@@ -183,6 +242,8 @@ def window_linear_attention_reference(
     if output_final_state:
         sdt = torch.float64 if dt == torch.float64 else torch.float32
         n = max(T - W, 0)
+        if log_decay is not None:  # decayed to position n-1 = T-1-W
+            return o.to(v.dtype), decayed_sum(log_decay[:, :n], fk[:, :n], v[:, :n], initial_state, sdt)
         S = torch.einsum("bthk,bthv->bhkv", fk[:, :n].to(sdt), v[:, :n].to(sdt))
         z = fk[:, :n].to(sdt).sum(1)
         if initial_state is not None:
