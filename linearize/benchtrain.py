@@ -2,7 +2,7 @@
 
 The model is built as `bench model` builds it (a shipped published config with ``--random-weights``: nothing
 downloaded; or any model spec), converted with surgery only, and each stage's own training loop
-(:func:`linearize.distill.distill`, :func:`linearize.finetune.finetune`) runs first ``warmup`` steps (Triton
+(:func:`linearize.train.distill.distill`, :func:`linearize.train.finetune.finetune`) runs first ``warmup`` steps (Triton
 compilation, autotuning, allocator growth) and then ``steps`` timed steps of ``batch x seq_len`` tokens on the
 recipe's data. With random weights the text is tokenized by ``tokenizer`` (default: the embedded SmolLM2
 tokenizer, whose ids fit any larger vocabulary): which tokens flow does not change the speed.
@@ -80,10 +80,10 @@ def _stage_recipe(rec, stage: str, *, seq_len: int, batch: int, tokens: int, gra
 
 def _run_stage(model, tok, rec, stage: str, tokens: int, quiet: Callable[[str], None]) -> tuple[Any, dict]:
     if stage == "distill":
-        from .distill import distill
+        from .train.distill import distill
 
         return model, distill(model, tok, rec, state_dir=None, tokens=tokens, progress=False, log=quiet)
-    from .finetune import finetune
+    from .train.finetune import finetune
 
     return finetune(model, tok, rec, state_dir=None, tokens=tokens, progress=False, log=quiet)
 
@@ -156,7 +156,7 @@ def bench_train(spec: str, *, random_weights: bool = False, ratio: str = DEFAULT
                         "tokens_per_second": tps, "seconds_per_step": round(step_tokens / max(tps, 1e-9), 4),
                         # the timed steps' global losses: a run on N GPUs should log the 1-GPU run's
                         "losses": [h["loss"] for h in rep.get("history", [])],
-                        # > 1: each micro-batch ran as that many passes to fit memory (linearize.memory)
+                        # > 1: each micro-batch ran as that many passes to fit memory (linearize.train.memory)
                         "passes_per_micro_batch": rep.get("passes_per_micro_batch", 1),
                         "activation_checkpointing": bool(rep.get("activation_checkpointing", False))})
             if dev.type == "cuda":

@@ -93,7 +93,7 @@ def user_errors(fn: Callable) -> Callable:
         except Exception as e:
             import errno
 
-            from .guards import is_oom, oom_error
+            from .train.guards import is_oom, oom_error
 
             if is_oom(e):  # CUDA, MemoryError or the CPU allocator: stage, layer, batch from the traceback
                 fail(str(oom_error(e)), 3)

@@ -16,7 +16,7 @@ frozen weights instead, so a model that does not fit one device can be converted
   stage-2 LoRA adapters because peft injects them after sharding (FSDP only manages the parameters it saw).
   They are tiny (LoRA r=8 on q/k/v/o of Llama-70B: ~33M parameters), so replicating them costs little.
 - **Gradients.** Stage 1's losses are a side channel taken in the layers and back-propagated there during the
-  forward (:func:`linearize.distill.backward_per_layer`): the decoder layers' outputs do not require grad, so
+  forward (:func:`linearize.train.distill.backward_per_layer`): the decoder layers' outputs do not require grad, so
   FSDP's backward hooks never fire, and no frozen weight is needed by that backward (the feature maps act on
   activations). Stage 2's backward flows through the decoder layers, and FSDP re-gathers their frozen
   weights for it as usual. In both stages the replicated trainable gradients are averaged over ranks with

@@ -225,7 +225,7 @@ def auto_report(hybrid, rec, auto: AutoSelect, probe, swaps: dict | None, *, tra
 def run_finetune(model, tokenizer, rec, out: Path, *, tokens=None, loss=None, resume: bool = False,
                  adapter_only_dir: Path | None = None, log: Callable[[str], None] = print):
     """The LoRA stage with its state beside ``out``; returns ``(model, report)``."""
-    from .finetune import finetune
+    from .train.finetune import finetune
 
     model, report = finetune(model, tokenizer, rec, state_dir=state_dir_for(out), resume=resume, tokens=tokens,
                              loss=loss, adapter_only_dir=adapter_only_dir, log=log)
@@ -294,8 +294,9 @@ def _check_recall_text(tokenizer, data: str, length: int, field: str) -> None:
 def _check_resume(rec, stages: dict[str, Any], sdir: Path, *, loss: str | None, layer_types: list[str] | None,
                   attention: dict[str, Any] | None, probe: bool = False) -> None:
     """Refuse a ``--resume`` whose stage state in ``sdir`` was written with other settings, naming the first."""
-    from .distill import DISTILL_STATE, resume_refusal, saved_settings, stage_settings
-    from .finetune import STATE_FILE
+    from .train.distill import STATE_FILE as DISTILL_STATE
+    from .train.loop import resume_refusal, saved_settings, stage_settings
+    from .train.finetune import STATE_FILE
 
     for stage, tokens in stages.items():
         ckpt = sdir / (DISTILL_STATE if stage == "distill" else STATE_FILE)
@@ -322,7 +323,7 @@ def state_dir_for(out: Path) -> Path:
 def run_distill(model, tokenizer, rec, out: Path, *, tokens=None, resume: bool = False,
                 log: Callable[[str], None] = print) -> dict:
     """Attention transfer with its state beside ``out``; the state is removed once the output is saved."""
-    from .distill import distill
+    from .train.distill import distill
 
     sdir = state_dir_for(out)
     if sdir.exists() and not resume and dist.is_main():

@@ -3,7 +3,7 @@
 1. Every layer is linearized with the recipe (the loaded model is wrapped in place; its original
    attention modules are put back afterwards, so the same model then goes through the real surgery).
 2. A short attention transfer trains all layers at once with the stage-1 machinery
-   (:func:`linearize.distill.distill`: the teacher output flows on, so layers are independent and one
+   (:func:`linearize.train.distill.distill`: the teacher output flows on, so layers are independent and one
    pass trains every one of them) on ``select.probe_fraction`` of the stage-1 token budget, with the
    data order of ``select.seed``.
 3. Three measurements per layer ``i``, on held-out data:
@@ -197,7 +197,8 @@ def cache_key(model, tokenizer, recipe, probe_tokens: int) -> tuple[str | None, 
         "probe_version": PROBE_VERSION, "linearize": __version__, "model": identity,
         "dtype": str(param.dtype).replace("torch.", ""), "device": param.device.type,
         "attention": dict(recipe["attention"]),
-        "distill": {k: v for k, v in recipe["distill"].items() if k not in ("tokens", "seed", "checkpoint_every")},
+        "distill": {k: v for k, v in recipe["distill"].items() if k not in ("tokens", "seed", "checkpoint_every",
+                                                                            "max_loss_ratio")},
         "select": {k: v for k, v in sel.items() if not k.endswith("_weight") and k != "probe_fraction"},
         "measured": [t for t in TERMS if weights[t] > 0 or t == "mse"],
         "probe_tokens": probe_tokens,
@@ -397,7 +398,7 @@ def apply_feature_maps(hybrid, maps: dict[str, torch.Tensor]) -> list[int]:
 
 def _measure(model, tokenizer, recipe, probe_tokens: int, *, progress: bool, log: Callable[[str], None]) -> ProbeResult:
     from .data import heldout_sequences
-    from .distill import distill, evaluate_layers
+    from .train.distill import distill, evaluate_layers
 
     sel, d = recipe["select"], recipe["distill"]
     weights = score_weights(recipe)

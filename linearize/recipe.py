@@ -64,11 +64,17 @@ def _training_fields(lr: float) -> dict[str, Field]:
     }
 
 
+#: the default ``max_loss_ratio`` of both training stages (the exploding-loss check's factor)
+MAX_LOSS_RATIO = 100.0
+
+
 def _run_fields() -> dict[str, Field]:
-    """Evaluation, checkpointing and seed fields shared by the training stages."""
+    """Evaluation, checkpointing, loss-guard and seed fields shared by the training stages."""
     return {
         "eval_seqs": Field(int, 8, "an integer in [1, 4096]", lambda v: 1 <= v <= 4096),
         "checkpoint_every": Field(int, 50, "an integer in [1, 1000000] (optimizer steps)", lambda v: 1 <= v <= 1_000_000),
+        # a micro-batch loss above this multiple of its running mean stops the run (linearize.train.guards)
+        "max_loss_ratio": Field(float, MAX_LOSS_RATIO, "a number >= 0 (0 = no exploding-loss check)", lambda v: v >= 0),
         "seed": Field(int, 0, "an integer >= 0", lambda v: v >= 0),
     }
 
@@ -108,7 +114,7 @@ SCHEMA: dict[str, dict[str, Field]] = {
                         lambda v: v in ("linear", "all")),
         "loss": Field(str, "xent", "xent (next-token cross-entropy) or kl (KL to the teacher's logits)",
                       lambda v: v in ("xent", "kl")),
-        # decoder layers recompute their forward in the backward (linearize.memory turns it on under auto)
+        # decoder layers recompute their forward in the backward (linearize.train.memory turns it on under auto)
         "activation_checkpointing": Field((bool, str), "auto", "auto (on when one row does not fit), true or false",
                                           lambda v: v is True or v is False or v == "auto"),
         **_run_fields(),

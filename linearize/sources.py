@@ -349,7 +349,7 @@ def load_model(spec: str | ResolvedSpec, *, dtype=None, device=None, max_memory=
     except Exception as e:  # noqa: BLE001 - a corrupt file or an unloadable model is one line, never a traceback
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)
-        from .guards import is_oom
+        from .train.guards import is_oom
 
         bad_files = isinstance(e, (ValueError, OSError, KeyError)) or type(e).__name__ == "SafetensorError"
         if is_oom(e) or not bad_files:

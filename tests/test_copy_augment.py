@@ -14,9 +14,7 @@ from test_finetune import _hybrid as finetune_hybrid
 from test_finetune import _plain
 from test_finetune import _recipe as finetune_recipe
 
-from linearize import distill as D
 from linearize import distributed
-from linearize import finetune as FT
 from linearize import recipe as R
 from linearize.data import (
     COPY_MAX_SPAN,
@@ -27,7 +25,10 @@ from linearize.data import (
     heldout_sequences,
     packed_batches,
 )
-from linearize.errors import RecipeError
+from linearize.errors import RecipeError, TrainingError, TrainingInterrupted
+from linearize.train import distill as D
+from linearize.train import finetune as FT
+from linearize.train import loop as L
 
 QUIET = {"progress": False, "log": lambda m: None}
 SHORTEST = 85  # the shortest row that holds a COPY_MIN_SPAN copy: L - L // 4 >= 2 * 32
@@ -194,10 +195,10 @@ def test_distill_resume_sees_the_same_augmented_batches(corpus, monkeypatch, tmp
     assert len(evaluated) == 2 and all(torch.equal(ids, held) for ids in evaluated)  # held-out: never augmented
 
     seen.clear()
-    real_save = interrupt_after_save(monkeypatch, D, step=2)
-    with pytest.raises((KeyboardInterrupt, D.TrainingInterrupted)):
+    real_save = interrupt_after_save(monkeypatch, L, step=2)
+    with pytest.raises((KeyboardInterrupt, TrainingInterrupted)):
         D.distill(distill_hybrid(), tok, rec, state_dir=tmp_path / "b", **QUIET)
-    monkeypatch.setattr(D, "_save_state", real_save)
+    monkeypatch.setattr(L, "_save_state", real_save)
     first = list(seen)
     seen.clear()
     c = distill_hybrid()
@@ -207,7 +208,7 @@ def test_distill_resume_sees_the_same_augmented_batches(corpus, monkeypatch, tmp
         assert torch.allclose(pa, pc, atol=1e-6)
 
     other = distill_recipe(corpus, seq_len=128, tokens=128 * 2 * 6, checkpoint_every=2, copy_fraction=0.5)
-    with pytest.raises(D.TrainingError, match="fingerprint"):
+    with pytest.raises(TrainingError, match="fingerprint"):
         D.distill(distill_hybrid(), tok, other, state_dir=tmp_path / "b", resume=True, **QUIET)
 
 
@@ -233,12 +234,12 @@ def test_finetune_resume_sees_the_same_augmented_batches(corpus, monkeypatch, tm
     assert len(evaluated) == 2 and all(torch.equal(ids, held) for ids in evaluated)
 
     seen.clear()
-    real_save = interrupt_after_save(monkeypatch, FT, step=4)
+    real_save = interrupt_after_save(monkeypatch, L, step=4)
     b = finetune_hybrid()
-    with pytest.raises((KeyboardInterrupt, FT.TrainingInterrupted)):
+    with pytest.raises((KeyboardInterrupt, TrainingInterrupted)):
         FT.finetune(b, tok, rec, state_dir=tmp_path / "b", **QUIET)
     _plain(b)
-    monkeypatch.setattr(FT, "_save_state", real_save)
+    monkeypatch.setattr(L, "_save_state", real_save)
     first = list(seen)
     seen.clear()
     c, rep_c = FT.finetune(finetune_hybrid(), tok, rec, state_dir=tmp_path / "b", resume=True, **QUIET)

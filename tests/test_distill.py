@@ -4,10 +4,12 @@ import pytest
 import torch
 
 from conftest import char_tokenizer, tiny_model
-from linearize import distill as D
 from linearize import recipe as R
+from linearize.errors import TrainingError, TrainingInterrupted
 from linearize.select import select_layout
 from linearize.surgery import linearize_model
+from linearize.train import distill as D
+from linearize.train import loop as L
 
 
 def _tokenizer():
@@ -15,7 +17,8 @@ def _tokenizer():
 
 
 def interrupt_after_save(monkeypatch, module, step: int):
-    """Make ``module._save_state`` raise KeyboardInterrupt once, right after saving ``step``; returns the real one."""
+    """Make ``module._save_state`` (the stage loop's, :mod:`linearize.train.loop`) raise KeyboardInterrupt once, right
+    after saving ``step``; returns the real one."""
     real_save = module._save_state
 
     def save_then_die(path, state):
@@ -73,10 +76,10 @@ def test_resume_matches_uninterrupted(corpus, monkeypatch, tmp_path):
     D.distill(a, tok, rec, state_dir=tmp_path / "a", progress=False, log=lambda m: None)
 
     b = _hybrid()
-    real_save = interrupt_after_save(monkeypatch, D, step=4)
-    with pytest.raises((KeyboardInterrupt, D.TrainingInterrupted)):
+    real_save = interrupt_after_save(monkeypatch, L, step=4)
+    with pytest.raises((KeyboardInterrupt, TrainingInterrupted)):
         D.distill(b, tok, rec, state_dir=tmp_path / "b", progress=False, log=lambda m: None)
-    monkeypatch.setattr(D, "_save_state", real_save)
+    monkeypatch.setattr(L, "_save_state", real_save)
     c = _hybrid()  # a fresh process would rebuild the model from the same surgery
     rep = D.distill(c, tok, rec, state_dir=tmp_path / "b", resume=True, progress=False, log=lambda m: None)
     assert rep["steps"] == 8
@@ -84,7 +87,7 @@ def test_resume_matches_uninterrupted(corpus, monkeypatch, tmp_path):
         assert torch.allclose(pa, pc, atol=1e-6)
 
     other = _recipe(corpus, checkpoint_every=2, seed=1)
-    with pytest.raises(D.TrainingError, match="fingerprint"):
+    with pytest.raises(TrainingError, match="fingerprint"):
         D.distill(_hybrid(), tok, other, state_dir=tmp_path / "b", resume=True, progress=False, log=lambda m: None)
 
 
@@ -95,8 +98,30 @@ def test_non_finite_loss_names_layer_and_step(corpus, monkeypatch, tmp_path):
         hybrid.linear_modules()[1].feature_map_k.layer.weight.fill_(float("nan")) if hasattr(
             hybrid.linear_modules()[1].feature_map_k, "layer") else next(
             hybrid.linear_modules()[1].feature_map_k.parameters()).fill_(float("nan"))
-    with pytest.raises(D.TrainingError, match=r"layer 1 at step 0"):
+    with pytest.raises(TrainingError, match=r"layer 1 at step 0"):
         D.distill(hybrid, _tokenizer(), _recipe(corpus), progress=False, log=lambda m: None)
+
+
+def test_non_finite_gradient_stops_before_the_update(corpus, monkeypatch, tmp_path):
+    """A finite loss whose gradient is not (step 2): the update is not applied, the run stops naming the step and
+    the checkpoint of step 2 keeps finite parameters."""
+    monkeypatch.setenv("LINEARIZE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(L, "plan_pieces", lambda *args, **kwargs: 1)  # count training backwards only
+    hybrid = _hybrid()
+    backwards = {"n": 0}
+
+    def poison(grad):  # layer 0's query map: one backward per micro-batch
+        backwards["n"] += 1
+        return grad * float("inf") if backwards["n"] == 3 else grad
+
+    hybrid.linear_modules()[0].feature_map_q.weight.register_hook(poison)
+    with pytest.raises(TrainingError, match=r"^distill: non-finite gradient at step 2; the last good checkpoint is "
+                                            r"kept .*; try a lower distill\.lr$"):
+        D.distill(hybrid, _tokenizer(), _recipe(corpus, checkpoint_every=2), state_dir=tmp_path, progress=False,
+                  log=lambda m: None)
+    state = torch.load(tmp_path / "distill-state.pt", weights_only=False)
+    assert state["step"] == 2 and all(torch.isfinite(p).all() for p in state["params"])
+    assert all(torch.isfinite(p).all() for p in hybrid.parameters())
 
 
 @pytest.mark.parametrize("name", R.available())
@@ -142,7 +167,7 @@ def test_hedgehog_xent_term(corpus, monkeypatch, tmp_path):
 
 def test_ctrl_c_during_the_optimizer_step_saves_a_whole_step(corpus, monkeypatch, tmp_path):
     """Ctrl-C that lands right after the parameters were updated but before the step was counted: the step is
-    completed first (guards.whole_step), so the saved state is consistent and resuming matches."""
+    completed first (linearize.train.guards.whole_step), so the saved state is consistent and resuming matches."""
     import os
     import signal
 
@@ -166,7 +191,7 @@ def test_ctrl_c_during_the_optimizer_step_saves_a_whole_step(corpus, monkeypatch
         return out
 
     monkeypatch.setattr(torch.optim.AdamW, "step", step_then_ctrl_c)
-    with pytest.raises(D.TrainingInterrupted, match="interrupted at step 5/8"):
+    with pytest.raises(TrainingInterrupted, match="interrupted at step 5/8"):
         D.distill(_hybrid(), tok, rec, state_dir=tmp_path / "b", progress=False, log=lambda m: None)
     monkeypatch.setattr(torch.optim.AdamW, "step", real_step)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

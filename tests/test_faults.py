@@ -27,11 +27,12 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from linearize import distill as D
-from linearize import finetune as FT
-from linearize import guards
 from linearize.cli import app
-from linearize.errors import ResourceError, TrainingError, UnsupportedModelError
+from linearize.errors import RecipeError, ResourceError, TrainingError, UnsupportedModelError
+from linearize.train import distill as D
+from linearize.train import finetune as FT
+from linearize.train import guards
+from linearize.train import loop as L
 from test_interrupt import _env, workspace  # noqa: F401 - the tiny model + corpus fixture is used by name
 
 #: patches one thing, then runs ``linearize ARGS`` as the console script does.
@@ -53,9 +54,9 @@ if kind == "slow-save":
     C.save_file = save_file
 else:
     import linearize.attention as A
-    import linearize.distill, linearize.finetune
-    # the counts below are of training forwards: no measuring forwards before step 0 (linearize.memory)
-    linearize.distill.plan_pieces = linearize.finetune.plan_pieces = lambda *args, **kwargs: 1
+    import linearize.train.loop
+    # the counts below are of training forwards: no measuring forwards before step 0 (linearize.train.memory)
+    linearize.train.loop.plan_pieces = lambda *args, **kwargs: 1
     real_forward = A.LinearAttention.forward
     seen = [0]
     def forward(self, *args, **kwargs):
@@ -361,7 +362,7 @@ def spike_layer_1(monkeypatch, factor):
         return loss * factor if calls["n"] == 13 else loss
 
     monkeypatch.setattr(D, "layer_loss", spike)
-    monkeypatch.setattr(D, "plan_pieces", lambda *args, **kwargs: 1)  # no measuring forwards before step 0
+    monkeypatch.setattr(L, "plan_pieces", lambda *args, **kwargs: 1)  # no measuring forwards before step 0
 
 
 @pytest.mark.parametrize("factor,needle", [(1e6, "exploding loss in layer 1 at step 12"),
@@ -378,9 +379,14 @@ def test_bad_loss_stops_naming_layer_and_step(ws, tmp_path, monkeypatch, factor,
 
 
 def test_exploding_loss_check_can_be_turned_off(ws, tmp_path, monkeypatch):
-    model, tok, rec = _tiny_distill(ws)
+    """distill.max_loss_ratio = 0 (a recipe field, 100 in every shipped recipe) lets the spike of the test above pass."""
+    from linearize import recipe as R
+
+    assert {R.load(n)[s]["max_loss_ratio"] for n in R.available() for s in ("distill", "finetune")} == {100.0}
+    with pytest.raises(RecipeError, match=r"finetune\.max_loss_ratio = -1\.0: must be a number >= 0"):
+        R.load("lolcats", {"finetune.max_loss_ratio": -1})
+    model, tok, rec = _tiny_distill(ws, max_loss_ratio=0)
     spike_layer_1(monkeypatch, 1e6)
-    monkeypatch.setenv("LINEARIZE_MAX_LOSS_RATIO", "0")
     assert D.distill(model, tok, rec, progress=False, log=lambda m: None)["steps"] == 20
 
 
@@ -415,7 +421,7 @@ def test_exploding_loss_in_finetune_names_step(ws, tmp_path, monkeypatch):
         return output
 
     model.lm_head.register_forward_hook(blow_up)
-    monkeypatch.setattr(FT, "plan_pieces", lambda *args, **kwargs: 1)  # count training forwards only
+    monkeypatch.setattr(L, "plan_pieces", lambda *args, **kwargs: 1)  # count training forwards only
     with pytest.raises(TrainingError, match=r"^finetune: exploding loss at step 12: .* its running mean"):
         FT.finetune(model, _tokenizer(), rec, state_dir=tmp_path, progress=False, log=lambda m: None)
 

@@ -9,11 +9,13 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from linearize import finetune as FT
 from linearize import recipe as R
+from linearize.errors import TrainingError, TrainingInterrupted
 from linearize.modeling import LinearizeForCausalLM
 from linearize.select import select_layout
 from linearize.surgery import linearize_model
+from linearize.train import finetune as FT
+from linearize.train import loop as L
 from test_distill import _tokenizer, corpus, interrupt_after_save  # noqa: F401 - the corpus fixture is used by name
 
 QUIET = dict(progress=False, log=lambda m: None)
@@ -229,12 +231,12 @@ def test_resume_matches_uninterrupted(corpus, monkeypatch, tmp_path):
     rec = _recipe(corpus, steps=8, checkpoint_every=2, lora_dropout=0.1)  # dropout: the RNG must resume too
     a, rep_a = FT.finetune(_hybrid(), tok, rec, state_dir=tmp_path / "a", **QUIET)
 
-    real_save = interrupt_after_save(monkeypatch, FT, step=4)
+    real_save = interrupt_after_save(monkeypatch, L, step=4)
     b = _hybrid()
-    with pytest.raises((KeyboardInterrupt, FT.TrainingInterrupted)):
+    with pytest.raises((KeyboardInterrupt, TrainingInterrupted)):
         FT.finetune(b, tok, rec, state_dir=tmp_path / "b", **QUIET)
     _plain(b)  # an interrupted run leaves the model without adapter layers
-    monkeypatch.setattr(FT, "_save_state", real_save)
+    monkeypatch.setattr(L, "_save_state", real_save)
     logs = []
     c, rep_c = FT.finetune(_hybrid(), tok, rec, state_dir=tmp_path / "b", resume=True, progress=False,
                            log=logs.append)
@@ -262,7 +264,7 @@ def test_ctrl_c_mid_step_saves_and_resumes_exactly(corpus, tmp_path):
         return output
 
     handle = b.lm_head.register_forward_hook(ctrl_c)
-    with pytest.raises(FT.TrainingInterrupted, match="interrupted at step 5/8") as e:
+    with pytest.raises(TrainingInterrupted, match="interrupted at step 5/8") as e:
         FT.finetune(b, tok, rec, state_dir=tmp_path, **QUIET)
     assert e.value.exit_code == 130
     handle.remove()
@@ -283,13 +285,14 @@ def test_fingerprint_mismatch_refuses(corpus, tmp_path):
                       (_recipe(corpus, steps=2, checkpoint_every=1, lora_r=4), {}),
                       (rec, {"loss": "kl"}), (rec, {"tokens": 64 * 2 * 3})]:
         model = _hybrid()
-        with pytest.raises(FT.TrainingError, match="fingerprint") as e:
+        with pytest.raises(TrainingError, match="fingerprint") as e:
             FT.finetune(model, tok, other, state_dir=tmp_path, resume=True, **QUIET, **kw)
         assert "\n" not in str(e.value)
         assert not any("lora" in n for n, _ in model.named_parameters())  # refused before any change
-    # checkpoint_every and activation checkpointing (memory knobs) are not part of the fingerprint
-    _, rep = FT.finetune(_hybrid(), tok, _recipe(corpus, steps=2, checkpoint_every=5,
-                                                 activation_checkpointing=True), state_dir=tmp_path,
+    # checkpoint_every, activation checkpointing (memory knobs) and the loss guard's max_loss_ratio are not part
+    # of the fingerprint
+    _, rep = FT.finetune(_hybrid(), tok, _recipe(corpus, steps=2, checkpoint_every=5, activation_checkpointing=True,
+                                                 max_loss_ratio=50), state_dir=tmp_path,
                          resume=True, **QUIET)
     assert rep["steps"] == 2 and rep["activation_checkpointing"] is True
 
@@ -306,7 +309,7 @@ def test_non_finite_loss_names_step_and_keeps_checkpoint(corpus, tmp_path):
         return output
 
     handle = hybrid.lm_head.register_forward_hook(poison)
-    with pytest.raises(FT.TrainingError, match=r"non-finite loss at step 3"):
+    with pytest.raises(TrainingError, match=r"non-finite loss at step 3"):
         FT.finetune(hybrid, _tokenizer(), _recipe(corpus, steps=8, checkpoint_every=2), state_dir=tmp_path,
                     **QUIET)
     handle.remove()
@@ -316,7 +319,7 @@ def test_non_finite_loss_names_step_and_keeps_checkpoint(corpus, tmp_path):
 
 
 def test_budget_smaller_than_one_step(corpus):
-    with pytest.raises(FT.TrainingError, match="smaller than one optimizer step"):
+    with pytest.raises(TrainingError, match="smaller than one optimizer step"):
         FT.finetune(_hybrid(), _tokenizer(), _recipe(corpus, steps=3, grad_accum=4), **QUIET)
 
 

@@ -420,8 +420,8 @@ def test_bundled_remote_code_is_complete():
 def test_moe_families_train_both_stages(family, corpus, monkeypatch, tmp_path):
     """Attention transfer then LoRA on a mixture-of-experts model: held-out MSE and perplexity fall, and only the
     attention side learns (experts, routers and everything else outside attention stay bit for bit)."""
-    from linearize import distill as D
-    from linearize import finetune as FT
+    from linearize.train import distill as D
+    from linearize.train import finetune as FT
 
     monkeypatch.setenv("LINEARIZE_CACHE", str(tmp_path / "cache"))
     model = tiny_model(family, layers=2)
@@ -460,8 +460,8 @@ def test_newer_families_train_both_stages(family, corpus, monkeypatch, tmp_path)
     and perplexity fall. Phi-3's LoRA goes on its fused qkv_proj and o_proj (finetune checks what peft wrapped);
     OLMo's q/k/v bound, StableLM's per-head LayerNorms, GLM-4.5's q/k norms, SmolLM3's layers without rotary and
     GLM-4's and Cohere's interleaved rotary are in the layers that train."""
-    from linearize import distill as D
-    from linearize import finetune as FT
+    from linearize.train import distill as D
+    from linearize.train import finetune as FT
 
     monkeypatch.setenv("LINEARIZE_CACHE", str(tmp_path / "cache"))
     model = tiny_model(family, layers=2)

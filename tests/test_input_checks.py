@@ -131,10 +131,10 @@ def test_budget_and_output_refused_before_loading(ws, cli, tmp_path):
 
 
 def _distill_state(model, tok, rec, state_dir: Path, tokens: int) -> Path:
-    from linearize import distill as D
+    from linearize.train import distill as D
 
     D.distill(model, tok, rec, state_dir=state_dir, tokens=tokens, progress=False, log=lambda m: None)
-    return state_dir / D.DISTILL_STATE
+    return state_dir / D.STATE_FILE
 
 
 def test_convert_resume_names_the_setting_that_differs(ws, cli, tmp_path):
@@ -171,7 +171,7 @@ def test_distill_resume_names_the_budget(ws, cli, tmp_path):
 
 def test_finetune_resume_names_the_loss(ws, cli, tmp_path):
     pytest.importorskip("peft", exc_type=ImportError)  # a peft release that does not import with this transformers
-    from linearize import finetune as FT
+    from linearize.train import finetune as FT
     from linearize.pipeline import state_dir_for
     from linearize.sources import load_model
 
@@ -191,7 +191,7 @@ def test_finetune_resume_names_the_loss(ws, cli, tmp_path):
 def test_resume_after_loading_names_the_setting_too(ws, tmp_path, monkeypatch):
     """The library's own check (distill() called directly) names the setting; a state written before settings
     were recorded still refuses, by its fingerprint."""
-    from linearize import distill as D
+    from linearize.train import distill as D
     from linearize.sources import load_model
 
     monkeypatch.setenv("LINEARIZE_CACHE", str(ws / "cache"))

@@ -1,4 +1,4 @@
-"""Fitting a training micro-batch to the memory there is (linearize.memory) and the stages' split passes."""
+"""Fitting a training micro-batch to the memory there is (linearize.train.memory) and the stages' split passes."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ import sys
 import pytest
 import torch
 
-from linearize import distill as D
-from linearize import finetune as FT
-from linearize import memory as M
 from linearize.errors import ResourceError
+from linearize.train import distill as D
+from linearize.train import finetune as FT
+from linearize.train import loop as L
+from linearize.train import memory as M
 from test_distill import _hybrid as distill_hybrid
 from test_distill import _recipe as distill_recipe
 from test_distill import _tokenizer, corpus  # noqa: F401 - the corpus fixture is used by name
@@ -103,7 +104,7 @@ def test_measuring_leaves_the_random_state_alone(monkeypatch):
 # but the allocator kept resident, so it need not raise the resident set at all (seen in CI)
 HOST_PEAK = """
 import torch
-from linearize import memory as M
+from linearize.train import memory as M
 cpu = torch.device("cpu")
 base = M._in_use(cpu)
 def allocate():
@@ -126,8 +127,8 @@ def test_host_peak_and_free_memory_are_read_on_linux():
     assert second < first - 0.5 * size
 
 
-def _force_split(monkeypatch, module, pieces: int) -> list[int]:
-    """Make ``module``'s stage split each micro-batch into ``pieces`` passes; record the rows it measured."""
+def _force_split(monkeypatch, pieces: int) -> list[int]:
+    """Make the stage loop split each micro-batch into ``pieces`` passes; record the rows it measured."""
     seen: list[int] = []
 
     def plan(stage, rows, seq_len, device, run_rows, log=print, lean=None):
@@ -135,14 +136,14 @@ def _force_split(monkeypatch, module, pieces: int) -> list[int]:
         seen.append(rows)
         return pieces
 
-    monkeypatch.setattr(module, "plan_pieces", plan)
+    monkeypatch.setattr(L, "plan_pieces", plan)
     return seen
 
 
 def test_a_split_distill_step_equals_smaller_micro_batches_accumulated(corpus, monkeypatch):  # noqa: F811
     tok = _tokenizer()
     a = distill_hybrid()
-    seen = _force_split(monkeypatch, D, 2)
+    seen = _force_split(monkeypatch, 2)
     rep = D.distill(a, tok, distill_recipe(corpus, batch_size=4, tokens=64 * 4 * 4, copy_fraction=0.0), **QUIET)
     assert seen == [4] and rep["passes_per_micro_batch"] == 2 and rep["steps"] == 4
     monkeypatch.undo()
@@ -160,7 +161,7 @@ def test_a_split_finetune_step_equals_the_whole_micro_batch(corpus, monkeypatch)
     rec = finetune_recipe(corpus, steps=4, batch_size=4, tokens=64 * 4 * 4, copy_fraction=0.0)
     whole, rep_whole = FT.finetune(finetune_hybrid(), tok, rec, **QUIET)
     assert rep_whole["passes_per_micro_batch"] == 1
-    seen = _force_split(monkeypatch, FT, 4)
+    seen = _force_split(monkeypatch, 4)
     split, rep_split = FT.finetune(finetune_hybrid(), tok, rec, **QUIET)
     assert seen == [4] and rep_split["passes_per_micro_batch"] == 4
     for (k, pa), pb in zip(whole.state_dict().items(), split.state_dict().values()):

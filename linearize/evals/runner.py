@@ -344,7 +344,7 @@ def run_eval(spec: str, tasks: str | Sequence[str], report: ReportOptions, *, ag
                     try:
                         rows = ts.module.run(handle, cfg, ts.args, ui, shared)
                     except Exception as e:  # out of memory: one line naming task, model, layer and batch
-                        from linearize.guards import is_oom, oom_error  # noqa: PLC0415
+                        from linearize.train.guards import is_oom, oom_error  # noqa: PLC0415
 
                         if not is_oom(e):
                             raise

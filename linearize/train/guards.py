@@ -1,12 +1,13 @@
 """Guards for long runs: stop on a bad loss, turn out-of-memory into one line, never lose the work done.
 
-Shared by attention transfer (:mod:`linearize.distill`), the LoRA stage (:mod:`linearize.finetune`),
-evaluation (:mod:`linearize.evals.runner`) and the CLI's last-resort handler:
+Shared by the training loop of both stages (:mod:`linearize.train.loop`), evaluation
+(:mod:`linearize.evals.runner`), model loading and the CLI's last-resort handler:
 
 - :meth:`LossGuard.check` looks at each micro-batch's loss before the optimizer update. NaN/Inf, or a
-  loss more than ``max_ratio`` times its running mean (an exploding run), stops the run with a
-  :class:`~linearize.errors.TrainingError` naming the stage, layer and step. Nothing is saved from
-  the bad step: the last periodic checkpoint is kept.
+  loss more than the stage's ``max_loss_ratio`` times its running mean (an exploding run), stops the run
+  with a :class:`~linearize.errors.TrainingError` naming the stage, layer and step; so does a non-finite
+  gradient (:meth:`LossGuard.check_gradient`). Nothing is saved from the bad step: the last periodic
+  checkpoint is kept.
 - :meth:`LossGuard.out_of_memory` turns a CUDA or host out-of-memory error inside the training loop
   into a :class:`~linearize.errors.ResourceError` (exit 3). Like Ctrl-C, it first saves the
   resumable state as of the last completed optimizer step (unless the optimizer step itself was cut
@@ -16,8 +17,8 @@ evaluation (:mod:`linearize.evals.runner`) and the CLI's last-resort handler:
   else (evaluation, loading, generation). The layer and the batch shape are read from the
   traceback: the innermost module frame with a ``layer_idx`` and the innermost ``input_ids``.
 
-The exploding-loss factor defaults to :data:`MAX_LOSS_RATIO`; ``LINEARIZE_MAX_LOSS_RATIO=0`` turns the
-check off (a run whose loss legitimately jumps, e.g. a data set that switches domain).
+The exploding-loss factor is the recipe's ``distill.max_loss_ratio`` / ``finetune.max_loss_ratio``; 0 turns
+the check off (a run whose loss legitimately jumps, e.g. a data set that switches domain).
 """
 
 from __future__ import annotations
@@ -33,30 +34,15 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from .errors import ResourceError, TrainingError, TrainingInterrupted
+from ..errors import ResourceError, TrainingError, TrainingInterrupted
+from ..recipe import MAX_LOSS_RATIO
 
-#: a micro-batch loss above this multiple of its running mean stops the run
-MAX_LOSS_RATIO = 100.0
 #: micro-batches seen before the exploding-loss check starts (the running mean settles first)
 WARMUP_MICRO_BATCHES = 10
 #: weight of the past in the running mean (exponential moving average)
 EMA_BETA = 0.9
 #: per-layer losses are compared with at least this share of the mean over layers
 SMALL_LAYER_SHARE = 0.01
-
-
-def max_loss_ratio() -> float:
-    """:data:`MAX_LOSS_RATIO`, or ``$LINEARIZE_MAX_LOSS_RATIO`` when set (0 = off)."""
-    raw = os.environ.get("LINEARIZE_MAX_LOSS_RATIO", "").strip()
-    if not raw:
-        return MAX_LOSS_RATIO
-    try:
-        value = float(raw)
-    except ValueError:
-        raise TrainingError(f"LINEARIZE_MAX_LOSS_RATIO={raw!r}: expected a number (0 turns the check off)") from None
-    if not value >= 0:
-        raise TrainingError(f"LINEARIZE_MAX_LOSS_RATIO={raw!r}: expected a number >= 0 (0 turns the check off)")
-    return value
 
 
 # ----------------------------------------------------------------------------------------- out of memory
@@ -151,11 +137,11 @@ class LossGuard:
 
     Args:
         stage: the recipe section, used in messages and suggestions (``--set STAGE.lr=...``).
-        cfg: that section's values (lr, batch_size, grad_accum, seq_len, checkpoint_every).
+        cfg: that section's values (lr, batch_size, grad_accum, seq_len, checkpoint_every, max_loss_ratio).
         ckpt: the resumable state file, or None when the caller keeps no state.
         layers: layer indices of the losses passed to :meth:`check` (per-layer losses), or None for one loss.
         dtype: the model's parameter dtype (suggestions: ``--dtype bfloat16`` only helps from fp32).
-        max_ratio: the exploding-loss factor (default :func:`max_loss_ratio`; 0 = off).
+        max_ratio: the exploding-loss factor (default ``cfg["max_loss_ratio"]``, else the recipe's default; 0 = off).
     """
 
     def __init__(self, stage: str, cfg: dict[str, Any], *, ckpt: Path | None = None,
@@ -164,7 +150,7 @@ class LossGuard:
         self.stage, self.cfg, self.ckpt = stage, cfg, ckpt
         self.layers = list(layers) if layers is not None else None
         self.dtype = dtype
-        self.max_ratio = max_loss_ratio() if max_ratio is None else max_ratio
+        self.max_ratio = float(cfg.get("max_loss_ratio", MAX_LOSS_RATIO) if max_ratio is None else max_ratio)
         self.warmup = warmup
         self.mean: torch.Tensor | None = None  # running mean per loss, fp64 on the CPU
         self.seen = 0
@@ -196,9 +182,15 @@ class LossGuard:
                 raise TrainingError(
                     f"{self.stage}: exploding loss{self._layer(i)} at step {step}: {values[i]:.3g} is "
                     f"{ratio[i]:,.0f}x its running mean {ref[i]:.3g} (limit {self.max_ratio:g}x, "
-                    f"LINEARIZE_MAX_LOSS_RATIO); {self._kept()}; {self._lr_advice()}")
+                    f"{self.stage}.max_loss_ratio); {self._kept()}; {self._lr_advice()}")
         self.mean = values.clone() if self.mean is None else EMA_BETA * self.mean + (1 - EMA_BETA) * values
         self.seen += 1
+
+    def check_gradient(self, norm: torch.Tensor, step: int) -> None:
+        """Stop on a non-finite gradient norm (the clipped step's, before the update) at 0-based ``step``."""
+        if not torch.isfinite(norm):
+            raise TrainingError(f"{self.stage}: non-finite gradient at step {step}; the last good checkpoint is kept "
+                                f"({self.ckpt or 'none'}); try a lower {self.stage}.lr")
 
     def _layer(self, i: int) -> str:
         return f" in layer {self.layers[i]}" if self.layers is not None and i < len(self.layers) else ""
@@ -218,9 +210,9 @@ class LossGuard:
     # -- out of memory ---------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def stops(self, run: dict[str, Any], total: int, save: Callable[[], None],
+    def stops(self, steps: Callable[[], int], total: int, save: Callable[[], None],
               optimizer: torch.optim.Optimizer | None = None) -> Iterator[None]:
-        """Around a training loop (``run["step"]`` = optimizer steps completed): Ctrl-C saves the state and
+        """Around a training loop (``steps()`` = optimizer steps completed): Ctrl-C saves the state and
         ends in a one-line note on how to resume; out of memory saves it too (:meth:`out_of_memory`);
         anything else propagates."""
         try:
@@ -229,13 +221,13 @@ class LossGuard:
             if self.ckpt is None:
                 raise
             save()  # trainable parameters and optimizer as of the last completed step
-            raise TrainingInterrupted(f"{self.stage} interrupted at step {run['step']}/{total}; checkpoint saved "
+            raise TrainingInterrupted(f"{self.stage} interrupted at step {steps()}/{total}; checkpoint saved "
                                       f"in {Path(self.ckpt).parent}; run the same command with --resume to "
                                       f"continue") from None
         except Exception as e:  # noqa: BLE001 - only out of memory is turned into a message
             if not is_oom(e):
                 raise
-            raise self.out_of_memory(e, step=run["step"], total=total, save=save, optimizer=optimizer) from None
+            raise self.out_of_memory(e, step=steps(), total=total, save=save, optimizer=optimizer) from None
 
     def out_of_memory(self, exc: BaseException, *, step: int, total: int, save: Callable[[], None] | None = None,
                       optimizer: torch.optim.Optimizer | None = None) -> ResourceError:

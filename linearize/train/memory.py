@@ -23,8 +23,8 @@ from typing import Callable
 
 import torch
 
-from . import distributed as dist
-from .errors import ResourceError
+from .. import distributed as dist
+from ..errors import ResourceError
 
 #: the share of the free memory a planned step may use (the rest absorbs fragmentation and measurement noise)
 HEADROOM = 0.8
