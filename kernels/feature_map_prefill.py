@@ -1,8 +1,8 @@
 """Hedgehog features for prefill: the PyTorch map (``HedgehogFeatureMap``) vs the standalone Triton kernel
 (``linearize.kernels.hedgehog_feature_map``), on the Llama-3-8B shape's queries [B, T, 32, 128] and keys
 [B, T, 8, 128] (f = 64, bf16), then a whole hybrid prefill (3:1 lolcats, random weights, ``bench model``'s own
-prefill) with ``FUSED_FEATURE_MAPS = "decode"`` (PyTorch maps for prefill) vs ``"maps"`` (the kernel), both in
-one process. Needs a GPU:
+prefill) with the kernel option ``fused_feature_maps="decode"`` (PyTorch maps for prefill) vs ``"maps"`` (the
+kernel), both in one process. Needs a GPU:
 
     T=32768 B=8 python kernels/feature_map_prefill.py
 """
@@ -12,7 +12,6 @@ import time
 import torch
 from triton.testing import do_bench
 
-from linearize import attention
 from linearize import benchmodel as bm
 from linearize import recipe as recipes
 from linearize.feature_maps import HedgehogFeatureMap
@@ -56,7 +55,7 @@ with torch.no_grad():
     ids = torch.randint(0, cfg.vocab_size, (B, T), device=dev)
     for rep in range(2):
         for mode in ("decode", "maps"):
-            attention.FUSED_FEATURE_MAPS = mode
+            model.set_kernel_options(fused_feature_maps=mode)
             sync()
             t0 = time.perf_counter()
             cache = bm.prefill(model, ids)

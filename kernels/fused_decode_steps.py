@@ -1,7 +1,7 @@
 """A hybrid decode step under settings of the layers that change no result beyond rounding, alternated twice over
 the same cache: ``VARIANT=features`` (the default) the Hedgehog features computed in the step kernels
-(``FUSED_FEATURE_MAPS = "decode"``) vs computed first (``"none"``); ``VARIANT=rotary`` the one-kernel Triton
-rotary embedding (``ROTARY_BACKEND = None``) vs PyTorch's (``"torch"``). Llama-3-8B shape (``CFG``), 3:1
+(kernel option ``fused_feature_maps="decode"``) vs computed first (``"none"``); ``VARIANT=rotary`` the one-kernel
+Triton rotary embedding (``rotary_backend=None``) vs PyTorch's (``"torch"``). Llama-3-8B shape (``CFG``), 3:1
 lolcats layers, random weights, bf16, one prefill of ``B`` x ``T`` tokens, then CUDA-graph decode steps timed by
 ``bench model``'s own ``_time_steps``. Needs a GPU (~60 GB at 32K x 8):
 
@@ -11,16 +11,15 @@ import os
 
 import torch
 
-from linearize import attention
 from linearize import benchmodel as bm
 from linearize import recipe as recipes
 from linearize.select import select_layout
 
-VARIANTS = {  # name -> (attribute of linearize.attention, [(label, value), ...]); the last value is the default
-    "features": ("FUSED_FEATURE_MAPS", [("features first", "none"), ("features in the step", "decode")]),
-    "rotary": ("ROTARY_BACKEND", [("PyTorch rotary", "torch"), ("Triton rotary", None)]),
+VARIANTS = {  # name -> (kernel option of the hybrid, [(label, value), ...]); the last value is the default
+    "features": ("fused_feature_maps", [("features first", "none"), ("features in the step", "decode")]),
+    "rotary": ("rotary_backend", [("PyTorch rotary", "torch"), ("Triton rotary", None)]),
 }
-attr, settings = VARIANTS[os.environ.get("VARIANT", "features")]
+option, settings = VARIANTS[os.environ.get("VARIANT", "features")]
 dev = torch.device(os.environ.get("DEV", "cuda"))
 cfg, _ = bm.load_config(os.environ.get("CFG", "llama-3-8b"))
 model = bm.random_model(cfg, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32, device=dev)
@@ -37,7 +36,7 @@ with torch.no_grad():
 
     for rep in range(2):
         for label, value in settings:
-            setattr(attention, attr, value)
+            model.set_kernel_options(**{option: value})
             with bm._maskless_sdpa(model):
                 s, how, note, _ = bm._time_steps(step, 32, dev, bm.Timing())
             print(f"rep {rep} {label}: {1e3 * s:.3f} ms/step = {B / s:.0f} tokens/s ({how}; {note})", flush=True)

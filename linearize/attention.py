@@ -15,20 +15,17 @@ Modes (``layer.mode``):
 from __future__ import annotations
 
 import math
-import os
-import warnings
 import weakref
-from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .architectures import ArchSpec, attention_shape
 from .cache import HybridCache, softmax_windows
-from .errors import UnsupportedModelError
 from .feature_maps import HedgehogFeatureMap, build_feature_map
 from .kernels import (
+    BACKENDS,
     hedgehog_feature_map,
     linear_attention,
     linear_attention_hedgehog,
@@ -42,145 +39,45 @@ from .kernels import (
     window_state_from_prefill,
 )
 
-#: Where GPU inference of Hedgehog layers computes the features in Triton kernels instead of the PyTorch map
-#: (``LINEARIZE_FUSED_FEATURE_MAPS``), in increasing order: ``none``; ``decode`` inside the decode-step kernels
+#: Where GPU inference of Hedgehog layers computes the features in Triton kernels instead of the PyTorch map (the
+#: ``fused_feature_maps`` kernel option), in increasing order: ``none``; ``decode`` inside the decode-step kernels
 #: (the hybrid Llama-3-8B-shaped step at 32K x 8 took 10.27 ms against 11.05 unfused, CUDA graphs, H200,
 #: 2026-12-01); ``maps`` (the default) also for prefill, by a standalone feature-map kernel whose output the
-#: attention kernels read (13x faster than the PyTorch map on [8, 32K, 32, 128]; the hybrid's 32K x 8 prefill
-#: 1.06x faster than with ``decode``, H200, 2026-12-01); ``all`` inside the prefill forwards instead (slower on
-#: the H200: kernels/README.md). ``1`` / ``0`` mean ``all`` / ``none``. Training always uses the PyTorch map.
-_FUSED_DEFAULT = "maps"
-_fused_env = os.environ.get("LINEARIZE_FUSED_FEATURE_MAPS", _FUSED_DEFAULT)
-FUSED_FEATURE_MAPS = {"1": "all", "0": "none"}.get(_fused_env, _fused_env)
-if FUSED_FEATURE_MAPS not in ("none", "decode", "maps", "all"):
-    warnings.warn(f"LINEARIZE_FUSED_FEATURE_MAPS={FUSED_FEATURE_MAPS!r} is not one of none, decode, maps, all (or 0, 1): "
-                  f"using {_FUSED_DEFAULT}", stacklevel=1)
-    FUSED_FEATURE_MAPS = _FUSED_DEFAULT
+#: attention kernels read (13x faster than the PyTorch map on [8, 32K, 32, 128]; the hybrid's 32K x 8 prefill 1.06x
+#: faster than with ``decode``, H200, 2026-12-01); ``all`` inside the prefill forwards instead (slower on the H200:
+#: kernels/README.md). Training always uses the PyTorch map.
+FUSED_FEATURE_MAP_MODES = ("none", "decode", "maps", "all")
+#: The kernel options of the converted layers and their defaults (fields of the hybrid's config, which passes them
+#: to its layers): ``fused_feature_maps``, one of :data:`FUSED_FEATURE_MAP_MODES`; ``rotary_backend``, the backend
+#: of the layers' rotary embedding (:func:`linearize.kernels.rotary_embedding`): None = one Triton kernel for
+#: queries and keys on a GPU (ten PyTorch kernels otherwise), ``"torch"`` for comparisons
+KERNEL_OPTIONS = {"fused_feature_maps": "maps", "rotary_backend": None}
+
+
+def merge_kernel_options(current: dict, options: dict) -> dict:
+    """``current`` kernel options with ``options`` applied: a ``TypeError`` for an unknown option, a ``ValueError``
+    naming the accepted values for a value of another kind."""
+    unknown = sorted(set(options) - set(KERNEL_OPTIONS))
+    if unknown:
+        raise TypeError(f"unknown kernel option {unknown[0]!r} (known: {', '.join(KERNEL_OPTIONS)})")
+    merged = {**current, **options}
+    if merged["fused_feature_maps"] not in FUSED_FEATURE_MAP_MODES:
+        raise ValueError(f"fused_feature_maps={merged['fused_feature_maps']!r}: expected one of "
+                         f"{', '.join(FUSED_FEATURE_MAP_MODES)}")
+    if merged["rotary_backend"] not in BACKENDS:
+        raise ValueError(f"rotary_backend={merged['rotary_backend']!r}: expected one of "
+                         f"{', '.join(map(repr, BACKENDS))}")
+    return merged
 
 
 #: fp32 scores per block of query rows in the soft-capped teacher (Gemma 2), which SDPA cannot compute
 TEACHER_BLOCK_SCORES = 1 << 26
-
-#: Backend of the layers' rotary embedding (:func:`linearize.kernels.rotary_embedding`): None = one Triton kernel
-#: for queries and keys on a GPU (ten PyTorch kernels otherwise); ``"torch"`` for comparisons
-ROTARY_BACKEND: str | None = None
-
-
-@dataclass(frozen=True)
-class ArchSpec:
-    """Where a family keeps its attention pieces. Architecture support is data, not branches."""
-
-    attention: str = "self_attn"  # attribute of a decoder layer
-    projections: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
-    q_norm: str | None = None  # norm applied before rotary (Qwen3, OLMo 2); absent on the module: not applied
-    k_norm: str | None = None
-    # what q_norm / k_norm normalise: "head", each head's vector (Qwen3), laid out [B, T, H, D]; "heads_first", the
-    # same laid out [B, H, T, D] (StableLM's one LayerNorm per head); "projection", the whole projection before it
-    # is split into heads (OLMo 2)
-    qk_norm_over: str = "head"
-    # config field bounding q, k and v after projection, |x| <= bound (OLMo's clip_qkv); None in the config: no bound
-    clip_qkv: str | None = None
-    # whether the original module rotates q and k (None: always); False for the layers without positions of
-    # SmolLM3 and EXAONE 4
-    uses_rope: Optional[Callable[[nn.Module], bool]] = None
-    # the q/k norms come after rotary instead of before it (Hunyuan)
-    qk_norm_after_rope: bool = False
-    # rotary turns interleaved pairs (x[2i], x[2i+1]) by frequency i: "pairs" with the usual half-split tables
-    # (GLM, Helium, ERNIE 4.5), "tables" with interleaved tables too (Cohere). The converted layers gather each
-    # head's rotated channels as [evens, odds] first (tables: their even entries, twice), which makes it the usual
-    # half-split rotary and leaves every q.k (and so the teacher) unchanged
-    rope_interleaved: str | None = None
-    # one projection computing queries, keys and values, in that order (Phi-3: qkv_proj); None: q_proj, k_proj, v_proj
-    qkv: str | None = None
-
-    def lora_targets(self, targets: list[str]) -> list[str]:
-        """A recipe's LoRA targets (named as in Llama: q_proj, k_proj, v_proj, o_proj) as this family's modules:
-        q/k/v become the fused projection where there is one (in order, once)."""
-        out = [self.qkv if self.qkv and t in ("q_proj", "k_proj", "v_proj") else t for t in targets]
-        return list(dict.fromkeys(out))
-
-
-#: model_type -> how its attention is laid out
-ARCHITECTURES: dict[str, ArchSpec] = {
-    "llama": ArchSpec(),
-    "mistral": ArchSpec(),
-    "qwen2": ArchSpec(),  # q/k/v biases live inside the adopted nn.Linear modules
-    "qwen3": ArchSpec(q_norm="q_norm", k_norm="k_norm"),
-    "granite": ArchSpec(),  # softmax scale = attention_multiplier (read from the module); other multipliers in the base
-    "gemma": ArchSpec(),
-    # Gemma 2 / 3 (text): sliding-window softmax layers and Gemma 2's logit soft-cap are read from the base config
-    # and the original module (the teacher keeps both; the converted layers' window uses plain softmax scores)
-    "gemma2": ArchSpec(),
-    "gemma3_text": ArchSpec(q_norm="q_norm", k_norm="k_norm"),
-    "olmo2": ArchSpec(q_norm="q_norm", k_norm="k_norm", qk_norm_over="projection"),
-    # Phi-3 / Phi-3.5 / Phi-4: fused qkv_proj; Phi-4-mini rotates only part of each head (the rotary tables say how
-    # much)
-    "phi3": ArchSpec(projections=("qkv_proj", "o_proj"), qkv="qkv_proj"),
-    # Llama-shaped attention under other names; sliding windows (Starcoder2, Ministral, OLMo 3) are read from the
-    # config, partial rotary (StableLM, Nemotron) from the rotary tables
-    "arcee": ArchSpec(),
-    "seed_oss": ArchSpec(),
-    "starcoder2": ArchSpec(),
-    "ministral": ArchSpec(),
-    "nemotron": ArchSpec(),
-    "olmo": ArchSpec(clip_qkv="clip_qkv"),
-    "olmo3": ArchSpec(q_norm="q_norm", k_norm="k_norm", qk_norm_over="projection"),
-    "apertus": ArchSpec(q_norm="q_norm", k_norm="k_norm"),
-    "stablelm": ArchSpec(q_norm="q_layernorm", k_norm="k_layernorm", qk_norm_over="heads_first"),  # qk_layernorm
-    "smollm3": ArchSpec(uses_rope=lambda m: bool(m.use_rope)),  # every fourth layer without rotary
-    # global layers without rotary when the model has sliding ones
-    "exaone4": ArchSpec(q_norm="q_norm", k_norm="k_norm",
-                        uses_rope=lambda m: m.sliding_window is None or bool(m.is_sliding)),
-    "hunyuan_v1_dense": ArchSpec(q_norm="query_layernorm", k_norm="key_layernorm", qk_norm_after_rope=True),
-    "glm": ArchSpec(rope_interleaved="pairs"),  # GLM 4 (glm) and GLM-4 0414 (glm4): partial, interleaved rotary
-    "glm4": ArchSpec(rope_interleaved="pairs"),
-    "helium": ArchSpec(rope_interleaved="pairs"),
-    "ernie4_5": ArchSpec(rope_interleaved="pairs"),
-    # Command R: interleaved rotary, optional q/k LayerNorms ([heads, head_dim] weights); Command R7B: rotary in
-    # the sliding layers only
-    "cohere": ArchSpec(q_norm="q_norm", k_norm="k_norm", rope_interleaved="tables"),
-    "cohere2": ArchSpec(rope_interleaved="tables", uses_rope=lambda m: m.sliding_window is not None),
-    # mixture-of-experts variants: attention laid out as their dense family; the expert MLPs are left as they are
-    "mixtral": ArchSpec(),
-    "qwen2_moe": ArchSpec(),
-    "qwen3_moe": ArchSpec(q_norm="q_norm", k_norm="k_norm"),
-    "granitemoe": ArchSpec(),
-    "phimoe": ArchSpec(),
-    "glm4_moe": ArchSpec(q_norm="q_norm", k_norm="k_norm"),  # GLM-4.5: q/k norms when use_qk_norm, partial rotary
-    "hunyuan_v1_moe": ArchSpec(q_norm="query_layernorm", k_norm="key_layernorm", qk_norm_after_rope=True),
-    "ernie4_5_moe": ArchSpec(rope_interleaved="pairs"),
-}
 
 
 def _evens_first(x: torch.Tensor, rotary: int) -> torch.Tensor:
     """``x [..., D]`` with its first ``rotary`` channels reordered as the even ones, then the odd ones."""
     parts = [x[..., 0:rotary:2], x[..., 1:rotary:2]] + ([x[..., rotary:]] if rotary < x.shape[-1] else [])
     return torch.cat(parts, dim=-1)
-
-
-#: model types checked and not supported: why their attention is not what the converted layers compute
-NOT_SUPPORTED: dict[str, str] = {
-    "gpt_oss": "its attention has learned sinks",
-}
-
-
-def not_supported_reason(model_type: str) -> str:
-    """``": why"`` for a model type checked and not supported (:data:`NOT_SUPPORTED`), else ``""``."""
-    return f": {NOT_SUPPORTED[model_type]}" if model_type in NOT_SUPPORTED else ""
-
-
-def arch_spec(model_type: str) -> ArchSpec:
-    """The :class:`ArchSpec` of a model type, or a one-line error naming why (where known) and the supported ones."""
-    if model_type not in ARCHITECTURES:
-        why = not_supported_reason(model_type)
-        raise UnsupportedModelError(
-            f"model type {model_type!r} is not supported{why} (supported: {', '.join(sorted(ARCHITECTURES))})"
-        )
-    return ARCHITECTURES[model_type]
-
-
-#: the last mask :func:`real_tokens` read and its answer: every decoder layer of a forward passes the same mask
-_LAST_MASK: tuple = (None, None, None)
 
 
 def tensor_version(t: torch.Tensor) -> int:
@@ -193,20 +90,9 @@ def real_tokens(attention_mask, T: int) -> torch.Tensor | None:
     """``[B, T]`` bool: which of a forward's ``T`` (> 1) tokens are not padding, read from the attention mask the
     decoder layer passes on (the 2-D padding mask of flash attention, or the 4-D mask of SDPA / eager attention,
     where a padding query attends to nothing, not even itself); None when every token is real, for a single
-    decode token (generation appends real tokens only) and for masks of another kind. Read once per mask (and
-    in-place version), not once per layer."""
-    global _LAST_MASK
+    decode token (generation appends real tokens only) and for masks of another kind."""
     if T < 2 or not torch.is_tensor(attention_mask):
         return None
-    ref, version, real = _LAST_MASK
-    if ref is not None and ref() is attention_mask and version == (tensor_version(attention_mask), T):
-        return real
-    real = _read_real_tokens(attention_mask, T)
-    _LAST_MASK = (weakref.ref(attention_mask), (tensor_version(attention_mask), T), real)
-    return real
-
-
-def _read_real_tokens(attention_mask: torch.Tensor, T: int) -> torch.Tensor | None:
     if attention_mask.dim() == 2:
         real = attention_mask[:, -T:].bool()
     elif attention_mask.dim() == 4 and attention_mask.shape[-2] == T:
@@ -215,6 +101,26 @@ def _read_real_tokens(attention_mask: torch.Tensor, T: int) -> torch.Tensor | No
     else:
         return None
     return None if bool(real.all()) else real
+
+
+class RealTokens:
+    """:func:`real_tokens`, read once per mask (and in-place version) instead of once per layer: the converted layers
+    of one model share one, and every decoder layer of a forward passes the same mask."""
+
+    def __init__(self):
+        self._last: tuple = (None, None, None)  # (weak reference to the mask, (its version, T), the answer)
+
+    def __getstate__(self) -> dict:  # copies and pickles start empty (a weak reference does not pickle)
+        return {"_last": (None, None, None)}
+
+    def __call__(self, attention_mask, T: int) -> torch.Tensor | None:
+        if T < 2 or not torch.is_tensor(attention_mask):  # no padding to find (decode steps: no memo to touch)
+            return None
+        ref, key, real = self._last
+        if ref is None or ref() is not attention_mask or key != (tensor_version(attention_mask), T):
+            real = real_tokens(attention_mask, T)
+            self._last = (weakref.ref(attention_mask), (tensor_version(attention_mask), T), real)
+        return real
 
 
 class LinearAttention(nn.Module):
@@ -226,14 +132,15 @@ class LinearAttention(nn.Module):
         layer_idx: index of the decoder layer.
         settings: the recipe's ``attention`` section (feature_map, feature_dim, window, window_init, eps).
         arch: where the family keeps its projections and norms.
+        kernel_options: :data:`KERNEL_OPTIONS` that differ from the defaults (the hybrid's config passes its own).
+        masks: the model's :class:`RealTokens`, shared by its converted layers (None: the layer's own).
     """
 
-    def __init__(self, original: nn.Module, config, layer_idx: int, settings: dict, arch: ArchSpec):
+    def __init__(self, original: nn.Module, config, layer_idx: int, settings: dict, arch: ArchSpec, *,
+                 kernel_options: dict | None = None, masks: RealTokens | None = None):
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.num_heads, self.num_kv_heads, self.head_dim = attention_shape(config)
         self.scaling = float(getattr(original, "scaling", None) or self.head_dim**-0.5)  # softmax scale of q.k
         # the original attention's reach and logit cap (the teacher's): a sliding window (Gemma 2 / 3, Mistral) and
         # Gemma 2's soft-cap c, scores -> c tanh(scores / c)
@@ -270,6 +177,8 @@ class LinearAttention(nn.Module):
         self.feature_map_k.to(device=ref.device, dtype=ref.dtype)
         if self.window_logit is not None:
             self.window_logit.data = self.window_logit.data.to(device=ref.device, dtype=torch.float32)
+        self.set_kernel_options(**(kernel_options or {}))
+        self.real_tokens = masks if masks is not None else RealTokens()
         self.mode = "linear"
         self.distill_pair: tuple[torch.Tensor, torch.Tensor] | None = None
         self.xent_rows = 0  # > 0: in distill mode also compute Hedgehog's attention-weight cross-entropy
@@ -301,7 +210,7 @@ class LinearAttention(nn.Module):
                 q, k = _evens_first(q, cos.shape[-1]), _evens_first(k, cos.shape[-1])
             if self.rope_interleaved == "tables":  # [f0, f0, f1, f1, ...] -> [f0, f1, ..., f0, f1, ...]
                 cos, sin = (torch.cat([t[..., 0::2]] * 2, dim=-1) for t in (cos, sin))
-            q, k = rotary_embedding(q, k, cos, sin, backend=ROTARY_BACKEND)
+            q, k = rotary_embedding(q, k, cos, sin, backend=self.rotary_backend)
         if self.qk_norm_after_rope:
             q, k = self._head_norms(q, k)
         return q, k, v
@@ -376,14 +285,21 @@ class LinearAttention(nn.Module):
         a_pred = lin / lin.sum(-1, keepdim=True).clamp_min(1e-12)
         return -(p_true * torch.log(a_pred.clamp_min(1e-12))).sum(-1).mean()
 
+    def set_kernel_options(self, **options) -> None:
+        """Change kernel options (:data:`KERNEL_OPTIONS`); the others stay. Results change by rounding only."""
+        current = {name: getattr(self, name, default) for name, default in KERNEL_OPTIONS.items()}
+        for name, value in merge_kernel_options(current, options).items():
+            setattr(self, name, value)
+
     @property
     def window_factor(self) -> torch.Tensor | None:
         return None if self.window_logit is None else torch.sigmoid(self.window_logit)
 
     def fused_features(self, q, k, decode: bool) -> bool:
         """Whether the kernel computes this layer's Hedgehog features itself: inference on a GPU (no gradient
-        needed), Hedgehog maps on both sides, and ``FUSED_FEATURE_MAPS`` covering this call (decode step or not)."""
-        if not (FUSED_FEATURE_MAPS == "all" or (FUSED_FEATURE_MAPS != "none" and decode)) or not q.is_cuda:
+        needed), Hedgehog maps on both sides, and ``fused_feature_maps`` covering this call (decode step or not)."""
+        mode = self.fused_feature_maps
+        if not (mode == "all" or (mode != "none" and decode)) or not q.is_cuda:
             return False
         if not (isinstance(self.feature_map_q, HedgehogFeatureMap) and isinstance(self.feature_map_k, HedgehogFeatureMap)):
             return False
@@ -398,8 +314,8 @@ class LinearAttention(nn.Module):
         return feature_map(x)
 
     def map_in_kernel(self, feature_map, x: torch.Tensor) -> bool:
-        """Hedgehog maps on a GPU with ``FUSED_FEATURE_MAPS`` ``maps`` or ``all``."""
-        return FUSED_FEATURE_MAPS in ("maps", "all") and x.is_cuda and isinstance(feature_map, HedgehogFeatureMap)
+        """Hedgehog maps on a GPU with ``fused_feature_maps`` ``maps`` or ``all``."""
+        return self.fused_feature_maps in ("maps", "all") and x.is_cuda and isinstance(feature_map, HedgehogFeatureMap)
 
     def signed_feature_weights(self, dtype: torch.dtype):
         """``([Wq, -Wq], [Wk, -Wk])`` of the Hedgehog maps in ``dtype``, kept between decode steps (remade when
@@ -513,7 +429,7 @@ class LinearAttention(nn.Module):
             self.distill_xent = self.attention_xent(q, k, self.xent_rows) if self.xent_rows > 0 else None
             o = teacher
         else:
-            o = self.linear_attention(q, k, v, layer_cache, real=real_tokens(attention_mask, T))
+            o = self.linear_attention(q, k, v, layer_cache, real=self.real_tokens(attention_mask, T))
         o = o.reshape(B, T, self.num_heads * self.head_dim).to(hidden_states.dtype)
         return self.o_proj(o), None
 

@@ -761,7 +761,7 @@ def _raise_positions(config, max_len: int, notes: list[str], name: str) -> None:
 def plan_pair(spec: str, *, against: str | None, random_weights: bool, ratio: str, recipe, dtype, device,
               max_len: int) -> Pair:
     """Resolve what to compare without loading any weights (every user error surfaces here)."""
-    from .attention import arch_spec
+    from .architectures import arch_spec
     from .select import select_layout
 
     if random_weights:

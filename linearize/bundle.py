@@ -4,10 +4,10 @@ A checkpoint's ``auto_map`` points at ``configuration_linearize.py`` and ``model
 directory, so ``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`` loads it on a machine
 without this package. transformers copies those files, and the files they import relatively, into its module
 cache; it follows only flat ``from .name import`` imports. :func:`remote_code_files` therefore writes the
-modules a hybrid needs to load and run (model, layers, cache, feature maps, kernels) as flat files with their
-package-relative imports rewritten to the flat names (``BUNDLE``), and replaces imports of a few constants from
-modules that are not bundled by their values (``CONSTANTS``). Anything else is refused, so a new import in a
-bundled module fails loudly in the tests instead of in a user's ``from_pretrained``.
+modules a hybrid needs to load and run (model, layers, family table, cache, feature maps, kernels) as flat files
+with their package-relative imports rewritten to the flat names (``BUNDLE``), and replaces imports of a few
+constants from modules that are not bundled by their values (``CONSTANTS``). Anything else is refused, so a new
+import in a bundled module fails loudly in the tests instead of in a user's ``from_pretrained``.
 
 The bundled model does not register itself with the Auto classes (``import linearize`` does that for the
 package's own classes).
@@ -23,6 +23,7 @@ from pathlib import Path
 BUNDLE = {
     "linearize.modeling": "modeling_linearize",
     "linearize.attention": "linearize_attention",
+    "linearize.architectures": "linearize_architectures",
     "linearize.cache": "linearize_cache",
     "linearize.feature_maps": "linearize_feature_maps",
     "linearize.errors": "linearize_errors",

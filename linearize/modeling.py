@@ -2,7 +2,8 @@
 
 ``LinearizeConfig`` carries every field of the base model's config (so generic code reads
 ``hidden_size``, ``vocab_size``, ... as usual), plus ``base_model_type``, the hybrid
-``layer_types`` and the ``linear_attention`` settings. ``LinearizeForCausalLM`` builds the base
+``layer_types``, the ``linear_attention`` settings and the kernel options (``fused_feature_maps``,
+``rotary_backend``: :data:`~linearize.attention.KERNEL_OPTIONS`). ``LinearizeForCausalLM`` builds the base
 family's causal LM from that config, replaces the attention of every ``linear_attention`` layer
 with :class:`~linearize.attention.LinearAttention`, and runs the base family's own forward.
 Parameter names are the base model's plus the feature-map and window parameters.
@@ -24,29 +25,36 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import Cache
 
-from .attention import LinearAttention, arch_spec
+from .architectures import arch_spec
+from .attention import KERNEL_OPTIONS, LinearAttention, RealTokens, merge_kernel_options
 from .cache import HybridCache, softmax_windows
 from .select import LINEAR
 
 #: base-config fields that belong to the hybrid and must not be passed to the base config class
 _OWN_FIELDS = ("base_model_type", "layer_types", "linear_attention", "base_layer_types", "base_rope_parameters",
-               "linearize_version")
+               "linearize_version", *KERNEL_OPTIONS)
 
 
 class LinearizeConfig(PretrainedConfig):
-    """Config of a linearize hybrid: the base config's fields + the layer layout + layer settings."""
+    """Config of a linearize hybrid: the base config's fields + the layer layout + layer settings + the kernel
+    options (a config without them, as written before they existed, takes the defaults)."""
 
     model_type = "linearize"
 
     def __init__(self, base_model_type: str = "llama", layer_types: list[str] | None = None,
                  linear_attention: dict | None = None, base_layer_types: list[str] | None = None,
-                 base_rope_parameters: dict | None = None, linearize_version: str | None = None, **kwargs):
+                 base_rope_parameters: dict | None = None, linearize_version: str | None = None,
+                 fused_feature_maps: str = KERNEL_OPTIONS["fused_feature_maps"],
+                 rotary_backend: str | None = KERNEL_OPTIONS["rotary_backend"], **kwargs):
+        merge_kernel_options(KERNEL_OPTIONS, dict(fused_feature_maps=fused_feature_maps, rotary_backend=rotary_backend))
         self.base_model_type = base_model_type
         self.layer_types = list(layer_types) if layer_types is not None else None
         self.linear_attention = dict(linear_attention or {})
         self.base_layer_types = base_layer_types
         self.base_rope_parameters = base_rope_parameters
         self.linearize_version = linearize_version
+        self.fused_feature_maps = fused_feature_maps
+        self.rotary_backend = rotary_backend
         self.use_cache = kwargs.pop("use_cache", True)
         super().__init__(**kwargs)
 
@@ -151,10 +159,13 @@ class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
                 setattr(self, name, value)
         self.vocab_size = config.vocab_size
         spec = arch_spec(config.base_model_type)
+        options = self.kernel_options()
+        masks = RealTokens()  # one padding read per forward, shared by the converted layers
         for i in config.linear_layers:
             layer = self.model.layers[i]
             original = getattr(layer, spec.attention)
-            setattr(layer, spec.attention, LinearAttention(original, base_cfg, i, config.linear_attention, spec))
+            setattr(layer, spec.attention, LinearAttention(original, base_cfg, i, config.linear_attention, spec,
+                                                           kernel_options=options, masks=masks))
         self.post_init()
 
     def _init_weights(self, module):
@@ -184,6 +195,18 @@ class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
         linear attention (layer ablations: the probe, its swap check, ``eval --task swapback``)."""
         for m in self.linear_modules():
             m.mode = "softmax" if m.layer_idx in layers else "linear"
+
+    def kernel_options(self) -> dict:
+        """The config's kernel options (:data:`~linearize.attention.KERNEL_OPTIONS`)."""
+        return {name: getattr(self.config, name) for name in KERNEL_OPTIONS}
+
+    def set_kernel_options(self, **options) -> None:
+        """Change kernel options (``fused_feature_maps="none"``, ``rotary_backend="torch"``) in the config and every
+        converted layer; the others stay. Results change by rounding only."""
+        for name, value in merge_kernel_options(self.kernel_options(), options).items():
+            setattr(self.config, name, value)
+        for m in self.linear_modules():
+            m.set_kernel_options(**options)
 
     def new_cache(self) -> HybridCache:
         return HybridCache(self.config.layer_types, softmax_windows(self.config))

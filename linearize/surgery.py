@@ -7,43 +7,32 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from .attention import ARCHITECTURES, arch_spec, not_supported_reason
+from .architectures import (arch_spec, attention_shape, not_causal_reason, not_supported_reason, supported_types,
+                            text_part)
 from .errors import UnsupportedModelError
+from .feature_maps import build_feature_map
 from .modeling import LinearizeConfig, LinearizeForCausalLM
 from .recipe import Recipe
 from .cache import softmax_windows
 from .select import LINEAR
 
 
-#: model types that are not causal decoder LMs, by family (data, not branches): the reason in the message
-NOT_CAUSAL_DECODERS: dict[str, str] = {
-    **dict.fromkeys(["bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "deberta", "deberta-v2",
-                     "camembert", "modernbert", "mpnet", "ernie", "nomic_bert", "longformer", "big_bird",
-                     "xlm-roberta-xl", "data2vec-text", "esm"],
-                    "an encoder-only model (bidirectional attention, no causal LM to linearize)"),
-    **dict.fromkeys(["mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm"],
-                    "a model without softmax attention (state-space / recurrent layers)"),
-}
-
-
 def check_config_supported(config, spec: str | None = None) -> str:
     """The base ``model_type`` of a config (a vision-language model's: its text decoder's, see
-    :data:`~linearize.sources.TEXT_DECODERS`), or a one-line :class:`UnsupportedModelError` (no weights needed)."""
-    from .sources import text_part
-
+    :data:`~linearize.architectures.FAMILIES`), or a one-line :class:`UnsupportedModelError` (no weights needed)."""
     name = f"{spec}: " if spec else ""
     config = text_part(config)  # a vision-language model: its text decoder
     mt = getattr(config, "model_type", None) or "unknown"
-    supported = ", ".join(sorted(ARCHITECTURES))
+    supported = ", ".join(supported_types())
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError(f"{name}{mt} is an encoder-decoder model; linearize converts causal decoder LMs "
                                     f"({supported})")
     if mt == "linearize":
         raise UnsupportedModelError(f"{name}this model is already a linearize hybrid; convert its base model instead")
-    if mt in NOT_CAUSAL_DECODERS:
-        raise UnsupportedModelError(f"{name}{mt} is {NOT_CAUSAL_DECODERS[mt]}; linearize converts causal decoder LMs "
+    if not_causal_reason(mt):
+        raise UnsupportedModelError(f"{name}{mt} is {not_causal_reason(mt)}; linearize converts causal decoder LMs "
                                     f"({supported})")
-    if mt not in ARCHITECTURES:
+    if mt not in supported_types():
         archs = ", ".join(getattr(config, "architectures", None) or []) or "no architectures listed"
         raise UnsupportedModelError(f"{name}model type {mt!r} ({archs}) is not supported{not_supported_reason(mt)} "
                                     f"(supported: {supported})")
@@ -98,24 +87,35 @@ def linearize_model(model: PreTrainedModel, layer_types: list[str], recipe: Reci
     return hybrid
 
 
-@torch.no_grad()
-def cache_bytes(config, seq_len: int, batch: int = 1, dtype_bytes: int = 2) -> dict[str, int]:
-    """Cache + state bytes at ``seq_len`` for the original (all KV; the last ``sliding_window`` tokens in the base
-    model's sliding layers) and the hybrid layout."""
-    heads = config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    d = getattr(config, "head_dim", None) or config.hidden_size // heads
-    kv_layers = [2 * batch * kv * min(seq_len, w or seq_len) * d * dtype_bytes for w in softmax_windows(config)]
-    layer_types = getattr(config, "layer_types", None) if config.model_type == "linearize" else None
-    if layer_types is None:
-        return {"original": sum(kv_layers), "hybrid": sum(kv_layers)}
-    la = config.linear_attention
-    from .feature_maps import build_feature_map
+def kv_layer_bytes(config, tokens: int, batch: int = 1, dtype_bytes: int = 2) -> int:
+    """Bytes of one softmax layer's cached keys and values for ``tokens`` tokens."""
+    _, kv_heads, head_dim = attention_shape(config)
+    return 2 * batch * kv_heads * tokens * head_dim * dtype_bytes
 
+
+@torch.no_grad()
+def linear_state_bytes(config, linear_attention: dict, batch: int = 1, dtype_bytes: int = 2) -> int:
+    """Bytes of one linear layer's state under the ``linear_attention`` settings (a recipe's ``attention``
+    section): fp32 ``S`` and ``z``, and for a window layer the ring of the last W tokens' keys, key features and
+    values (and which of them are padding). It does not grow with the context."""
+    _, kv, d = attention_shape(config)
+    la = linear_attention
     fm_params = {"feature_dim": la["feature_dim"]} if la.get("feature_dim") is not None else {}
     f = build_feature_map(la.get("feature_map", "hedgehog"), 1, d, **fm_params).feature_dim
     window = int(la.get("window") or 0)
     state = batch * kv * (f * d + f) * 4  # fp32 S and z
     ring = batch * kv * window * (d + f + d) * dtype_bytes + batch * window  # + which slots hold padding (bool)
-    hybrid = sum(state + ring if t == LINEAR else kv_layer for t, kv_layer in zip(layer_types, kv_layers))
+    return state + ring
+
+
+def cache_bytes(config, seq_len: int, batch: int = 1, dtype_bytes: int = 2) -> dict[str, int]:
+    """Cache + state bytes at ``seq_len`` for the original (all KV; the last ``sliding_window`` tokens in the base
+    model's sliding layers) and the hybrid layout."""
+    kv_layers = [kv_layer_bytes(config, min(seq_len, w or seq_len), batch, dtype_bytes)
+                 for w in softmax_windows(config)]
+    layer_types = getattr(config, "layer_types", None) if config.model_type == "linearize" else None
+    if layer_types is None:
+        return {"original": sum(kv_layers), "hybrid": sum(kv_layers)}
+    state = linear_state_bytes(config, config.linear_attention, batch, dtype_bytes)
+    hybrid = sum(state if t == LINEAR else kv_layer for t, kv_layer in zip(layer_types, kv_layers))
     return {"original": sum(kv_layers), "hybrid": hybrid}

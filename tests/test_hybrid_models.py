@@ -1,5 +1,6 @@
 """Surgery, hybrid forward, generation cache and checkpoints on tiny models of every family."""
 
+import copy
 import json
 import subprocess
 import sys
@@ -256,6 +257,38 @@ def test_real_tokens_from_attention_masks():
     assert real_tokens(causal.expand(2, 1, 4, 6), 4) is None
 
 
+def test_padding_is_read_once_per_mask_and_model(monkeypatch):
+    """The converted layers of one model share one reader of the padding mask: the first layer of a forward reads
+    it, the others reuse the answer until the mask (or its in-place version) changes; two models share nothing."""
+    from linearize import attention
+
+    reads = []
+    real = attention.real_tokens
+    monkeypatch.setattr(attention, "real_tokens", lambda mask, T: reads.append(T) or real(mask, T))
+    a, b = (linearize_model(tiny_model("llama"), select_layout(4, ratio="1:0"), R.load("elu")) for _ in range(2))
+    readers = {id(m.real_tokens) for m in a.linear_modules()}
+    assert len(readers) == 1 and not readers & {id(m.real_tokens) for m in b.linear_modules()}
+    ids = torch.randint(1, 128, (2, 6))
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1] * 6])
+    with torch.no_grad():
+        want = a(ids, attention_mask=mask).logits
+        assert len(reads) == 1  # four linear layers, one read
+        b(ids, attention_mask=mask)
+        assert len(reads) == 2
+    padded = a.model.layers[0].self_attn.real_tokens
+    m4 = torch.ones(2, 1, 6, 6, dtype=torch.bool).tril()
+    first = padded(m4, 6)
+    m4[0, 0, 1] = False  # in place: the answer is read again
+    assert first is None and torch.equal(padded(m4, 6)[0], torch.tensor([True, False, True, True, True, True]))
+    assert len(reads) == 4
+    twin = copy.deepcopy(a)  # its layers share one reader of their own, which starts with no answer
+    assert len({id(m.real_tokens) for m in twin.linear_modules()}) == 1 and padded._last[0] is not None
+    assert twin.model.layers[0].self_attn.real_tokens._last == (None, None, None)
+    with torch.no_grad():
+        assert torch.equal(twin(ids, attention_mask=mask).logits, want)
+    assert len(reads) == 5
+
+
 def _tiny_tokenizer(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -354,16 +387,15 @@ def test_trust_remote_code_without_the_package(tmp_path, family, recipe):
 
 @pytest.mark.parametrize("mode,expect", [("decode", (False, True)), ("maps", (False, True)), ("all", (True, True)),
                                          ("none", (False, False))])
-def test_fused_feature_maps_setting(monkeypatch, mode, expect):
-    """LINEARIZE_FUSED_FEATURE_MAPS: which calls of a Hedgehog layer (prefill, decode step) compute the features
-    in the kernel on a GPU; never with gradients, on CPU tensors, or for elu layers."""
+def test_fused_feature_maps_setting(mode, expect):
+    """The kernel option fused_feature_maps: which calls of a Hedgehog layer (prefill, decode step) compute the
+    features in the kernel on a GPU; never with gradients, on CPU tensors, or for elu layers."""
     from types import SimpleNamespace
 
-    from linearize import attention
-
     hybrid = linearize_model(tiny_model("llama"), select_layout(4, ratio="1:1"), R.load("lolcats"))
+    hybrid.set_kernel_options(fused_feature_maps=mode)
+    assert hybrid.config.fused_feature_maps == mode
     layer = next(iter(hybrid.linear_modules()))
-    monkeypatch.setattr(attention, "FUSED_FEATURE_MAPS", mode)
     on_gpu = SimpleNamespace(is_cuda=True, requires_grad=False)
     with torch.no_grad():
         assert (layer.fused_features(on_gpu, on_gpu, False), layer.fused_features(on_gpu, on_gpu, True)) == expect
@@ -378,21 +410,30 @@ def test_fused_feature_maps_setting(monkeypatch, mode, expect):
     assert not elu.map_in_kernel(elu.feature_map_q, on_gpu)
 
 
-@pytest.mark.parametrize("value,mode,warns", [("1", "all", False), ("0", "none", False), ("decode", "decode", False),
-                                              ("bogus", "maps", True)])
-def test_fused_feature_maps_environment(value, mode, warns):
-    """LINEARIZE_FUSED_FEATURE_MAPS is read once at import: 1 / 0 mean all / none; an unknown value warns and
-    keeps the default."""
-    import os
+def test_kernel_options_live_in_the_config(tmp_path, monkeypatch):
+    """fused_feature_maps and rotary_backend are config fields passed to the layers when the model is built (saved
+    with the checkpoint, overridable at load); the environment variable that used to set the first changes
+    nothing; unknown values and names are refused."""
+    from linearize.modeling import LinearizeConfig, LinearizeForCausalLM
 
-    code = ("import warnings; warnings.simplefilter('always')\n"
-            "with warnings.catch_warnings(record=True) as w:\n"
-            "    from linearize import attention\n"
-            "print(attention.FUSED_FEATURE_MAPS, any('LINEARIZE_FUSED_FEATURE_MAPS' in str(x.message) for x in w))")
-    env = dict(os.environ, LINEARIZE_FUSED_FEATURE_MAPS=value)
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    assert res.returncode == 0, res.stderr
-    assert res.stdout.split() == [mode, str(warns)]
+    monkeypatch.setenv("LINEARIZE_FUSED_FEATURE_MAPS", "none")
+    hybrid = linearize_model(tiny_model("llama"), select_layout(4, ratio="1:1"), R.load("lolcats"))
+    assert hybrid.kernel_options() == {"fused_feature_maps": "maps", "rotary_backend": None}
+    assert {(m.fused_feature_maps, m.rotary_backend) for m in hybrid.linear_modules()} == {("maps", None)}
+    hybrid.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert (saved["fused_feature_maps"], saved["rotary_backend"]) == ("maps", None)
+    assert "fused_feature_maps" not in hybrid.config.base_config().to_dict()
+    loaded = LinearizeForCausalLM.from_pretrained(tmp_path, fused_feature_maps="decode", rotary_backend="torch")
+    assert {(m.fused_feature_maps, m.rotary_backend) for m in loaded.linear_modules()} == {("decode", "torch")}
+    with pytest.raises(ValueError, match="fused_feature_maps='1': expected one of none, decode, maps, all"):
+        LinearizeConfig(fused_feature_maps="1")
+    with pytest.raises(ValueError, match="rotary_backend='cuda'"):
+        hybrid.set_kernel_options(rotary_backend="cuda")
+    with pytest.raises(TypeError, match="unknown kernel option 'fused'"):
+        hybrid.set_kernel_options(fused="all")
+    assert hybrid.kernel_options() == {"fused_feature_maps": "maps", "rotary_backend": None}  # nothing half-applied
+    assert {(m.fused_feature_maps, m.rotary_backend) for m in hybrid.linear_modules()} == {("maps", None)}
 
 
 def test_bundled_remote_code_is_complete():

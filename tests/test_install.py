@@ -198,6 +198,8 @@ def test_checkpoint_written_before_the_kernels_moved_still_loads(tmp_path):
     from linearize.sources import load_model
 
     model, _ = load_model(str(ckpt), dtype="float32", device="cpu")
+    assert "fused_feature_maps" not in json.loads((ckpt / "config.json").read_text())  # written before the field
+    assert {(m.fused_feature_maps, m.rotary_backend) for m in model.linear_modules()} == {("maps", None)}
     with torch.no_grad():
         got = model(torch.tensor(expected["ids"])).logits[0, -3:]
     assert (got - torch.tensor(expected["last_logits"])).abs().max().item() <= 1e-5

@@ -632,7 +632,7 @@ def test_hybrid_layers_with_fused_features_match_unfused(monkeypatch, window, mo
         return hedgehog_feature_map(x, weight, **kw)
 
     monkeypatch.setattr(attention, "hedgehog_feature_map", map_kernel)
-    monkeypatch.setattr(attention, "FUSED_FEATURE_MAPS", mode)
+    hybrid.set_kernel_options(fused_feature_maps=mode)
     monkeypatch.setattr(attention.LinearAttention, "fused_features",  # as on a GPU, for any device
                         functools.partialmethod(lambda self, q, k, decode: mode == "all" or decode))
     monkeypatch.setattr(attention.LinearAttention, "map_in_kernel",
@@ -856,7 +856,6 @@ def test_partial_rotary_hybrid_runs_the_rotary_kernel(monkeypatch):
     converted layers rotate with the Triton kernel and give the logits of the PyTorch rotary, prefill and steps."""
     from conftest import tiny_model
 
-    from linearize import attention
     from linearize import recipe as R
     from linearize.kernels import triton_rotary
     from linearize.select import select_layout
@@ -866,7 +865,7 @@ def test_partial_rotary_hybrid_runs_the_rotary_kernel(monkeypatch):
     ids = torch.randint(3, 128, (2, 30), device=DEV)
 
     def run(backend):
-        monkeypatch.setattr(attention, "ROTARY_BACKEND", backend)
+        hybrid.set_kernel_options(rotary_backend=backend)
         with torch.no_grad():
             out = hybrid(ids[:, :20], use_cache=True)
             steps = [out.logits]
@@ -965,7 +964,7 @@ def test_projections_too_large_for_shared_memory_skip_the_compile(monkeypatch):
 
     monkeypatch.setattr(triton_window, "window_linear_attention_hedgehog_triton", never())
     monkeypatch.setattr(triton_linear, "linear_attention_hedgehog_triton", never())
-    with torch.no_grad():  # the forwards that compute the features in the kernel (LINEARIZE_FUSED_FEATURE_MAPS=all)
+    with torch.no_grad():  # the forwards that compute the features in the kernel (fused_feature_maps="all")
         o, _ = window_linear_attention_hedgehog(q, k, v, wf, wq, wk, window=4, backend="triton")
         o_ref, _ = window_linear_attention(q, k, fq, fk, v, wf, window=4, backend="torch")
         assert rel_err(o, o_ref) <= 1e-5
