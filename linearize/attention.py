@@ -103,6 +103,30 @@ def real_tokens(attention_mask, T: int) -> torch.Tensor | None:
     return None if bool(real.all()) else real
 
 
+#: ``attention.decay``: ``none`` (the state sums every token alike) or ``learned`` (:class:`DecayGate`)
+DECAY_KINDS = ("none", "learned")
+
+
+class DecayGate(nn.Module):
+    """How fast a gated linear layer forgets: ``log_decay = -softplus(x W^T + b)`` ``[B, T, Hk]`` fp32, <= 0, per
+    token and key/value head, from the layer's input ``x`` ``[B, T, hidden]``.
+
+    ``W`` starts at zero and ``b`` at ``softplus^-1(ln 2 / half_life)``: the untrained gate forgets every token with
+    a half-life of ``half_life`` tokens (e^-0.087 = 0.92 across 2,048 tokens at the default 16,384), close to the
+    ungated layer; stage 1 trains ``W`` and ``b`` against the original attention. Kept in fp32."""
+
+    def __init__(self, hidden_size: int, kv_heads: int, half_life: float):
+        super().__init__()
+        if not half_life > 0:
+            raise ValueError(f"attention.decay_half_life must be > 0, got {half_life}")
+        rate = math.log(2.0) / half_life
+        self.weight = nn.Parameter(torch.zeros(kv_heads, hidden_size))  # [Hk, hidden]
+        self.bias = nn.Parameter(torch.full((kv_heads,), math.log(math.expm1(rate))))  # [Hk]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return -F.softplus(F.linear(x.float(), self.weight.float(), self.bias.float()))  # [B, T, Hk]
+
+
 class RealTokens:
     """:func:`real_tokens`, read once per mask (and in-place version) instead of once per layer: the converted layers
     of one model share one, and every decoder layer of a forward passes the same mask."""
@@ -177,6 +201,11 @@ class LinearAttention(nn.Module):
         self.feature_map_k.to(device=ref.device, dtype=ref.dtype)
         if self.window_logit is not None:
             self.window_logit.data = self.window_logit.data.to(device=ref.device, dtype=torch.float32)
+        decay = settings.get("decay", "none") or "none"
+        if decay not in DECAY_KINDS:
+            raise ValueError(f"attention.decay must be one of {', '.join(DECAY_KINDS)}, got {decay!r}")
+        self.decay = (DecayGate(config.hidden_size, self.num_kv_heads, float(settings.get("decay_half_life", 16384)))
+                      .to(device=ref.device) if decay == "learned" else None)
         self.set_kernel_options(**(kernel_options or {}))
         self.real_tokens = masks if masks is not None else RealTokens()
         self.mode = "linear"
@@ -291,6 +320,18 @@ class LinearAttention(nn.Module):
         for name, value in merge_kernel_options(current, options).items():
             setattr(self, name, value)
 
+    def learned_parameters(self) -> list[nn.Parameter]:
+        """What stage 1 trains in this layer: the learnable feature maps, the window mix, the decay gate."""
+        params = []
+        for fm in (self.feature_map_q, self.feature_map_k):
+            if fm.learnable:
+                params += list(fm.parameters())
+        if self.window_logit is not None:
+            params.append(self.window_logit)
+        if self.decay is not None:
+            params += list(self.decay.parameters())
+        return params
+
     @property
     def window_factor(self) -> torch.Tensor | None:
         return None if self.window_logit is None else torch.sigmoid(self.window_logit)
@@ -330,10 +371,12 @@ class LinearAttention(nn.Module):
             self._signed_weights = cached
         return cached[1]
 
-    def linear_attention(self, q, k, v, layer_cache=None, real: torch.Tensor | None = None) -> torch.Tensor:
+    def linear_attention(self, q, k, v, layer_cache=None, real: torch.Tensor | None = None,
+                         log_decay: torch.Tensor | None = None) -> torch.Tensor:
         """The converted attention over ``[B, T, *, D]`` inputs, continuing ``layer_cache`` if given. ``real``
         ``[B, T]`` bool marks the tokens that are not padding (None: all are); padding keys are left out of every
-        sum, state and window, so a left-padded row computes what its unpadded sequence computes."""
+        sum, state and window, so a left-padded row computes what its unpadded sequence computes. ``log_decay``
+        ``[B, T, Hk]``: the gate's per-token forgetting (gated layers; None otherwise)."""
         T = q.shape[1]
         state = layer_cache.state if layer_cache is not None else None
         want_state = layer_cache is not None
@@ -341,12 +384,16 @@ class LinearAttention(nn.Module):
         if state is not None and self.window > 0 and not decode and real is None and not bool(state.keep.all()):
             real = q.new_ones(q.shape[:2], dtype=torch.bool)  # the ring holds padding: mask it in the continuation
         recording = layer_cache is not None and layer_cache.record_past  # crop() may take these tokens back
-        fused = real is None and not recording and self.fused_features(q, k, decode)  # features inside the kernels
+        # features inside the kernels (the fused kernels take no decay)
+        fused = real is None and not recording and log_decay is None and self.fused_features(q, k, decode)
         fq = None if fused else self.features(self.feature_map_q, q)
         # key features stay in memory without fusion, and for a window layer's prefill into a cache (its ring)
         fk = (None if (fused and (decode or self.window == 0 or (state is None and not want_state)))
               else self.features(self.feature_map_k, k))
         if recording:
+            if log_decay is not None:
+                raise RuntimeError("taking tokens back (assisted or prompt-lookup decoding) is not supported by gated "
+                                   "linear layers (attention.decay: learned); generate without it")
             layer_cache.record(k, fk, v, real, self.window)
         if self.window == 0:
             if decode:
@@ -355,7 +402,8 @@ class LinearAttention(nn.Module):
                         q[:, 0], k[:, 0], v[:, 0], self.feature_map_q.weight, self.feature_map_k.weight, state,
                         eps=self.eps, feature_eps=self.feature_map_q.eps, signed=self.signed_feature_weights(q.dtype))
                 else:
-                    o = linear_attention_step(fq[:, 0], fk[:, 0], v[:, 0], state, eps=self.eps)
+                    o = linear_attention_step(fq[:, 0], fk[:, 0], v[:, 0], state, eps=self.eps,
+                                              log_decay=None if log_decay is None else log_decay[:, 0])
                 layer_cache.set_state(state, 1)
                 return o.unsqueeze(1)
             if fused:
@@ -364,7 +412,7 @@ class LinearAttention(nn.Module):
                                                          initial_state=state, output_final_state=want_state)
             else:
                 o, new_state = linear_attention(fq, fk, v, eps=self.eps, initial_state=state,
-                                                output_final_state=want_state, key_mask=real)
+                                                output_final_state=want_state, key_mask=real, log_decay=log_decay)
             if want_state:
                 layer_cache.set_state(new_state, T)
             return o
@@ -377,7 +425,8 @@ class LinearAttention(nn.Module):
                     signed=self.signed_feature_weights(q.dtype))
             else:
                 o = window_linear_attention_step(q[:, 0], k[:, 0], fq[:, 0], fk[:, 0], v[:, 0], wf, state,
-                                                 scale=self.scaling, eps=self.eps)
+                                                 scale=self.scaling, eps=self.eps,
+                                                 log_decay=None if log_decay is None else log_decay[:, 0])
             layer_cache.set_state(state, 1)
             return o.unsqueeze(1)
         n_prev = 0
@@ -394,6 +443,8 @@ class LinearAttention(nn.Module):
                 fq = torch.cat([fq.new_zeros(fq.shape[0], n_prev, *fq.shape[2:]), fq], dim=1)
             if real is not None:
                 real = torch.cat([state.keep[:, order], real], dim=1)
+            if log_decay is not None:  # the ring's tokens decay again as they are replayed: [B, n_prev + T, Hk]
+                log_decay = torch.cat([state.ld_ring[:, :, order].transpose(1, 2).to(log_decay.dtype), log_decay], 1)
             init = (state.S, state.z)
         if fused:  # the prepended zero queries get features too; their outputs are dropped below
             o, final = window_linear_attention_hedgehog(
@@ -403,10 +454,11 @@ class LinearAttention(nn.Module):
         else:
             o, final = window_linear_attention(q, k, fq, fk, v, wf, window=self.window, scale=self.scaling,
                                                eps=self.eps, initial_state=init, output_final_state=want_state,
-                                               key_mask=real)
+                                               key_mask=real, log_decay=log_decay)
         if want_state:
             seen_before = int(state.seen.item()) - n_prev if state is not None else 0
-            new_state = window_state_from_prefill(k, fk, v, final, self.window, offset=seen_before, key_mask=real)
+            new_state = window_state_from_prefill(k, fk, v, final, self.window, offset=seen_before, key_mask=real,
+                                                  log_decay=log_decay)
             layer_cache.state = None
             layer_cache.set_state(new_state, T)
         return o[:, n_prev:]
@@ -418,21 +470,22 @@ class LinearAttention(nn.Module):
         B, T, _ = hidden_states.shape
         q, k, v = self.project(hidden_states, position_embeddings)
         layer_cache = cache.linear_layer(self.layer_idx) if isinstance(cache, HybridCache) else None
+        log_decay = self.decay(hidden_states) if self.decay is not None and self.mode != "softmax" else None
         if self.mode == "softmax":
             if layer_cache is not None:
                 raise RuntimeError("softmax (teacher) mode does not support a generation cache")
             o = self.softmax_attention(q, k, v)
         elif self.mode == "distill":
             teacher = self.softmax_attention(q, k, v)
-            student = self.linear_attention(q, k, v)
+            student = self.linear_attention(q, k, v, log_decay=log_decay)
             self.distill_pair = (student, teacher.detach())
             self.distill_xent = self.attention_xent(q, k, self.xent_rows) if self.xent_rows > 0 else None
             o = teacher
         else:
-            o = self.linear_attention(q, k, v, layer_cache, real=self.real_tokens(attention_mask, T))
+            o = self.linear_attention(q, k, v, layer_cache, real=self.real_tokens(attention_mask, T), log_decay=log_decay)
         o = o.reshape(B, T, self.num_heads * self.head_dim).to(hidden_states.dtype)
         return self.o_proj(o), None
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-                f"window={self.window}, mode={self.mode}")
+                f"window={self.window}, decay={'learned' if self.decay is not None else 'none'}, mode={self.mode}")

@@ -97,6 +97,8 @@ def _stage1_params(model) -> list[torch.nn.Parameter]:
         params += list(m.feature_map_q.parameters()) + list(m.feature_map_k.parameters())
         if m.window_logit is not None:
             params.append(m.window_logit)
+        if m.decay is not None:
+            params += list(m.decay.parameters())
     return params
 
 

@@ -67,7 +67,7 @@ def model_info(spec: str, *, ratio: str | None = None, softmax_layers: str | Non
             model = linearize_model(model, layout, rec)
             config = model.config
     total = sum(p.numel() for p in model.parameters())
-    extra = sum(p.numel() for n, p in model.named_parameters() if "feature_map" in n or "window_logit" in n)
+    extra = sum(p.numel() for n, p in model.named_parameters() if "feature_map" in n or "window_logit" in n or ".decay." in n)
     if config.model_type == "linearize":
         layout_line = describe_layout(config.layer_types) + (f" (planned, recipe {rec.name})" if planned else "")
         base_type = config.base_model_type

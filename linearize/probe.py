@@ -364,12 +364,13 @@ def _retrieval_loss(model, samples: list[tuple[list[int], list[int], list[int]]]
 
 
 def _trained_state(hybrid) -> dict[str, torch.Tensor]:
-    """``{"LAYER.param": tensor}`` of what stage 1 trains: learnable feature maps and window logits (fp32, CPU)."""
+    """``{"LAYER.param": tensor}`` of what stage 1 trains (the layers' ``learned_parameters``: learnable feature
+    maps, window logits, decay gates), fp32 on the CPU."""
     out = {}
     for m in hybrid.linear_modules():
+        learned = {id(p) for p in m.learned_parameters()}
         for name, p in m.named_parameters():
-            fm = name.split(".", 1)[0]
-            if (fm in ("feature_map_q", "feature_map_k") and getattr(m, fm).learnable) or name == "window_logit":
+            if id(p) in learned:
                 out[f"{m.layer_idx}.{name}"] = p.detach().float().cpu().contiguous()
     return out
 

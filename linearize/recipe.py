@@ -92,6 +92,8 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "window": Field(int, 64, "an integer in [0, 4096] (0 = no sliding window)", lambda v: 0 <= v <= 4096),
         "window_init": Field(float, 0.1, "a number in (0, 1)", lambda v: 0.0 < v < 1.0),
         "eps": Field(float, 1e-6, "a number in (0, 0.1]", lambda v: 0.0 < v <= 0.1),
+        "decay": Field(str, "none", "none or learned", lambda v: v in ("none", "learned")),
+        "decay_half_life": Field(float, 16384.0, "a number of tokens in [1, 1e9]", lambda v: 1.0 <= v <= 1e9),
     },
     "distill": {
         **_training_fields(lr=1e-2),

@@ -31,13 +31,7 @@ def trainable_parameters(model) -> list[torch.nn.Parameter]:
     """Freeze everything but the learned parts of the linear layers; return those parameters."""
     for p in model.parameters():
         p.requires_grad_(False)
-    params = []
-    for m in model.linear_modules():
-        for fm in (m.feature_map_q, m.feature_map_k):
-            if fm.learnable:
-                params += list(fm.parameters())
-        if m.window_logit is not None:
-            params.append(m.window_logit)
+    params = [p for m in model.linear_modules() for p in m.learned_parameters()]
     for p in params:
         p.requires_grad_(True)
     return params

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .. import distributed as dist
-from ..attention import arch_spec
+from ..architectures import arch_spec
 from ..atomic import atomic_write
 from ..data import heldout_sequences, num_batches, packed_batches
 from ..errors import TrainingError
