@@ -1,7 +1,8 @@
 """Kernel benchmark: ``linearize bench kernels``.
 
 Times our Triton kernels side by side with fla 0.6.0 (``chunk_linear_attn``,
-``fused_recurrent_linear_attn``; optional: rows are skipped when fla is absent) and
+``fused_recurrent_linear_attn``, ``chunk_simple_gla`` for the gated rows; optional: rows are skipped when fla is
+absent) and
 PyTorch SDPA (flash and cuDNN backends), median of ``triton.testing.do_bench``, all
 in one process on one GPU. A correctness check against the float64 reference runs
 first (fresh random inputs per check). See ``kernels/README.md`` for the table.
@@ -36,6 +37,16 @@ def _fla():
         from fla.ops.linear_attn import chunk_linear_attn, fused_recurrent_linear_attn
 
         return chunk_linear_attn, fused_recurrent_linear_attn
+    except Exception:  # pragma: no cover - optional dependency
+        return None
+
+
+def _fla_simple_gla():
+    """fla's ``chunk_simple_gla`` (per-token, per-head log decay, unnormalised), or None without fla."""
+    try:
+        from fla.ops.simple_gla import chunk_simple_gla
+
+        return chunk_simple_gla
     except Exception:  # pragma: no cover - optional dependency
         return None
 
@@ -418,6 +429,7 @@ def bench_kernels(
     dev = torch.device("cuda")
     bf = torch.bfloat16
     fla = _fla()
+    fla_gla = _fla_simple_gla()
     rows: List[dict] = []
     from linearize.kernels import triton_linear, triton_window, tuning
 
@@ -489,6 +501,24 @@ def bench_kernels(
                         _row(rows, bench="linear" + tag, impl=fname, T=T, B=B, passes="fwd", ms=ms)
                         ms = _bench(_grad_fn(g, ins, do), warmup, rep)
                         _row(rows, bench="linear" + tag, impl=fname, T=T, B=B, passes="fwd+bwd", ms=ms)
+                if K == dim:  # gated (log_decay), the same shapes; fla's chunk_simple_gla is unnormalised
+                    ld = (-0.1 * torch.rand(B, T, heads, device=dev)).requires_grad_()
+                    for norm in (True, False):
+                        name = "ours" if norm else "ours-unnorm"
+                        f = lambda: linear_attention(q, k, v, normalize=norm, log_decay=ld)[0]  # noqa: E731
+                        with torch.no_grad():
+                            ms = _bench(f, warmup, rep)
+                        _row(rows, bench="linear gated", impl=name, T=T, B=B, passes="fwd", ms=ms)
+                        ms = _bench(_grad_fn(f, ins + (ld,), do), warmup, rep)
+                        _row(rows, bench="linear gated", impl=name, T=T, B=B, passes="fwd+bwd", ms=ms)
+                    if fla_gla is not None:
+                        g = lambda: fla_gla(q, k, v, g=ld, scale=1.0)[0]  # noqa: E731
+                        with torch.no_grad():
+                            ms = _bench(g, warmup, rep)
+                        _row(rows, bench="linear gated", impl="fla simple_gla", T=T, B=B, passes="fwd", ms=ms)
+                        ms = _bench(_grad_fn(g, ins + (ld,), do), warmup, rep)
+                        _row(rows, bench="linear gated", impl="fla simple_gla", T=T, B=B, passes="fwd+bwd", ms=ms)
+                    del ld
                 if K != dim and K % 2 == 0:  # Hedgehog: K = 2f features of raw dim-wide q, k, made in the kernel
                     qr = torch.randn(B, T, heads, dim, device=dev, dtype=bf)
                     kr = torch.randn(B, T, heads, dim, device=dev, dtype=bf)
@@ -612,6 +642,9 @@ def _bench_decode(rows, heads, dim, window, decode_batch, copy_gbs, fla, warmup,
              pct_copy=100 * gbs / copy_gbs, graph=graph)
 
     add_decode("ours linear step", lambda i: linear_attention_step(qd, kd, vd, states[i], out=out), state_bytes)
+    ldd = -0.1 * torch.rand(Bd, heads, device=dev)
+    add_decode("ours gated linear step", lambda i: linear_attention_step(qd, kd, vd, states[i], out=out, log_decay=ldd),
+               state_bytes)
     if fla is not None:
         rec = fla[1]
         q4, k4, v4 = qd.unsqueeze(1), kd.unsqueeze(1), vd.unsqueeze(1)
@@ -654,6 +687,10 @@ def summarize(rows: List[dict]) -> List[dict]:
         ratio("fwd vs fla norm", g("linear", "fla", "fwd"), ours_f)
         ratio("fwd vs fla unnorm", g("linear", "fla-unnorm", "fwd"), ours_f)
         ratio("fwd+bwd vs fla norm", g("linear", "fla", "fwd+bwd"), ours_fb)
+        ratio("gated unnorm fwd vs fla simple_gla", g("linear gated", "fla simple_gla", "fwd"),
+              g("linear gated", "ours-unnorm", "fwd"))
+        ratio("gated unnorm fwd+bwd vs fla simple_gla", g("linear gated", "fla simple_gla", "fwd+bwd"),
+              g("linear gated", "ours-unnorm", "fwd+bwd"))
         sd = [x for x in (g("linear", "sdpa-flash", "fwd"), g("linear", "sdpa-cudnn", "fwd")) if x and x == x]
         if sd:
             ratio("fwd vs best sdpa", min(sd), ours_f)

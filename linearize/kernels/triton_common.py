@@ -12,6 +12,9 @@ time, for one ``[BK, BV]`` block of the state per program. It can
 Several source heads (``G``) may feed one state head: that is how the GQA
 reductions of the backward pass (sum over the query heads of a KV group) happen
 inside the kernel instead of through a materialised repeat.
+
+With ``DECAY`` the scan decays the state at every token (gated linear attention), and
+``_decay_prefix_scan_kernel`` chains its per-segment sums into each segment's starting state.
 """
 
 from __future__ import annotations
@@ -231,8 +234,32 @@ def hedgehog_row(x, W, wrow, od, ok, md, mk, D: tl.constexpr, K: tl.constexpr, F
 
 
 @triton.jit
+def decay_cumsum(lg, BT: tl.constexpr):
+    """Chunk-local inclusive cumulative sums ``c`` of the log decays ``lg [BT]`` (0 past the sequence) as
+    ``hi + lo`` (fp32 pairs), and the chunk's total ``c_last`` as ``last_hi + last_lo``. ``hi`` alone is off by up
+    to an ulp of sums of a few hundred (~3e-5 at log decays of -5), which the differences ``c_i - c_j`` of nearby
+    tokens would keep: ``lo`` accumulates what each step of ``hi`` rounded away. Returns ``(hi, lo, last_hi,
+    last_lo)``; the last token's ``c_last - c`` is exactly 0."""
+    ar = tl.arange(0, BT)
+    hi = tl.cumsum(lg, 0)
+    prev = tl.sum(tl.where(ar[None, :] == ar[:, None] - 1, hi[None, :], 0.0), 1)  # hi one token earlier (0 first)
+    lo = tl.cumsum(lg - (hi - prev), 0)
+    last = ar == BT - 1
+    return hi, lo, tl.sum(tl.where(last, hi, 0.0), 0), tl.sum(tl.where(last, lo, 0.0), 0)
+
+
+@triton.jit
+def decay_pairs(hi, lo, BT: tl.constexpr):
+    """``M [BT, BT]``: ``e^{c_t - c_j}`` for ``j <= t``, 0 above the diagonal (never an ``exp`` of a positive)."""
+    ar = tl.arange(0, BT)
+    d = (hi[:, None] - hi[None, :]) + (lo[:, None] - lo[None, :])
+    return tl.exp(tl.where(ar[:, None] >= ar[None, :], d, float("-inf")))
+
+
+@triton.jit
 def _scan_kernel(
     X, Y, A, U,  # X [B,T,HXY,K], Y [B,T,HXY,V], A/U [B,T,HXY] row scalars
+    LG,  # DECAY: log decays [B,T,HS] fp32
     INIT_S, INIT_Z,  # [B,HS,K,V], [B,HS,K]
     OUT_S, OUT_Z,  # per-chunk exclusive states [B,HS,NSTATE,K,V], [B,HS,NSTATE,K]
     FIN_S, FIN_Z,  # final / per-segment sums [B,HS,NSEG,K,V], [B,HS,NSEG,K]
@@ -241,7 +268,16 @@ def _scan_kernel(
     G: tl.constexpr, STRIDE: tl.constexpr, REVERSE: tl.constexpr,
     HAS_A: tl.constexpr, HAS_U: tl.constexpr, DO_Z: tl.constexpr, HAS_INIT: tl.constexpr,
     STORE_STATES: tl.constexpr, STORE_FINAL: tl.constexpr, INIT_PER_SEG: tl.constexpr, PREC: tl.constexpr,
+    DECAY: tl.constexpr, Z_ROWS: tl.constexpr, Z_OF_R: tl.constexpr, SPLIT_ROWS: tl.constexpr,
 ):
+    """``DECAY`` (gated): the state decays at every token. Chunk ``i`` with chunk-local inclusive cumulative log
+    decays ``c`` and total ``c_last``: forward ``S <- e^{c_last} S + sum_t r_t^T y_t`` with ``r_t = e^{c_last -
+    c_t} a_t x_t`` (the state of the tokens before each chunk at the position just before it); reverse ``r_t =
+    e^{c_t} a_t x_t`` (the state of the tokens after each chunk, decayed to its last position). Every factor is
+    ``<= 1``; ``r_t`` is rounded to the input dtype for the product (``SPLIT_ROWS``: plus a second product with
+    the rounding residual, fp32-exact rows). ``z`` likewise (``Z_ROWS``; without it ``z`` is only the decayed
+    ``init``): ``sum_t u_t e^{..} x_t`` in fp32, or with ``Z_OF_R`` ``sum_t u_t r_t`` of the same rows as ``S``
+    (a backward's ``S dn + dd z`` cancels, so ``S`` and ``z`` must agree)."""
     pk = tl.program_id(0)
     pv = tl.program_id(1)
     pz = tl.program_id(2)
@@ -281,23 +317,56 @@ def _scan_kernel(
                         tl.store(OUT_Z + (bh.to(tl.int64) * NSTATE + i // STRIDE) * K + ok, accz, mask=mk)
         ot = i * BT + tl.arange(0, BT)
         mt = ot < T
+        if DECAY:
+            hi, lo, last_hi, last_lo = decay_cumsum(tl.load(LG + (b.to(tl.int64) * T + ot) * HS + hs, mask=mt,
+                                                            other=0.0), BT)
+            if REVERSE:
+                w = tl.exp(hi + lo)
+            else:
+                w = tl.exp((last_hi - hi) + (last_lo - lo))
+            keep = tl.exp(last_hi + last_lo)
+            acc = acc * keep
+            if DO_Z:
+                accz = accz * keep
         for g in tl.static_range(G):
             hx = hs * G + g
             row = (b.to(tl.int64) * T + ot) * HXY + hx  # [BT]
             x = tl.load(X + row[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
             y = tl.load(Y + row[:, None] * V + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
-            if HAS_A:
-                a = tl.load(A + row, mask=mt, other=0.0)
-                xa = (x.to(tl.float32) * a[:, None]).to(x.dtype)
-            else:
-                xa = x
-            acc += mm(tl.trans(xa), y, PREC)
-            if DO_Z:
-                if HAS_U:
-                    u = tl.load(U + row, mask=mt, other=0.0)
-                    accz += tl.sum(x.to(tl.float32) * u[:, None], 0)
+            if DECAY:
+                if HAS_A:
+                    wa = w * tl.load(A + row, mask=mt, other=0.0)
                 else:
-                    accz += tl.sum(x.to(tl.float32), 0)
+                    wa = w
+                r32 = x.to(tl.float32) * wa[:, None]
+                r = r32.to(x.dtype)
+                acc += mm(tl.trans(r), y, PREC)
+                if SPLIT_ROWS:
+                    acc += mm(tl.trans((r32 - r.to(tl.float32)).to(x.dtype)), y, PREC)
+                if DO_Z:
+                    if Z_ROWS:
+                        if SPLIT_ROWS:
+                            zr = r32
+                        elif Z_OF_R:
+                            zr = r.to(tl.float32)
+                        else:
+                            zr = x.to(tl.float32) * w[:, None]
+                        if HAS_U:
+                            zr = zr * tl.load(U + row, mask=mt, other=0.0)[:, None]
+                        accz += tl.sum(zr, 0)
+            else:
+                if HAS_A:
+                    a = tl.load(A + row, mask=mt, other=0.0)
+                    xa = (x.to(tl.float32) * a[:, None]).to(x.dtype)
+                else:
+                    xa = x
+                acc += mm(tl.trans(xa), y, PREC)
+                if DO_Z:
+                    if HAS_U:
+                        u = tl.load(U + row, mask=mt, other=0.0)
+                        accz += tl.sum(x.to(tl.float32) * u[:, None], 0)
+                    else:
+                        accz += tl.sum(x.to(tl.float32), 0)
     if STORE_FINAL:
         fp = FIN_S + (bh.to(tl.int64) * NSEG + seg) * K * V
         tl.store(fp + ok[:, None] * V + ov[None, :], acc, mask=mk[:, None] & mv[None, :])
@@ -357,6 +426,10 @@ def scan_states(
     BV: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
+    log_decay: torch.Tensor = None,  # [B, T, HS] fp32: the gated scan (DECAY)
+    z_rows: bool = True,  # gated: the tokens add to z (else z is only the decayed init)
+    z_of_rows: bool = False,  # gated: z sums u times the rounded rows of the S sum (a x, decayed), not u x in fp32
+    split_rows: bool = False,  # gated, 16-bit x: rows as hi + lo (two products), so S and z are fp32-exact
 ):
     """Run the scan; returns (states, zstates, final, zfinal) (unrequested ones None)."""
     B, T, HXY, K = x.shape
@@ -382,6 +455,7 @@ def scan_states(
     launch(
         _scan_kernel, grid,
         x, y, a if a is not None else dummy, u if u is not None else dummy,
+        log_decay if log_decay is not None else dummy,
         S0 if has_init else dummy, z0 if (has_init and z0 is not None) else dummy,
         st if st is not None else dummy, stz if stz is not None else dummy,
         fin if fin is not None else dummy, finz if finz is not None else dummy,
@@ -389,7 +463,8 @@ def scan_states(
         K=K, V=V, BK=BK, BV=BV, BT=BT, G=G, STRIDE=1, REVERSE=reverse,
         HAS_A=a is not None, HAS_U=u is not None, DO_Z=do_z,
         HAS_INIT=has_init, STORE_STATES=per_chunk, STORE_FINAL=store_final, INIT_PER_SEG=init_per_segment,
-        PREC=prec(x.dtype),
+        PREC=prec(x.dtype), DECAY=log_decay is not None, Z_ROWS=z_rows, Z_OF_R=z_of_rows,
+        SPLIT_ROWS=split_rows and x.dtype != torch.float32,
         num_warps=num_warps, num_stages=num_stages,
     )
     return st, stz, fin, finz
@@ -466,3 +541,74 @@ def chunk_states(x, y, *, heads, cfg, a=None, u=None, do_z=True, init=None, reve
         return st, stz, None, None
     last = 0 if reverse else nseg - 1  # the segment whose walk ends at the sequence's far end
     return st, stz, fin[:, :, last], (finz[:, :, last] if do_z else None)
+
+
+# ---------------------------------------------------------------------------
+# gated (decayed) chunk-state scans: the state decays by exp(log_decay_t) at every token
+
+
+def gated_scan_states(x, y, log_decay, **kw):
+    """:func:`scan_states` with ``log_decay [B, T, HS]`` fp32 (its ``DECAY`` scan; ``heads`` from ``log_decay``).
+    Forward states are those entering each chunk; reverse ones cover the chunks after each chunk."""
+    return scan_states(x, y, heads=log_decay.shape[2], log_decay=log_decay, **kw)
+
+
+@triton.jit
+def _decay_prefix_scan_kernel(
+    P_S, P_Z, LSEG,  # per-segment sums decayed to the segment's end [B,HS,NSEG,K,V], [B,HS,NSEG,K]; LSEG [B,HS,NSEG]
+    INIT_S, INIT_Z,  # [B,HS,K,V], [B,HS,K]
+    OUT_S, OUT_Z,  # state entering each segment [B,HS,NSEG,K,V], [B,HS,NSEG,K]
+    NSEG, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_INIT: tl.constexpr,
+):
+    """``OUT[0] = init``, ``OUT[s] = e^{L[s-1]} OUT[s-1] + P[s-1]`` (``L`` a segment's total log decay)."""
+    pk = tl.program_id(0)
+    pv = tl.program_id(1)
+    bh = tl.program_id(2).to(tl.int64)
+    ok = pk * BK + tl.arange(0, BK)
+    ov = pv * BV + tl.arange(0, BV)
+    mk = ok < K
+    mv = ov < V
+    m2 = mk[:, None] & mv[None, :]
+    kv = ok[:, None] * V + ov[None, :]
+    acc = tl.zeros([BK, BV], dtype=tl.float32)
+    accz = tl.zeros([BK], dtype=tl.float32)
+    if HAS_INIT:
+        acc += tl.load(INIT_S + bh * K * V + kv, mask=m2, other=0.0)
+        accz += tl.load(INIT_Z + bh * K + ok, mask=mk, other=0.0)
+    for s in range(NSEG):
+        r = bh * NSEG + s
+        tl.store(OUT_S + r * K * V + kv, acc, mask=m2)
+        keep = tl.exp(tl.load(LSEG + r))
+        acc = acc * keep + tl.load(P_S + r * K * V + kv, mask=m2, other=0.0)
+        if pv == 0:
+            tl.store(OUT_Z + r * K + ok, accz, mask=mk)
+            accz = accz * keep + tl.load(P_Z + r * K + ok, mask=mk, other=0.0)
+
+
+def gated_segment_starts(x, y, log_decay, init, nseg, seg_chunks, BT, *, BK=64, BV=64, scan_warps=4):
+    """Gated :func:`segment_starts` (forward only): the state entering each of ``nseg`` segments of
+    ``seg_chunks`` chunks, the tokens before it decayed to the position just before it, plus ``init`` decayed
+    likewise. Returns ``(S [B,HS,NSEG,K,V], z [B,HS,NSEG,K])`` fp32, or ``(None, None)`` for one segment and
+    no ``init``."""
+    f32 = torch.float32
+    S0, z0 = init if init is not None else (None, None)
+    if nseg == 1:
+        if S0 is None:
+            return None, None
+        return S0.to(f32).contiguous().unsqueeze(2), z0.to(f32).contiguous().unsqueeze(2)
+    B, T, HS = log_decay.shape
+    K, V = x.shape[-1], y.shape[-1]
+    _, _, part, partz = gated_scan_states(x, y, log_decay, per_chunk=False, store_final=True, segments=nseg,
+                                          seg_chunks=seg_chunks, z_of_rows=True, BT=BT, BK=BK, BV=BV,
+                                          num_warps=scan_warps)
+    span = nseg * seg_chunks * BT  # >= T
+    lseg = torch.nn.functional.pad(log_decay, (0, 0, 0, span - T)).view(B, nseg, seg_chunks * BT, HS).sum(2)
+    lseg = lseg.transpose(1, 2).contiguous()  # [B, HS, NSEG]
+    seg_S = torch.empty_like(part)
+    seg_z = torch.empty_like(partz)
+    BK = max(MIN_TILE, min(BK, pow2(K)))
+    BV = max(MIN_TILE, min(BV, pow2(V)))
+    _decay_prefix_scan_kernel[(triton.cdiv(K, BK), triton.cdiv(V, BV), B * HS)](
+        part, partz, lseg, S0 if S0 is not None else part, z0 if S0 is not None else partz, seg_S, seg_z,
+        nseg, K=K, V=V, BK=BK, BV=BV, HAS_INIT=S0 is not None, num_warps=scan_warps)
+    return seg_S, seg_z

@@ -1,7 +1,8 @@
 """Triton decode-step kernels (one token, state updated in place).
 
 Linear step: programs over (batch x KV head, value block) read their columns of the ``[K, V]`` state once, add
-``k v^T``, write them back and answer every query head of the KV group from registers; ``z`` is shared by all
+``k v^T`` (gated: to the state decayed by ``e^{log_decay}``), write them back and answer every query head of the KV
+group from registers; ``z`` is shared by all
 value columns, so with more than one block a second kernel adds ``phi(k)`` to it afterwards (with one block,
 ``CONFIG["linear_step_waves"]`` 0, the program updates it itself). With ``CONFIG["linear_step_heads"]`` the
 group's query heads are spread over programs too; those only read ``S``, and the second kernel adds ``k v^T``.
@@ -32,16 +33,18 @@ from .tuning import ensure_applied
 def _linear_step_kernel(
     Q, Kp, Vp, S, Z, O,  # q [B,H,K], k [B,HK,K], v [B,HK,V], S [B,HK,K,V], z [B,HK,K], o [B,H,V]
     WQX, WKX,  # FUSE: q, k are raw [B,H|HK,D] and these the Hedgehog maps [Wq, -Wq] [H,D,K], [Wk, -Wk] [HK,D,K]
+    LD,  # DECAY: log decay [B,HK] fp32
     H, HK, eps, feps,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, G: tl.constexpr,
     NORMALIZE: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, FUSE: tl.constexpr, UPDATE_Z: tl.constexpr,
-    GH: tl.constexpr, OWN: tl.constexpr,
+    GH: tl.constexpr, OWN: tl.constexpr, DECAY: tl.constexpr,
 ):
     """Program (batch x KV head, value block, head group): adds ``k v^T`` to its columns of ``S`` and answers
     ``GH`` of the KV group's ``G`` query heads for them. With one head group (``OWN``) it writes those columns
     back; with several every program only reads ``S`` and :func:`_linear_step_commit_kernel` adds ``k v^T``.
     ``z`` is shared by the value blocks: with one block and one head group (``UPDATE_Z``) it is written here,
-    otherwise read here and updated by the commit kernel after this one."""
+    otherwise read here and updated by the commit kernel after this one. ``DECAY``: ``S`` and ``z`` are first
+    multiplied by ``e^{log_decay}`` (gated)."""
     pbh = tl.program_id(0)
     pg = tl.program_id(2)
     b = pbh // HK
@@ -59,10 +62,16 @@ def _linear_step_kernel(
     v = tl.load(Vp + base * V + ov, mask=mv, other=0.0).to(tl.float32)
     sp = S + base * K * V + ok[:, None] * V + ov[None, :]
     s = tl.load(sp, mask=mk[:, None] & mv[None, :], other=0.0)
+    if DECAY:
+        a = tl.exp(tl.load(LD + base))
+        s = s * a
     s += k[:, None] * v[None, :]
     if OWN:
         tl.store(sp, s, mask=mk[:, None] & mv[None, :])
-    z = tl.load(Z + base * K + ok, mask=mk, other=0.0) + k
+    if DECAY:
+        z = tl.load(Z + base * K + ok, mask=mk, other=0.0) * a + k
+    else:
+        z = tl.load(Z + base * K + ok, mask=mk, other=0.0) + k
     if UPDATE_Z:
         tl.store(Z + base * K + ok, z, mask=mk)
     for g in tl.static_range(GH):
@@ -84,13 +93,14 @@ def _linear_step_kernel(
 def _linear_step_commit_kernel(
     Kp, Z, WKX,  # k [B,HK,K] (raw [B,HK,D] with FUSE), z [B,HK,K], [Wk, -Wk] [HK,D,K]
     Vp, S,  # FOLD: v [B,HK,V], S [B,HK,K,V]
+    LD,  # DECAY: log decay [B,HK] fp32
     HK, feps,
     K: tl.constexpr, BK: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, FUSE: tl.constexpr,
-    V: tl.constexpr, BVC: tl.constexpr, FOLD: tl.constexpr,
+    V: tl.constexpr, BVC: tl.constexpr, FOLD: tl.constexpr, DECAY: tl.constexpr,
 ):
     """Program (batch x KV head), after a split :func:`_linear_step_kernel`: ``z += phi(k)``; ``FOLD`` (the step
     kernel ran in several head groups, so it wrote nothing to ``S``): also ``S += phi(k) v^T``, ``BVC`` columns
-    at a time."""
+    at a time. ``DECAY``: ``z`` (and a folded ``S``) first multiplied by ``e^{log_decay}``."""
     pbh = tl.program_id(0)
     ok, od = tl.arange(0, BK), tl.arange(0, BD)
     mk, md = ok < K, od < D
@@ -101,7 +111,11 @@ def _linear_step_commit_kernel(
     else:
         k = tl.load(Kp + base * K + ok, mask=mk, other=0.0)
     k = k.to(tl.float32)
-    tl.store(Z + base * K + ok, tl.load(Z + base * K + ok, mask=mk, other=0.0) + k, mask=mk)
+    if DECAY:
+        a = tl.exp(tl.load(LD + base))
+        tl.store(Z + base * K + ok, tl.load(Z + base * K + ok, mask=mk, other=0.0) * a + k, mask=mk)
+    else:
+        tl.store(Z + base * K + ok, tl.load(Z + base * K + ok, mask=mk, other=0.0) + k, mask=mk)
     if FOLD:
         for v0 in tl.static_range(0, V, BVC):
             ov = v0 + tl.arange(0, BVC)
@@ -109,7 +123,10 @@ def _linear_step_commit_kernel(
             v = tl.load(Vp + base * V + ov, mask=mv, other=0.0).to(tl.float32)
             sp = S + base * K * V + ok[:, None] * V + ov[None, :]
             m2 = mk[:, None] & mv[None, :]
-            tl.store(sp, tl.load(sp, mask=m2, other=0.0) + k[:, None] * v[None, :], mask=m2)
+            if DECAY:
+                tl.store(sp, tl.load(sp, mask=m2, other=0.0) * a + k[:, None] * v[None, :], mask=m2)
+            else:
+                tl.store(sp, tl.load(sp, mask=m2, other=0.0) + k[:, None] * v[None, :], mask=m2)
 
 
 @triton.jit
@@ -331,9 +348,11 @@ def window_step_warps(BD: int, BK: int, BV: int, BW: int, fuse: bool) -> int:
     return _warps(4 * (BK * BV + BW * (BD + BV) + (BD * BK if fuse else 0)))  # fp32 values live at once
 
 
-def linear_step_triton(q, k, v, S, z, *, normalize=True, eps=1e-6, out=None, wqx=None, wkx=None, feps=0.0):
+def linear_step_triton(q, k, v, S, z, *, normalize=True, eps=1e-6, out=None, wqx=None, wkx=None, feps=0.0,
+                       log_decay=None):
     """The linear step; with ``wqx`` / ``wkx`` (``signed_projections``) ``q`` / ``k`` are the raw rows and the
-    kernel computes their Hedgehog features itself."""
+    kernel computes their Hedgehog features itself. ``log_decay`` ``[B, HK]`` (gated): ``S = e^{ld} S + k v^T``,
+    ``z = e^{ld} z + k`` (an fp32 contiguous one is read as is; others are converted, one copy per call)."""
     ensure_applied(q.device)  # this GPU's saved launch configuration (bench kernels --tune), once
     fuse = wqx is not None
     B, H, D = q.shape
@@ -347,16 +366,22 @@ def linear_step_triton(q, k, v, S, z, *, normalize=True, eps=1e-6, out=None, wqx
     split = GH < G  # several head groups per (batch, KV head): the commit kernel adds k v^T to S
     NV = triton.cdiv(V, BV)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    decay = log_decay is not None
+    if decay:
+        if tuple(log_decay.shape) != (B, HK):
+            raise ValueError(f"log_decay must have shape [B, Hk]={(B, HK)}, got {tuple(log_decay.shape)}")
+        log_decay = log_decay.float().contiguous()
+    ld = log_decay if decay else q
     _linear_step_kernel[(B * HK, NV, triton.cdiv(G, GH))](
-        q, k, v, S, z, out, wqx if fuse else q, wkx if fuse else q, H, HK, eps, float(feps),
+        q, k, v, S, z, out, wqx if fuse else q, wkx if fuse else q, ld, H, HK, eps, float(feps),
         K=K, V=V, BK=BK, BV=BV, G=G, NORMALIZE=normalize, D=D, BD=BD, FUSE=fuse, UPDATE_Z=NV == 1 and not split,
-        GH=GH, OWN=not split, num_warps=_warps(BK * BV * 4),
+        GH=GH, OWN=not split, DECAY=decay, num_warps=_warps(BK * BV * 4),
     )
     if NV > 1 or split:
         BVC, warps = _commit_launch(BD, BK, V, fuse, split)
         _linear_step_commit_kernel[(B * HK,)](
-            k, z, wkx if fuse else k, v, S, HK, float(feps), K=K, BK=BK, D=D, BD=BD, FUSE=fuse, V=V, BVC=BVC,
-            FOLD=split, num_warps=warps)
+            k, z, wkx if fuse else k, v, S, ld, HK, float(feps), K=K, BK=BK, D=D, BD=BD, FUSE=fuse, V=V, BVC=BVC,
+            FOLD=split, DECAY=decay, num_warps=warps)
     return out
 
 
