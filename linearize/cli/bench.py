@@ -1,0 +1,112 @@
+"""``linearize bench kernels | model | train``: kernel timings, hybrid vs original model speed, training
+throughput (:mod:`linearize.bench`, :mod:`linearize.benchmodel`, :mod:`linearize.benchtrain`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from ..settings import DEFAULT_MODEL, DEFAULT_RATIO, DEFAULT_RECIPE
+from .app import bench_app, console, err_console, fail, user_errors
+from .options import BENCH_DEVICE, BENCH_DTYPE, SET, overrides
+
+
+@bench_app.command("kernels")
+@user_errors
+def bench_kernels_cmd(
+    lengths: str = typer.Option("2K,8K,32K,128K", "--lengths", help="Sequence lengths T (B*T = --tokens)."),
+    tokens: int = typer.Option(32768, "--tokens", help="Tokens per call (B = tokens / T, at least 1)."),
+    heads: int = typer.Option(32, "--heads"),
+    dim: int = typer.Option(128, "--dim", help="Key and value head dimension."),
+    window: int = typer.Option(64, "--window", help="Window of the hybrid rows."),
+    hedgehog_dim: int = typer.Option(256, "--hedgehog-dim", help="Feature dimension of the Hedgehog rows."),
+    decode_batch: int = typer.Option(8, "--decode-batch", help="Batch of the decode-step rows."),
+    check: str = typer.Option("full", "--check", help="Correctness check before timing: full | accuracy | none."),
+    tune: bool = typer.Option(False, "--tune", help="Sweep launch configurations first."),
+    tune_only: Optional[str] = typer.Option(None, "--tune-only", help="Comma-separated kernel families to sweep (implies --tune): lin_fwd, lin_fb, win_fwd, win_fb, lin_fused_fwd, win_fused_fwd, lin_step, win_step."),
+    out: Optional[Path] = typer.Option(None, "-o", "--output", help="Write the rows as JSON here."),
+):
+    """Time our kernels against fla and SDPA on the GPU (median of triton.testing.do_bench)."""
+    # start-up time: torch, Triton and the kernels
+    import torch
+
+    from ..bench import bench_kernels, parse_families, print_table, tune_kernels
+    from ..evals.common import parse_lengths
+
+    if check not in ("full", "accuracy", "none"):
+        fail(f"--check {check!r}: expected full, accuracy or none")
+    families = parse_families(tune_only) if tune_only is not None else None
+    if not torch.cuda.is_available():
+        fail("bench kernels needs a CUDA GPU (none is visible)")
+    log = lambda m: err_console.print(m, highlight=False)  # noqa: E731
+    if tune or families:
+        tune_kernels(heads=heads, dim=dim, progress=log, families=families)
+    rows = bench_kernels(out, lengths=parse_lengths(lengths), tokens=tokens, heads=heads, dim=dim, window=window,
+                         hedgehog_dim=hedgehog_dim, decode_batch=decode_batch, check=check, progress=log)
+    print_table(rows)
+
+
+@bench_app.command("model")
+@user_errors
+def bench_model_cmd(
+    spec: str = typer.Argument(..., help="Hybrid checkpoint dir, or a model spec converted on the fly (surgery only, untrained)."),
+    against: Optional[str] = typer.Option(None, "--against", help="The original (default: SPEC itself, or the base model a hybrid names)."),
+    random_weights: bool = typer.Option(False, "--random-weights", help="Random weights from a shipped config (alias, e.g. llama-3-8b) or a config.json path: nothing downloaded."),
+    ratio: str = typer.Option(DEFAULT_RATIO, "--ratio", help="A:B layout of the on-the-fly conversion."),
+    recipe: str = typer.Option(DEFAULT_RECIPE, "--recipe", help="Recipe of the on-the-fly conversion (name or YAML path)."),
+    lengths: str = typer.Option("4K,32K,128K", "--lengths", help="Context lengths T."),
+    batch: str = typer.Option("1,8", "--batch", help="Batch sizes B."),
+    decode_steps: int = typer.Option(64, "--decode-steps", help="Timed single-token decode steps per row."),
+    sdpa: str = typer.Option("flash,cudnn", "--sdpa", help="SDPA backends to try (the fastest is kept): flash, cudnn, efficient, math."),
+    dtype: Optional[str] = BENCH_DTYPE,
+    device: Optional[str] = BENCH_DEVICE,
+    out: Optional[Path] = typer.Option(None, "-o", "--output", help="Output directory for bench_model.json (default: bench-model-NAME)."),
+    profile: bool = typer.Option(False, "--profile", help="Also split a few eager decode steps per row by kernel category (matmul, softmax attention, linear attention, other)."),
+):
+    """Hybrid vs original: prefill and decode tokens/s, peak memory, cache + state bytes (JSON + table)."""
+    from ..benchmodel import RESULT_FILE, bench_model, print_result  # start-up time: torch and transformers
+
+    out = out or Path(f"bench-model-{Path(spec).stem if spec.endswith('.json') else spec.rstrip('/').split('/')[-1]}")
+    result = bench_model(spec, against=against, random_weights=random_weights, ratio=ratio, recipe=recipe,
+                         lengths=lengths, batches=batch, decode_steps=decode_steps, dtype=dtype, device=device,
+                         sdpa=sdpa, out_dir=out, log=lambda m: err_console.print(m, highlight=False, soft_wrap=True),
+                         profile=profile)
+    print_result(result)
+    console.print(f"wrote {out / RESULT_FILE}", highlight=False)
+
+
+@bench_app.command("train")
+@user_errors
+def bench_train_cmd(
+    spec: str = typer.Argument(..., help="Model spec, or with --random-weights a shipped config alias (llama-3-8b) or config.json path."),
+    random_weights: bool = typer.Option(False, "--random-weights", help="Random weights from a shipped config: nothing downloaded."),
+    ratio: str = typer.Option(DEFAULT_RATIO, "--ratio", help="A:B layout of the conversion."),
+    recipe: str = typer.Option(DEFAULT_RECIPE, "--recipe", help="Recipe (name or YAML path): layers, data, losses."),
+    stages: str = typer.Option("distill,finetune", "--stages", help="Stages to time: distill, finetune."),
+    seq_len: int = typer.Option(2048, "--seq-len", help="Tokens per sequence."),
+    batch: int = typer.Option(4, "--batch", help="Sequences per micro-batch (under torchrun: over all processes)."),
+    grad_accum: int = typer.Option(1, "--grad-accum", help="Micro-batches per optimizer step."),
+    steps: int = typer.Option(10, "--steps", help="Timed steps per stage."),
+    warmup_steps: int = typer.Option(2, "--warmup-steps", help="Untimed steps first (compilation, autotuning)."),
+    tokens: Optional[str] = typer.Option(None, "--tokens", help="Conversion budget to project, split evenly (default: the recipe's)."),
+    tokenizer: str = typer.Option(DEFAULT_MODEL, "--tokenizer", help="Tokenizer for --random-weights (its ids must fit the vocabulary)."),
+    dtype: Optional[str] = BENCH_DTYPE,
+    device: Optional[str] = BENCH_DEVICE,
+    out: Path = typer.Option(Path("bench-train"), "-o", "--output", help="Output directory for bench_train.json."),
+    set_: Optional[List[str]] = SET,
+):
+    """Training throughput per conversion stage and the projected conversion time (data parallel under torchrun)."""
+    # start-up time: torch, transformers and the training stages
+    from ..benchtrain import RESULT_FILE, bench_train, print_result
+    from ..distributed import is_main
+
+    result = bench_train(spec, random_weights=random_weights, ratio=ratio, recipe=recipe, stages=stages,
+                         seq_len=seq_len, batch=batch, grad_accum=grad_accum, steps=steps, warmup=warmup_steps,
+                         tokens=tokens, tokenizer=tokenizer, dtype=dtype, device=device, out_dir=out,
+                         overrides=overrides(set_), log=lambda m: err_console.print(m, highlight=False, soft_wrap=True))
+    if is_main():  # torchrun: rank 0 alone prints
+        print_result(result, console)
+        console.print(f"wrote {out / RESULT_FILE}", highlight=False)
+
