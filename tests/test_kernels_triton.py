@@ -42,10 +42,11 @@ from linearize.kernels import (  # noqa: E402
     window_linear_attention_step_hedgehog,
     window_state_from_prefill,
 )
-from linearize.kernels import triton_common  # noqa: E402
+from linearize.kernels import chunked, triton_common  # noqa: E402
 from linearize.kernels.reference import rotary_reference  # noqa: E402
 from linearize.kernels.testing import check_left_padding  # noqa: E402
 from linearize.kernels.testing import check_linear, check_window, linear_inputs, rel_err, window_inputs  # noqa: E402
+from test_kernels_gated import F64 as REF, assert_matches, run_window as run_gated_window, with_decay  # noqa: E402
 
 DEV = "cuda" if ON_GPU else "cpu"
 
@@ -219,6 +220,59 @@ def test_window_triton_continuation_prepend():
                                       output_final_state=True, backend="triton")
     assert rel_err(o2[:, W:], o[:, split:]) < 1e-5
     assert rel_err(st2[0], st[0]) < 1e-5
+
+
+# gated window hybrid (log_decay): the single-pass forward and the backward with decays; the real shapes (head
+# size 128, long sequences, W = 128 in 128-token chunks) only on a GPU (minutes each under the interpreter)
+GATED_WIN_SHAPES = [
+    # B, T, H, Hk, D, K, V, W
+    (1, 1, 2, 2, 16, 16, 16, 64),
+    (1, 63, 4, 2, 16, 16, 32, 64),
+    (2, 65, 4, 2, 16, 32, 16, 16),
+    (1, 130, 2, 1, 16, 16, 16, 64),
+] + ([(2, 2048, 8, 2, 128, 128, 128, 64), (1, 4096, 4, 4, 128, 128, 128, 128)] if ON_GPU else [])
+
+
+@pytest.mark.parametrize("shape", GATED_WIN_SHAPES, ids=lambda s: "B{}T{}H{}Hk{}D{}K{}V{}W{}".format(*s))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_window_gated_triton_vs_reference(shape, dtype, monkeypatch):
+    """Outputs, final state and every gradient (``log_decay``'s too) against the float64 reference; the chunked
+    path must not run (fp32 with W = 128 is the chunked path's by design)."""
+    B, T, H, Hk, D, K, V, W = shape
+    if not (dtype == torch.float32 and W > 64):
+        monkeypatch.setattr(chunked, "window_linear_attention_chunked", None)  # a fallback would fail loudly
+    inp = with_decay(window_inputs(B, T, H, Hk, D, K, V, dtype=dtype, state=T % 2 == 1, seed=T, device=DEV), B, T,
+                     Hk, seed=T, low=-2.0 / W)  # the part older than the window keeps a visible weight
+    skip = ("window_factor",) if T <= W and T % 2 == 0 else ()  # ~0 without a linear term (rounding only)
+    # the interpreter truncates fp32 -> bf16 casts, a bias that adds up over the rows of the window factor's
+    # gradient: at T = 130 its error is 0.36 with or without decay (ungated: of a gradient twice as large)
+    tol_wf = 0.1 if INTERPRET and dtype == torch.bfloat16 else None
+    assert_matches(run_gated_window("triton", inp, window=W), run_gated_window("reference", inp, window=W, dtype=REF),
+                   dtype, skip=skip, tol_g={torch.float32: 1e-4, torch.bfloat16: 2e-2}[dtype], tol_wf=tol_wf)
+
+
+def test_window_gated_triton_continuation_and_strong_decay():
+    """The second part with the previous W tokens prepended and the first part's state == one whole; log decays
+    around -5 stay finite and match the chunked path."""
+    W, split, T = 16, 70, 140
+    inp = with_decay(window_inputs(1, T, 2, 1, 16, 16, 16, device=DEV), 1, T, 1, seed=1, low=-0.1)
+    xs = [inp[n] for n in ("q", "k", "fq", "fk", "v", "log_decay")]
+    wf = inp["window_factor"]
+
+    def call(lo, hi, state, backend="triton", ld=None):
+        *args, lg = (x[:, lo:hi] for x in xs)
+        return window_linear_attention(*args, wf, window=W, initial_state=state, output_final_state=True,
+                                       backend=backend, log_decay=lg if ld is None else ld[:, lo:hi])
+
+    o, st = call(0, T, None)
+    _, st1 = call(0, split, None)
+    o2, st2 = call(split - W, T, st1)
+    assert rel_err(o2[:, W:], o[:, split:]) < 1e-5
+    assert rel_err(st2[0], st[0]) < 1e-5 and rel_err(st2[1], st[1]) < 1e-5
+    strong = xs[-1] * 50 - 2.5  # log decays in [-7.5, -2.5]
+    o, st = call(0, T, None, ld=strong)
+    o_ref, st_ref = call(0, T, None, backend="torch", ld=strong)
+    assert torch.isfinite(o).all() and rel_err(o, o_ref) < 1e-5 and rel_err(st[0], st_ref[0]) < 1e-5
 
 
 def _launch(monkeypatch, **config):
@@ -579,8 +633,8 @@ def test_hybrid_layers_with_fused_features_match_unfused(monkeypatch, window, mo
 
     from linearize import attention
     from linearize import recipe as R
-    from linearize.select import select_layout
-    from linearize.surgery import linearize_model
+    from linearize.convert.selection import select_layout
+    from linearize.convert.surgery import linearize_model
 
     hybrid = linearize_model(tiny_model("llama"), select_layout(4, ratio="1:1"),
                              R.load("lolcats", {"attention.window": window})).to(DEV)
@@ -858,8 +912,8 @@ def test_partial_rotary_hybrid_runs_the_rotary_kernel(monkeypatch):
 
     from linearize import recipe as R
     from linearize.kernels import triton_rotary
-    from linearize.select import select_layout
-    from linearize.surgery import linearize_model
+    from linearize.convert.selection import select_layout
+    from linearize.convert.surgery import linearize_model
 
     hybrid = linearize_model(tiny_model("phi3").float(), select_layout(4, ratio="1:1"), R.load("lolcats")).to(DEV)
     ids = torch.randint(3, 128, (2, 30), device=DEV)

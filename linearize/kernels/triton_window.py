@@ -10,7 +10,9 @@ normaliser together), split into segments when the grid would not fill the
 GPU. The backward recomputes scores from the saved row shift ``m`` and
 denominator ``D`` (``[B,T,H]`` fp32 each): a query-side kernel gives ``dq``,
 ``dfq`` and the window-factor gradient, a key-side kernel ``dk``, ``dfk``,
-``dv``. Math in the kernel lab, kernels/README.md.
+``dv``. With log decays (gated linear attention) the forward is the single pass with decay factors from
+cumulative sums over each chunk's span, the backward's chunk states come from the gated scans, and the decay's
+gradient from ``fq.dfq - fk.dfk`` per token. Math in the kernel lab, kernels/README.md.
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import drop_keys
+from .reference import decayed_sum, drop_keys
 from .triton_common import (
     chunk_states,
     fwd_blocks,
+    gated_scan_states,
     hedgehog_tile,
     launch,
     mm,
@@ -40,6 +43,13 @@ from .triton_common import (
 from .tuning import ensure_applied
 
 NEG_INF = tl.constexpr(float("-inf"))
+
+
+@triton.jit
+def _last(c, ar, BT: tl.constexpr):
+    """The last element of a chunk's cumulative sum ``c`` [BT] (its total; ``tl.sum`` would round differently, and
+    ``e^{total - c_last}`` must be exactly 1)."""
+    return tl.sum(tl.where(ar == BT - 1, c, 0.0), 0)
 
 
 @triton.jit
@@ -65,11 +75,12 @@ def _win_fwd_kernel(
     O, MS, DEN,  # o [B,T,H,V]; m, den [B,T,H] fp32
     SEG_S, SEG_Z,  # lagged starting state per segment [B,HK,NSEG,K,V], [B,HK,NSEG,K]
     WQX, WKX,  # fused Hedgehog maps: [Wq, -Wq] [H,D,K], [Wk, -Wk] [HK,D,K] (FUSE_Q / FUSE_K: fq / fk not read)
+    LG,  # GATED: log decays [B,T,HK] fp32
     T, H, HK, NSEG, SEG_CHUNKS, W, scale, eps, feps,
     D: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     HAS_LIN_CUR: tl.constexpr, HAS_SEG: tl.constexpr, STORE_STATS: tl.constexpr,
-    PREC: tl.constexpr, FUSE_Q: tl.constexpr, FUSE_K: tl.constexpr,
+    PREC: tl.constexpr, FUSE_Q: tl.constexpr, FUSE_K: tl.constexpr, GATED: tl.constexpr,
 ):
     pv = tl.program_id(0)
     pbh = tl.program_id(1)
@@ -122,6 +133,14 @@ def _win_fwd_kernel(
         c = (1.0 - w) * em
         P_c = tl.where(win_c, w * tl.exp(s_c - m[:, None]), 0.0)
         a_p = mm(fq, tl.trans(fkp), PREC)
+        if GATED:  # cumulative log decays over the span (previous chunk, this chunk), from its start
+            lg_p = tl.load(LG + (b.to(tl.int64) * T + otp) * HK + hk, mask=mtp, other=0.0)
+            lg_c = tl.load(LG + (b.to(tl.int64) * T + ot) * HK + hk, mask=mt, other=0.0)
+            cp = tl.cumsum(lg_p, 0)
+            tot_p = _last(cp, ar, BT)
+            cc = tot_p + tl.cumsum(lg_c, 0)
+            a_p = a_p * tl.exp(tl.minimum(cc[:, None] - cp[None, :], 0.0))  # e^{b_i - b_j} <= 1
+            eq = tl.exp(cc)  # the lagged state sits just before the span
         P_p = tl.where(win_p, w * tl.exp(s_p - m[:, None]), tl.where(lin_p, c[:, None] * a_p, 0.0))
         if HAS_LIN_CUR:
             if FUSE_K:  # rows past T: zero features (they only meet queries past T here)
@@ -130,13 +149,18 @@ def _win_fwd_kernel(
             else:
                 fkc = tl.load(FK + krow[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
             a_c = mm(fq, tl.trans(fkc), PREC)
+            if GATED:
+                a_c = a_c * tl.exp(tl.where(diff_c >= W, cc[:, None] - cc[None, :], NEG_INF))
             P_c += tl.where(diff_c >= W, c[:, None] * a_c, 0.0)
         P_c = P_c.to(vc.dtype)  # rounded once: numerator and normaliser agree
         P_p = P_p.to(vp.dtype)
         num = mm(P_c, vc, PREC) + mm(P_p, vp, PREC)
-        num += c[:, None] * mm(fq, S.to(fq.dtype), PREC)
+        cs = c
+        if GATED:
+            cs = c * eq
+        num += cs[:, None] * mm(fq, S.to(fq.dtype), PREC)
         den = (tl.sum(P_c.to(tl.float32), 1) + tl.sum(P_p.to(tl.float32), 1)
-               + c * tl.sum(fq.to(tl.float32) * z[None, :], 1) + eps * em)
+               + cs * tl.sum(fq.to(tl.float32) * z[None, :], 1) + eps * em)
         o = num / den[:, None]
         tl.store(O + qrow[:, None] * V + ov[None, :], o.to(O.dtype.element_ty), mask=mt[:, None] & mv[None, :])
         if STORE_STATS:
@@ -144,8 +168,14 @@ def _win_fwd_kernel(
                 tl.store(MS + qrow, m, mask=mt)
                 tl.store(DEN + qrow, den, mask=mt)
         # lagged state: add the previous chunk (its tokens are older than every window of chunk i+1)
-        S += mm(tl.trans(fkp), vp, PREC)
-        z += tl.sum(fkp.to(tl.float32), 0)
+        if GATED:  # the state moves to the previous chunk's end: S <- e^{total} S + sum_j e^{total - c_j} fk_j v_j^T
+            keep = tl.exp(tot_p)
+            fkd = (fkp.to(tl.float32) * tl.exp(tot_p - cp)[:, None]).to(fkp.dtype)  # rounded once for S and z
+            S = S * keep + mm(tl.trans(fkd), vp, PREC)
+            z = z * keep + tl.sum(fkd.to(tl.float32), 0)
+        else:
+            S += mm(tl.trans(fkp), vp, PREC)
+            z += tl.sum(fkp.to(tl.float32), 0)
 
 
 @triton.jit
@@ -216,10 +246,11 @@ def _win_bwd_q_kernel(
     Q, Kr, FQ, FK, Vp, WF, DO, MS, INVD, DDEN,
     ST_S, ST_Z,  # forward exclusive per-chunk states of (fk, v) [B,HK,N,K,V], [B,HK,N,K]
     DQ, DFQ, DW,  # DW [B,T,H] fp32 per-row window-factor gradient
+    LG, DBQ,  # GATED: log decays [B,T,HK] fp32; per-row fq.dfq [B,T,H] fp32 (the query side of d b_t)
     T, H, HK, W, scale,
     D: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NV_BLK: tl.constexpr,
-    HAS_LIN_CUR: tl.constexpr, PREC: tl.constexpr,
+    HAS_LIN_CUR: tl.constexpr, PREC: tl.constexpr, GATED: tl.constexpr,
 ):
     i = tl.program_id(0)
     pbh = tl.program_id(1)
@@ -256,6 +287,13 @@ def _win_bwd_q_kernel(
     lin_p = (diff_p >= W) & mtp[None, :]
     p_c = tl.where(win_c, tl.exp(mm(q, tl.trans(kc), PREC) * scale - m[:, None]), 0.0)
     p_p = tl.where(win_p, tl.exp(mm(q, tl.trans(kp), PREC) * scale - m[:, None]), 0.0)
+    if GATED:  # as in the forward: cumulative log decays over (previous chunk, this chunk)
+        lg_p = tl.load(LG + (b.to(tl.int64) * T + otp) * HK + hk, mask=mtp, other=0.0)
+        lg_c = tl.load(LG + (b.to(tl.int64) * T + ot) * HK + hk, mask=mt, other=0.0)
+        cp = tl.cumsum(lg_p, 0)
+        cc = _last(cp, ar, BT) + tl.cumsum(lg_c, 0)
+        dec_p = tl.exp(tl.minimum(cc[:, None] - cp[None, :], 0.0))  # [t, j]: e^{b_t - b_j}
+        dec_c = tl.exp(tl.where(diff_c >= 0, cc[:, None] - cc[None, :], NEG_INF))
     # g[t, j] = dN_t . v_j + dD_t  (dN = do / D)
     g_c = tl.zeros([BT, BT], dtype=tl.float32)
     g_p = tl.zeros([BT, BT], dtype=tl.float32)
@@ -283,12 +321,21 @@ def _win_bwd_q_kernel(
     ds_c = w * p_c * g_c
     ds_p = w * p_p * g_p
     dq = (mm(ds_c.to(kc.dtype), kc, PREC) + mm(ds_p.to(kp.dtype), kp, PREC)) * scale
-    u += mm(tl.where(lin_p, g_p, 0.0).to(fkp.dtype), fkp, PREC)
+    gl_p = tl.where(lin_p, g_p, 0.0)
+    gl_c = tl.where(diff_c >= W, g_c, 0.0)
+    if GATED:
+        u = u * tl.exp(cc)[:, None]  # the lagged state sits just before the span
+        gl_p = gl_p * dec_p
+        gl_c = gl_c * dec_c
+    u += mm(gl_p.to(fkp.dtype), fkp, PREC)
     if HAS_LIN_CUR:
         fkc = tl.load(FK + krow[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
-        u += mm(tl.where(diff_c >= W, g_c, 0.0).to(fkc.dtype), fkc, PREC)
+        u += mm(gl_c.to(fkc.dtype), fkc, PREC)
     dfq = c[:, None] * u
-    dw = tl.sum(p_c * g_c, 1) + tl.sum(p_p * g_p, 1) - em * tl.sum(fq.to(tl.float32) * u, 1)
+    fqu = tl.sum(fq.to(tl.float32) * u, 1)
+    dw = tl.sum(p_c * g_c, 1) + tl.sum(p_p * g_p, 1) - em * fqu
+    if GATED:
+        tl.store(DBQ + qrow, c * fqu, mask=mt)
     tl.store(DQ + qrow[:, None] * D + od[None, :], dq.to(DQ.dtype.element_ty), mask=mt[:, None] & md[None, :])
     tl.store(DFQ + qrow[:, None] * K + ok[None, :], dfq.to(DFQ.dtype.element_ty), mask=mt[:, None] & mk[None, :])
     tl.store(DW + qrow, dw, mask=mt)
@@ -299,10 +346,11 @@ def _win_bwd_kv_kernel(
     Q, Kr, FQ, FK, Vp, WF, DO, MS, INVD, DDEN,
     RS, RZ,  # reverse exclusive states of (c/D fq, do) [B,HK,N,K,V], [B,HK,N,K]
     DK, DFK, DV,
+    LG, DBK,  # GATED: log decays [B,T,HK] fp32; per-row fk.dfk [B,T,HK] fp32 (the key side of d b_t)
     T, H, HK, W, scale,
     D: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NV_BLK: tl.constexpr,
-    G: tl.constexpr, PREC: tl.constexpr,
+    G: tl.constexpr, PREC: tl.constexpr, GATED: tl.constexpr,
 ):
     n = tl.program_id(0)
     pbh = tl.program_id(1)
@@ -323,6 +371,12 @@ def _win_bwd_kv_kernel(
     dk = tl.zeros([BT, BD], dtype=tl.float32)
     dfk = tl.zeros([BT, BK], dtype=tl.float32)
     dv = tl.zeros([BT, BV * NV_BLK], dtype=tl.float32)
+    if GATED:  # cumulative log decays over this chunk (c0) and the next (c1), from this chunk's start
+        on = (n + 1) * BT + ar
+        lg0 = tl.load(LG + (b.to(tl.int64) * T + oj) * HK + hk, mask=mj, other=0.0)
+        lg1 = tl.load(LG + (b.to(tl.int64) * T + on) * HK + hk, mask=on < T, other=0.0)
+        c0 = tl.cumsum(lg0, 0)
+        c1 = _last(c0, ar, BT) + tl.cumsum(lg1, 0)
     for g in tl.static_range(G):
         h = hk * G + g
         w = tl.load(WF + h).to(tl.float32)
@@ -345,17 +399,34 @@ def _win_bwd_kv_kernel(
             c = (1.0 - w) * tl.exp(-m)
             ds = w * p * gg
             dk += mm(tl.trans(ds).to(q.dtype), q, PREC)
-            Pm = (w * p + c[:, None] * a) * invd[:, None]
-            dv += mm(tl.trans(Pm).to(do.dtype), do, PREC)
-            dfk += mm(tl.trans(tl.where(lin, c[:, None] * gg, 0.0)).to(fq.dtype), fq, PREC)
+            if GATED:  # the linear pairs weigh e^{b_t - b_j}
+                if qq == 0:
+                    dec = tl.exp(tl.where(lin, c0[:, None] - c0[None, :], NEG_INF))
+                else:
+                    dec = tl.exp(tl.where(lin, c1[:, None] - c0[None, :], NEG_INF))
+                cl = c[:, None] * dec  # [t, j]
+                Pm = (w * p + cl * a) * invd[:, None]
+                dv += mm(tl.trans(Pm).to(do.dtype), do, PREC)
+                dfk += mm(tl.trans(cl * gg).to(fq.dtype), fq, PREC)
+            else:
+                Pm = (w * p + c[:, None] * a) * invd[:, None]
+                dv += mm(tl.trans(Pm).to(do.dtype), do, PREC)
+                dfk += mm(tl.trans(tl.where(lin, c[:, None] * gg, 0.0)).to(fq.dtype), fq, PREC)
     # queries in chunks >= n+2 see chunk n only through the linear state
     if n + 1 < N:
         st = pbh.to(tl.int64) * N + n + 1
         R = tl.load(RS + st * K * V + ok[:, None] * V + ovf[None, :], mask=mk[:, None] & mvf[None, :], other=0.0)
-        dfk += mm(v, tl.trans(R).to(v.dtype), PREC)
-        dv += mm(fk, R.to(fk.dtype), PREC)
         r = tl.load(RZ + st * K + ok, mask=mk, other=0.0)
-        dfk += r[None, :]
+        if GATED:  # the reverse state sits at the next chunk's end: e^{b_end - b_j}
+            er = tl.exp(tl.minimum(_last(c1, ar, BT) - c0, 0.0))[:, None]
+            dfk += er * (mm(v, tl.trans(R).to(v.dtype), PREC) + r[None, :])
+            dv += er * mm(fk, R.to(fk.dtype), PREC)
+        else:
+            dfk += mm(v, tl.trans(R).to(v.dtype), PREC)
+            dv += mm(fk, R.to(fk.dtype), PREC)
+            dfk += r[None, :]
+    if GATED:
+        tl.store(DBK + krow, tl.sum(fk.to(tl.float32) * dfk, 1), mask=mj)
     tl.store(DK + krow[:, None] * D + od[None, :], (dk * scale).to(DK.dtype.element_ty), mask=mj[:, None] & md[None, :])
     tl.store(DFK + krow[:, None] * K + ok[None, :], dfk.to(DFK.dtype.element_ty), mask=mj[:, None] & mk[None, :])
     tl.store(DV + krow[:, None] * V + ovf[None, :], dv.to(DV.dtype.element_ty), mask=mj[:, None] & mvf[None, :])
@@ -405,9 +476,10 @@ def supported(window: int, dtype: torch.dtype) -> bool:
 
 
 def _fwd(q, k, fq, fk, v, wf, W, scale, eps, S0, z0, store_stats, wqx=None, wkx=None, feps=0.0, make_fk=None,
-         keep=None):
+         keep=None, lg=None):
     """Launch the forward. ``fq`` / ``fk`` None: computed inside the kernel from ``wqx`` / ``wkx`` (Hedgehog,
-    ``[W, -W]`` per head); a segmented launch needs ``fk`` in memory for its segment sums (``make_fk()``)."""
+    ``[W, -W]`` per head); a segmented launch needs ``fk`` in memory for its segment sums (``make_fk()``).
+    ``lg`` (log decays ``[B, T, Hk]`` fp32): the gated single pass, unsegmented."""
     B, T, H, D = q.shape
     HK, K, V = k.shape[2], (fq if fq is not None else wqx).shape[-1], v.shape[-1]
     dev = q.device
@@ -417,14 +489,14 @@ def _fwd(q, k, fq, fk, v, wf, W, scale, eps, S0, z0, store_stats, wqx=None, wkx=
     NVB = triton.cdiv(V, BV)
     N = triton.cdiv(T, BT)
     progs = B * H * NVB
-    nseg, seg_chunks = plan_segments(CONFIG, N, progs, dev)
+    nseg, seg_chunks = plan_segments(CONFIG, N, progs, dev) if lg is None else (1, N)
     if fk is None and nseg > 1:
         fk = make_fk()
     f32 = torch.float32
     o = new_empty((B, T, H, V), dtype=v.dtype, device=dev)
     ms = new_empty((B, T, H), dtype=f32, device=dev) if store_stats else None
     den = new_empty((B, T, H), dtype=f32, device=dev) if store_stats else None
-    if keep is not None or (CONFIG["fwd_two_pass"] and BT == 64 and (nseg == 1 or W == BT)):
+    if keep is not None or (lg is None and CONFIG["fwd_two_pass"] and BT == 64 and (nseg == 1 or W == BT)):
         _fwd_two_pass(q, k, fq, fk, v, wf, W, scale, eps, S0, z0, o, ms, den, wqx, wkx, feps, make_fk, keep)
         return o, ms, den
     # the carried linear state lags one chunk: each segment starts from the chunks before its first one's predecessor
@@ -436,10 +508,10 @@ def _fwd(q, k, fq, fk, v, wf, W, scale, eps, S0, z0, store_stats, wqx=None, wkx=
         q, k, fq if fq is not None else dummy, fk if fk is not None else dummy, v, wf,
         o, ms if ms is not None else dummy, den if den is not None else dummy,
         seg_S if seg_S is not None else dummy, seg_z if seg_z is not None else dummy,
-        wqx if wqx is not None else dummy, wkx if wkx is not None else dummy,
+        wqx if wqx is not None else dummy, wkx if wkx is not None else dummy, lg if lg is not None else dummy,
         T, H, HK, nseg, seg_chunks, W, scale, eps, feps,
         D=D, K=K, V=V, BD=BD, BK=BK, BV=BV, BT=BT, HAS_LIN_CUR=W < BT, HAS_SEG=seg_S is not None,
-        STORE_STATS=store_stats, PREC=prec(q.dtype), FUSE_Q=fq is None, FUSE_K=fk is None,
+        STORE_STATS=store_stats, PREC=prec(q.dtype), FUSE_Q=fq is None, FUSE_K=fk is None, GATED=lg is not None,
         num_warps=warps, num_stages=stages,
     )
     return o, ms, den
@@ -484,7 +556,11 @@ def _final_state(fk, v, W, S0, z0):
     return S, z
 
 
-def _bwd(q, k, fq, fk, v, wf, o, ms, den, W, scale, S0, z0, do, dS_f, dz_f, need_state):
+def _bwd(q, k, fq, fk, v, wf, o, ms, den, W, scale, S0, z0, do, dS_f, dz_f, need_state, lg=None):
+    """Gradients ``(dq, dk, dfq, dfk, dv, dwf, dS0, dz0, dlg)`` (``dlg`` None without ``lg``). With ``lg`` the
+    chunk states are the gated scans and ``d b_t = sum_group fq_t.dfq_t - fk_t.dfk_t`` (``b_t`` the cumulative log
+    decay: a query gains from its own ``b``, a key loses), so ``d log_decay`` is its reverse cumulative sum; the
+    final state's gradient is the caller's (its ``lg`` path is PyTorch's)."""
     B, T, H, D = q.shape
     HK, K, V = k.shape[2], fk.shape[-1], v.shape[-1]
     G = H // HK
@@ -496,9 +572,24 @@ def _bwd(q, k, fq, fk, v, wf, o, ms, den, W, scale, S0, z0, do, dS_f, dz_f, need
     invd, dD = row_stats(do, o, den)
     cw = (1.0 - wf.to(f32)).view(1, 1, H) * torch.exp(-ms)  # (1-w) e^{-m}  [B,T,H]
     init_f = (S0, z0) if S0 is not None else None
-    st, stz, _, _ = chunk_states(fk, v, heads=HK, cfg=CONFIG, do_z=True, init=init_f, BT=BT)
-    rs, rz, fin, finz = chunk_states(fq, do, heads=HK, cfg=CONFIG, a=(cw * invd).contiguous(), u=(cw * dD).contiguous(),
-                                     do_z=True, reverse=True, store_final=need_state, BT=BT)
+    if lg is None:
+        st, stz, _, _ = chunk_states(fk, v, heads=HK, cfg=CONFIG, do_z=True, init=init_f, BT=BT)
+        rs, rz, fin, finz = chunk_states(fq, do, heads=HK, cfg=CONFIG, a=(cw * invd).contiguous(),
+                                         u=(cw * dD).contiguous(), do_z=True, reverse=True, store_final=need_state,
+                                         BT=BT)
+    else:
+        # the forward scan's decayed 16-bit rows as hi + lo (two products): S and z then agree exactly, as the
+        # cancelling terms S dN + dD z need (the plain scan's rows are the inputs themselves, exact); the reverse
+        # scan rounds its rows (c/D) e^{c} fq once for R, as the plain one rounds (c/D) fq
+        st, stz, _, _ = gated_scan_states(fk, v, lg, init=init_f, BT=BT, num_warps=CONFIG["scan_warps"],
+                                          split_rows=True)
+        rs, rz, fin, finz = gated_scan_states(fq, do, lg, a=(cw * invd).contiguous(), u=(cw * dD).contiguous(),
+                                              reverse=True, store_final=need_state, BT=BT,
+                                              num_warps=CONFIG["scan_warps"])
+        if need_state:
+            fin, finz = fin[:, :, 0], finz[:, :, 0]
+    dbq = new_empty((B, T, H), dtype=f32, device=dev) if lg is not None else None
+    dbk = new_empty((B, T, HK), dtype=f32, device=dev) if lg is not None else None
     BD, BK = pow2(D), pow2(K)
     # value blocks of 64 even for narrower V (padded): at K = 128 a 32-wide block made triton 3.6 read past
     # the shared memory of the key-side kernel on an H200 (4 warps; 2026-12-01)
@@ -511,19 +602,26 @@ def _bwd(q, k, fq, fk, v, wf, o, ms, den, W, scale, S0, z0, do, dS_f, dz_f, need
     dv = new_empty(v.shape, dtype=v.dtype, device=dev)
     dw_rows = new_empty((B, T, H), dtype=f32, device=dev)
     pr = prec(q.dtype)
+    gated = lg is not None
     launch(
         _win_bwd_q_kernel, (N, B * H),
         q, k, fq, fk, v, wf, do, ms, invd, dD, st, stz, dq, dfq, dw_rows,
+        lg if gated else dw_rows, dbq if gated else dw_rows,
         T, H, HK, W, scale, D=D, K=K, V=V, BD=BD, BK=BK, BV=BV, BT=BT, NV_BLK=NVB,
-        HAS_LIN_CUR=W < BT, PREC=pr, num_warps=CONFIG["bwd_warps"],
+        HAS_LIN_CUR=W < BT, PREC=pr, GATED=gated, num_warps=CONFIG["bwd_warps"],
     )
     launch(
         _win_bwd_kv_kernel, (N, B * HK),
         q, k, fq, fk, v, wf, do, ms, invd, dD, rs, rz, dk, dfk, dv,
+        lg if gated else dv, dbk if gated else dv,
         T, H, HK, W, scale, D=D, K=K, V=V, BD=BD, BK=BK, BV=BV, BT=BT, NV_BLK=NVB, G=G,
-        PREC=pr, num_warps=CONFIG["bwd_warps"],
+        PREC=pr, GATED=gated, num_warps=CONFIG["bwd_warps"],
     )
     dwf = dw_rows.sum((0, 1))
+    dlg = None
+    if gated:
+        db = dbq.view(B, T, HK, G).sum(-1) - dbk  # [B, T, HK]: d b_t
+        dlg = db.flip(1).cumsum(1).flip(1)  # d log_decay_s = sum_{t >= s} d b_t
     n = max(T - W, 0)
     if n and (dS_f is not None or dz_f is not None):
         dfk32, dv32 = dfk.to(f32), dv.to(f32)
@@ -540,55 +638,61 @@ def _bwd(q, k, fq, fk, v, wf, o, ms, den, W, scale, S0, z0, do, dS_f, dz_f, need
             dS0 = dS0 + dS_f
         if dz_f is not None:
             dz0 = dz0 + dz_f
-    return dq, dk, dfq, dfk, dv, dwf, dS0, dz0
+    return dq, dk, dfq, dfk, dv, dwf, dS0, dz0, dlg
 
 
 class _WindowAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, fq, fk, v, wf, S0, z0, W, scale, eps, output_final_state):
-        needs_grad = any(ctx.needs_input_grad[:8])
-        o, ms, den = _fwd(q, k, fq, fk, v, wf, W, scale, eps, S0, z0, store_stats=needs_grad)
+    def forward(ctx, q, k, fq, fk, v, wf, S0, z0, W, scale, eps, output_final_state, lg=None):
+        needs_grad = any(ctx.needs_input_grad[:8]) or (lg is not None and ctx.needs_input_grad[12])
+        o, ms, den = _fwd(q, k, fq, fk, v, wf, W, scale, eps, S0, z0, store_stats=needs_grad, lg=lg)
         S_f = z_f = None
-        if output_final_state:
+        if output_final_state:  # ungated only: a gated final state is the caller's (PyTorch, with autograd)
             S_f, z_f = _final_state(fk, v, W, S0, z0)
-        ctx.save_for_backward(q, k, fq, fk, v, wf, o, ms, den, S0, z0)
+        ctx.save_for_backward(q, k, fq, fk, v, wf, o, ms, den, S0, z0, lg)
         ctx.W, ctx.scale = W, scale
         ctx.set_materialize_grads(False)
         return o, S_f, z_f
 
     @staticmethod
     def backward(ctx, do, dS_f, dz_f):
-        q, k, fq, fk, v, wf, o, ms, den, S0, z0 = ctx.saved_tensors
+        q, k, fq, fk, v, wf, o, ms, den, S0, z0, lg = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(o)
         need_state = ctx.needs_input_grad[6] or ctx.needs_input_grad[7]
-        dq, dk, dfq, dfk, dv, dwf, dS0, dz0 = _bwd(q, k, fq, fk, v, wf, o, ms, den, ctx.W, ctx.scale, S0, z0,
-                                                   do, dS_f, dz_f, need_state)
-        return dq, dk, dfq, dfk, dv, dwf, dS0, dz0, None, None, None, None
+        dq, dk, dfq, dfk, dv, dwf, dS0, dz0, dlg = _bwd(q, k, fq, fk, v, wf, o, ms, den, ctx.W, ctx.scale, S0, z0,
+                                                        do, dS_f, dz_f, need_state, lg=lg)
+        return dq, dk, dfq, dfk, dv, dwf, dS0, dz0, None, None, None, None, dlg
 
 
 def window_linear_attention_triton(
     q, k, fq, fk, v, window_factor, *, window: int = 64, scale: Optional[float] = None, eps: float = 1e-12,
     initial_state: Optional[Tuple[torch.Tensor, torch.Tensor]] = None, output_final_state: bool = False,
-    key_mask: Optional[torch.Tensor] = None,
+    key_mask: Optional[torch.Tensor] = None, log_decay: Optional[torch.Tensor] = None,
 ):
     """Triton path of :func:`linearize.kernels.window_linear_attention` (``window <= 128``, fp32 ``<= 64``; other
     windows run the chunked PyTorch path). With a ``key_mask`` (an inference forward of a padded batch): the padding
     rows of ``k``, ``fk``, ``v`` zeroed, then the two-pass forward whose window kernel reads the mask (``window <=
-    64``, no gradient; otherwise the chunked PyTorch path)."""
+    64``, no gradient; otherwise the chunked PyTorch path). ``log_decay`` (``[B, T, Hk]``): the single-pass forward
+    and the backward with decays, unsegmented (one program walks a whole sequence per value block and head); the
+    final state by PyTorch (:func:`reference.decayed_sum`); with a ``key_mask`` the chunked PyTorch path."""
     from . import _needs_grad
 
     ensure_applied(q.device)  # this GPU's saved launch configuration (bench kernels --tune), once
     W = int(window)
-    if not supported(W, q.dtype) or (key_mask is not None and (_chunk_for(W, q.dtype) != 64 or _needs_grad(
-            q, k, fq, fk, v, window_factor, *(initial_state or ())))):
+    if not supported(W, q.dtype) or (key_mask is not None and (log_decay is not None or _chunk_for(W, q.dtype) != 64
+                                                               or _needs_grad(q, k, fq, fk, v, window_factor,
+                                                                              *(initial_state or ())))):
         from .chunked import window_linear_attention_chunked
 
         return window_linear_attention_chunked(q, k, fq, fk, v, window_factor, window=W, scale=scale, eps=eps,
                                                initial_state=initial_state, output_final_state=output_final_state,
-                                               key_mask=key_mask)
+                                               key_mask=key_mask, log_decay=log_decay)
     if scale is None:
         scale = q.shape[-1] ** -0.5
+    if log_decay is not None:
+        return _gated(q, k, fq, fk, v, window_factor, log_decay, W, float(scale), float(eps), initial_state,
+                      output_final_state)
     if key_mask is not None:
         k, fk, v = drop_keys(key_mask, k, fk, v)
     q, k, fq, fk, v = (x.contiguous() for x in (q, k, fq, fk, v))
@@ -602,6 +706,23 @@ def window_linear_attention_triton(
         return o, (_final_state(fk, v, W, S0, z0) if output_final_state else None)
     o, S_f, z_f = _WindowAttention.apply(q, k, fq, fk, v, wf, S0, z0, W, float(scale), float(eps), output_final_state)
     return o, ((S_f, z_f) if output_final_state else None)
+
+
+def _gated(q, k, fq, fk, v, window_factor, log_decay, W, scale, eps, initial_state, output_final_state):
+    """:func:`window_linear_attention_triton` with ``log_decay``: the kernels for the output, PyTorch for the final
+    state (``sum_{j <= T-1-W} e^{b_{T-1-W} - b_j} fk_j v_j^T + e^{b_{T-1-W}} S_0``, autograd's gradients)."""
+    qc, kc, fqc, fkc, vc = (x.contiguous() for x in (q, k, fq, fk, v))
+    wf = window_factor.float().contiguous()
+    S0 = z0 = None
+    if initial_state is not None:
+        S0, z0 = initial_state[0].float().contiguous(), initial_state[1].float().contiguous()
+    lg = log_decay.float().contiguous()
+    o, _, _ = _WindowAttention.apply(qc, kc, fqc, fkc, vc, wf, S0, z0, W, scale, eps, False, lg)
+    state = None
+    if output_final_state:
+        n = max(q.shape[1] - W, 0)
+        state = decayed_sum(log_decay[:, :n], fk[:, :n], v[:, :n], initial_state, torch.float32)
+    return o, state
 
 
 def window_linear_attention_hedgehog_triton(
