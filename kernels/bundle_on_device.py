@@ -19,10 +19,10 @@ from transformers import AutoTokenizer
 
 from linearize import recipe as R
 from linearize.benchmodel import PROFILE_CATEGORIES, load_config, random_model
-from linearize.checkpoint import save_checkpoint
-from linearize.select import select_layout
-from linearize.sources import local_dir, resolve
-from linearize.surgery import linearize_model
+from linearize.io.checkpoint import save_checkpoint
+from linearize.convert.selection import select_layout
+from linearize.io.sources import local_dir, resolve
+from linearize.convert.surgery import linearize_model
 
 DEV = os.environ.get("DEV", "cuda")
 CONFIG = {"model_type": "llama", "hidden_size": 1024, "intermediate_size": 2048, "num_hidden_layers": 4,

@@ -15,9 +15,9 @@ from linearize import kernels
 from linearize import recipe as R
 from linearize.benchmodel import _cache_kwargs
 from linearize.data import iter_texts
-from linearize.select import select_layout
-from linearize.sources import load_model
-from linearize.surgery import linearize_model
+from linearize.convert.selection import select_layout
+from linearize.io.sources import load_model
+from linearize.convert.surgery import linearize_model
 
 ap = argparse.ArgumentParser()
 ap.add_argument("spec")

@@ -18,8 +18,8 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from conftest import _TINY_FAMILIES  # noqa: E402
 from linearize import kernels, recipe as R  # noqa: E402
-from linearize.select import select_layout  # noqa: E402
-from linearize.surgery import linearize_model  # noqa: E402
+from linearize.convert.selection import select_layout  # noqa: E402
+from linearize.convert.surgery import linearize_model  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("families", nargs="*", default=sorted(_TINY_FAMILIES))

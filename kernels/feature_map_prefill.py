@@ -16,7 +16,7 @@ from linearize import benchmodel as bm
 from linearize import recipe as recipes
 from linearize.feature_maps import HedgehogFeatureMap
 from linearize.kernels import hedgehog_feature_map
-from linearize.select import select_layout
+from linearize.convert.selection import select_layout
 
 dev = torch.device(os.environ.get("DEV", "cuda"))  # DEV=cpu: a dry run of the script (PyTorch maps only)
 

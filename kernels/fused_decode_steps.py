@@ -13,7 +13,7 @@ import torch
 
 from linearize import benchmodel as bm
 from linearize import recipe as recipes
-from linearize.select import select_layout
+from linearize.convert.selection import select_layout
 
 VARIANTS = {  # name -> (kernel option of the hybrid, [(label, value), ...]); the last value is the default
     "features": ("fused_feature_maps", [("features first", "none"), ("features in the step", "decode")]),

@@ -12,7 +12,7 @@ import torch
 
 from linearize import benchmodel as bm
 from linearize import recipe as R
-from linearize.select import select_layout
+from linearize.convert.selection import select_layout
 
 ap = argparse.ArgumentParser()
 ap.add_argument("spec", help="a model config shipped in linearize/model_configs (random weights)")

@@ -6,7 +6,7 @@ vision-language wrapper whose text decoder converts on its own has a :class:`Tex
 is, how its checkpoint keys map onto the text causal LM's). Adding a family is one line here, not a code path.
 
 Bundled into every checkpoint (:mod:`linearize.bundle`): imports only bundled modules, and no torch (the command
-line imports it through :mod:`linearize.sources` before it needs torch).
+line imports it through :mod:`linearize.io.sources` before it needs torch).
 """
 
 from __future__ import annotations

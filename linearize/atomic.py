@@ -4,7 +4,7 @@
 rename stays on one file system and is atomic); the caller writes there. When the block completes the temporary
 path is renamed over the target, when it raises the temporary path is removed and the target is left as it was.
 A folder that is replaced is first moved aside to ``.NAME.old-PID`` and removed after the rename
-(:func:`linearize.checkpoint.recover_output` puts it back when a run was killed between the two renames).
+(:func:`linearize.io.checkpoint.recover_output` puts it back when a run was killed between the two renames).
 
 Standard library only: the kernels' tuning file (:mod:`linearize.kernels.tuning`) uses it inside the remote code
 a checkpoint bundles (:mod:`linearize.bundle`).

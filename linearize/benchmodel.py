@@ -17,7 +17,7 @@ For every context length ``T`` and batch size ``B`` each model gets one row:
   row); ``n/a`` on CPU.
 * **cache bytes**: the sum of the tensors held by the cache after the prefill (KV of softmax layers,
   ``(S, z)`` and window rings of linear layers), beside the closed form of
-  :func:`linearize.surgery.cache_bytes`.
+  :func:`linearize.convert.surgery.cache_bytes`.
 
 Out of memory in a row is recorded as ``"oom"`` and the run goes on (larger rows that cannot fit
 either are skipped). ``--random-weights`` builds the models from a published config shipped in
@@ -45,8 +45,8 @@ import torch
 from .atomic import atomic_write
 from .cache import softmax_windows
 from .errors import LinearizeError, SpecError
+from .io.sources import shipped_configs, text_part
 from .settings import DEFAULT_RATIO, DEFAULT_RECIPE
-from .sources import shipped_configs, text_part
 from .units import format_bytes
 
 #: ``--sdpa`` names -> ``torch.nn.attention.SDPBackend`` member names
@@ -75,7 +75,7 @@ def config_source(spec: str) -> tuple[Path, str]:
     (``meta-llama/Meta-Llama-3-8B``, through ``sources.ALIASES``), a ``config.json`` path, or a directory
     holding one (a hybrid checkpoint's config works too).
     """
-    from .sources import ALIASES
+    from .io.sources import ALIASES
 
     p = Path(spec).expanduser()
     if p.is_dir():
@@ -688,7 +688,7 @@ def speedup_bounds(hybrid: dict, original: dict, T: int, cache_hybrid, cache_ori
 def bench_row(model, kind: str, T: int, B: int, *, steps: int, backends: list[str | None], dev: torch.device,
               timing: Timing, seed: int = 0, profile: bool = False) -> dict:
     """One (model, T, B) row: prefill, decode, peak memory, cache bytes. Out of memory is recorded."""
-    from .surgery import cache_bytes
+    from .convert.surgery import cache_bytes
 
     row: dict[str, Any] = {"model": kind, "T": T, "B": B, "status": "ok"}
     _free(dev)
@@ -746,7 +746,7 @@ class Pair:
 
 
 def _surgery(model, layer_types, attention: dict):
-    from .surgery import linearize_model
+    from .convert.surgery import linearize_model
 
     return linearize_model(model, layer_types, {"attention": dict(attention)})
 
@@ -762,7 +762,7 @@ def plan_pair(spec: str, *, against: str | None, random_weights: bool, ratio: st
               max_len: int) -> Pair:
     """Resolve what to compare without loading any weights (every user error surfaces here)."""
     from .architectures import arch_spec
-    from .select import select_layout
+    from .convert.selection import select_layout
 
     if random_weights:
         cfg, name = load_config(spec)
@@ -791,7 +791,7 @@ def plan_pair(spec: str, *, against: str | None, random_weights: bool, ratio: st
             hybrid_from_original=reuse, layer_types=layer_types, notes=notes,
             layout_from_checkpoint=cfg.model_type == "linearize")
 
-    from .sources import is_hybrid_dir, load_model, local_dir, read_config, resolve
+    from .io.sources import is_hybrid_dir, load_model, local_dir, read_config, resolve
 
     r = resolve(spec)
     path = local_dir(r)
@@ -935,9 +935,9 @@ def bench_model(spec: str, *, against: str | None = None, random_weights: bool =
     (:func:`profile_steps`). See the module docstring for what each number means.
     """
     from . import recipe as recipes
+    from .convert.selection import describe_layout, parse_ratio
     from .evals.common import parse_batch_sizes, parse_lengths
-    from .select import describe_layout, parse_ratio
-    from .sources import resolve_dtype
+    from .io.sources import resolve_dtype
 
     Ts, Bs = parse_lengths(lengths), parse_batch_sizes(batches)
     if int(decode_steps) < 1:

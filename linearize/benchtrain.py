@@ -52,7 +52,7 @@ def _positive(name: str, value: int) -> int:
 
 def _build(spec: str, *, random_weights: bool, tokenizer: str, dtype, device):
     """``(model, tokenizer, name)``; random weights come with ``tokenizer``'s tokenizer."""
-    from .sources import load_model
+    from .io.sources import load_model
 
     if not random_weights:
         model, tok = load_model(spec, dtype=dtype, device=device)
@@ -60,7 +60,7 @@ def _build(spec: str, *, random_weights: bool, tokenizer: str, dtype, device):
     from transformers import AutoTokenizer
 
     from .benchmodel import load_config, random_model
-    from .sources import local_dir, resolve
+    from .io.sources import local_dir, resolve
 
     config, name = load_config(spec)
     if config.model_type == "linearize":
@@ -98,10 +98,10 @@ def bench_train(spec: str, *, random_weights: bool = False, ratio: str = DEFAULT
     from . import distributed as dist
     from . import recipe as recipes
     from .benchmodel import _versions
-    from .checkpoint import check_output_dir
-    from .select import describe_layout, select_layout
-    from .sources import check_device, resolve_dtype
-    from .surgery import linearize_model
+    from .convert.selection import describe_layout, select_layout
+    from .convert.surgery import linearize_model
+    from .io.checkpoint import check_output_dir
+    from .io.sources import check_device, resolve_dtype
 
     names = parse_stages(stages)
     seq_len, batch, steps = _positive("--seq-len", seq_len), _positive("--batch", batch), _positive("--steps", steps)

@@ -34,7 +34,7 @@ BUNDLE = {
         "triton_step", "triton_window", "tuning")},
 }
 #: modules whose imported names are written as constants instead of bundling the module
-CONSTANTS = {"linearize": ("__version__",), "linearize.select": ("LINEAR", "FULL")}
+CONSTANTS = {"linearize": ("__version__",), "linearize.convert.selection": ("LINEAR", "FULL")}
 #: module-level lines dropped from a bundled module
 DROP = {"linearize.modeling": ("register_auto_classes()",)}
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
-from .select import FULL
+from .convert.selection import FULL
 
 #: tokens a :meth:`HybridCache.crop` may take back (assisted / speculative decoding drafts are far shorter)
 CROP_TOKENS = 256

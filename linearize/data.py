@@ -561,7 +561,7 @@ def _check_mix_part(tokenizer: Any, part: DataSource, *, field: str, stage: str,
 
 def data_cache_dir() -> Path:
     """``$LINEARIZE_CACHE/data`` (the root defaults to ``~/.cache/linearize``: :func:`sources.cache_root`)."""
-    from .sources import cache_root
+    from .io.sources import cache_root
 
     return cache_root() / "data"
 

@@ -7,7 +7,7 @@ from typing import Iterator
 
 import torch
 
-from .sources import input_device, load_model, placement
+from .io.sources import input_device, load_model, placement
 
 
 def build_inputs(tokenizer, prompt: str, chat: bool) -> torch.Tensor:
@@ -39,7 +39,7 @@ def stream_generate(spec: str, prompt: str, *, max_new_tokens: int = 64, chat: b
                     max_memory=None, offload_dir=None, log=None) -> Iterator[str]:
     """Yield decoded text pieces as the model generates them (:func:`generation_kwargs`; ``seed`` makes sampling
     repeatable). ``max_memory``/``offload_dir``: layer-wise onloading for a model that does not fit (see
-    :func:`~linearize.sources.load_model`); ``log`` then gets one line saying where the layers went."""
+    :func:`~linearize.io.sources.load_model`); ``log`` then gets one line saying where the layers went."""
     from transformers import TextIteratorStreamer
 
     model, tokenizer = load_model(spec, dtype=dtype, device=device, max_memory=max_memory, offload_dir=offload_dir)

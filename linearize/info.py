@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .select import describe_layout
+from .convert.selection import describe_layout
+from .io.sources import local_dir, read_config, resolve, shipped_configs, vision_language_note
 from .settings import DEFAULT_RECIPE
-from .sources import local_dir, read_config, resolve, shipped_configs, vision_language_note
 from .units import parse_length
 
 # torch, transformers and the model code are imported where they are used: a spec that cannot be found ends in
@@ -47,9 +47,9 @@ def model_info(spec: str, *, ratio: str | None = None, softmax_layers: str | Non
 
     from . import recipe as recipes
     from .cache import softmax_windows
+    from .convert.selection import select_layout
+    from .convert.surgery import cache_bytes, check_config_supported, linearize_model
     from .errors import SelectionError
-    from .select import select_layout
-    from .surgery import cache_bytes, check_config_supported, linearize_model
 
     planned = ratio is not None or softmax_layers is not None
     if planned and config.model_type == "linearize":
@@ -109,7 +109,7 @@ def speed_bounds(model, config, extra_parameters: int) -> dict[str, dict[str, fl
     linear-attention extras."""
     from .benchmodel import cost_model, speedup_bounds
     from .cache import softmax_windows
-    from .surgery import cache_bytes
+    from .convert.surgery import cache_bytes
 
     hybrid = cost_model(model)
     dtype_bytes = 2
@@ -160,11 +160,12 @@ def retrieval_layers(spec: str, lengths: list[int], *, prompts: int = 5, dtype: 
                      device: str | None = None) -> dict[str, Any]:
     """Per layer of an original (not converted) model: its attention from the answer position onto the pass key
     (max over heads, mean over ``prompts`` passkey prompts per length at depths 0..1) -- the probe's
-    ``attention`` term (:func:`linearize.probe.retrieval_attention`). High values mark the layers that retrieve."""
-    from . import probe
+    ``attention`` term (:func:`linearize.convert.probe.retrieval_attention`). High values mark the layers that
+    retrieve."""
     from . import recipe as recipes
+    from .convert import probe
     from .errors import SelectionError
-    from .sources import load_model
+    from .io.sources import load_model
 
     config_type = model_info(spec)["layer_types"]
     if config_type is not None and "linear_attention" in config_type:

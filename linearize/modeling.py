@@ -12,7 +12,7 @@ In memory the config's ``model_type`` is ``linearize``; on disk ``config.json`` 
 (``llama``, ``gemma3_text``, ...) and the hybrid by ``architectures`` and ``auto_map``. transformers'
 ``AutoTokenizer`` reads ``config.json`` before the tokenizer files; under the base family's type it loads
 the checkpoint's tokenizer exactly as the original's, with no custom code, prompt or warning, while the model
-itself loads with ``trust_remote_code=True`` (or :func:`linearize.sources.load_model`). Checkpoints written
+itself loads with ``trust_remote_code=True`` (or :func:`linearize.io.sources.load_model`). Checkpoints written
 with ``model_type: linearize`` load the same way.
 """
 
@@ -28,7 +28,7 @@ from transformers.cache_utils import Cache
 from .architectures import arch_spec
 from .attention import KERNEL_OPTIONS, LinearAttention, RealTokens, merge_kernel_options
 from .cache import HybridCache, softmax_windows
-from .select import LINEAR
+from .convert.selection import LINEAR
 
 #: base-config fields that belong to the hybrid and must not be passed to the base config class
 _OWN_FIELDS = ("base_model_type", "layer_types", "linear_attention", "base_layer_types", "base_rope_parameters",

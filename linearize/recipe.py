@@ -121,7 +121,7 @@ SCHEMA: dict[str, dict[str, Field]] = {
                                           lambda v: v is True or v is False or v == "auto"),
         **_run_fields(),
     },
-    "select": {  # --select auto: the probe (linearize/probe.py)
+    "select": {  # --select auto: the probe (linearize/convert/probe.py)
         # what convert does without --select: interleave, or auto where it can run and pays (training, not --fsdp,
         # a layer count to choose, a budget the probe fits, no more scoring than training tokens:
         # pipeline.plan_recipe_auto; otherwise interleave)
@@ -137,8 +137,8 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "retrieval_length": Field(int, 2048, "an integer in [64, 1048576] (tokens)", lambda v: 64 <= v <= 1048576),
         "retrieval_prompts": Field(int, 4, "an integer in [1, 256]", lambda v: 1 <= v <= 256),
         "seed": Field(int, 1, "an integer >= 0", lambda v: v >= 0),
-        # joint check of the choice on the probe's hybrid (linearize.probe.swap_check): rounds of trying to swap one
-        # of the swap_pool lowest-scoring kept layers for one of the swap_pool highest-scoring dropped ones
+        # joint check of the choice on the probe's hybrid (linearize.convert.probe.swap_check): rounds of trying to
+        # swap one of the swap_pool lowest-scoring kept layers for one of the swap_pool highest-scoring dropped ones
         "swap_rounds": Field(int, 2, "an integer in [0, 8] (0 = no swap check)", lambda v: 0 <= v <= 8),
         "swap_pool": Field(int, 4, "an integer in [1, 16]", lambda v: 1 <= v <= 16),
     },

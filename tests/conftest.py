@@ -108,7 +108,7 @@ def tiny_model(family: str, layers: int = 4, seed: int = 0):
 @pytest.fixture(scope="session")
 def embedded_dir() -> Path:
     """The embedded SmolLM2-135M, de-quantized once into an HF directory."""
-    from linearize.sources import local_dir
+    from linearize.io.sources import local_dir
 
     return local_dir("smollm2-135m")
 

@@ -12,8 +12,8 @@ import torch
 from conftest import run_cli, tiny_model
 from linearize import benchmodel as bm
 from linearize import recipe as R
-from linearize.select import select_layout
-from linearize.surgery import linearize_model
+from linearize.convert.selection import select_layout
+from linearize.convert.surgery import linearize_model
 
 TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256,
@@ -218,7 +218,7 @@ def test_llama3_8b_config_on_meta_has_the_published_shape():
 def test_shipped_configs_are_aliases_with_published_sizes(alias):
     from transformers import AutoModelForCausalLM
 
-    from linearize.sources import ALIASES
+    from linearize.io.sources import ALIASES
 
     assert set(bm.shipped_configs()) == set(PUBLISHED)
     assert alias in ALIASES

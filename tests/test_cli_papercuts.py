@@ -17,14 +17,14 @@ from typer.testing import CliRunner
 from conftest import char_tokenizer, run_cli, tiny_model
 from linearize import __version__
 from linearize import recipe as R
-from linearize.checkpoint import base_model_id, save_checkpoint
+from linearize.io.checkpoint import base_model_id, save_checkpoint
 from linearize.cli import app
 from linearize.evals.common import EvalError
 from linearize.evals.report import render_markdown, summary_table
 from linearize.evals.runner import EvalOptions, LoadOptions, ReportOptions, run_eval
-from linearize.select import select_layout
-from linearize.sources import ALIASES
-from linearize.surgery import linearize_model
+from linearize.convert.selection import select_layout
+from linearize.io.sources import ALIASES
+from linearize.convert.surgery import linearize_model
 
 
 def _help(*path: str) -> str:

@@ -126,7 +126,7 @@ def test_quick_check_scores_and_skips(monkeypatch):
 
 
 def test_a_stage_rerun_keeps_the_teacher_score_and_rescores_the_hybrid(monkeypatch):
-    from linearize.pipeline import RecallCheck
+    from linearize.convert.pipeline import RecallCheck
 
     calls = []
 

@@ -6,8 +6,8 @@ import torch
 from conftest import char_tokenizer, tiny_model
 from linearize import recipe as R
 from linearize.errors import TrainingError, TrainingInterrupted
-from linearize.select import select_layout
-from linearize.surgery import linearize_model
+from linearize.convert.selection import select_layout
+from linearize.convert.surgery import linearize_model
 from linearize.train import distill as D
 from linearize.train import loop as L
 

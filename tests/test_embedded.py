@@ -9,8 +9,8 @@ import torch
 
 from conftest import run_cli
 from linearize import recipe as R
-from linearize.select import select_layout
-from linearize.surgery import linearize_model
+from linearize.convert.selection import select_layout
+from linearize.convert.surgery import linearize_model
 
 pytestmark = pytest.mark.slow  # the real embedded model end to end
 
@@ -57,7 +57,7 @@ def test_fresh_process_loads_and_generates(converted):
 
 @pytest.fixture(scope="module")
 def real_model(embedded_dir):
-    from linearize.sources import load_model
+    from linearize.io.sources import load_model
 
     return load_model("smollm2-135m", dtype="float32", device="cpu")
 
@@ -85,7 +85,7 @@ def test_all_softmax_reproduces_original_logits(real_model):
 # paths agree to ~1e-13.
 @pytest.mark.parametrize("recipe,dtype,tol", [("lolcats", "float32", 1e-4), ("elu", "float64", 1e-9)])
 def test_prefill_100_then_20_steps_equals_full(embedded_dir, recipe, dtype, tol):
-    from linearize.sources import load_model
+    from linearize.io.sources import load_model
 
     model, tok = load_model(str(embedded_dir), dtype=dtype, device="cpu")
     hybrid = linearize_model(model, select_layout(30, ratio="3:1"), R.load(recipe))

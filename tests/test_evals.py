@@ -509,8 +509,8 @@ def test_real_model_passkey(tmp_path):
 def _one_linear_hybrid(tok):
     """The tiny llama with layer 0 linear (lolcats layer, window 8), layer 1 softmax: its weights are the original's."""
     from linearize import recipe as R
-    from linearize.select import FULL, LINEAR
-    from linearize.surgery import linearize_model
+    from linearize.convert.selection import FULL, LINEAR
+    from linearize.convert.surgery import linearize_model
 
     return linearize_model(_tiny_model(tok), [LINEAR, FULL], R.load("lolcats", {"attention.window": 8})).eval()
 

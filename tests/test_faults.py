@@ -45,7 +45,7 @@ import os, signal, sys, time
 import torch
 kind, layer, at = os.environ["LINEARIZE_TEST_FAULT"].split(":")
 if kind == "slow-save":
-    import linearize.checkpoint as C
+    import linearize.io.checkpoint as C
     real_save = C.save_file
     def save_file(tensors, filename, metadata=None):
         real_save(tensors, filename, metadata=metadata)
@@ -179,14 +179,14 @@ def test_kill_during_save_leaves_nothing_finished_and_rerun_succeeds(ws, tmp_pat
     assert any(p.suffix == ".safetensors" for p in (tmp_path / leftovers[0]).iterdir())
     res = _cli("convert", ws / "tiny", "--ratio", "1:0", "--set", "attention.window=8", "--no-train", "-o", out)
     assert res.exit_code == 0, res.stderr
-    from linearize.checkpoint import verify_checkpoint
+    from linearize.io.checkpoint import verify_checkpoint
 
     verify_checkpoint(out, hashes=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["OUT", "saving"]  # the dead run's leftovers are gone
 
 
 def test_killed_between_renames_restores_the_previous_output(tmp_path):
-    from linearize.checkpoint import atomic_dir
+    from linearize.io.checkpoint import atomic_dir
 
     out = tmp_path / "OUT"
     out.mkdir()
@@ -205,7 +205,7 @@ def test_killed_between_renames_restores_the_previous_output(tmp_path):
 def test_disk_full_during_save_is_one_line_and_leaves_nothing(ws, tmp_path, monkeypatch):
     import errno
 
-    import linearize.checkpoint as C
+    import linearize.io.checkpoint as C
 
     def full(tensors, filename, metadata=None):
         Path(filename).write_bytes(b"partial")
@@ -558,8 +558,8 @@ def test_bad_input_is_one_line_and_writes_nothing(ws, hybrid, odd_models, tmp_pa
 def test_layer_without_standard_attention_is_named():
     from conftest import tiny_model
     from linearize import recipe as R
-    from linearize.select import select_layout
-    from linearize.surgery import linearize_model
+    from linearize.convert.selection import select_layout
+    from linearize.convert.surgery import linearize_model
 
     model = tiny_model("llama", layers=2)
     model.model.layers[1].self_attn = torch.nn.Identity()

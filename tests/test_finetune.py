@@ -12,8 +12,8 @@ from conftest import tiny_model
 from linearize import recipe as R
 from linearize.errors import TrainingError, TrainingInterrupted
 from linearize.modeling import LinearizeForCausalLM
-from linearize.select import select_layout
-from linearize.surgery import linearize_model
+from linearize.convert.selection import select_layout
+from linearize.convert.surgery import linearize_model
 from linearize.train import finetune as FT
 from linearize.train import loop as L
 from test_distill import _tokenizer, corpus, interrupt_after_save  # noqa: F401 - the corpus fixture is used by name

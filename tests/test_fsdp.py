@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from linearize import fsdp
+from linearize.train import fsdp
 from linearize.errors import LinearizeError
 from test_distributed import TORCHRUN, _convert
 from test_interrupt import _args, _env, _weights, workspace  # noqa: F401 - the tiny model + corpus fixture

@@ -9,10 +9,10 @@ from conftest import char_tokenizer, tiny_model
 from test_distill import corpus  # noqa: F401 - the fixture is used by name
 from linearize import recipe as R
 from linearize.attention import DecayGate
-from linearize.checkpoint import save_checkpoint
+from linearize.io.checkpoint import save_checkpoint
 from linearize.modeling import LinearizeForCausalLM
-from linearize.select import select_layout
-from linearize.surgery import linearize_model
+from linearize.convert.selection import select_layout
+from linearize.convert.surgery import linearize_model
 
 
 def gated_hybrid(window: int, ratio: str = "3:1", half_life: float = 64.0, seed: int = 0):

@@ -11,10 +11,10 @@ import torch
 from conftest import FAMILIES, char_tokenizer, recorded_crops, run_cli, tiny_model
 from test_distill import corpus  # noqa: F401 - the fixture is used by name
 from linearize import recipe as R
-from linearize.checkpoint import save_checkpoint, verify_checkpoint
+from linearize.io.checkpoint import save_checkpoint, verify_checkpoint
 from linearize.errors import OutputError
-from linearize.select import select_layout
-from linearize.surgery import linearize_model
+from linearize.convert.selection import select_layout
+from linearize.convert.surgery import linearize_model
 
 RECIPES = {"elu": None, "lolcats": {"attention.window": 8}}
 
@@ -337,7 +337,7 @@ def test_checkpoint_round_trip(tmp_path, family):
     shard.write_bytes(shard.read_bytes()[:-10])
     with pytest.raises(OutputError, match=shards[0]):
         verify_checkpoint(out)
-    from linearize.sources import load_model
+    from linearize.io.sources import load_model
 
     with pytest.raises(OutputError, match="truncated or edited"):
         load_model(str(out), device="cpu")
@@ -559,7 +559,7 @@ def test_teacher_keeps_sliding_window_and_softcap(family, monkeypatch):
 def test_sliding_softmax_layers_keep_only_their_window():
     """A softmax layer that slides in the base model (every layer of a 4-layer Gemma 3) caches only its window, as
     the original's cache does, and the cache-size formula counts it so."""
-    from linearize.surgery import cache_bytes
+    from linearize.convert.surgery import cache_bytes
 
     hybrid = linearize_model(tiny_model("gemma3_text"), select_layout(4, ratio="1:1"), R.load("elu"))
     ids = torch.randint(0, 128, (1, 50))
@@ -610,8 +610,8 @@ def test_vision_language_models_convert_their_text_decoder(family, tmp_path):
 
     from linearize.errors import SpecError
     from linearize.info import model_info
-    from linearize.sources import load_model
-    from linearize.surgery import check_config_supported
+    from linearize.io.sources import load_model
+    from linearize.convert.surgery import check_config_supported
 
     vlm = _tiny_vision_language_model(family, tmp_path / "vlm")
     ids = torch.randint(0, 120, (2, 40))
@@ -652,7 +652,7 @@ def test_unsupported_families_are_refused_in_one_line(model_type, why):
     from transformers import AutoConfig
 
     from linearize.errors import UnsupportedModelError
-    from linearize.surgery import check_config_supported
+    from linearize.convert.surgery import check_config_supported
 
     config = AutoConfig.for_model(model_type)
     with pytest.raises(UnsupportedModelError) as err:

@@ -5,10 +5,10 @@ import pytest
 
 from conftest import char_tokenizer, run_cli, tiny_model
 from linearize import recipe as R
-from linearize.checkpoint import save_checkpoint
+from linearize.io.checkpoint import save_checkpoint
 from linearize.info import model_info
-from linearize.select import select_layout
-from linearize.surgery import cache_bytes, linearize_model
+from linearize.convert.selection import select_layout
+from linearize.convert.surgery import cache_bytes, linearize_model
 
 
 def test_plan_from_a_shipped_config_offline():

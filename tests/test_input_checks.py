@@ -35,9 +35,9 @@ def ws(tmp_path_factory) -> Path:
     """A tiny model and corpus, data files that cannot train, and a hybrid checkpoint of the tiny model."""
     from transformers import AutoModelForCausalLM
 
-    from linearize.checkpoint import save_checkpoint
-    from linearize.select import select_layout
-    from linearize.surgery import linearize_model
+    from linearize.io.checkpoint import save_checkpoint
+    from linearize.convert.selection import select_layout
+    from linearize.convert.surgery import linearize_model
 
     root = tiny_workspace(tmp_path_factory.mktemp("checks"), char_tokenizer(), layers=2)
     (root / "empty.txt").write_text("\n\n  \n")
@@ -142,9 +142,9 @@ def test_convert_resume_names_the_setting_that_differs(ws, cli, tmp_path):
     naming distill.lr and both values, before the model loads, and the state is left as it was."""
     from transformers import AutoModelForCausalLM
 
-    from linearize.pipeline import state_dir_for
-    from linearize.select import select_layout
-    from linearize.surgery import linearize_model
+    from linearize.convert.pipeline import state_dir_for
+    from linearize.convert.selection import select_layout
+    from linearize.convert.surgery import linearize_model
 
     out = tmp_path / "out"
     lr = {"distill.data": str(ws / "corpus.txt"), "finetune.data": str(ws / "corpus.txt"), "distill.lr": 1e-3}
@@ -158,8 +158,8 @@ def test_convert_resume_names_the_setting_that_differs(ws, cli, tmp_path):
 
 
 def test_distill_resume_names_the_budget(ws, cli, tmp_path):
-    from linearize.pipeline import state_dir_for
-    from linearize.sources import load_model
+    from linearize.convert.pipeline import state_dir_for
+    from linearize.io.sources import load_model
 
     rec = R.load(str(ws / "hybrid" / "linearize_recipe.yaml"))
     out = tmp_path / "out"
@@ -172,8 +172,8 @@ def test_distill_resume_names_the_budget(ws, cli, tmp_path):
 def test_finetune_resume_names_the_loss(ws, cli, tmp_path):
     pytest.importorskip("peft", exc_type=ImportError)  # a peft release that does not import with this transformers
     from linearize.train import finetune as FT
-    from linearize.pipeline import state_dir_for
-    from linearize.sources import load_model
+    from linearize.convert.pipeline import state_dir_for
+    from linearize.io.sources import load_model
 
     tok = char_tokenizer()
     rec = R.load(str(ws / "hybrid" / "linearize_recipe.yaml"))
@@ -192,7 +192,7 @@ def test_resume_after_loading_names_the_setting_too(ws, tmp_path, monkeypatch):
     """The library's own check (distill() called directly) names the setting; a state written before settings
     were recorded still refuses, by its fingerprint."""
     from linearize.train import distill as D
-    from linearize.sources import load_model
+    from linearize.io.sources import load_model
 
     monkeypatch.setenv("LINEARIZE_CACHE", str(ws / "cache"))
     tok = char_tokenizer()
@@ -225,7 +225,7 @@ def test_set_without_section_suggests_the_spellings(ws, cli, tmp_path):
 
 
 def test_unknown_spec_shows_the_closest_aliases():
-    from linearize.sources import ALIASES, resolve
+    from linearize.io.sources import ALIASES, resolve
 
     with pytest.raises(SpecError) as e:
         resolve("llama3-8b")

@@ -91,8 +91,8 @@ def _tiny_checkpoint(tmp_path: Path) -> Path:
     from conftest import char_tokenizer, tiny_model
 
     from linearize import recipe as R
-    from linearize.checkpoint import save_checkpoint
-    from linearize.surgery import linearize_model
+    from linearize.io.checkpoint import save_checkpoint
+    from linearize.convert.surgery import linearize_model
 
     rec = R.load("lolcats", {"attention.window": 4})
     model = tiny_model("llama", layers=2)
@@ -155,7 +155,7 @@ def test_config_names_the_base_family_and_the_hybrid(tmp_path):
     """On disk ``model_type`` is the base family's (what lets the tokenizer load as the original's);
     ``architectures`` and ``auto_map`` name the hybrid; the package reads it back as the hybrid's config."""
     from linearize.modeling import LinearizeConfig
-    from linearize.sources import is_hybrid_dir, read_config
+    from linearize.io.sources import is_hybrid_dir, read_config
 
     out = _tiny_checkpoint(tmp_path)
     cfg = json.loads((out / "config.json").read_text())
@@ -195,7 +195,7 @@ def test_checkpoint_written_before_the_kernels_moved_still_loads(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     assert float(res.stdout.split("DIFF")[1]) <= 1e-5
 
-    from linearize.sources import load_model
+    from linearize.io.sources import load_model
 
     model, _ = load_model(str(ckpt), dtype="float32", device="cpu")
     assert "fused_feature_maps" not in json.loads((ckpt / "config.json").read_text())  # written before the field
@@ -212,8 +212,8 @@ def test_every_family_tokenizer_loads_quietly(tmp_path):
     from conftest import _TINY_FAMILIES, char_tokenizer, tiny_model
 
     from linearize import recipe as R
-    from linearize.checkpoint import save_checkpoint
-    from linearize.surgery import linearize_model
+    from linearize.io.checkpoint import save_checkpoint
+    from linearize.convert.surgery import linearize_model
 
     rec = R.load("elu")
     dirs = []

@@ -20,11 +20,11 @@ from conftest import FAMILIES, char_tokenizer, run_cli, tiny_model
 #: tests/test_hybrid_models.py covers
 OFFLOADED = FAMILIES[:13] + ["olmo", "stablelm", "smollm3", "cohere", "glm4_moe"]
 from linearize import recipe as R
-from linearize.checkpoint import save_checkpoint
+from linearize.io.checkpoint import save_checkpoint
 from linearize.errors import SpecError
-from linearize.select import select_layout
-from linearize.sources import input_device, load_model, parse_max_memory, placement
-from linearize.surgery import linearize_model
+from linearize.convert.selection import select_layout
+from linearize.io.sources import input_device, load_model, parse_max_memory, placement
+from linearize.convert.surgery import linearize_model
 
 WINDOW = {"attention.window": 8}
 #: one tiny decoder layer is ~150 KB in fp32: the embedding and a layer or two fit, the rest goes to disk

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from conftest import char_tokenizer, tiny_workspace
 from linearize.cli import app
 from linearize.errors import OutputError
-from linearize.outputs import MARKER, check_output, command_scope, enclosing_model_dir, is_model_dir, read_marker
+from linearize.io.outputs import MARKER, check_output, command_scope, enclosing_model_dir, is_model_dir, read_marker
 
 SMALL = {"seq_len": 32, "batch_size": 2, "eval_seqs": 2, "warmup_steps": 1}
 

@@ -1,4 +1,4 @@
-"""The conversion's plan (linearize.plan): the spec resolved once, the layout decided once for every combination
+"""The conversion's plan (linearize.convert.plan): the spec resolved once, the layout decided once for every combination
 of options, the token budget split per stage."""
 
 import dataclasses
@@ -8,12 +8,13 @@ import sys
 import pytest
 
 from conftest import char_tokenizer, tiny_model, tiny_workspace
-from linearize import pipeline, sources
+from linearize.convert import pipeline
+from linearize.io import sources
 from linearize import recipe as R
 from linearize.errors import LinearizeError, SelectionError
-from linearize.plan import (Layout, LayoutOptions, RunOptions, TrainingOptions, build_plan, decide_layout,
-                            default_output_name, plan_auto_select, split_tokens)
-from linearize.select import FULL, LINEAR
+from linearize.convert.plan import (Layout, LayoutOptions, RunOptions, TrainingOptions, build_plan, decide_layout,
+                                    default_output_name, plan_auto_select, split_tokens)
+from linearize.convert.selection import FULL, LINEAR
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,9 @@ import torch
 from conftest import char_tokenizer, recorded_crops, run_cli, tiny_model
 from linearize import recipe as R
 from linearize.cache import CROP_TOKENS, HybridCache, LinearStateLayer
-from linearize.checkpoint import save_checkpoint
-from linearize.select import select_layout
-from linearize.surgery import linearize_model
+from linearize.io.checkpoint import save_checkpoint
+from linearize.convert.selection import select_layout
+from linearize.convert.surgery import linearize_model
 
 WINDOW = {"attention.window": 8}
 

@@ -8,13 +8,13 @@ import torch
 import yaml
 
 from conftest import char_tokenizer, run_cli, tiny_model, tiny_workspace
-from linearize import pipeline
-from linearize import probe as P
+from linearize.convert import pipeline
+from linearize.convert import probe as P
 from linearize import recipe as R
 from linearize.errors import LinearizeError, SelectionError
-from linearize.plan import LayoutOptions, RunOptions, TrainingOptions
-from linearize.select import (FULL, check_select, choose_softmax_layers, parse_kv_budget, selection_boundary,
-                              softmax_count_for_budget, softmax_count_from_ratio)
+from linearize.convert.plan import LayoutOptions, RunOptions, TrainingOptions
+from linearize.convert.selection import (FULL, check_select, choose_softmax_layers, parse_kv_budget, selection_boundary,
+                                         softmax_count_for_budget, softmax_count_from_ratio)
 
 
 @pytest.fixture(autouse=True)
@@ -155,7 +155,7 @@ def test_bad_select_writes_nothing(ws, tmp_path, monkeypatch, layout, training, 
 
 def test_recipe_auto_gives_way_under_fsdp(ws, tmp_path, monkeypatch):
     """--fsdp refuses an explicit --select auto, but the recipe's own auto becomes interleave (with a log line)."""
-    from linearize import fsdp
+    from linearize.train import fsdp
 
     seen, logs = [], []
 
@@ -177,7 +177,7 @@ def test_recipe_auto_gives_way_under_fsdp(ws, tmp_path, monkeypatch):
 
 
 def _load(ws):
-    from linearize.sources import load_model
+    from linearize.io.sources import load_model
 
     return load_model(str(ws / "tiny"), device="cpu")
 

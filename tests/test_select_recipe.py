@@ -4,7 +4,8 @@ import pytest
 
 from linearize import recipe as R
 from linearize.errors import RecipeError, SelectionError
-from linearize.select import FULL, LINEAR, layout_from_ratio, parse_layer_list, select_layout, softmax_indices
+from linearize.convert.selection import (FULL, LINEAR, layout_from_ratio, parse_layer_list, select_layout,
+                                         softmax_indices)
 
 
 def test_ratio_3_to_1_on_30_layers():

@@ -1,4 +1,4 @@
-"""``linearize convert``: spec -> hybrid checkpoint (:func:`linearize.pipeline.convert`)."""
+"""``linearize convert``: spec -> hybrid checkpoint (:func:`linearize.convert.pipeline.convert`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import typer
 
-from ..outputs import command_scope
+from ..io.outputs import command_scope
 from ..settings import DEFAULT_MODEL, DEFAULT_RATIO, DEFAULT_RECIPE
 from .app import app, log, user_errors
 from .options import DEVICE, DTYPE, FSDP, OVERWRITE_HELP, RESUME, SET, overrides
@@ -38,8 +38,8 @@ def convert(
 ):
     """Convert a model into a linear-attention hybrid checkpoint."""
     # start-up time: the pipeline imports torch, transformers and the model code, which --help never needs
-    from ..pipeline import convert as run
-    from ..plan import LayoutOptions, RunOptions, TrainingOptions
+    from ..convert.pipeline import convert as run
+    from ..convert.plan import LayoutOptions, RunOptions, TrainingOptions
 
     layout = LayoutOptions(ratio=ratio, softmax_layers=softmax_layers, select=select, kv_budget=kv_budget)
     training = TrainingOptions(train=not no_train, finetune=not no_finetune, tokens=tokens,

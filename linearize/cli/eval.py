@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from ..outputs import command_scope
+from ..io.outputs import command_scope
 from .app import app, console, err_console, user_errors
 from .options import DEVICE, DTYPE, MAX_MEMORY_HELP, OFFLOAD_DIR_HELP
 

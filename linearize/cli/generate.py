@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from ..sources import check_placement
+from ..io.sources import check_placement
 from .app import app, err_console, user_errors
 from .options import DEVICE, DTYPE, MAX_MEMORY_HELP, OFFLOAD_DIR_HELP
 

@@ -8,8 +8,8 @@ from typing import Optional
 import typer
 from rich.table import Table
 
+from ..convert.selection import describe_swap
 from ..errors import LinearizeError
-from ..select import describe_swap
 from ..settings import DEFAULT_RECIPE
 from ..units import format_bytes, format_length
 from .app import app, console, user_errors

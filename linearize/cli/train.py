@@ -1,5 +1,5 @@
 """``linearize distill`` and ``linearize finetune``: rerun a training stage on a hybrid checkpoint
-(:func:`linearize.pipeline.rerun_stage`)."""
+(:func:`linearize.convert.pipeline.rerun_stage`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import List, Optional
 
 import typer
 
-from ..outputs import command_scope, finish_output
+from ..io.outputs import command_scope, finish_output
 from .app import app, log, user_errors
 from .options import DEVICE, DTYPE, FSDP, RESUME, SET, overrides
 
@@ -30,7 +30,7 @@ def distill(
     fsdp: bool = FSDP,
 ):
     """(Re)run attention transfer (stage 1) on a hybrid checkpoint."""
-    from ..pipeline import rerun_stage  # start-up time: torch, transformers and the model code
+    from ..convert.pipeline import rerun_stage  # start-up time: torch, transformers and the model code
 
     with command_scope("distill", in_place=path):  # PATH itself is updated in place; -o never a model checkpoint
         p = rerun_stage("distill", path, out=out, overrides=overrides(set_), tokens=tokens, resume=resume,
@@ -54,8 +54,8 @@ def finetune(
 ):
     """(Re)run the LoRA stage (stage 2) on a hybrid checkpoint; adapters are merged before saving."""
     # start-up time: torch, transformers and the model code
+    from ..convert.pipeline import rerun_stage
     from ..distributed import is_main
-    from ..pipeline import rerun_stage
 
     # PATH itself is updated in place (an adapter never goes into it); -o is never a model checkpoint
     with command_scope("finetune", in_place=None if adapter_only else path):

@@ -189,7 +189,7 @@ class ModelHandle:
     def device(self) -> torch.device:
         """Where inputs go: the embedding's device, or for a model dispatched by accelerate (``--max-memory``)
         its execution device (``next(parameters()).device`` is ``meta`` for offloaded weights)."""
-        from linearize.sources import input_device  # noqa: PLC0415
+        from linearize.io.sources import input_device  # noqa: PLC0415
 
         return input_device(self.model)
 

@@ -76,7 +76,7 @@ def parse_tasks(value: str | Sequence[str]) -> list[TaskSpec]:
 
 def _default_loader() -> Callable:
     try:
-        from linearize.sources import load_model  # noqa: PLC0415
+        from linearize.io.sources import load_model  # noqa: PLC0415
     except ImportError as e:  # pragma: no cover - sources.py ships with the package
         raise EvalError(f"model loading is unavailable ({e}); pass loader=") from None
     return load_model
@@ -155,7 +155,7 @@ def default_out_dir(spec: str, tasks: str | Sequence[str], *, now: _dt.datetime 
                     parent: str | Path = ".") -> Path:
     """A new report folder for this run: ``eval-MODEL-TASKS-YYYYMMDD-HHMMSS`` (``eval-smollm2-135m-passkey,ppl-
     20261204-143012``), with ``-2``, ``-3``, ... when that name is taken, so runs never collide."""
-    from linearize.sources import resolve  # noqa: PLC0415
+    from linearize.io.sources import resolve  # noqa: PLC0415
 
     names = ",".join(dict.fromkeys(s.name for s in parse_tasks(tasks)))
     stamp = (now or _dt.datetime.now()).strftime("%Y%m%d-%H%M%S")
@@ -245,9 +245,9 @@ class LoadOptions:
 
     device, dtype: passed to the loader.
     max_memory, offload_dir: layer-wise onloading for models that do not fit (``{0: "40GiB", "cpu": "100GiB"}``
-        or ``"0=40GiB,cpu=100GiB"``; see ``linearize.sources.load_model``), for both models; passed to the
+        or ``"0=40GiB,cpu=100GiB"``; see ``linearize.io.sources.load_model``), for both models; passed to the
         loader only when given.
-    loader: ``loader(spec, dtype=, device=) -> (model, tokenizer)``; default ``linearize.sources.load_model``.
+    loader: ``loader(spec, dtype=, device=) -> (model, tokenizer)``; default ``linearize.io.sources.load_model``.
     """
 
     device: Any = None
@@ -263,7 +263,7 @@ class ReportOptions:
 
     out_dir: report directory; written atomically (:func:`linearize.atomic.atomic_write`: ``.NAME.tmp-PID`` renamed).
     overwrite: replace an existing ``out_dir``: never a model checkpoint (nor write inside one), never another
-        command's output; on the command line only an earlier eval output (:mod:`linearize.outputs`).
+        command's output; on the command line only an earlier eval output (:mod:`linearize.io.outputs`).
     progress: rich progress bars (and with ``table`` the summary table) on the terminal (stderr).
     console: a rich Console to draw on (default: stderr).
     table: print the summary table on ``console`` at the end (with ``progress``); the command line prints it
@@ -291,7 +291,7 @@ def run_eval(spec: str, tasks: str | Sequence[str], report: ReportOptions, *, ag
     options.check_counts()
     placement: dict = {}
     if load.max_memory is not None or load.offload_dir is not None:  # bad values fail here, before any model loads
-        from linearize.sources import check_placement  # noqa: PLC0415
+        from linearize.io.sources import check_placement  # noqa: PLC0415
 
         placement = {"max_memory": check_placement(load.device, load.max_memory, load.offload_dir),
                      "offload_dir": load.offload_dir}
@@ -300,7 +300,7 @@ def run_eval(spec: str, tasks: str | Sequence[str], report: ReportOptions, *, ag
         raise EvalError("task 'agreement' needs against= (--against SPEC): the original generates the text it is scored on")
     check_data(cfg.data)  # a bad --data spec or a missing corpus: one line, before any model loads
     out_dir, overwrite = Path(report.out_dir), report.overwrite
-    from linearize.outputs import check_output, normalize_modes, write_marker  # noqa: PLC0415
+    from linearize.io.outputs import check_output, normalize_modes, write_marker  # noqa: PLC0415
 
     # a model checkpoint, a folder inside one, another command's output, a read-only or file parent: one line here,
     # before any model is loaded
@@ -400,7 +400,7 @@ def _placement(model, handle: ModelHandle) -> str:
     """``cpu`` / ``cuda:0``, or for a model dispatched by accelerate (``--max-memory``)
     ``cuda:0 + offload (cpu, disk): decoder layers 20 on cuda:0, 8 on cpu, 4 on disk``."""
     try:
-        from linearize.sources import placement  # noqa: PLC0415
+        from linearize.io.sources import placement  # noqa: PLC0415
 
         return placement(model)
     except Exception:  # noqa: BLE001  # pragma: no cover - a stand-in model from a custom loader

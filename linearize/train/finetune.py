@@ -41,8 +41,8 @@ from ..architectures import arch_spec
 from ..atomic import atomic_write
 from ..data import heldout_sequences, num_batches, packed_batches
 from ..errors import TrainingError
-from ..fsdp import is_sharded, merge_lora
 from ..units import parse_tokens
+from .fsdp import is_sharded, merge_lora
 from .loop import Stage, StageLoop, open_state, set_rng_state
 
 __all__ = ["finetune", "lora_target_regex", "adapter_layers", "evaluate", "chunked_kl", "STATE_FILE"]

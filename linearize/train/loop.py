@@ -38,9 +38,9 @@ import torch
 
 from .. import distributed as dist
 from ..atomic import atomic_write
+from ..convert.selection import describe_layout
 from ..errors import TrainingError
 from ..progress import step_progress
-from ..select import describe_layout
 from .guards import LossGuard, whole_step
 from .memory import plan_pieces
 

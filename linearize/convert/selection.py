@@ -6,16 +6,16 @@ The result is a `layer_types` list in the transformers convention used by Qwen3-
 ``--select interleave`` (the default) places the softmax layers by the repeating ``--ratio`` pattern.
 ``--select auto`` keeps the same *number* of softmax layers (or, with ``--kv-budget BYTES@LENGTH``, the
 most that fit a cache budget) but chooses *which* layers from measured scores: see
-:mod:`linearize.probe` for the probe and :func:`choose_softmax_layers` for the choice.
+:mod:`linearize.convert.probe` for the probe and :func:`choose_softmax_layers` for the choice.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .errors import SelectionError
-from .settings import DEFAULT_RATIO
-from .units import UnitError, parse_bytes, parse_length
+from ..errors import SelectionError
+from ..settings import DEFAULT_RATIO
+from ..units import UnitError, parse_bytes, parse_length
 
 LINEAR = "linear_attention"
 FULL = "full_attention"

@@ -25,8 +25,8 @@ from typing import Any, Iterator
 import torch
 from safetensors.torch import save_file
 
-from .atomic import atomic_write
-from .errors import OutputError
+from ..atomic import atomic_write
+from ..errors import OutputError
 
 INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_SHARD_BYTES = 2 * 1024**3
@@ -51,7 +51,7 @@ def check_writable(out: Path) -> None:
 
 def check_output_dir(out: Path, overwrite: bool, *, command: str | None = None) -> None:
     """Refuse an existing output unless ``overwrite``, a model checkpoint (or a folder inside one) and, on the
-    command line, a folder another command wrote (:func:`linearize.outputs.check_output`); check the parent is
+    command line, a folder another command wrote (:func:`linearize.io.outputs.check_output`); check the parent is
     writable. Writes nothing."""
     from .outputs import check_output
 
@@ -92,7 +92,7 @@ def atomic_dir(out: Path, overwrite: bool = False, *, marker: str | None = None)
     """Yield a temporary directory that becomes ``out`` only if the block completes
     (:func:`linearize.atomic.atomic_write`), after the leftovers of a killed run are cleaned up
     (:func:`recover_output`) and ``out`` is checked (:func:`check_output_dir`). With ``marker`` (a command name), the
-    finished directory carries the marker naming it (:data:`linearize.outputs.MARKER`); its files get the usual
+    finished directory carries the marker naming it (:data:`linearize.io.outputs.MARKER`); its files get the usual
     modes (0644 / 0755 under umask 022) whatever their writer used."""
     from .outputs import normalize_modes, write_marker
 
@@ -231,8 +231,8 @@ def base_model_id(base: str, source: str | Path | None = None) -> str:
 def model_card(model, *, base: str, recipe_name: str, reports: dict[str, Any], base_id: str | None = None) -> str:
     """The checkpoint's README.md: metadata front matter, layer map, how to load, scores. ``base_id``: the
     original's hub id for ``base_model`` (default: :func:`base_model_id` of ``base``)."""
-    from . import __version__
-    from .select import describe_layout
+    from .. import __version__
+    from ..convert.selection import describe_layout
 
     cfg = model.config
     base_id = base_id or base_model_id(base)
@@ -273,7 +273,7 @@ def model_card(model, *, base: str, recipe_name: str, reports: dict[str, Any], b
     if not reports:
         lines.append("Surgery only: the linear layers are untrained (run `linearize distill`).")
     rc = reports.get("recall") or {}
-    if "hybrid" in rc:  # the conversion's built-in recall check (linearize.pipeline.RecallCheck)
+    if "hybrid" in rc:  # the conversion's built-in recall check (linearize.convert.pipeline.RecallCheck)
         lines += [f"Recall check (`linearize eval --task copy`: a held-out {rc['span']}-token span repeated at the end "
                   f"of {rc['length']}-token sequences, {rc['samples']} samples): teacher {100 * rc['teacher']:.1f}% → "
                   f"hybrid **{100 * rc['hybrid']:.1f}%** of the copied tokens predicted exactly.", ""]
@@ -281,7 +281,7 @@ def model_card(model, *, base: str, recipe_name: str, reports: dict[str, Any], b
     for stage, rep in reports.items():
         lines.append(f"- **{stage}**: " + ", ".join(f"{k}={v}" for k, v in rep.items() if not isinstance(v, (dict, list))))
     if "select" in reports:  # --select auto: the per-layer scores behind the layout
-        from .select import scores_markdown
+        from ..convert.selection import scores_markdown
 
         lines += ["", *scores_markdown(reports["select"])]
     return "\n".join(lines) + "\n"
@@ -292,11 +292,11 @@ def save_checkpoint(model, tokenizer, out: Path, *, base: str, recipe, overwrite
                     max_shard_bytes: int = DEFAULT_SHARD_BYTES, state_dict: dict[str, torch.Tensor] | None = None,
                     command: str | None = None) -> Path:
     """Write the complete checkpoint directory atomically; return its path. ``state_dict`` replaces the
-    model's own (``--fsdp``: the full weights gathered on rank 0 by :func:`linearize.fsdp.full_state_dict`).
+    model's own (``--fsdp``: the full weights gathered on rank 0 by :func:`linearize.train.fsdp.full_state_dict`).
     ``command``: what the output marker names (default: the running command line command, else convert)."""
-    from .bundle import remote_code_files
+    from ..bundle import remote_code_files
+    from ..recipe import resolved_yaml
     from .outputs import current_scope
-    from .recipe import resolved_yaml
 
     out = Path(out)
     reports = reports or {}
@@ -329,7 +329,7 @@ def save_checkpoint(model, tokenizer, out: Path, *, base: str, recipe, overwrite
 
 
 def _report_md(summary: dict[str, Any]) -> str:
-    from .select import describe_layout
+    from ..convert.selection import describe_layout
 
     lines = [f"# Conversion report: {summary['base_model']}", "",
              f"- recipe: `{summary['recipe']}`",
@@ -341,7 +341,7 @@ def _report_md(summary: dict[str, Any]) -> str:
         lines += [f"| {k} | {v} |" for k, v in rep.items() if not isinstance(v, (dict, list))]
         lines.append("")
         if stage == "select":  # --select auto: the per-layer scores
-            from .select import scores_markdown
+            from ..convert.selection import scores_markdown
 
             lines += scores_markdown(rep)
     return "\n".join(lines) + "\n"

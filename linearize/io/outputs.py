@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from .errors import OutputError
+from ..errors import OutputError
 
 MARKER = ".linearize-output.json"
 #: files that make a folder with ``config.json`` (or ``adapter_config.json``) a model checkpoint
@@ -97,7 +97,7 @@ def read_marker(path: str | Path) -> dict | None:
 
 def write_marker(directory: str | Path, command: str) -> Path:
     """Write the marker saying ``command`` wrote ``directory``."""
-    from . import __version__
+    from .. import __version__
 
     p = Path(directory) / MARKER
     p.write_text(json.dumps({"command": command, "version": __version__,

@@ -19,11 +19,11 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from .architectures import text_decoder, text_part
-from .atomic import atomic_write
-from .errors import SpecError
-from .units import UnitError, parse_bytes
-from .settings import cache_root
+from ..architectures import text_decoder, text_part
+from ..atomic import atomic_write
+from ..errors import SpecError
+from ..settings import cache_root
+from ..units import UnitError, parse_bytes
 
 #: alias -> hub id. Kept as data: adding a model is one line.
 ALIASES: dict[str, str] = {
@@ -108,7 +108,7 @@ class ResolvedSpec:
 def shipped_configs() -> dict[str, Path]:
     """Alias -> the published config shipped with the package (``linearize/model_configs/ALIAS.json``), for
     planning (``info --ratio``) and ``bench model --random-weights`` without the weights."""
-    return {p.stem: p for p in sorted((Path(__file__).resolve().parent / "model_configs").glob("*.json"))}
+    return {p.stem: p for p in sorted((Path(__file__).resolve().parents[1] / "model_configs").glob("*.json"))}
 
 
 def embedded_gguf(alias: str) -> Path | None:
@@ -162,7 +162,7 @@ def _closest_aliases(spec: str) -> str:
     import difflib
 
     names = difflib.get_close_matches(spec.lower(), ALIASES, n=3, cutoff=0.5)
-    every = f"all {len(ALIASES)} aliases: python -c \"import linearize.sources as s; print(*s.ALIASES)\""
+    every = f"all {len(ALIASES)} aliases: python -c \"import linearize.io.sources as s; print(*s.ALIASES)\""
     if not names:
         return every
     return f"did you mean {' or '.join(names) if len(names) < 3 else f'{names[0]}, {names[1]} or {names[2]}'}? {every}"
@@ -228,7 +228,7 @@ def local_dir(spec: str | ResolvedSpec) -> Path:
     if r.kind == "gguf":
         return gguf_to_hf_dir(r.gguf_file)
     if is_hybrid_dir(r.path):
-        from . import modeling  # noqa: F401  (registers the Auto classes; the command line imports it late)
+        from .. import modeling  # noqa: F401  (registers the Auto classes; the command line imports it late)
         from .checkpoint import verify_checkpoint
 
         verify_checkpoint(r.path)
@@ -260,7 +260,7 @@ def read_config(path):
     """The config of the model in ``path``: a hybrid's :class:`~linearize.modeling.LinearizeConfig`, a
     vision-language model's text decoder config (what ``convert`` converts), any other model's own."""
     if is_hybrid_dir(path):
-        from .modeling import LinearizeConfig
+        from ..modeling import LinearizeConfig
 
         return LinearizeConfig.from_pretrained(path)
     from transformers import AutoConfig
@@ -289,7 +289,7 @@ def load_model(spec: str | ResolvedSpec, *, dtype=None, device=None, max_memory=
     import torch  # after the spec's errors, which then come without transformers' start-up time
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from . import modeling  # noqa: F401  (registers the Auto classes)
+    from .. import modeling  # noqa: F401  (registers the Auto classes)
     if max_memory is None:
         check_device(device)
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -326,7 +326,7 @@ def load_model(spec: str | ResolvedSpec, *, dtype=None, device=None, max_memory=
     except Exception as e:  # noqa: BLE001 - a corrupt file or an unloadable model is one line, never a traceback
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)
-        from .train.guards import is_oom
+        from ..train.guards import is_oom
 
         bad_files = isinstance(e, (ValueError, OSError, KeyError)) or type(e).__name__ == "SafetensorError"
         if is_oom(e) or not bad_files:

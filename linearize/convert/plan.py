@@ -5,7 +5,7 @@ into a frozen :class:`ConvertPlan`: the recipe with its ``--set`` overrides, the
 decided once (:class:`Layout`: named softmax layers, the interleave pattern, or ``--select auto`` with its count
 from ``--ratio`` or ``--kv-budget``, and what the probe will cost: :class:`AutoSelect`), the token budget of each
 stage, dtype and device, the output directory. Everything a user can get wrong is refused here, in one line,
-so a bad call writes nothing; :func:`linearize.pipeline.convert` then runs the plan.
+so a bad call writes nothing; :func:`linearize.convert.pipeline.convert` then runs the plan.
 """
 
 from __future__ import annotations
@@ -17,15 +17,16 @@ from typing import Any, Callable
 
 import torch
 
-from . import fsdp, sources
-from . import recipe as recipes
-from .checkpoint import check_output_dir
-from .data import parse_tokens
-from .errors import LinearizeError, SelectionError
+from .. import recipe as recipes
+from ..data import parse_tokens
+from ..errors import LinearizeError, SelectionError
+from ..io import sources
+from ..io.checkpoint import check_output_dir
+from ..settings import DEFAULT_RATIO, DEFAULT_RECIPE
+from ..train import fsdp
 from .probe import plan_probe_tokens, plan_scoring_tokens, score_weights
-from .select import (check_select, layout_from_ratio, parse_layer_list, parse_ratio, select_layout,
-                     softmax_count_for_budget, softmax_count_from_ratio, softmax_indices)
-from .settings import DEFAULT_RATIO, DEFAULT_RECIPE
+from .selection import (check_select, layout_from_ratio, parse_layer_list, parse_ratio, select_layout,
+                        softmax_count_for_budget, softmax_count_from_ratio, softmax_indices)
 
 #: the most the ``--select auto`` probe may take of a conversion's tokens
 PROBE_MAX_SHARE = 0.25
@@ -128,7 +129,7 @@ class AutoSelect:
 
 @dataclass(frozen=True)
 class ConvertPlan:
-    """A conversion, checked and resolved: what :func:`linearize.pipeline.convert` runs."""
+    """A conversion, checked and resolved: what :func:`linearize.convert.pipeline.convert` runs."""
 
     spec: str
     source: sources.ResolvedSpec

@@ -7,14 +7,14 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from .architectures import (arch_spec, attention_shape, not_causal_reason, not_supported_reason, supported_types,
-                            text_part)
-from .errors import UnsupportedModelError
-from .feature_maps import build_feature_map
-from .modeling import LinearizeConfig, LinearizeForCausalLM
-from .recipe import Recipe
-from .cache import softmax_windows
-from .select import LINEAR
+from ..architectures import (arch_spec, attention_shape, not_causal_reason, not_supported_reason, supported_types,
+                             text_part)
+from ..cache import softmax_windows
+from ..errors import UnsupportedModelError
+from ..feature_maps import build_feature_map
+from ..modeling import LinearizeConfig, LinearizeForCausalLM
+from ..recipe import Recipe
+from .selection import LINEAR
 
 
 def check_config_supported(config, spec: str | None = None) -> str:
@@ -45,7 +45,7 @@ def check_config_supported(config, spec: str | None = None) -> str:
 def load_base_config(spec: str, path) -> Any:
     """Read ``path/config.json`` (one line on failure) and check it is a supported architecture; a
     vision-language model's config is its text decoder's (what ``convert`` converts)."""
-    from .sources import read_config
+    from ..io.sources import read_config
 
     try:
         config = read_config(path)

@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import torch
 
-from . import distributed as dist
-from .errors import LinearizeError
+from .. import distributed as dist
+from ..errors import LinearizeError
 
 __all__ = ["check_options", "load_device", "load_and_shard", "shard", "is_sharded",
            "merge_lora", "full_state_dict"]
@@ -56,7 +56,7 @@ def check_options(*, select_auto: bool = False, train: bool = True, adapter_only
 def load_device(device: str | None, dtype):
     """Where and in which dtype an FSDP rank loads the full model: the CPU, in the dtype its training
     device would default to (bf16 for CUDA ranks, fp32 on the CPU)."""
-    from .sources import resolve_dtype
+    from ..io.sources import resolve_dtype
 
     return "cpu", resolve_dtype(dtype, device or "cpu")
 
@@ -66,8 +66,8 @@ def load_and_shard(spec: str, device: str | None, dtype, prepare=None, log=None)
     :class:`LinearizeForCausalLM`), build the same model on the meta device on the other ranks, and shard
     it over all ranks with rank 0's weights. Returns ``(model, tokenizer)`` on every rank. A load error on
     rank 0 is raised on every rank (one line), so no rank waits forever."""
-    from .modeling import LinearizeForCausalLM
-    from .sources import load_model
+    from ..io.sources import load_model
+    from ..modeling import LinearizeForCausalLM
 
     load_at, load_dtype = load_device(device, dtype)
     model = payload = None

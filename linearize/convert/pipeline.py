@@ -1,6 +1,6 @@
 """The conversion pipeline: spec -> load -> select -> swap -> (train) -> save.
 
-Each step is a plain function; :func:`convert` builds the conversion's plan (:mod:`linearize.plan`) and runs it
+Each step is a plain function; :func:`convert` builds the conversion's plan (:mod:`linearize.convert.plan`) and runs it
 through them, for the CLI.
 """
 
@@ -11,15 +11,15 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable
 
-from . import distributed as dist
-from . import recipe as recipes
-from .checkpoint import check_output_dir, save_checkpoint, verify_checkpoint
-from .data import parse_tokens
-from .errors import LinearizeError
+from .. import distributed as dist
+from .. import recipe as recipes
+from ..data import parse_tokens
+from ..errors import LinearizeError
+from ..io.checkpoint import check_output_dir, save_checkpoint, verify_checkpoint
+from ..io.sources import check_device, load_model, resolve
+from ..settings import DEFAULT_MODEL, DEFAULT_RECIPE
 from .plan import AutoSelect, LayoutOptions, RunOptions, TrainingOptions, build_plan
-from .select import describe_layout, softmax_indices
-from .settings import DEFAULT_MODEL, DEFAULT_RECIPE
-from .sources import check_device, load_model, resolve
+from .selection import describe_layout, softmax_indices
 
 
 def convert(spec: str = DEFAULT_MODEL, *, recipe: str = DEFAULT_RECIPE, overrides: dict[str, Any] | None = None,
@@ -33,8 +33,8 @@ def convert(spec: str = DEFAULT_MODEL, *, recipe: str = DEFAULT_RECIPE, override
     (lolcats: auto) where auto can run: training, not ``fsdp``, a count strictly between 0 and every
     layer, a budget the probe fits, scoring (forward tokens) no larger than the training budget;
     interleave otherwise. Everything the user can get wrong is checked before the model is loaded
-    (:func:`linearize.plan.build_plan`), so a bad call writes nothing. ``run.fsdp`` (under torchrun) shards the
-    model over the ranks with FSDP2 instead of replicating it (:mod:`linearize.fsdp`).
+    (:func:`linearize.convert.plan.build_plan`), so a bad call writes nothing. ``run.fsdp`` (under torchrun) shards the
+    model over the ranks with FSDP2 instead of replicating it (:mod:`linearize.train.fsdp`).
     """
     plan = build_plan(spec, recipe=recipe, overrides=overrides, layout=layout, training=training, run=run, log=log)
     rec, config = plan.recipe, plan.base_config
@@ -50,8 +50,8 @@ def convert(spec: str = DEFAULT_MODEL, *, recipe: str = DEFAULT_RECIPE, override
     from .surgery import linearize_model
 
     layer_types = plan.layer_types
-    if plan.fsdp:  # rank 0 loads and converts the model, every rank keeps only its shards (linearize.fsdp)
-        from .fsdp import load_and_shard
+    if plan.fsdp:  # rank 0 loads and converts the model, every rank keeps only its shards (linearize.train.fsdp)
+        from ..train.fsdp import load_and_shard
 
         hybrid, tokenizer = load_and_shard(plan.source, device, plan.dtype, log=log,
                                            prepare=lambda m: linearize_model(m, layer_types, rec))
@@ -106,7 +106,7 @@ def convert(spec: str = DEFAULT_MODEL, *, recipe: str = DEFAULT_RECIPE, override
 
 def _gather(model):
     """The full state dict of an FSDP-sharded model on rank 0 (``{}`` elsewhere); None for an unsharded one."""
-    from .fsdp import full_state_dict, is_sharded
+    from ..train.fsdp import full_state_dict, is_sharded
 
     return full_state_dict(model) if is_sharded(model) else None
 
@@ -127,7 +127,7 @@ class RecallCheck:
     @classmethod
     def measure(cls, hybrid, tokenizer, rec, *, finetune: bool, log: Callable[[str], None]) -> RecallCheck:
         """Score the teacher now: the hybrid in softmax mode, before any training changes its projections."""
-        from .evals import copyspan
+        from ..evals import copyspan
 
         stage = rec["finetune"] if finetune else rec["distill"]
         length = cls.length_for(stage, hybrid.config)
@@ -156,7 +156,7 @@ class RecallCheck:
         """Score the trained hybrid and return the report (``teacher`` / ``hybrid`` copy scores)."""
         if "skipped" in self.teacher:
             return dict(self.teacher)
-        from .evals import copyspan
+        from ..evals import copyspan
 
         t = time.time()
         extra = {"span": self.span} if self.span else {}
@@ -174,7 +174,7 @@ def run_auto_select(model, tokenizer, rec, auto: AutoSelect, *, log: Callable[[s
     """Probe (or read the cached probe) and choose the softmax layers; ``(layer_types, probe result or None,
     swap check report or None)``."""
     from .probe import run_probe, score_weights
-    from .select import choose_softmax_layers, layout_from_softmax_layers, rank_layers, selection_boundary
+    from .selection import choose_softmax_layers, layout_from_softmax_layers, rank_layers, selection_boundary
 
     n, count = model.config.num_hidden_layers, auto.count
     if count in (0, n):
@@ -225,7 +225,7 @@ def auto_report(hybrid, rec, auto: AutoSelect, probe, swaps: dict | None, *, tra
 def run_finetune(model, tokenizer, rec, out: Path, *, tokens=None, loss=None, resume: bool = False,
                  adapter_only_dir: Path | None = None, log: Callable[[str], None] = print):
     """The LoRA stage with its state beside ``out``; returns ``(model, report)``."""
-    from .train.finetune import finetune
+    from ..train.finetune import finetune
 
     model, report = finetune(model, tokenizer, rec, state_dir=state_dir_for(out), resume=resume, tokens=tokens,
                              loss=loss, adapter_only_dir=adapter_only_dir, log=log)
@@ -245,7 +245,7 @@ def check_before_loading(rec, stages: dict[str, Any], *, source: Path, out: Path
     over torchrun processes and, with ``resume``, the settings a stage's saved state was written with (the first
     that differs is named). ``stages`` maps a stage to its token budget (None: the recipe's); ``probe``: stage 1
     starts after the ``--select auto`` probe, so its budget and layer layout are not known yet."""
-    from .data import check_training_source
+    from ..data import check_training_source
 
     for stage in stages:
         dist.check_batch(stage, rec[stage]["batch_size"])
@@ -276,10 +276,10 @@ def _tokenizer(path: Path):
 
 def _check_recall_text(tokenizer, data: str, length: int, field: str) -> None:
     """The recall check's held-out text, read as the check reads it."""
-    from .data import DataError, check_text_files
-    from .evals.common import EvalError
-    from .evals.copyspan import POOL_TOKENS
-    from .evals.corpus import heldout_stream
+    from ..data import DataError, check_text_files
+    from ..evals.common import EvalError
+    from ..evals.copyspan import POOL_TOKENS
+    from ..evals.corpus import heldout_stream
 
     if not check_text_files(data, field=field).cacheable:
         return  # streamed: not measured in advance
@@ -294,9 +294,9 @@ def _check_recall_text(tokenizer, data: str, length: int, field: str) -> None:
 def _check_resume(rec, stages: dict[str, Any], sdir: Path, *, loss: str | None, layer_types: list[str] | None,
                   attention: dict[str, Any] | None, probe: bool = False) -> None:
     """Refuse a ``--resume`` whose stage state in ``sdir`` was written with other settings, naming the first."""
-    from .train.distill import STATE_FILE as DISTILL_STATE
-    from .train.loop import resume_refusal, saved_settings, stage_settings
-    from .train.finetune import STATE_FILE
+    from ..train.distill import STATE_FILE as DISTILL_STATE
+    from ..train.finetune import STATE_FILE
+    from ..train.loop import resume_refusal, saved_settings, stage_settings
 
     for stage, tokens in stages.items():
         ckpt = sdir / (DISTILL_STATE if stage == "distill" else STATE_FILE)
@@ -323,7 +323,7 @@ def state_dir_for(out: Path) -> Path:
 def run_distill(model, tokenizer, rec, out: Path, *, tokens=None, resume: bool = False,
                 log: Callable[[str], None] = print) -> dict:
     """Attention transfer with its state beside ``out``; the state is removed once the output is saved."""
-    from .train.distill import distill
+    from ..train.distill import distill
 
     sdir = state_dir_for(out)
     if sdir.exists() and not resume and dist.is_main():
@@ -349,7 +349,7 @@ def rerun_stage(stage: str, path: str, *, out: Path | None = None, overrides: di
     import json
     import shutil
 
-    from .sources import is_hybrid_dir, local_dir
+    from ..io.sources import is_hybrid_dir, local_dir
 
     resolved = resolve(path)
     src = Path(resolved.path if resolved.kind == "dir" else local_dir(resolved))
@@ -363,7 +363,7 @@ def rerun_stage(stage: str, path: str, *, out: Path | None = None, overrides: di
         raise LinearizeError(f"--loss {loss!r}: expected xent or kl")
     check_device(device)
     if fsdp:
-        from .fsdp import check_options
+        from ..train.fsdp import check_options
 
         check_options(adapter_only=adapter_only)
     config = json.loads((src / "config.json").read_text())
@@ -389,8 +389,8 @@ def rerun_stage(stage: str, path: str, *, out: Path | None = None, overrides: di
                          layer_types=config.get("layer_types"), attention=config.get("linear_attention"),
                          recall=recall)
     device = dist.init(device)  # torchrun: join the process group; this rank's device
-    if fsdp:  # rank 0 loads the model, every rank keeps only its shards (linearize.fsdp)
-        from .fsdp import load_and_shard
+    if fsdp:  # rank 0 loads the model, every rank keeps only its shards (linearize.train.fsdp)
+        from ..train.fsdp import load_and_shard
 
         model, tokenizer = load_and_shard(str(src), device, dtype, log=log)
     else:

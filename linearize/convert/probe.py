@@ -32,7 +32,7 @@
    with weight 0 is not measured; negative values, i.e. noise, count as 0; a term that is 0 for every
    layer drops out of both sums). Every term is scale-free and the scores sum to 1 over layers.
    The caller keeps as softmax the N layers with the highest scores
-   (:func:`linearize.select.choose_softmax_layers`).
+   (:func:`linearize.convert.selection.choose_softmax_layers`).
 
 The trained feature maps (and window mixing logits) of the probe are returned too, so the real
 conversion's linear layers start from them: the probe's tokens count as part of stage 1.
@@ -60,9 +60,9 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from .atomic import atomic_write
-from .errors import SelectionError
-from .select import LINEAR, rank_layers, selection_boundary
+from ..atomic import atomic_write
+from ..errors import SelectionError
+from .selection import LINEAR, rank_layers, selection_boundary
 
 #: bump when a measurement changes meaning (invalidates cached probes)
 PROBE_VERSION = 2  # 2: retrieval prompts use seeds disjoint from `linearize eval`'s
@@ -177,15 +177,15 @@ def _model_identity(model) -> dict[str, Any] | None:
     source = getattr(model, "linearize_source", None)  # set by sources.load_model
     if source is None:
         return None
-    from .sources import local_dir
+    from ..io.sources import local_dir
 
     return weights_identity(local_dir(source))
 
 
 def cache_key(model, tokenizer, recipe, probe_tokens: int) -> tuple[str | None, dict[str, Any]]:
     """``(KEY, inputs)``; KEY is None when the model has no on-disk identity (not loaded from a spec)."""
-    from . import __version__
-    from .data import _source_fingerprint, _tokenizer_fingerprint, parse_spec
+    from .. import __version__
+    from ..data import _source_fingerprint, _tokenizer_fingerprint, parse_spec
 
     identity = _model_identity(model)
     data = recipe["distill"]["data"]
@@ -212,7 +212,7 @@ def cache_key(model, tokenizer, recipe, probe_tokens: int) -> tuple[str | None, 
 
 
 def probes_dir() -> Path:
-    from .sources import cache_root
+    from ..io.sources import cache_root
 
     return cache_root() / "probes"
 
@@ -253,7 +253,7 @@ def _load(key: str) -> ProbeResult | None:
 def all_linear(model, recipe):
     """Yield a hybrid of ``model`` with every layer linear; restore ``model``'s own attention modules
     (and its parameters' ``requires_grad``) on exit, so ``model`` can be converted again."""
-    from .architectures import arch_spec
+    from ..architectures import arch_spec
     from .surgery import check_supported, linearize_model
 
     check_supported(model)
@@ -286,9 +286,9 @@ def _heldout_loss(model, ids: torch.Tensor, batch_size: int = 4) -> float:
 def retrieval_samples(tokenizer, recipe, max_positions: int | None) -> list[tuple[list[int], list[int], list[int]]]:
     """``(prompt ids, answer ids, key positions)`` passkey triples: the prompt ends in "The pass key is", the
     answer is the key, the positions are where the needle states the key's digits in the prompt."""
-    from .evals import passkey
-    from .evals.common import EvalConfig, EvalError, parse_depths
-    from .evals.prompts import PieceEncoder
+    from ..evals import passkey
+    from ..evals.common import EvalConfig, EvalError, parse_depths
+    from ..evals.prompts import PieceEncoder
 
     sel = recipe["select"]
     length = sel["retrieval_length"]
@@ -398,8 +398,8 @@ def apply_feature_maps(hybrid, maps: dict[str, torch.Tensor]) -> list[int]:
 
 
 def _measure(model, tokenizer, recipe, probe_tokens: int, *, progress: bool, log: Callable[[str], None]) -> ProbeResult:
-    from .data import heldout_sequences
-    from .train.distill import distill, evaluate_layers
+    from ..data import heldout_sequences
+    from ..train.distill import distill, evaluate_layers
 
     sel, d = recipe["select"], recipe["distill"]
     weights = score_weights(recipe)
@@ -464,7 +464,7 @@ def swap_check(model, tokenizer, recipe, result: ProbeResult, softmax: list[int]
     lowest-scoring kept layers for one of the ``swap_pool`` highest-scoring dropped ones and keeps the best if
     it lowers the joint loss by more than :data:`MIN_SWAP_GAIN`; a round without such a swap ends the check.
     """
-    from .data import heldout_sequences
+    from ..data import heldout_sequences
 
     sel, d = recipe["select"], recipe["distill"]
     heldout = heldout_sequences(tokenizer, d["data"], seq_len=d["seq_len"], n_seqs=d["eval_seqs"])
