@@ -16,8 +16,8 @@ from typing import Any, Callable
 
 import yaml
 
+from .data.mixture import mixture_text
 from .errors import DataError, RecipeError
-from .mixture import mixture_text
 from .settings import DEFAULT_RECIPE
 from .units import parse_tokens
 
@@ -55,7 +55,8 @@ def _training_fields(lr: float) -> dict[str, Field]:
         "seq_len": Field(int, 512, "an integer in [16, 65536]", lambda v: 16 <= v <= 65536),
         "batch_size": Field(int, 4, "an integer in [1, 4096]", lambda v: 1 <= v <= 4096),
         "grad_accum": Field(int, 1, "an integer in [1, 1024]", lambda v: 1 <= v <= 1024),
-        # share of training rows given a long-range exact copy (linearize.data.copy_augment); held-out rows never
+        # share of training rows given a long-range exact copy (linearize.data.augment.copy_augment); held-out
+        # rows never
         "copy_fraction": Field(float, 0.0, "a number in [0, 1] (0 = off)", lambda v: 0.0 <= v <= 1.0),
         "lr": Field(float, lr, "a number in (0, 1]", lambda v: 0.0 < v <= 1.0),
         "weight_decay": Field(float, 0.0, "a number in [0, 1]", lambda v: 0.0 <= v <= 1.0),
@@ -311,9 +312,9 @@ def check_training(recipe: Recipe, stages: dict[str, Any], *, window: int | None
     ``window`` is the model's sliding window when it differs from the recipe's (a hybrid checkpoint).
     Refuses a window that covers the whole training sequence (the linear part would never see a
     token), a budget smaller than one batch (distill) or one optimizer step (finetune), and a data
-    spec that does not resolve or holds no text (:func:`linearize.data.check_text_files`).
+    spec that does not resolve or holds no text (:func:`linearize.data.checks.check_text_files`).
     """
-    from .data import check_text_files
+    from .data.checks import check_text_files
 
     win = recipe["attention"]["window"] if window is None else window
     for stage, tokens in stages.items():

@@ -1,4 +1,4 @@
-"""Copy augmentation (linearize.data.copy_augment): exact long-range copies, determinism per (seed, batch),
+"""Copy augmentation (linearize.data.augment.copy_augment): exact long-range copies, determinism per (seed, batch),
 input untouched, short rows unchanged; both training stages resume to the same batch stream with it on,
 and never augment their held-out sequences; recipe validation of ``copy_fraction``."""
 
@@ -16,15 +16,9 @@ from test_finetune import _recipe as finetune_recipe
 
 from linearize import distributed
 from linearize import recipe as R
-from linearize.data import (
-    COPY_MAX_SPAN,
-    COPY_MIN_SPAN,
-    DataError,
-    copy_augment,
-    copy_rng,
-    heldout_sequences,
-    packed_batches,
-)
+from linearize.data.augment import COPY_MAX_SPAN, COPY_MIN_SPAN, copy_augment, copy_rng
+from linearize.errors import DataError
+from linearize.data.packing import heldout_sequences, packed_batches
 from linearize.errors import RecipeError, TrainingError, TrainingInterrupted
 from linearize.train import distill as D
 from linearize.train import finetune as FT

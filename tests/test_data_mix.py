@@ -1,4 +1,5 @@
-"""Tests for data mixtures (linearize.mixture), the named corpora (linearize.corpora) and per-domain perplexity.
+"""Tests for data mixtures (linearize.data.mixture), the named corpora (linearize.data.corpora) and per-domain
+perplexity.
 
 Offline and small: word-level tokenizers trained here, corpus packages faked in a temporary folder on sys.path
 (the real ones are read too when they are installed), a tiny random Llama for the eval.
@@ -19,13 +20,16 @@ import torch
 from typer.testing import CliRunner
 
 from conftest import char_tokenizer, tiny_model
-from linearize import corpora, data
+from linearize.data import corpora
 from linearize import recipe as R
 from linearize.cli import app
-from linearize.data import (DataError, check_training_source, count_tokens, heldout_sequences, is_heldout,
-                            iter_texts, packed_batches, parse_spec)
+from linearize.errors import DataError
+from linearize.data.checks import check_text_files, check_training_source
+from linearize.data.tokens import count_tokens
+from linearize.data.packing import heldout_sequences, packed_batches
+from linearize.data.specs import is_heldout, iter_texts, parse_spec
 from linearize.errors import RecipeError
-from linearize.mixture import allocate, interleave, mixture_text, parse_mixture, row_parts
+from linearize.data.mixture import allocate, interleave, mixture_text, parse_mixture, row_parts
 
 WORDS_A = [f"a{i}" for i in range(20)]
 WORDS_B = [f"b{i}" for i in range(20)]
@@ -244,7 +248,7 @@ def test_fake_corpus_split_disjoint_and_deterministic(name, fake_corpora):
 def test_corpus_missing_or_other_version_names_the_pip_command(tmp_path, monkeypatch):
     monkeypatch.setattr(corpora, "_module_dir", lambda corpus: None)
     with pytest.raises(DataError) as e:
-        data.check_text_files("code", field="distill.data")
+        check_text_files("code", field="distill.data")
     assert str(e.value) == "the 'code' corpus (Python source of boltons) is not installed; run: pip install --no-deps " \
                            "boltons==26.2.0"
     monkeypatch.undo()

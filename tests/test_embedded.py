@@ -63,7 +63,7 @@ def real_model(embedded_dir):
 
 
 def _prompt_ids(tokenizer, n):
-    from linearize.data import iter_texts
+    from linearize.data.specs import iter_texts
 
     text = " ".join(t for _, t in zip(range(20), iter_texts("wiki", "heldout")))
     return tokenizer(text, return_tensors="pt").input_ids[:, :n]

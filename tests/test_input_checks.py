@@ -15,7 +15,7 @@ import torch
 
 from conftest import char_tokenizer, run_cli, tiny_workspace
 from linearize import recipe as R
-from linearize.data import is_heldout
+from linearize.data.specs import is_heldout
 from linearize.errors import RecipeError, SpecError, TrainingError
 
 #: seconds a refusal may take through the CLI: the target is 10 s on 2 cores; the margin absorbs a busy machine

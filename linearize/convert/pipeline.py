@@ -13,11 +13,11 @@ from typing import Any, Callable
 
 from .. import distributed as dist
 from .. import recipe as recipes
-from ..data import parse_tokens
 from ..errors import LinearizeError
 from ..io.checkpoint import check_output_dir, save_checkpoint, verify_checkpoint
 from ..io.sources import check_device, load_model, resolve
 from ..settings import DEFAULT_MODEL, DEFAULT_RECIPE
+from ..units import parse_tokens
 from .plan import AutoSelect, LayoutOptions, RunOptions, TrainingOptions, build_plan
 from .selection import describe_layout, softmax_indices
 
@@ -245,7 +245,7 @@ def check_before_loading(rec, stages: dict[str, Any], *, source: Path, out: Path
     over torchrun processes and, with ``resume``, the settings a stage's saved state was written with (the first
     that differs is named). ``stages`` maps a stage to its token budget (None: the recipe's); ``probe``: stage 1
     starts after the ``--select auto`` probe, so its budget and layer layout are not known yet."""
-    from ..data import check_training_source
+    from ..data.checks import check_training_source
 
     for stage in stages:
         dist.check_batch(stage, rec[stage]["batch_size"])
@@ -276,7 +276,8 @@ def _tokenizer(path: Path):
 
 def _check_recall_text(tokenizer, data: str, length: int, field: str) -> None:
     """The recall check's held-out text, read as the check reads it."""
-    from ..data import DataError, check_text_files
+    from ..data.checks import check_text_files
+    from ..errors import DataError
     from ..evals.common import EvalError
     from ..evals.copyspan import POOL_TOKENS
     from ..evals.corpus import heldout_stream

@@ -18,12 +18,12 @@ from typing import Any, Callable
 import torch
 
 from .. import recipe as recipes
-from ..data import parse_tokens
 from ..errors import LinearizeError, SelectionError
 from ..io import sources
 from ..io.checkpoint import check_output_dir
 from ..settings import DEFAULT_RATIO, DEFAULT_RECIPE
 from ..train import fsdp
+from ..units import parse_tokens
 from .probe import plan_probe_tokens, plan_scoring_tokens, score_weights
 from .selection import (check_select, layout_from_ratio, parse_layer_list, parse_ratio, select_layout,
                         softmax_count_for_budget, softmax_count_from_ratio, softmax_indices)

@@ -185,7 +185,8 @@ def _model_identity(model) -> dict[str, Any] | None:
 def cache_key(model, tokenizer, recipe, probe_tokens: int) -> tuple[str | None, dict[str, Any]]:
     """``(KEY, inputs)``; KEY is None when the model has no on-disk identity (not loaded from a spec)."""
     from .. import __version__
-    from ..data import _source_fingerprint, _tokenizer_fingerprint, parse_spec
+    from ..data.specs import parse_spec
+    from ..data.tokens import source_fingerprint, tokenizer_fingerprint
 
     identity = _model_identity(model)
     data = recipe["distill"]["data"]
@@ -202,8 +203,8 @@ def cache_key(model, tokenizer, recipe, probe_tokens: int) -> tuple[str | None, 
         "select": {k: v for k, v in sel.items() if not k.endswith("_weight") and k != "probe_fraction"},
         "measured": [t for t in TERMS if weights[t] > 0 or t == "mse"],
         "probe_tokens": probe_tokens,
-        "data": {"spec": data, **(_source_fingerprint(src) if src.cacheable else {})},
-        "tokenizer": _tokenizer_fingerprint(tokenizer),
+        "data": {"spec": data, **(source_fingerprint(src) if src.cacheable else {})},
+        "tokenizer": tokenizer_fingerprint(tokenizer),
     }
     if identity is None:
         return None, inputs
@@ -398,7 +399,7 @@ def apply_feature_maps(hybrid, maps: dict[str, torch.Tensor]) -> list[int]:
 
 
 def _measure(model, tokenizer, recipe, probe_tokens: int, *, progress: bool, log: Callable[[str], None]) -> ProbeResult:
-    from ..data import heldout_sequences
+    from ..data.packing import heldout_sequences
     from ..train.distill import distill, evaluate_layers
 
     sel, d = recipe["select"], recipe["distill"]
@@ -464,7 +465,7 @@ def swap_check(model, tokenizer, recipe, result: ProbeResult, softmax: list[int]
     lowest-scoring kept layers for one of the ``swap_pool`` highest-scoring dropped ones and keeps the best if
     it lowers the joint loss by more than :data:`MIN_SWAP_GAIN`; a round without such a swap ends the check.
     """
-    from ..data import heldout_sequences
+    from ..data.packing import heldout_sequences
 
     sel, d = recipe["select"], recipe["distill"]
     heldout = heldout_sequences(tokenizer, d["data"], seq_len=d["seq_len"], n_seqs=d["eval_seqs"])

@@ -13,9 +13,11 @@ import re
 
 import torch
 
-from linearize.corpora import corpus_files
-from linearize.data import DataError, heldout_sequences, iter_texts, parse_spec, wiki_corpus_path
-from linearize.mixture import parse_mixture
+from linearize.data.corpora import corpus_files
+from linearize.data.mixture import parse_mixture
+from linearize.data.packing import heldout_sequences
+from linearize.data.specs import iter_texts, parse_spec, wiki_corpus_path
+from linearize.errors import DataError
 
 from .common import EvalError
 
@@ -74,7 +76,7 @@ def data_specs(data: str | None) -> list[str]:
 
 def check_data(data: str | None) -> None:
     """Resolve ``--data`` before any model loads: a malformed spec or mixture, a missing file, or a named corpus
-    that is not installed (or another version) raises :class:`~linearize.data.DataError` in one line."""
+    that is not installed (or another version) raises :class:`~linearize.errors.DataError` in one line."""
     if not data:
         return
     src = parse_spec(data)

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .. import distributed as dist
-from ..data import heldout_sequences, num_batches, packed_batches
+from ..data.packing import heldout_sequences, num_batches, packed_batches
 from ..units import parse_tokens
 from .loop import Stage, StageLoop, open_state
 

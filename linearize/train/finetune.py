@@ -39,7 +39,7 @@ from torch.utils.checkpoint import checkpoint
 from .. import distributed as dist
 from ..architectures import arch_spec
 from ..atomic import atomic_write
-from ..data import heldout_sequences, num_batches, packed_batches
+from ..data.packing import heldout_sequences, num_batches, packed_batches
 from ..errors import TrainingError
 from ..units import parse_tokens
 from .fsdp import is_sharded, merge_lora

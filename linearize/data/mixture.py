@@ -1,6 +1,6 @@
 """Weighted mixtures of data specs: ``wiki:0.5,code:0.3,DIR:0.2``, or in a recipe a YAML list of ``{data, weight}``.
 
-A mixture is parts separated by commas; a part is a data spec (:func:`linearize.data.parse_spec`) optionally
+A mixture is parts separated by commas; a part is a data spec (:func:`linearize.data.specs.parse_spec`) optionally
 followed by ``:WEIGHT``, a positive number (the part's last ``:`` field, so ``hf:NAME:CONFIG:0.2`` works). Either
 every part has a weight or none does (equal shares); weights are normalised to sum to 1. A value that is an existing
 file or folder is always one spec, whatever commas or colons its name holds. One part is just that spec.
@@ -23,8 +23,8 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from ..errors import DataError
 from .corpora import CORPORA
-from .errors import DataError
 
 __all__ = ["Part", "parse_mixture", "mixture_text", "row_parts", "allocate", "interleave"]
 
@@ -129,7 +129,7 @@ def _raw_parts(value: Any) -> list[tuple[str, float | None]]:
 def parse_mixture(value: str | Sequence[dict]) -> tuple[Part, ...]:
     """The parts of a mixture with normalised weights; a plain spec is one part of weight 1.
 
-    Specs are not resolved here (:func:`linearize.data.parse_spec` does that). Raises :class:`DataError` for an
+    Specs are not resolved here (:func:`linearize.data.specs.parse_spec` does that). Raises :class:`DataError` for an
     empty part, a weight that is not a positive number, weights on some parts only, or a spec given twice.
     """
     raw = _raw_parts(value)

@@ -13,7 +13,7 @@ one, so a spec names the same text on every machine and Python version:
   reStructuredText prose with Python sessions. A document is one section (a title and the text up to the next).
 
 Documents shorter than a corpus' ``min_chars`` are merged into the next one, so a held-out document is never a
-stray line. :func:`documents` yields ``(key, text)`` in a fixed order; :mod:`linearize.data` holds a document out
+stray line. :func:`documents` yields ``(key, text)`` in a fixed order; :mod:`linearize.data.specs` holds a document out
 of training by its key (``RELATIVE/PATH#INDEX``) exactly as it does a ``wiki`` title, with the corpus' own share
 (``heldout_per_mille``: 2% of ``books``, 10% of ``code``, 15% of ``docs``, about 25K, 23K and 29K SmolLM2 tokens).
 
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from .errors import DataError
+from ..errors import DataError
 
 __all__ = ["Corpus", "CORPORA", "CORPUS_FORMAT", "INSTALL_ALL", "is_corpus", "corpus_files", "documents"]
 
