@@ -18,7 +18,7 @@ import torch
 from transformers import AutoTokenizer
 
 from linearize import recipe as R
-from linearize.benchmodel import PROFILE_CATEGORIES, load_config, random_model
+from linearize.bench.model import PROFILE_CATEGORIES, load_config, random_model
 from linearize.io.checkpoint import save_checkpoint
 from linearize.convert.selection import select_layout
 from linearize.io.sources import local_dir, resolve

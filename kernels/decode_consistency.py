@@ -13,7 +13,7 @@ import torch
 
 from linearize import kernels
 from linearize import recipe as R
-from linearize.benchmodel import _cache_kwargs
+from linearize.bench.model import _cache_kwargs
 from linearize.data.specs import iter_texts
 from linearize.convert.selection import select_layout
 from linearize.io.sources import load_model

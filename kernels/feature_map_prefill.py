@@ -12,7 +12,7 @@ import time
 import torch
 from triton.testing import do_bench
 
-from linearize import benchmodel as bm
+from linearize.bench import model as bm
 from linearize import recipe as recipes
 from linearize.feature_maps import HedgehogFeatureMap
 from linearize.kernels import hedgehog_feature_map

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from linearize import benchmodel as bm
+from linearize.bench import model as bm
 from linearize import recipe as recipes
 from linearize.convert.selection import select_layout
 

@@ -10,7 +10,7 @@ import argparse
 
 import torch
 
-from linearize import benchmodel as bm
+from linearize.bench import model as bm
 from linearize import recipe as R
 from linearize.convert.selection import select_layout
 

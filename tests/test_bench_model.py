@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from conftest import run_cli, tiny_model
-from linearize import benchmodel as bm
+from linearize.bench import costs
+from linearize.bench import model as bm
 from linearize import recipe as R
 from linearize.convert.selection import select_layout
 from linearize.convert.surgery import linearize_model
@@ -61,7 +62,7 @@ def test_cli_tiny_config_on_cpu(tiny_config, tmp_path):
         assert x["decode_mode"] == "eager" and "CPU" in x["decode_note"]
         assert set(x["decode_modes"]) == set(x["decode_sdpa_s"]) and all("CPU" in v for v in x["decode_modes"].values())
         assert x["peak_bytes"] == "n/a"
-        # measured cache == the closed form of surgery.cache_bytes (plus each window's 8-byte step counter)
+        # measured cache == the closed form of costs.cache_bytes (plus each window's 8-byte step counter)
         assert 0 <= x["cache_bytes"] - x["cache_bytes_formula"] <= 8 * 3
     # the hybrid's state is fixed-size: bigger than 64 tokens of KV, smaller than 256
     assert rows["hybrid", 64]["cache_bytes"] > rows["original", 64]["cache_bytes"]
@@ -148,7 +149,7 @@ def test_cost_model_of_the_llama3_8b_shape():
     cfg, _ = bm.load_config("llama-3-8b")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    c = bm.cost_model(model)
+    c = costs.cost_model(model)
     table = 128256 * 4096
     assert c["matmul_flops_per_token"] == 2 * (PUBLISHED["llama-3-8b"] - 2 * table)
     assert c["attention_flops_per_token_per_T"] == 2 * 32 * 32 * 128
@@ -163,11 +164,11 @@ def test_cost_model_of_sliding_layers():
     cfg, _ = bm.load_config("gemma-3-1b")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    c = bm.cost_model(model)
+    c = costs.cost_model(model)
     assert c["attention_flops_per_token_per_T"] == 2 * 4 * 4 * 256 and c["sliding_windows"] == [512] * 22
     matmul = c["matmul_flops_per_token"]
-    assert bm.flops_per_token(c, 256) == matmul + 2 * 16 * 256 * 256 + 22 * 4 * 4 * 256 * 128
-    assert bm.flops_per_token(c, 4096) == matmul + 2 * 16 * 256 * 4096 + 22 * 4 * 4 * 256 * (512 - 512 * 512 / 8192)
+    assert costs.flops_per_token(c, 256) == matmul + 2 * 16 * 256 * 256 + 22 * 4 * 4 * 256 * 128
+    assert costs.flops_per_token(c, 4096) == matmul + 2 * 16 * 256 * 4096 + 22 * 4 * 4 * 256 * (512 - 512 * 512 / 8192)
 
 
 def test_cost_model_of_a_mixture_of_experts():
@@ -179,21 +180,21 @@ def test_cost_model_of_a_mixture_of_experts():
     cfg, _ = bm.load_config("qwen3-30b-a3b")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    c = bm.cost_model(model)
+    c = costs.cost_model(model)
     experts = 48 * 128 * (2 * 768 * 2048 + 2048 * 768)
     table = 151936 * 2048
     dense = PUBLISHED["qwen3-30b-a3b"] - experts
     assert c["expert_bytes"] == 2 * experts and c["expert_share"] == 8 / 128
     assert c["matmul_flops_per_token"] == 2 * (dense - 2 * table + experts // 16)
     assert c["decode_weight_bytes"] == 2 * (dense - table)
-    assert bm.decode_read_bytes(c, 1) == pytest.approx(2 * (dense - table) + 2 * experts / 16)
-    assert bm.decode_read_bytes(c, 8) == pytest.approx(2 * (dense - table) + 2 * experts * (1 - (15 / 16) ** 8))
+    assert costs.decode_read_bytes(c, 1) == pytest.approx(2 * (dense - table) + 2 * experts / 16)
+    assert costs.decode_read_bytes(c, 8) == pytest.approx(2 * (dense - table) + 2 * experts * (1 - (15 / 16) ** 8))
     for family in ("mixtral", "qwen2_moe", "qwen3_moe"):  # a hybrid reads the routing from its base config
         hybrid = linearize_model(tiny_model(family), select_layout(4, ratio="3:1"), R.load("lolcats"))
-        assert bm.cost_model(hybrid)["expert_share"] == 2 / 4
+        assert costs.cost_model(hybrid)["expert_share"] == 2 / 4
     tiny = tiny_model("qwen3")  # dense, tied table, fp32: a step reads every weight at any batch
-    dense = bm.cost_model(tiny)
-    assert dense["expert_bytes"] == 0 and bm.decode_read_bytes(dense, 8) == sum(p.numel() * 4 for p in tiny.parameters())
+    dense = costs.cost_model(tiny)
+    assert dense["expert_bytes"] == 0 and costs.decode_read_bytes(dense, 8) == sum(p.numel() * 4 for p in tiny.parameters())
 
 
 def test_llama3_8b_config_on_meta_has_the_published_shape():

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from conftest import run_cli
-from linearize import benchtrain as bt
+from linearize.bench import train as bt
 
 pytestmark = pytest.mark.slow  # timed training steps, some under torchrun
 

@@ -207,7 +207,7 @@ def test_info_and_recipes_commands(converted):
     assert res.returncode == 0, res.stderr
     assert "23 linear, 7 softmax" in res.stdout and "128K" in res.stdout
     assert "decode bound" in res.stdout and "bounds: hybrid / original speed" in res.stdout
-    from linearize.info import model_info
+    from linearize.bench.info import model_info
 
     b = model_info(str(converted))["bounds"]
     # SmolLM2-135M (tied embeddings): the decode bound grows with context as the KV cache outweighs the weights

@@ -559,7 +559,7 @@ def test_teacher_keeps_sliding_window_and_softcap(family, monkeypatch):
 def test_sliding_softmax_layers_keep_only_their_window():
     """A softmax layer that slides in the base model (every layer of a 4-layer Gemma 3) caches only its window, as
     the original's cache does, and the cache-size formula counts it so."""
-    from linearize.convert.surgery import cache_bytes
+    from linearize.bench.costs import cache_bytes
 
     hybrid = linearize_model(tiny_model("gemma3_text"), select_layout(4, ratio="1:1"), R.load("elu"))
     ids = torch.randint(0, 128, (1, 50))
@@ -609,7 +609,7 @@ def test_vision_language_models_convert_their_text_decoder(family, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from linearize.errors import SpecError
-    from linearize.info import model_info
+    from linearize.bench.info import model_info
     from linearize.io.sources import load_model
     from linearize.convert.surgery import check_config_supported
 

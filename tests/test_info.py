@@ -6,9 +6,10 @@ import pytest
 from conftest import char_tokenizer, run_cli, tiny_model
 from linearize import recipe as R
 from linearize.io.checkpoint import save_checkpoint
-from linearize.info import model_info
+from linearize.bench.info import model_info
 from linearize.convert.selection import select_layout
-from linearize.convert.surgery import cache_bytes, linearize_model
+from linearize.bench.costs import cache_bytes
+from linearize.convert.surgery import linearize_model
 
 
 def test_plan_from_a_shipped_config_offline():

@@ -89,7 +89,7 @@ def test_cpu_and_opt_out_leave_the_defaults(iso, monkeypatch):
 def test_bench_summary_ratios_per_length():
     """`bench kernels`' summary: their ms / our ms per T, and both window rows (plain and fused Hedgehog
     features) against our plain linear forward."""
-    from linearize.bench import summarize
+    from linearize.bench.kernels import summarize
 
     def row(bench, impl, passes, ms, T=2048):
         return {"bench": bench, "impl": impl, "T": T, "B": 16, "passes": passes, "ms": ms}
@@ -110,7 +110,7 @@ def test_bench_summary_ratios_per_length():
 def test_sweep_never_keeps_a_configuration_that_changes_the_result():
     """bench.sweep_configs: a faster setting with a wrong result (or a compile failure) is reported and left out;
     the fastest correct one comes first and the configuration is restored."""
-    from linearize.bench import TUNE_TOLERANCE, sweep_configs
+    from linearize.bench.kernels import TUNE_TOLERANCE, sweep_configs
 
     config = {"tile": 64, "warps": 4}
     x = torch.linspace(1, 2, 100)
@@ -135,7 +135,7 @@ def test_tune_only_names_the_known_families():
     """A mistyped family ends in one line listing the known ones (checked before any GPU is needed)."""
     from conftest import run_cli
 
-    from linearize.bench import TUNE_FAMILIES
+    from linearize.bench.kernels import TUNE_FAMILIES
 
     r = run_cli("bench", "kernels", "--tune-only", "lin_fwd,win_bwd")
     assert r.returncode != 0 and "Traceback" not in r.stderr
@@ -146,7 +146,7 @@ def test_tune_only_names_the_known_families():
 def test_sweep_stops_when_a_configuration_kills_the_gpu_context():
     """After an illegal memory access every later launch fails too: the sweep stops with one clear error
     (and the configuration is restored) instead of timing the rest as failures."""
-    from linearize.bench import sweep_configs
+    from linearize.bench.kernels import sweep_configs
 
     config = {"tile": 64}
     x = torch.ones(4)
@@ -168,7 +168,7 @@ def test_sweep_stops_when_a_configuration_kills_the_gpu_context():
 
 def test_bench_rows_written_as_they_come(tmp_path):
     """`bench kernels -o`: the JSON is rewritten atomically after each block of rows (complete: false) and at the end."""
-    from linearize.bench import write_rows
+    from linearize.bench.kernels import write_rows
 
     out = tmp_path / "sub" / "bench.json"
     rows = [{"bench": "copy", "ms": 0.5}]
@@ -186,7 +186,7 @@ def test_decode_step_sweeps_run_and_save(iso):
     gives the defaults' step (the saved state is restored before each call), the fastest is kept and saved."""
     import itertools
 
-    from linearize.bench import tune_kernels
+    from linearize.bench.kernels import tune_kernels
 
     ticks = itertools.count()
     # a timer under which later candidates look faster, so the sweep must move off the defaults
@@ -203,7 +203,7 @@ def test_window_fused_sweep_is_skipped_under_the_two_pass_forward(iso):
     """With the two-pass window forward (the default) the window's fused forward is the linear kernel's, shifted:
     its own fused_bv / fused_warps change nothing (an H200 sweep of 2026-12-02 timed nine candidates within 0.6% and
     kept one by noise), so the sweep says so and leaves them."""
-    from linearize.bench import tune_kernels
+    from linearize.bench.kernels import tune_kernels
 
     before = dict(triton_window.CONFIG)
     said = []

@@ -271,7 +271,7 @@ def test_quadratic_form_is_the_recurrence(normalize, decay):
 
 def test_bench_summary_has_the_gated_ratios():
     """`bench kernels`' summary: fla's chunk_simple_gla ms / our unnormalised gated ms, forward and fwd+bwd."""
-    from linearize.bench import summarize
+    from linearize.bench.kernels import summarize
 
     def row(impl, passes, ms, bench="linear gated"):
         return {"bench": bench, "impl": impl, "T": 2048, "B": 16, "passes": passes, "ms": ms}

@@ -1,5 +1,5 @@
 """``linearize bench kernels | model | train``: kernel timings, hybrid vs original model speed, training
-throughput (:mod:`linearize.bench`, :mod:`linearize.benchmodel`, :mod:`linearize.benchtrain`)."""
+throughput (:mod:`linearize.bench`, :mod:`linearize.bench.model`, :mod:`linearize.bench.train`)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def bench_kernels_cmd(
     # start-up time: torch, Triton and the kernels
     import torch
 
-    from ..bench import bench_kernels, parse_families, print_table, tune_kernels
+    from ..bench.kernels import bench_kernels, parse_families, print_table, tune_kernels
     from ..evals.common import parse_lengths
 
     if check not in ("full", "accuracy", "none"):
@@ -66,7 +66,7 @@ def bench_model_cmd(
     profile: bool = typer.Option(False, "--profile", help="Also split a few eager decode steps per row by kernel category (matmul, softmax attention, linear attention, other)."),
 ):
     """Hybrid vs original: prefill and decode tokens/s, peak memory, cache + state bytes (JSON + table)."""
-    from ..benchmodel import RESULT_FILE, bench_model, print_result  # start-up time: torch and transformers
+    from ..bench.model import RESULT_FILE, bench_model, print_result  # start-up time: torch and transformers
 
     out = out or Path(f"bench-model-{Path(spec).stem if spec.endswith('.json') else spec.rstrip('/').split('/')[-1]}")
     result = bench_model(spec, against=against, random_weights=random_weights, ratio=ratio, recipe=recipe,
@@ -99,7 +99,7 @@ def bench_train_cmd(
 ):
     """Training throughput per conversion stage and the projected conversion time (data parallel under torchrun)."""
     # start-up time: torch, transformers and the training stages
-    from ..benchtrain import RESULT_FILE, bench_train, print_result
+    from ..bench.train import RESULT_FILE, bench_train, print_result
     from ..distributed import is_main
 
     result = bench_train(spec, random_weights=random_weights, ratio=ratio, recipe=recipe, stages=stages,

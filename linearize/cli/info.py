@@ -1,5 +1,5 @@
 """``linearize info``: layer map, parameters, cache bytes and speed bounds of a model, a hybrid or a planned
-conversion (:func:`linearize.info.model_info`), without loading weights unless ``--retrieval`` asks."""
+conversion (:func:`linearize.bench.info.model_info`), without loading weights unless ``--retrieval`` asks."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def info(spec: str = typer.Argument(..., help="Model spec or hybrid checkpoint d
          device: Optional[str] = typer.Option(None, "--device", help="With --retrieval: cpu, cuda or cuda:N.")):
     """Show the layer map, parameter counts and cache bytes at 4K/32K/128K (of a conversion, planned with --ratio)."""
     # start-up time: info imports the sources (and, past an unknown spec, torch and transformers)
-    from ..info import model_info, retrieval_layers
+    from ..bench.info import model_info, retrieval_layers
 
     if retrieval is None and (dtype is not None or device is not None):
         raise LinearizeError("info: --dtype and --device only apply with --retrieval (nothing else loads weights)")

@@ -164,7 +164,7 @@ def softmax_count_for_budget(base_config: Any, attention: dict, budget: str, dty
 
     Raises :class:`SelectionError` when not even the cheapest layout fits.
     """
-    from .surgery import kv_layer_bytes, linear_state_bytes  # imports torch: only when a budget is given
+    from ..bench.costs import kv_layer_bytes, linear_state_bytes  # imports torch: only when a budget is given
 
     n_bytes, length = parse_kv_budget(budget)
     n = base_config.num_hidden_layers

@@ -7,14 +7,10 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from ..architectures import (arch_spec, attention_shape, not_causal_reason, not_supported_reason, supported_types,
-                             text_part)
-from ..cache import softmax_windows
+from ..architectures import arch_spec, not_causal_reason, not_supported_reason, supported_types, text_part
 from ..errors import UnsupportedModelError
-from ..feature_maps import build_feature_map
 from ..modeling import LinearizeConfig, LinearizeForCausalLM
 from ..recipe import Recipe
-from .selection import LINEAR
 
 
 def check_config_supported(config, spec: str | None = None) -> str:
@@ -85,37 +81,3 @@ def linearize_model(model: PreTrainedModel, layer_types: list[str], recipe: Reci
     hybrid.to(param.device)
     hybrid.eval()
     return hybrid
-
-
-def kv_layer_bytes(config, tokens: int, batch: int = 1, dtype_bytes: int = 2) -> int:
-    """Bytes of one softmax layer's cached keys and values for ``tokens`` tokens."""
-    _, kv_heads, head_dim = attention_shape(config)
-    return 2 * batch * kv_heads * tokens * head_dim * dtype_bytes
-
-
-@torch.no_grad()
-def linear_state_bytes(config, linear_attention: dict, batch: int = 1, dtype_bytes: int = 2) -> int:
-    """Bytes of one linear layer's state under the ``linear_attention`` settings (a recipe's ``attention``
-    section): fp32 ``S`` and ``z``, and for a window layer the ring of the last W tokens' keys, key features and
-    values (and which of them are padding). It does not grow with the context."""
-    _, kv, d = attention_shape(config)
-    la = linear_attention
-    fm_params = {"feature_dim": la["feature_dim"]} if la.get("feature_dim") is not None else {}
-    f = build_feature_map(la.get("feature_map", "hedgehog"), 1, d, **fm_params).feature_dim
-    window = int(la.get("window") or 0)
-    state = batch * kv * (f * d + f) * 4  # fp32 S and z
-    ring = batch * kv * window * (d + f + d) * dtype_bytes + batch * window  # + which slots hold padding (bool)
-    return state + ring
-
-
-def cache_bytes(config, seq_len: int, batch: int = 1, dtype_bytes: int = 2) -> dict[str, int]:
-    """Cache + state bytes at ``seq_len`` for the original (all KV; the last ``sliding_window`` tokens in the base
-    model's sliding layers) and the hybrid layout."""
-    kv_layers = [kv_layer_bytes(config, min(seq_len, w or seq_len), batch, dtype_bytes)
-                 for w in softmax_windows(config)]
-    layer_types = getattr(config, "layer_types", None) if config.model_type == "linearize" else None
-    if layer_types is None:
-        return {"original": sum(kv_layers), "hybrid": sum(kv_layers)}
-    state = linear_state_bytes(config, config.linear_attention, batch, dtype_bytes)
-    hybrid = sum(state if t == LINEAR else kv_layer for t, kv_layer in zip(layer_types, kv_layers))
-    return {"original": sum(kv_layers), "hybrid": hybrid}

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from .convert.selection import describe_layout
-from .io.sources import local_dir, read_config, resolve, shipped_configs, vision_language_note
-from .settings import DEFAULT_RECIPE
-from .units import parse_length
+from ..convert.selection import describe_layout
+from ..io.sources import local_dir, read_config, resolve, shipped_configs, vision_language_note
+from ..settings import DEFAULT_RECIPE
+from ..units import parse_length
 
 # torch, transformers and the model code are imported where they are used: a spec that cannot be found ends in
 # one line before any of them loads
@@ -21,7 +21,7 @@ def base_config(spec: str):
     """``(config, name, local directory or None)`` of a spec, without weights. An alias that is not on this
     machine falls back to its published config shipped with the package (``linearize/model_configs``), so a
     conversion can be planned offline; anything else missing raises the usual one-line :class:`SpecError`."""
-    from .errors import SpecError
+    from ..errors import SpecError
 
     try:
         r = resolve(spec)
@@ -29,7 +29,7 @@ def base_config(spec: str):
     except SpecError:
         if spec not in shipped_configs():
             raise
-        from .benchmodel import load_config
+        from .model import load_config
 
         return load_config(spec)[0], f"{spec} (published config; weights not on this machine)", None
     return read_config(path), r.name, path
@@ -45,11 +45,12 @@ def model_info(spec: str, *, ratio: str | None = None, softmax_layers: str | Non
     import torch
     from transformers import AutoModelForCausalLM
 
-    from . import recipe as recipes
-    from .cache import softmax_windows
-    from .convert.selection import select_layout
-    from .convert.surgery import cache_bytes, check_config_supported, linearize_model
-    from .errors import SelectionError
+    from .. import recipe as recipes
+    from ..cache import softmax_windows
+    from ..convert.selection import select_layout
+    from ..convert.surgery import check_config_supported, linearize_model
+    from ..errors import SelectionError
+    from .costs import cache_bytes
 
     planned = ratio is not None or softmax_layers is not None
     if planned and config.model_type == "linearize":
@@ -107,9 +108,8 @@ def speed_bounds(model, config, extra_parameters: int) -> dict[str, dict[str, fl
     equal efficiency (``bench model``'s bounds): ``prefill`` from FLOPs per token, ``decode`` from the bytes a
     step reads (weights + cache). The original: the same shapes with every layer softmax, without the
     linear-attention extras."""
-    from .benchmodel import cost_model, speedup_bounds
-    from .cache import softmax_windows
-    from .convert.surgery import cache_bytes
+    from ..cache import softmax_windows
+    from .costs import cache_bytes, cost_model, speedup_bounds
 
     hybrid = cost_model(model)
     dtype_bytes = 2
@@ -162,10 +162,10 @@ def retrieval_layers(spec: str, lengths: list[int], *, prompts: int = 5, dtype: 
     (max over heads, mean over ``prompts`` passkey prompts per length at depths 0..1) -- the probe's
     ``attention`` term (:func:`linearize.convert.probe.retrieval_attention`). High values mark the layers that
     retrieve."""
-    from . import recipe as recipes
-    from .convert import probe
-    from .errors import SelectionError
-    from .io.sources import load_model
+    from .. import recipe as recipes
+    from ..convert import probe
+    from ..errors import SelectionError
+    from ..io.sources import load_model
 
     config_type = model_info(spec)["layer_types"]
     if config_type is not None and "linear_attention" in config_type:

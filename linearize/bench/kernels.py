@@ -19,8 +19,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from .atomic import atomic_write
-from .errors import DeviceError, LinearizeError
+from ..atomic import atomic_write
+from ..errors import DeviceError, LinearizeError
 
 # fla's Triton path only (it otherwise dispatches to other backends when present)
 os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")
@@ -105,13 +105,8 @@ def check_kernels(device: str = "cuda") -> List[dict]:
 
 
 def _check_accuracy(device: str) -> List[dict]:
-    from linearize.kernels import (
-        linear_attention,
-        linear_attention_step,
-        window_linear_attention,
-        window_linear_attention_step,
-        window_state_from_prefill,
-    )
+    from linearize.kernels import (linear_attention, linear_attention_step, window_linear_attention,
+                                   window_linear_attention_step, window_state_from_prefill)
     from linearize.kernels.testing import linear_inputs, rel_err, window_inputs
 
     rows: List[dict] = []
@@ -416,12 +411,8 @@ def bench_kernels(
     """
     if not torch.cuda.is_available():
         raise RuntimeError("bench_kernels needs a CUDA GPU")
-    from linearize.kernels import (
-        linear_attention,
-        linear_attention_hedgehog,
-        window_linear_attention,
-        window_linear_attention_hedgehog,
-    )
+    from linearize.kernels import (linear_attention, linear_attention_hedgehog, window_linear_attention,
+                                   window_linear_attention_hedgehog)
 
     global _ECHO
     say = progress or (lambda s: None)
@@ -707,7 +698,7 @@ def print_table(rows: List[dict]) -> None:
     """Print the benchmark rows and the target summary with rich."""
     from rich.table import Table
 
-    from .progress import make_console
+    from ..progress import make_console
 
     con = make_console()
     meta = next((r["meta"] for r in rows if "meta" in r), {})

@@ -17,7 +17,7 @@ For every context length ``T`` and batch size ``B`` each model gets one row:
   row); ``n/a`` on CPU.
 * **cache bytes**: the sum of the tensors held by the cache after the prefill (KV of softmax layers,
   ``(S, z)`` and window rings of linear layers), beside the closed form of
-  :func:`linearize.convert.surgery.cache_bytes`.
+  :func:`linearize.bench.costs.cache_bytes`.
 
 Out of memory in a row is recorded as ``"oom"`` and the run goes on (larger rows that cannot fit
 either are skipped). ``--random-weights`` builds the models from a published config shipped in
@@ -42,12 +42,12 @@ from typing import Any, Callable
 
 import torch
 
-from .atomic import atomic_write
-from .cache import softmax_windows
-from .errors import LinearizeError, SpecError
-from .io.sources import shipped_configs, text_part
-from .settings import DEFAULT_RATIO, DEFAULT_RECIPE
-from .units import format_bytes
+from ..atomic import atomic_write
+from ..errors import LinearizeError, SpecError
+from ..io.sources import shipped_configs, text_part
+from ..settings import DEFAULT_RATIO, DEFAULT_RECIPE
+from ..units import format_bytes
+from .costs import cache_bytes, cost_model, speedup_bounds
 
 #: ``--sdpa`` names -> ``torch.nn.attention.SDPBackend`` member names
 SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
@@ -75,7 +75,7 @@ def config_source(spec: str) -> tuple[Path, str]:
     (``meta-llama/Meta-Llama-3-8B``, through ``sources.ALIASES``), a ``config.json`` path, or a directory
     holding one (a hybrid checkpoint's config works too).
     """
-    from .io.sources import ALIASES
+    from ..io.sources import ALIASES
 
     p = Path(spec).expanduser()
     if p.is_dir():
@@ -98,7 +98,7 @@ def load_config(spec: str):
     """``(config, name)`` for a ``--random-weights`` spec (see :func:`config_source`)."""
     from transformers import AutoConfig
 
-    from . import modeling  # noqa: F401  (registers the linearize model type)
+    from .. import modeling  # noqa: F401  (registers the linearize model type)
 
     path, name = config_source(spec)
     try:
@@ -364,7 +364,7 @@ def decode_cache(cache, seq_len: int):
     """
     from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
-    from .cache import HybridCache, LinearStateLayer
+    from ..cache import HybridCache, LinearStateLayer
 
     layer_cls = _fixed_slot_layer_class()
     layers = []
@@ -614,82 +614,9 @@ def _decode_phase(model, cache, T, B, steps, backends, dev, timing: Timing, gen,
     return row
 
 
-def cost_model(model) -> dict:
-    """What bounds a model's speed, from its shapes (for the ``*_bound`` values of :func:`ratios`).
-
-    ``matmul_flops_per_token``: 2 x the parameters a prefill token multiplies by (all but the embedding
-    tables: prefill keeps the last position's logits only; of a mixture of experts' routed experts, the share a
-    token is routed to); ``attention_flops_per_token_per_T``: causal attention at context T costs this x T FLOPs
-    per token (2 T H d per softmax layer: half of QK^T and PV; linear layers counted as free);
-    ``sliding_windows``: the windows of the softmax layers that slide in the base model (Gemma 2 / 3, Mistral),
-    which are left out of the previous term and cost ``attention_flops_per_key`` (4 H d) per key a token sees;
-    ``decode_weight_bytes``: weight bytes every decode step reads (all but the input embedding table, which it
-    only indexes unless the output layer shares it, and the routed experts); ``expert_bytes``: the routed
-    experts' bytes, of which a step reads the share :func:`decode_read_bytes` estimates; ``expert_share``: the
-    experts one token uses, k / E (1 for a dense model)."""
-    cfg = model.config
-    inp, out = model.get_input_embeddings(), model.get_output_embeddings()
-    emb_in = inp.weight if inp is not None else None
-    emb_out = out.weight if out is not None else None
-    tied = emb_in is not None and emb_in is emb_out
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    tables = {id(t): t.numel() for t in (emb_in, emb_out) if t is not None}
-    experts = [p for n, p in model.named_parameters() if ".experts." in n]  # routed experts (not shared_expert)
-    if experts:  # a hybrid's config keeps its base's fields, not the base class's aliases (num_experts in Mixtral)
-        base = cfg.base_config() if hasattr(cfg, "base_config") else cfg
-        total = next(getattr(base, f) for f in ("num_experts", "num_local_experts", "n_routed_experts")
-                     if getattr(base, f, None))
-        share = int(base.num_experts_per_tok) / int(total)
-    else:
-        share = 1.0
-    expert_numel = sum(p.numel() for p in experts)
-    expert_bytes = sum(p.numel() * p.element_size() for p in experts)
-    heads = int(cfg.num_attention_heads)
-    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
-    types = getattr(cfg, "layer_types", None) or ["full_attention"] * int(cfg.num_hidden_layers)
-    windows = [w for t, w in zip(types, softmax_windows(cfg)) if t != "linear_attention"]  # of the softmax layers
-    active = sum(p.numel() for p in model.parameters()) - sum(tables.values()) - expert_numel * (1 - share)
-    return {"matmul_flops_per_token": int(2 * active),
-            "attention_flops_per_token_per_T": 2 * windows.count(None) * heads * head_dim,
-            "sliding_windows": [w for w in windows if w], "attention_flops_per_key": 4 * heads * head_dim,
-            "decode_weight_bytes": nbytes - expert_bytes
-            - (0 if tied or emb_in is None else emb_in.numel() * emb_in.element_size()),
-            "expert_bytes": expert_bytes, "expert_share": share}
-
-
-def flops_per_token(cost: dict, T: int) -> int:
-    """Prefill FLOPs per token at context ``T`` of a :func:`cost_model` (a sliding layer's query sees on average
-    ``w - w^2 / 2T`` keys of a ``T``-token prefill, a full layer's ``T / 2``)."""
-    slides = sum(T / 2 if w >= T else w - w * w / (2 * T) for w in cost.get("sliding_windows", ()))
-    return cost["matmul_flops_per_token"] + cost["attention_flops_per_token_per_T"] * T + \
-        cost.get("attention_flops_per_key", 0) * slides
-
-
-def decode_read_bytes(cost: dict, batch: int) -> float:
-    """Weight bytes a decode step of ``batch`` sequences reads (a :func:`cost_model`): every dense weight, and of
-    the routed experts the expected share that at least one of the ``batch`` tokens is routed to, with routing
-    taken as uniform: 1 - (1 - k/E)^batch."""
-    touched = 1 - (1 - cost.get("expert_share", 1.0)) ** batch
-    return cost["decode_weight_bytes"] + cost.get("expert_bytes", 0) * touched
-
-
-def speedup_bounds(hybrid: dict, original: dict, T: int, cache_hybrid, cache_original,
-                   batch: int = 1) -> tuple[float, float | None]:
-    """``(prefill, decode)``: the speed-ups over ``original`` that ``hybrid`` (both :func:`cost_model`) allows at
-    equal efficiency at context ``T``: prefill from FLOPs per token, decode from the bytes a step of ``batch``
-    sequences reads (weights + cache bytes; None when a cache size is unknown)."""
-    prefill = flops_per_token(original, T) / flops_per_token(hybrid, T)
-    if not isinstance(cache_hybrid, (int, float)) or not isinstance(cache_original, (int, float)):
-        return prefill, None
-    return prefill, ((decode_read_bytes(original, batch) + cache_original)
-                     / (decode_read_bytes(hybrid, batch) + cache_hybrid))
-
-
 def bench_row(model, kind: str, T: int, B: int, *, steps: int, backends: list[str | None], dev: torch.device,
               timing: Timing, seed: int = 0, profile: bool = False) -> dict:
     """One (model, T, B) row: prefill, decode, peak memory, cache bytes. Out of memory is recorded."""
-    from .convert.surgery import cache_bytes
-
     row: dict[str, Any] = {"model": kind, "T": T, "B": B, "status": "ok"}
     _free(dev)
     if dev.type == "cuda":
@@ -746,7 +673,7 @@ class Pair:
 
 
 def _surgery(model, layer_types, attention: dict):
-    from .convert.surgery import linearize_model
+    from ..convert.surgery import linearize_model
 
     return linearize_model(model, layer_types, {"attention": dict(attention)})
 
@@ -761,8 +688,8 @@ def _raise_positions(config, max_len: int, notes: list[str], name: str) -> None:
 def plan_pair(spec: str, *, against: str | None, random_weights: bool, ratio: str, recipe, dtype, device,
               max_len: int) -> Pair:
     """Resolve what to compare without loading any weights (every user error surfaces here)."""
-    from .architectures import arch_spec
-    from .convert.selection import select_layout
+    from ..architectures import arch_spec
+    from ..convert.selection import select_layout
 
     if random_weights:
         cfg, name = load_config(spec)
@@ -791,7 +718,7 @@ def plan_pair(spec: str, *, against: str | None, random_weights: bool, ratio: st
             hybrid_from_original=reuse, layer_types=layer_types, notes=notes,
             layout_from_checkpoint=cfg.model_type == "linearize")
 
-    from .io.sources import is_hybrid_dir, load_model, local_dir, read_config, resolve
+    from ..io.sources import is_hybrid_dir, load_model, local_dir, read_config, resolve
 
     r = resolve(spec)
     path = local_dir(r)
@@ -845,7 +772,7 @@ def parse_sdpa(value: str) -> list[str]:
 def _versions() -> dict[str, str]:
     import transformers
 
-    from . import __version__
+    from .. import __version__
 
     out = {"linearize": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
            "python": platform.python_version()}
@@ -934,10 +861,10 @@ def bench_model(spec: str, *, against: str | None = None, random_weights: bool =
     ``config.json`` path. ``profile``: also split a few eager decode steps per row by kernel category
     (:func:`profile_steps`). See the module docstring for what each number means.
     """
-    from . import recipe as recipes
-    from .convert.selection import describe_layout, parse_ratio
-    from .evals.common import parse_batch_sizes, parse_lengths
-    from .io.sources import resolve_dtype
+    from .. import recipe as recipes
+    from ..convert.selection import describe_layout, parse_ratio
+    from ..evals.common import parse_batch_sizes, parse_lengths
+    from ..io.sources import resolve_dtype
 
     Ts, Bs = parse_lengths(lengths), parse_batch_sizes(batches)
     if int(decode_steps) < 1:
@@ -1062,7 +989,7 @@ def print_result(result: dict, console=None) -> None:
     from rich.table import Table
 
     if console is None:
-        from .progress import make_console
+        from ..progress import make_console
 
         # a captured (non-terminal) stdout would otherwise get 80 columns and truncate the 14-column table
         console = make_console()
