@@ -14,7 +14,7 @@ from triton.testing import do_bench
 
 from linearize.bench import model as bm
 from linearize import recipe as recipes
-from linearize.feature_maps import HedgehogFeatureMap
+from linearize.model.feature_maps import HedgehogFeatureMap
 from linearize.kernels import hedgehog_feature_map
 from linearize.convert.selection import select_layout
 

@@ -9,17 +9,17 @@ with transformers' Auto classes for configs built in memory. (The ``linearize`` 
 
 import sys
 
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = ["LinearizeConfig", "LinearizeForCausalLM", "__version__"]
 
 if "_linearize_cli" not in sys.modules:
-    from .modeling import LinearizeConfig, LinearizeForCausalLM  # noqa: E402
+    from .model.modeling import LinearizeConfig, LinearizeForCausalLM  # noqa: E402
 
 
 def __getattr__(name: str):
     if name in ("LinearizeConfig", "LinearizeForCausalLM"):
-        from . import modeling
+        from .model import modeling  # the command line defers the model code (transformers) until it is asked for
 
         return getattr(modeling, name)
     raise AttributeError(f"module 'linearize' has no attribute {name!r}")

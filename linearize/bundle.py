@@ -19,13 +19,16 @@ import importlib
 import re
 from pathlib import Path
 
+from .version import __version__
+
 #: bundled module -> flat file name (without .py) in the checkpoint directory
 BUNDLE = {
-    "linearize.modeling": "modeling_linearize",
-    "linearize.attention": "linearize_attention",
-    "linearize.architectures": "linearize_architectures",
-    "linearize.cache": "linearize_cache",
-    "linearize.feature_maps": "linearize_feature_maps",
+    "linearize.model.modeling": "modeling_linearize",
+    "linearize.model.attention": "linearize_attention",
+    "linearize.model.architectures": "linearize_architectures",
+    "linearize.model.cache": "linearize_cache",
+    "linearize.model.feature_maps": "linearize_feature_maps",
+    "linearize.model.layout": "linearize_layout",
     "linearize.errors": "linearize_errors",
     "linearize.atomic": "linearize_atomic",
     "linearize.kernels": "linearize_kernels",
@@ -34,9 +37,9 @@ BUNDLE = {
         "triton_step", "triton_window", "tuning")},
 }
 #: modules whose imported names are written as constants instead of bundling the module
-CONSTANTS = {"linearize": ("__version__",), "linearize.convert.selection": ("LINEAR", "FULL")}
+CONSTANTS = {"linearize.version": ("__version__",)}
 #: module-level lines dropped from a bundled module
-DROP = {"linearize.modeling": ("register_auto_classes()",)}
+DROP = {"linearize.model.modeling": ("register_auto_classes()",)}
 
 CONFIG_FILE = '''"""The linearize hybrid's config class (for ``trust_remote_code=True``); written by linearize {version}."""
 from .modeling_linearize import LinearizeConfig  # noqa: F401
@@ -103,8 +106,6 @@ def _rewrite(module: str, source: str) -> str:
 
 def remote_code_files() -> dict[str, str]:
     """``{file name: text}`` of the remote code a checkpoint directory carries."""
-    from . import __version__
-
     files = {}
     for module, flat in BUNDLE.items():
         path = Path(importlib.import_module(module).__file__)

@@ -24,7 +24,7 @@ def generation_kwargs(*, temperature: float = 0.0, top_p: float = 1.0, prompt_lo
     drafts that many tokens (at most ``CROP_TOKENS``, what a linear layer's cache can take back on every supported
     transformers release) from n-gram matches in the prompt (transformers' prompt-lookup decoding: the drafts are
     checked in one forward and rejected ones taken back with ``HybridCache.crop``)."""
-    from .cache import CROP_TOKENS
+    from .model.cache import CROP_TOKENS
 
     kw: dict = {"do_sample": temperature > 0}
     if temperature > 0:

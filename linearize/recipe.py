@@ -41,7 +41,7 @@ def _positive_tokens(v) -> bool:
 
 
 def _feature_map_names() -> list[str]:
-    from .feature_maps import FEATURE_MAPS
+    from .model.feature_maps import FEATURE_MAPS
 
     return sorted(FEATURE_MAPS)
 

@@ -143,7 +143,7 @@ def tiny_workspace(root: Path, tokenizer, layers: int) -> Path:
 def recorded_crops():
     """While active, yield a list that records how many tokens each take-back of a linear layer's state removes
     (``LinearStateLayer.crop``, what assisted and prompt-lookup decoding call for rejected drafts)."""
-    from linearize.cache import LinearStateLayer
+    from linearize.model.cache import LinearStateLayer
 
     taken_back: list[int] = []
     crop = LinearStateLayer.crop

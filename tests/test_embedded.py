@@ -252,7 +252,7 @@ def test_console_script_answers_help_without_model_code():
     """``linearize --help`` (the console script) does not import transformers' model code, which ``import
     linearize`` does for library users (so ``from_pretrained`` knows the hybrid); the module path still does."""
     probe = ("import sys\n{imp}\nsys.argv = ['linearize', '--help']\ntry:\n    main()\nexcept SystemExit:\n    pass\n"
-             "print('model code' if 'linearize.modeling' in sys.modules else 'no model code', file=sys.stderr)")
+             "print('model code' if 'linearize.model.modeling' in sys.modules else 'no model code', file=sys.stderr)")
     script = subprocess.run([sys.executable, "-c", probe.format(imp="from _linearize_cli import main")],
                             capture_output=True, text=True, timeout=120)
     assert script.returncode == 0 and "Usage: linearize" in script.stdout, script.stderr[-2000:]

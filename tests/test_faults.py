@@ -53,7 +53,7 @@ if kind == "slow-save":
         time.sleep(300)
     C.save_file = save_file
 else:
-    import linearize.attention as A
+    import linearize.model.attention as A
     import linearize.train.loop
     # the counts below are of training forwards: no measuring forwards before step 0 (linearize.train.memory)
     linearize.train.loop.plan_pieces = lambda *args, **kwargs: 1
@@ -284,7 +284,7 @@ def test_host_oom_in_finetune_saves_state_and_resume_matches(ws, hybrid, finetun
 
 
 def test_oom_in_eval_is_one_line_and_writes_nothing(ws, hybrid, tmp_path, monkeypatch):
-    import linearize.attention as A
+    import linearize.model.attention as A
 
     def oom(self, *args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
@@ -297,7 +297,7 @@ def test_oom_in_eval_is_one_line_and_writes_nothing(ws, hybrid, tmp_path, monkey
 
 
 def test_cpu_allocator_failure_in_generate_is_one_line(hybrid, monkeypatch):
-    import linearize.attention as A
+    import linearize.model.attention as A
 
     def oom(self, *args, **kwargs):  # what torch raises when the host allocator fails
         raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "

@@ -1,4 +1,4 @@
-"""Tests for linearize.feature_maps: shapes, dtypes, positivity, gradients, registry errors."""
+"""Tests for linearize.model.feature_maps: shapes, dtypes, positivity, gradients, registry errors."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from linearize.feature_maps import (
+from linearize.model.feature_maps import (
     FEATURE_MAPS,
     FeatureMap,
     build_feature_map,

@@ -11,7 +11,7 @@ import torch
 from conftest import tiny_model
 from linearize import recipe as R
 from linearize.errors import TrainingError, TrainingInterrupted
-from linearize.modeling import LinearizeForCausalLM
+from linearize.model.modeling import LinearizeForCausalLM
 from linearize.convert.selection import select_layout
 from linearize.convert.surgery import linearize_model
 from linearize.train import finetune as FT

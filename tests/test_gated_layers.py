@@ -8,9 +8,9 @@ import torch
 from conftest import char_tokenizer, tiny_model
 from test_distill import corpus  # noqa: F401 - the fixture is used by name
 from linearize import recipe as R
-from linearize.attention import DecayGate
+from linearize.model.attention import DecayGate
 from linearize.io.checkpoint import save_checkpoint
-from linearize.modeling import LinearizeForCausalLM
+from linearize.model.modeling import LinearizeForCausalLM
 from linearize.convert.selection import select_layout
 from linearize.convert.surgery import linearize_model
 

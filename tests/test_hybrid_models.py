@@ -204,7 +204,7 @@ def test_crop_needs_recording_and_history():
         out = hybrid(ids, use_cache=True)
     with pytest.raises(RuntimeError, match="activate_past_recording"):
         _cache(out).crop(-2)
-    from linearize.cache import CROP_TOKENS
+    from linearize.model.cache import CROP_TOKENS
 
     cache = _recorded_run(hybrid, torch.randint(1, 128, (1, CROP_TOKENS + 40)), torch.ones(1, CROP_TOKENS + 40,
                                                                                             dtype=torch.long),
@@ -241,7 +241,7 @@ def test_assisted_and_prompt_lookup_decoding_equal_greedy(recipe, family):
 
 
 def test_real_tokens_from_attention_masks():
-    from linearize.attention import real_tokens
+    from linearize.model.attention import real_tokens
 
     pad = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
     assert real_tokens(None, 4) is None and real_tokens(pad, 1) is None
@@ -260,7 +260,7 @@ def test_real_tokens_from_attention_masks():
 def test_padding_is_read_once_per_mask_and_model(monkeypatch):
     """The converted layers of one model share one reader of the padding mask: the first layer of a forward reads
     it, the others reuse the answer until the mask (or its in-place version) changes; two models share nothing."""
-    from linearize import attention
+    from linearize.model import attention
 
     reads = []
     real = attention.real_tokens
@@ -302,7 +302,7 @@ def _tiny_tokenizer(tmp_path):
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "qwen3_moe"])
 def test_checkpoint_round_trip(tmp_path, family):
-    from linearize.modeling import LinearizeForCausalLM
+    from linearize.model.modeling import LinearizeForCausalLM
 
     hybrid = linearize_model(tiny_model(family), select_layout(4, ratio="3:1"), R.load("lolcats", RECIPES["lolcats"]))
     with torch.no_grad():  # make the learned parts non-trivial so the round trip is checked
@@ -414,7 +414,7 @@ def test_kernel_options_live_in_the_config(tmp_path, monkeypatch):
     """fused_feature_maps and rotary_backend are config fields passed to the layers when the model is built (saved
     with the checkpoint, overridable at load); the environment variable that used to set the first changes
     nothing; unknown values and names are refused."""
-    from linearize.modeling import LinearizeConfig, LinearizeForCausalLM
+    from linearize.model.modeling import LinearizeConfig, LinearizeForCausalLM
 
     monkeypatch.setenv("LINEARIZE_FUSED_FEATURE_MAPS", "none")
     hybrid = linearize_model(tiny_model("llama"), select_layout(4, ratio="1:1"), R.load("lolcats"))
@@ -454,7 +454,7 @@ def test_bundled_remote_code_is_complete():
                 mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
                 assert not any(m.split(".")[0] == "linearize" for m in mods), (name, mods)
     with pytest.raises(RuntimeError, match="surgery"):
-        bundle._rewrite("linearize.attention", "from .surgery import linearize_model\n")
+        bundle._rewrite("linearize.model.attention", "from .surgery import linearize_model\n")
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
@@ -548,7 +548,7 @@ def test_teacher_keeps_sliding_window_and_softcap(family, monkeypatch):
         via_logits = (weights @ vh).transpose(1, 2)
         assert (via_logits - m.softmax_attention(q, k, v)).abs().max().item() <= 1e-5
     if family == "gemma2":  # the soft-capped teacher in blocks of query rows equals it in one block
-        from linearize import attention
+        from linearize.model import attention
 
         whole = [m.softmax_attention(*seen[m.layer_idx]) for m in hybrid.linear_modules()]
         monkeypatch.setattr(attention, "TEACHER_BLOCK_SCORES", 2 * 4 * 40 * 7)  # 7 query rows per block

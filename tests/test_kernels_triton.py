@@ -631,7 +631,7 @@ def test_hybrid_layers_with_fused_features_match_unfused(monkeypatch, window, mo
 
     from conftest import tiny_model
 
-    from linearize import attention
+    from linearize.model import attention
     from linearize import recipe as R
     from linearize.convert.selection import select_layout
     from linearize.convert.surgery import linearize_model

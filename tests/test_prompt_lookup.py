@@ -11,7 +11,7 @@ import torch
 
 from conftest import char_tokenizer, recorded_crops, run_cli, tiny_model
 from linearize import recipe as R
-from linearize.cache import CROP_TOKENS, HybridCache, LinearStateLayer
+from linearize.model.cache import CROP_TOKENS, HybridCache, LinearStateLayer
 from linearize.io.checkpoint import save_checkpoint
 from linearize.convert.selection import select_layout
 from linearize.convert.surgery import linearize_model

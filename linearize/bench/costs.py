@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from ..architectures import attention_shape
-from ..cache import softmax_windows
+from ..model.architectures import attention_shape
+from ..model.cache import softmax_windows
 from ..convert.selection import LINEAR
-from ..feature_maps import build_feature_map
+from ..model.feature_maps import build_feature_map
 
 
 def kv_layer_bytes(config, tokens: int, batch: int = 1, dtype_bytes: int = 2) -> int:

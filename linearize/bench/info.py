@@ -46,7 +46,7 @@ def model_info(spec: str, *, ratio: str | None = None, softmax_layers: str | Non
     from transformers import AutoModelForCausalLM
 
     from .. import recipe as recipes
-    from ..cache import softmax_windows
+    from ..model.cache import softmax_windows
     from ..convert.selection import select_layout
     from ..convert.surgery import check_config_supported, linearize_model
     from ..errors import SelectionError
@@ -108,7 +108,7 @@ def speed_bounds(model, config, extra_parameters: int) -> dict[str, dict[str, fl
     equal efficiency (``bench model``'s bounds): ``prefill`` from FLOPs per token, ``decode`` from the bytes a
     step reads (weights + cache). The original: the same shapes with every layer softmax, without the
     linear-attention extras."""
-    from ..cache import softmax_windows
+    from ..model.cache import softmax_windows
     from .costs import cache_bytes, cost_model, speedup_bounds
 
     hybrid = cost_model(model)

@@ -47,6 +47,7 @@ from ..errors import LinearizeError, SpecError
 from ..io.sources import shipped_configs, text_part
 from ..settings import DEFAULT_RATIO, DEFAULT_RECIPE
 from ..units import format_bytes
+from ..version import __version__
 from .costs import cache_bytes, cost_model, speedup_bounds
 
 #: ``--sdpa`` names -> ``torch.nn.attention.SDPBackend`` member names
@@ -98,7 +99,7 @@ def load_config(spec: str):
     """``(config, name)`` for a ``--random-weights`` spec (see :func:`config_source`)."""
     from transformers import AutoConfig
 
-    from .. import modeling  # noqa: F401  (registers the linearize model type)
+    from ..model import modeling  # noqa: F401  (registers the linearize model type)
 
     path, name = config_source(spec)
     try:
@@ -364,7 +365,7 @@ def decode_cache(cache, seq_len: int):
     """
     from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
-    from ..cache import HybridCache, LinearStateLayer
+    from ..model.cache import HybridCache, LinearStateLayer
 
     layer_cls = _fixed_slot_layer_class()
     layers = []
@@ -688,7 +689,7 @@ def _raise_positions(config, max_len: int, notes: list[str], name: str) -> None:
 def plan_pair(spec: str, *, against: str | None, random_weights: bool, ratio: str, recipe, dtype, device,
               max_len: int) -> Pair:
     """Resolve what to compare without loading any weights (every user error surfaces here)."""
-    from ..architectures import arch_spec
+    from ..model.architectures import arch_spec
     from ..convert.selection import select_layout
 
     if random_weights:
@@ -771,8 +772,6 @@ def parse_sdpa(value: str) -> list[str]:
 
 def _versions() -> dict[str, str]:
     import transformers
-
-    from .. import __version__
 
     out = {"linearize": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
            "python": platform.python_version()}

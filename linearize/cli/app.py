@@ -17,9 +17,9 @@ from typing import Callable, List, Optional
 import typer
 from rich.markup import escape
 
-from .. import __version__
 from ..errors import LinearizeError
 from ..progress import make_console
+from ..version import __version__
 
 try:  # a Typer internal: the value type --help prints beside each option
     from typer.core import TyperOption

@@ -62,6 +62,7 @@ import torch.nn.functional as F
 
 from ..atomic import atomic_write
 from ..errors import SelectionError
+from ..version import __version__
 from .selection import LINEAR, rank_layers, selection_boundary
 
 #: bump when a measurement changes meaning (invalidates cached probes)
@@ -184,7 +185,6 @@ def _model_identity(model) -> dict[str, Any] | None:
 
 def cache_key(model, tokenizer, recipe, probe_tokens: int) -> tuple[str | None, dict[str, Any]]:
     """``(KEY, inputs)``; KEY is None when the model has no on-disk identity (not loaded from a spec)."""
-    from .. import __version__
     from ..data.specs import parse_spec
     from ..data.tokens import source_fingerprint, tokenizer_fingerprint
 
@@ -254,7 +254,7 @@ def _load(key: str) -> ProbeResult | None:
 def all_linear(model, recipe):
     """Yield a hybrid of ``model`` with every layer linear; restore ``model``'s own attention modules
     (and its parameters' ``requires_grad``) on exit, so ``model`` can be converted again."""
-    from ..architectures import arch_spec
+    from ..model.architectures import arch_spec
     from .surgery import check_supported, linearize_model
 
     check_supported(model)

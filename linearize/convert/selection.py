@@ -17,8 +17,7 @@ from ..errors import SelectionError
 from ..settings import DEFAULT_RATIO
 from ..units import UnitError, parse_bytes, parse_length
 
-LINEAR = "linear_attention"
-FULL = "full_attention"
+from ..model.layout import FULL, LINEAR  # noqa: F401 - re-exported for callers
 
 #: ``--select`` values
 SELECT_MODES = ("interleave", "auto")

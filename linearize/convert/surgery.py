@@ -7,15 +7,15 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from ..architectures import arch_spec, not_causal_reason, not_supported_reason, supported_types, text_part
+from ..model.architectures import arch_spec, not_causal_reason, not_supported_reason, supported_types, text_part
 from ..errors import UnsupportedModelError
-from ..modeling import LinearizeConfig, LinearizeForCausalLM
+from ..model.modeling import LinearizeConfig, LinearizeForCausalLM
 from ..recipe import Recipe
 
 
 def check_config_supported(config, spec: str | None = None) -> str:
     """The base ``model_type`` of a config (a vision-language model's: its text decoder's, see
-    :data:`~linearize.architectures.FAMILIES`), or a one-line :class:`UnsupportedModelError` (no weights needed)."""
+    :data:`~linearize.model.architectures.FAMILIES`), or a one-line :class:`UnsupportedModelError` (no weights needed)."""
     name = f"{spec}: " if spec else ""
     config = text_part(config)  # a vision-language model: its text decoder
     mt = getattr(config, "model_type", None) or "unknown"

@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 
 from ..atomic import atomic_write
 from ..errors import OutputError
+from ..version import __version__
 
 INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_SHARD_BYTES = 2 * 1024**3
@@ -231,7 +232,6 @@ def base_model_id(base: str, source: str | Path | None = None) -> str:
 def model_card(model, *, base: str, recipe_name: str, reports: dict[str, Any], base_id: str | None = None) -> str:
     """The checkpoint's README.md: metadata front matter, layer map, how to load, scores. ``base_id``: the
     original's hub id for ``base_model`` (default: :func:`base_model_id` of ``base``)."""
-    from .. import __version__
     from ..convert.selection import describe_layout
 
     cfg = model.config

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Iterator
 
 from ..errors import OutputError
+from ..version import __version__
 
 MARKER = ".linearize-output.json"
 #: files that make a folder with ``config.json`` (or ``adapter_config.json``) a model checkpoint
@@ -97,8 +98,6 @@ def read_marker(path: str | Path) -> dict | None:
 
 def write_marker(directory: str | Path, command: str) -> Path:
     """Write the marker saying ``command`` wrote ``directory``."""
-    from .. import __version__
-
     p = Path(directory) / MARKER
     p.write_text(json.dumps({"command": command, "version": __version__,
                              "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}) + "\n")

@@ -19,7 +19,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..architectures import text_decoder, text_part
+from ..model.architectures import text_decoder, text_part
 from ..atomic import atomic_write
 from ..errors import SpecError
 from ..settings import cache_root
@@ -228,7 +228,7 @@ def local_dir(spec: str | ResolvedSpec) -> Path:
     if r.kind == "gguf":
         return gguf_to_hf_dir(r.gguf_file)
     if is_hybrid_dir(r.path):
-        from .. import modeling  # noqa: F401  (registers the Auto classes; the command line imports it late)
+        from ..model import modeling  # noqa: F401  (registers the Auto classes; the command line imports it late)
         from .checkpoint import verify_checkpoint
 
         verify_checkpoint(r.path)
@@ -257,10 +257,10 @@ def is_hybrid_dir(path: Path) -> bool:
 
 
 def read_config(path):
-    """The config of the model in ``path``: a hybrid's :class:`~linearize.modeling.LinearizeConfig`, a
+    """The config of the model in ``path``: a hybrid's :class:`~linearize.model.modeling.LinearizeConfig`, a
     vision-language model's text decoder config (what ``convert`` converts), any other model's own."""
     if is_hybrid_dir(path):
-        from ..modeling import LinearizeConfig
+        from ..model.modeling import LinearizeConfig
 
         return LinearizeConfig.from_pretrained(path)
     from transformers import AutoConfig
@@ -289,7 +289,7 @@ def load_model(spec: str | ResolvedSpec, *, dtype=None, device=None, max_memory=
     import torch  # after the spec's errors, which then come without transformers' start-up time
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .. import modeling  # noqa: F401  (registers the Auto classes)
+    from ..model import modeling  # noqa: F401  (registers the Auto classes)
     if max_memory is None:
         check_device(device)
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -358,7 +358,7 @@ def vision_language_note(path) -> str | None:
 
 def _text_decoder_loading(path: Path) -> dict:
     """``from_pretrained`` arguments that load only the text decoder of a vision-language checkpoint
-    (:data:`~linearize.architectures.FAMILIES`) as its text causal LM; ``{}`` for any other checkpoint."""
+    (:data:`~linearize.model.architectures.FAMILIES`) as its text causal LM; ``{}`` for any other checkpoint."""
     entry = text_decoder(_model_type(path))
     if entry is None or is_hybrid_dir(path):
         return {}

@@ -422,7 +422,7 @@ def hedgehog_feature_map(
     backend: Optional[str] = None,
 ) -> torch.Tensor:
     """Hedgehog features ``[softmax(x W), softmax(-x W)]`` per head, clamped to ``>= eps``: ``[B, T, H, 2f]`` in
-    ``x``'s dtype, as :class:`linearize.feature_maps.HedgehogFeatureMap` computes them (fp32 math, or fp64 for
+    ``x``'s dtype, as :class:`linearize.model.feature_maps.HedgehogFeatureMap` computes them (fp32 math, or fp64 for
     fp64 inputs). The Triton path is one kernel that reads ``x`` once and writes the features once (fp32
     accumulation of a product with the weight rounded to ``x``'s dtype); it has no backward, so when a
     gradient is needed the features are computed by PyTorch on every backend."""

@@ -42,7 +42,7 @@ def hedgehog_features(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-12)
     """Hedgehog feature map ``[softmax(x W), softmax(-x W)]`` per head, clamped to ``>= eps`` (0 = no clamp).
 
     ``x`` ``[B, T, H, D]``, ``weight`` ``[H, D, f]`` -> ``[B, T, H, 2f]`` in ``x``'s dtype (the caller picks
-    the compute precision). The spec of :class:`linearize.feature_maps.HedgehogFeatureMap` and of the fused
+    the compute precision). The spec of :class:`linearize.model.feature_maps.HedgehogFeatureMap` and of the fused
     map inside :func:`linearize.kernels.window_linear_attention_hedgehog`.
     """
     u = torch.einsum("bthd,hdf->bthf", x, weight.to(x.dtype))  # [B, T, H, f]

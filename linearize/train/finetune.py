@@ -11,7 +11,7 @@ stay frozen. Two losses:
   and the student is the linear model with adapters on.
 
 Adapters are merged (``merge_and_unload``) at the end, so the returned model is a plain
-:class:`~linearize.modeling.LinearizeForCausalLM` with the same parameter names and dtypes as
+:class:`~linearize.model.modeling.LinearizeForCausalLM` with the same parameter names and dtypes as
 before, and its checkpoint needs no peft to load. With ``adapter_only_dir`` the adapter is written
 there with peft's ``save_pretrained`` instead and the model is returned unchanged.
 
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .. import distributed as dist
-from ..architectures import arch_spec
+from ..model.architectures import arch_spec
 from ..atomic import atomic_write
 from ..data.packing import heldout_sequences, num_batches, packed_batches
 from ..errors import TrainingError

@@ -67,7 +67,7 @@ def load_and_shard(spec: str, device: str | None, dtype, prepare=None, log=None)
     it over all ranks with rank 0's weights. Returns ``(model, tokenizer)`` on every rank. A load error on
     rank 0 is raised on every rank (one line), so no rank waits forever."""
     from ..io.sources import load_model
-    from ..modeling import LinearizeForCausalLM
+    from ..model.modeling import LinearizeForCausalLM
 
     load_at, load_dtype = load_device(device, dtype)
     model = payload = None

@@ -3,9 +3,9 @@
 ``LinearizeConfig`` carries every field of the base model's config (so generic code reads
 ``hidden_size``, ``vocab_size``, ... as usual), plus ``base_model_type``, the hybrid
 ``layer_types``, the ``linear_attention`` settings and the kernel options (``fused_feature_maps``,
-``rotary_backend``: :data:`~linearize.attention.KERNEL_OPTIONS`). ``LinearizeForCausalLM`` builds the base
+``rotary_backend``: :data:`~linearize.model.attention.KERNEL_OPTIONS`). ``LinearizeForCausalLM`` builds the base
 family's causal LM from that config, replaces the attention of every ``linear_attention`` layer
-with :class:`~linearize.attention.LinearAttention`, and runs the base family's own forward.
+with :class:`~linearize.model.attention.LinearAttention`, and runs the base family's own forward.
 Parameter names are the base model's plus the feature-map and window parameters.
 
 In memory the config's ``model_type`` is ``linearize``; on disk ``config.json`` names the base family
@@ -28,7 +28,8 @@ from transformers.cache_utils import Cache
 from .architectures import arch_spec
 from .attention import KERNEL_OPTIONS, LinearAttention, RealTokens, merge_kernel_options
 from .cache import HybridCache, softmax_windows
-from .convert.selection import LINEAR
+from .layout import LINEAR
+from ..version import __version__
 
 #: base-config fields that belong to the hybrid and must not be passed to the base config class
 _OWN_FIELDS = ("base_model_type", "layer_types", "linear_attention", "base_layer_types", "base_rope_parameters",
@@ -77,8 +78,6 @@ class LinearizeConfig(PretrainedConfig):
     @classmethod
     def from_base(cls, base_config: PretrainedConfig, layer_types: list[str], linear_attention: dict) -> "LinearizeConfig":
         """Wrap a base config (e.g. ``LlamaConfig``) with a hybrid layout and layer settings."""
-        from . import __version__
-
         d = base_config.to_dict()
         base_type = d.pop("model_type")
         arch_spec(base_type)  # one-line error for unsupported families
@@ -197,7 +196,7 @@ class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
             m.mode = "softmax" if m.layer_idx in layers else "linear"
 
     def kernel_options(self) -> dict:
-        """The config's kernel options (:data:`~linearize.attention.KERNEL_OPTIONS`)."""
+        """The config's kernel options (:data:`~linearize.model.attention.KERNEL_OPTIONS`)."""
         return {name: getattr(self.config, name) for name in KERNEL_OPTIONS}
 
     def set_kernel_options(self, **options) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from .errors import UnsupportedModelError
+from ..errors import UnsupportedModelError
 
 
 @dataclass(frozen=True)

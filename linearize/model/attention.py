@@ -24,7 +24,7 @@ from torch import nn
 from .architectures import ArchSpec, attention_shape
 from .cache import HybridCache, softmax_windows
 from .feature_maps import HedgehogFeatureMap, build_feature_map
-from .kernels import (
+from ..kernels import (
     BACKENDS,
     hedgehog_feature_map,
     linear_attention,
@@ -361,7 +361,7 @@ class LinearAttention(nn.Module):
     def signed_feature_weights(self, dtype: torch.dtype):
         """``([Wq, -Wq], [Wk, -Wk])`` of the Hedgehog maps in ``dtype``, kept between decode steps (remade when
         a weight changes: a new tensor or an in-place update)."""
-        from .kernels.triton_common import signed_projections
+        from ..kernels.triton_common import signed_projections
 
         wq, wk = self.feature_map_q.weight, self.feature_map_k.weight
         key = (wq.data_ptr(), wk.data_ptr(), tensor_version(wq), tensor_version(wk), dtype)
