@@ -15,9 +15,14 @@ from __future__ import annotations
 
 import atexit
 import gc
+import inspect
 import os
 
 import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.nn.parallel import DistributedDataParallel
+
+from .errors import TrainingError
 
 __all__ = ["enabled", "init", "world_size", "rank", "is_main", "barrier", "shard", "average_gradients",
            "all_reduce_max", "all_reduce_mean",
@@ -112,7 +117,6 @@ def average_gradients(params: list[torch.Tensor]) -> None:
     grads = [p.grad for p in params if p.grad is not None]
     if not grads or not _ready():
         return
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
     for dtype in {g.dtype for g in grads}:
         group = [g for g in grads if g.dtype == dtype]
@@ -145,8 +149,6 @@ def check_batch(stage: str, batch_size: int) -> None:
     """One line when the global micro-batch cannot be split evenly over the ranks."""
     n = world_size()
     if batch_size % n:
-        from .errors import TrainingError
-
         raise TrainingError(f"{stage}.batch_size {batch_size} cannot be split over {n} torchrun processes; use a "
                             f"multiple of {n} (--set {stage}.batch_size=...): every step's global batch is sharded "
                             f"by rows")
@@ -158,9 +160,6 @@ def wrap(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     require grad are reduced; DDP's initial broadcast makes every rank start from rank 0's weights."""
     if not _ready():
         return module
-    from torch.nn.parallel import DistributedDataParallel
-
-    import inspect
 
     # the buffers (rotary tables) are the same everywhere: no per-forward broadcast
     params = inspect.signature(DistributedDataParallel).parameters

@@ -24,6 +24,7 @@ def generation_kwargs(*, temperature: float = 0.0, top_p: float = 1.0, prompt_lo
     drafts that many tokens (at most ``CROP_TOKENS``, what a linear layer's cache can take back on every supported
     transformers release) from n-gram matches in the prompt (transformers' prompt-lookup decoding: the drafts are
     checked in one forward and rejected ones taken back with ``HybridCache.crop``)."""
+    # start-up time: the model code imports transformers; a bad spec is one line before it loads
     from .model.cache import CROP_TOKENS
 
     kw: dict = {"do_sample": temperature > 0}
@@ -40,6 +41,7 @@ def stream_generate(spec: str, prompt: str, *, max_new_tokens: int = 64, chat: b
     """Yield decoded text pieces as the model generates them (:func:`generation_kwargs`; ``seed`` makes sampling
     repeatable). ``max_memory``/``offload_dir``: layer-wise onloading for a model that does not fit (see
     :func:`~linearize.io.sources.load_model`); ``log`` then gets one line saying where the layers went."""
+    # start-up time: the model code imports transformers; a bad spec is one line before it loads
     from transformers import TextIteratorStreamer
 
     model, tokenizer = load_model(spec, dtype=dtype, device=device, max_memory=max_memory, offload_dir=offload_dir)

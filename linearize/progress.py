@@ -16,6 +16,10 @@ import sys
 import time
 from typing import Any
 
+from rich.console import Console
+from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn, TimeRemainingColumn
+from rich.text import Text
+
 from .settings import log_every
 
 
@@ -25,8 +29,6 @@ def _interactive(console) -> bool:
 
 def make_console(stderr: bool = False, width: int = 200):
     """A rich Console; off a terminal (and without ``COLUMNS``) ``width`` columns and unwrapped text."""
-    from rich.console import Console
-
     console = Console(stderr=stderr)
     if _interactive(console) or os.environ.get("COLUMNS"):
         return console
@@ -126,9 +128,6 @@ def eta_seconds(elapsed: float | None, done: float, start: float, total: float |
 def _eta_column():
     """A rich column with :func:`eta_seconds`, the estimate of the plain lines. rich's ``TimeRemainingColumn`` needs
     two updates within its 30 s window, so a run whose steps take longer (a large model on a CPU) never showed one."""
-    from rich.progress import ProgressColumn
-    from rich.text import Text
-
     class EtaColumn(ProgressColumn):
         max_refresh = 0.5
 
@@ -144,8 +143,6 @@ def _eta_column():
 def _rich_progress(*columns, **kwargs):
     """rich's ``Progress`` whose tasks remember where they started (a resumed run's first step), which the ETA
     column reads; rich's own time-remaining columns are replaced by it."""
-    from rich.progress import Progress, TimeRemainingColumn
-
     class StepProgress(Progress):
         def add_task(self, description, start=True, total=100.0, completed=0, visible=True, **fields):
             fields.setdefault("start_completed", completed)
@@ -168,7 +165,5 @@ def make_progress(*columns, disable: bool = False, console=None, transient: bool
 def step_progress(label: str, *, disable: bool = False, console=None):
     """The training stages' bar: ``label``, the bar, ``completed/total steps``, the task's ``info`` field and the
     time remaining; lines off a terminal (add the task with ``unit="steps"``)."""
-    from rich.progress import BarColumn, TextColumn, TimeRemainingColumn
-
     return make_progress(TextColumn(label), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
                          TextColumn("{task.fields[info]}"), TimeRemainingColumn(), disable=disable, console=console)

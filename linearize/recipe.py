@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import yaml
 
+from .data.checks import check_text_files
 from .data.mixture import mixture_text
 from .errors import DataError, RecipeError
 from .settings import DEFAULT_RECIPE
@@ -41,6 +42,7 @@ def _positive_tokens(v) -> bool:
 
 
 def _feature_map_names() -> list[str]:
+    # start-up time: the feature maps import torch; recipes are read before any model loads
     from .model.feature_maps import FEATURE_MAPS
 
     return sorted(FEATURE_MAPS)
@@ -314,8 +316,6 @@ def check_training(recipe: Recipe, stages: dict[str, Any], *, window: int | None
     token), a budget smaller than one batch (distill) or one optimizer step (finetune), and a data
     spec that does not resolve or holds no text (:func:`linearize.data.checks.check_text_files`).
     """
-    from .data.checks import check_text_files
-
     win = recipe["attention"]["window"] if window is None else window
     for stage, tokens in stages.items():
         cfg = recipe[stage]

@@ -219,7 +219,7 @@ def test_llama3_8b_config_on_meta_has_the_published_shape():
 def test_shipped_configs_are_aliases_with_published_sizes(alias):
     from transformers import AutoModelForCausalLM
 
-    from linearize.io.sources import ALIASES
+    from linearize.io.aliases import ALIASES
 
     assert set(bm.shipped_configs()) == set(PUBLISHED)
     assert alias in ALIASES

@@ -23,7 +23,7 @@ from linearize.evals.common import EvalError
 from linearize.evals.report import render_markdown, summary_table
 from linearize.evals.runner import EvalOptions, LoadOptions, ReportOptions, run_eval
 from linearize.convert.selection import select_layout
-from linearize.io.sources import ALIASES
+from linearize.io.aliases import ALIASES
 from linearize.convert.surgery import linearize_model
 
 

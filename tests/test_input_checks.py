@@ -225,7 +225,8 @@ def test_set_without_section_suggests_the_spellings(ws, cli, tmp_path):
 
 
 def test_unknown_spec_shows_the_closest_aliases():
-    from linearize.io.sources import ALIASES, resolve
+    from linearize.io.aliases import ALIASES
+    from linearize.io.sources import resolve
 
     with pytest.raises(SpecError) as e:
         resolve("llama3-8b")

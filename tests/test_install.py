@@ -155,7 +155,8 @@ def test_config_names_the_base_family_and_the_hybrid(tmp_path):
     """On disk ``model_type`` is the base family's (what lets the tokenizer load as the original's);
     ``architectures`` and ``auto_map`` name the hybrid; the package reads it back as the hybrid's config."""
     from linearize.model.modeling import LinearizeConfig
-    from linearize.io.sources import is_hybrid_dir, read_config
+    from linearize.io.outputs import is_hybrid_dir
+    from linearize.io.sources import read_config
 
     out = _tiny_checkpoint(tmp_path)
     cfg = json.loads((out / "config.json").read_text())

@@ -13,8 +13,8 @@ import torch
 
 from ..model.architectures import attention_shape
 from ..model.cache import softmax_windows
-from ..convert.selection import LINEAR
 from ..model.feature_maps import build_feature_map
+from ..model.layout import LINEAR
 
 
 def kv_layer_bytes(config, tokens: int, batch: int = 1, dtype_bytes: int = 2) -> int:

@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
-from ..convert.selection import describe_layout
-from ..io.sources import local_dir, read_config, resolve, shipped_configs, vision_language_note
+from ..convert.selection import describe_layout, select_layout
+from ..errors import SelectionError, SpecError
+from ..io.sources import load_model, local_dir, read_config, resolve, shipped_configs, vision_language_note
 from ..settings import DEFAULT_RECIPE
 from ..units import parse_length
 
@@ -21,14 +24,13 @@ def base_config(spec: str):
     """``(config, name, local directory or None)`` of a spec, without weights. An alias that is not on this
     machine falls back to its published config shipped with the package (``linearize/model_configs``), so a
     conversion can be planned offline; anything else missing raises the usual one-line :class:`SpecError`."""
-    from ..errors import SpecError
-
     try:
         r = resolve(spec)
         path = local_dir(r)
     except SpecError:
         if spec not in shipped_configs():
             raise
+        # start-up time: an unknown spec or a bad option is one line before torch and transformers load
         from .model import load_config
 
         return load_config(spec)[0], f"{spec} (published config; weights not on this machine)", None
@@ -42,14 +44,22 @@ def model_info(spec: str, *, ratio: str | None = None, softmax_layers: str | Non
     ``ratio`` / ``softmax_layers`` (and ``recipe``, default ``lolcats``) plan a conversion of an original model:
     the report is then the hybrid ``convert`` would build with that layout, computed on the meta device."""
     config, name, path = base_config(spec)  # an unknown spec fails here, before the imports below
+    # start-up time: an unknown spec or a bad option is one line before torch and transformers load
     import torch
+
+    # start-up time: an unknown spec or a bad option is one line before torch and transformers load
     from transformers import AutoModelForCausalLM
 
+    # start-up time: an unknown spec or a bad option is one line before torch and transformers load
     from .. import recipe as recipes
-    from ..model.cache import softmax_windows
-    from ..convert.selection import select_layout
+
+    # start-up time: an unknown spec or a bad option is one line before torch and transformers load
     from ..convert.surgery import check_config_supported, linearize_model
-    from ..errors import SelectionError
+
+    # start-up time: an unknown spec or a bad option is one line before torch and transformers load
+    from ..model.cache import softmax_windows
+
+    # start-up time: an unknown spec or a bad option is one line before torch and transformers load
     from .costs import cache_bytes
 
     planned = ratio is not None or softmax_layers is not None
@@ -108,7 +118,10 @@ def speed_bounds(model, config, extra_parameters: int) -> dict[str, dict[str, fl
     equal efficiency (``bench model``'s bounds): ``prefill`` from FLOPs per token, ``decode`` from the bytes a
     step reads (weights + cache). The original: the same shapes with every layer softmax, without the
     linear-attention extras."""
+    # start-up time: torch and transformers, only for a hybrid's bounds
     from ..model.cache import softmax_windows
+
+    # start-up time: torch and transformers, only for a hybrid's bounds
     from .costs import cache_bytes, cost_model, speedup_bounds
 
     hybrid = cost_model(model)
@@ -134,9 +147,6 @@ def speed_bounds(model, config, extra_parameters: int) -> dict[str, dict[str, fl
 def conversion_quality(path) -> dict[str, Any]:
     """From a hybrid's ``report.json``: held-out perplexity vs the teacher (stage 2), the recall check (copy task,
     teacher vs hybrid) and ``--select auto``'s boundary; empty for other directories or untrained hybrids."""
-    import json
-    from pathlib import Path
-
     try:
         stages = json.loads((Path(path) / "report.json").read_text()).get("stages") or {}
     except (OSError, ValueError, AttributeError):
@@ -162,10 +172,11 @@ def retrieval_layers(spec: str, lengths: list[int], *, prompts: int = 5, dtype: 
     (max over heads, mean over ``prompts`` passkey prompts per length at depths 0..1) -- the probe's
     ``attention`` term (:func:`linearize.convert.probe.retrieval_attention`). High values mark the layers that
     retrieve."""
+    # start-up time: torch and transformers, only for --retrieval
     from .. import recipe as recipes
+
+    # start-up time: torch and transformers, only for --retrieval
     from ..convert import probe
-    from ..errors import SelectionError
-    from ..io.sources import load_model
 
     config_type = model_info(spec)["layer_types"]
     if config_type is not None and "linear_attention" in config_type:

@@ -11,6 +11,8 @@ first (fresh random inputs per check). See ``kernels/README.md`` for the table.
 from __future__ import annotations
 
 import datetime as _dt
+import importlib.metadata as md
+import itertools
 import json
 import os
 import platform
@@ -18,15 +20,24 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
+from rich.table import Table
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from linearize.kernels import (empty_window_state, linear_attention, linear_attention_hedgehog, linear_attention_step,
+                               window_linear_attention, window_linear_attention_hedgehog, window_linear_attention_step,
+                               window_state_from_prefill)
+from linearize.kernels.testing import check_linear, check_window, linear_inputs, rel_err, window_inputs
 
 from ..atomic import atomic_write
 from ..errors import DeviceError, LinearizeError
+from ..progress import make_console
 
 # fla's Triton path only (it otherwise dispatches to other backends when present)
 os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")
 
 
 def _bench(fn: Callable[[], object], warmup: int = 25, rep: int = 100) -> float:
+    # optional: Triton, only where the GPU kernels run
     import triton
 
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
@@ -34,6 +45,7 @@ def _bench(fn: Callable[[], object], warmup: int = 25, rep: int = 100) -> float:
 
 def _fla():
     try:
+        # optional dependency: fla (its rows are skipped without it)
         from fla.ops.linear_attn import chunk_linear_attn, fused_recurrent_linear_attn
 
         return chunk_linear_attn, fused_recurrent_linear_attn
@@ -44,6 +56,7 @@ def _fla():
 def _fla_simple_gla():
     """fla's ``chunk_simple_gla`` (per-token, per-head log decay, unnormalised), or None without fla."""
     try:
+        # optional dependency: fla (its rows are skipped without it)
         from fla.ops.simple_gla import chunk_simple_gla
 
         return chunk_simple_gla
@@ -52,12 +65,11 @@ def _fla_simple_gla():
 
 
 def _versions() -> Dict[str, str]:
+    # optional: Triton, only where the GPU kernels run
     import triton
 
     out = {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()}
     try:
-        import importlib.metadata as md
-
         out["fla-core"] = md.version("fla-core")
     except Exception:
         out["fla-core"] = "absent"
@@ -77,8 +89,6 @@ def check_kernels(device: str = "cuda") -> List[dict]:
     Returns one row per check with the measured relative errors; raises nothing (a failed
     check is a row with ``ok=False``).
     """
-    from linearize.kernels.testing import check_linear, check_window
-
     rows: List[dict] = []
 
     def run(name, fn):
@@ -105,10 +115,6 @@ def check_kernels(device: str = "cuda") -> List[dict]:
 
 
 def _check_accuracy(device: str) -> List[dict]:
-    from linearize.kernels import (linear_attention, linear_attention_step, window_linear_attention,
-                                   window_linear_attention_step, window_state_from_prefill)
-    from linearize.kernels.testing import linear_inputs, rel_err, window_inputs
-
     rows: List[dict] = []
     # accuracy at the benchmark's head size on a long sequence, vs a float64 reference
     B, T, H, D = 1, 4096, 4, 128
@@ -170,10 +176,6 @@ def sweep_configs(config: dict, grid: dict, run: Callable, cases: dict, referenc
     ``[(score, combination)]`` fastest first, score = sum over cases of ms / ``baseline[key]`` ms. A combination
     whose results (``run`` returns a tuple of tensors) differ from ``reference[key]`` by more than
     ``TUNE_TOLERANCE``, or that fails to compile, is reported and left out. ``config`` is restored."""
-    import itertools
-
-    from linearize.kernels.testing import rel_err
-
     base = dict(config)
     results = []
     candidates = [{}] + [dict(zip(grid.keys(), vals)) for vals in itertools.product(*grid.values())]
@@ -224,11 +226,18 @@ def tune_kernels(heads: int = 32, dim: int = 128, progress: Optional[Callable[[s
     subset of :data:`TUNE_FAMILIES`; default all). A configuration whose output or gradients differ from the
     defaults' by more than ``TUNE_TOLERANCE`` is never kept. ``device`` / ``timer`` (ms of a call; default
     ``do_bench``) let tests run the sweeps' plumbing on CPU."""
+    # optional: Triton, only where the GPU kernels run
     from linearize.kernels import (empty_window_state, linear_attention, linear_attention_hedgehog,
                                    linear_attention_step_hedgehog, triton_common, tuning, window_linear_attention,
                                    window_linear_attention_hedgehog, window_linear_attention_step_hedgehog)
+
+    # optional: Triton, only where the GPU kernels run
     from linearize.kernels import triton_linear as tlin
+
+    # optional: Triton, only where the GPU kernels run
     from linearize.kernels import triton_step as tstep
+
+    # optional: Triton, only where the GPU kernels run
     from linearize.kernels import triton_window as twin
 
     chosen = parse_families(families) if families else list(TUNE_FAMILIES)
@@ -411,8 +420,6 @@ def bench_kernels(
     """
     if not torch.cuda.is_available():
         raise RuntimeError("bench_kernels needs a CUDA GPU")
-    from linearize.kernels import (linear_attention, linear_attention_hedgehog, window_linear_attention,
-                                   window_linear_attention_hedgehog)
 
     global _ECHO
     say = progress or (lambda s: None)
@@ -422,6 +429,7 @@ def bench_kernels(
     fla = _fla()
     fla_gla = _fla_simple_gla()
     rows: List[dict] = []
+    # optional: Triton, only where the GPU kernels run
     from linearize.kernels import triton_linear, triton_window, tuning
 
     tuning.ensure_applied(dev)
@@ -548,8 +556,6 @@ def bench_kernels(
                 say(f"ERROR K={K} T={T}: {type(e).__name__}: {str(e)[:300]}")
                 torch.cuda.empty_cache()
         # softmax baselines
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
         qs = torch.randn(B, heads, T, dim, device=dev, dtype=bf, requires_grad=True)
         ks = torch.randn(B, heads, T, dim, device=dev, dtype=bf, requires_grad=True)
         vs = torch.randn(B, heads, T, dim, device=dev, dtype=bf, requires_grad=True)
@@ -590,8 +596,6 @@ def write_rows(out_json, meta: dict, checks: list, rows: list, *, complete: bool
 
 def _bench_decode(rows, heads, dim, window, decode_batch, copy_gbs, fla, warmup, rep, say):
     """Decode-step rows: ours vs fla fused_recurrent, GB/s of state read+write and % of copy."""
-    from linearize.kernels import empty_window_state, linear_attention_step, window_linear_attention_step
-
     dev = torch.device("cuda")
     bf = torch.bfloat16
     # decode steps, state rotated over 8 copies (more than L2), captured in a CUDA graph
@@ -696,10 +700,6 @@ def summarize(rows: List[dict]) -> List[dict]:
 
 def print_table(rows: List[dict]) -> None:
     """Print the benchmark rows and the target summary with rich."""
-    from rich.table import Table
-
-    from ..progress import make_console
-
     con = make_console()
     meta = next((r["meta"] for r in rows if "meta" in r), {})
     if meta:

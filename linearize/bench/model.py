@@ -28,6 +28,7 @@ CPU copy is made.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import gc
 import inspect
@@ -41,10 +42,27 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import transformers
+from rich.table import Table
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.profiler import ProfilerActivity, profile
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, DynamicCache
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from .. import recipe as recipes
 from ..atomic import atomic_write
+from ..convert.selection import describe_layout, parse_ratio, select_layout
+from ..convert.surgery import linearize_model
 from ..errors import LinearizeError, SpecError
-from ..io.sources import shipped_configs, text_part
+from ..evals.common import parse_batch_sizes, parse_lengths
+from ..io.aliases import ALIASES
+from ..io.outputs import is_hybrid_dir
+from ..io.sources import load_model, local_dir, read_config, resolve, resolve_dtype, shipped_configs, text_part
+from ..model import modeling  # noqa: F401  (registers the linearize model type)
+from ..model.architectures import arch_spec
+from ..model.cache import HybridCache, LinearStateLayer
+from ..progress import make_console
 from ..settings import DEFAULT_RATIO, DEFAULT_RECIPE
 from ..units import format_bytes
 from ..version import __version__
@@ -76,8 +94,6 @@ def config_source(spec: str) -> tuple[Path, str]:
     (``meta-llama/Meta-Llama-3-8B``, through ``sources.ALIASES``), a ``config.json`` path, or a directory
     holding one (a hybrid checkpoint's config works too).
     """
-    from ..io.sources import ALIASES
-
     p = Path(spec).expanduser()
     if p.is_dir():
         if not (p / "config.json").is_file():
@@ -97,10 +113,6 @@ def config_source(spec: str) -> tuple[Path, str]:
 
 def load_config(spec: str):
     """``(config, name)`` for a ``--random-weights`` spec (see :func:`config_source`)."""
-    from transformers import AutoConfig
-
-    from ..model import modeling  # noqa: F401  (registers the linearize model type)
-
     path, name = config_source(spec)
     try:
         raw = json.loads(path.read_text())
@@ -172,8 +184,6 @@ def materialize_random_(model: torch.nn.Module, device, *, seed: int = 0) -> tor
 
 def random_model(config, *, dtype: torch.dtype, device, seed: int = 0):
     """A causal LM of ``config`` with random weights, built on meta and materialized on ``device``."""
-    from transformers import AutoModelForCausalLM
-
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     materialize_random_(model, device, seed=seed)
@@ -228,11 +238,8 @@ def _side_stream(dev: torch.device):
 
 def _sdpa(name: str | None):
     """``sdpa_kernel`` restricted to one backend (``None``: PyTorch's own choice)."""
-    import contextlib
-
     if name is None:
         return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     return sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[name]))
 
@@ -250,11 +257,6 @@ def _maskless_sdpa(model):
     with "No available kernel" (2026-12-01). Each decode step attends to every slot of the fixed-slot cache,
     so the mask is all True; without it SDPA computes the same step, captured or eager.
     """
-    import contextlib
-
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     AttentionInterface.register(MASKLESS_SDPA, sdpa_attention_forward)
     configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None
                and getattr(c, "_attn_implementation", None) == "sdpa"}
@@ -286,7 +288,6 @@ def new_cache(model):
     """An empty generation cache for ``model`` (a HybridCache for hybrids)."""
     if hasattr(model, "new_cache"):
         return model.new_cache()
-    from transformers import DynamicCache
 
     return DynamicCache(config=model.config)
 
@@ -307,8 +308,6 @@ def cache_nbytes(cache) -> int:
 
 
 def _fixed_slot_layer_class():
-    from transformers.cache_utils import CacheLayerMixin
-
     class FixedSlotKVLayer(CacheLayerMixin):
         """A softmax layer's prefill KV used in place for decode timing: every step writes slot
         ``T - 1`` and attends to all ``T`` slots (fixed shapes and addresses: CUDA-graph safe). A sliding layer
@@ -363,10 +362,6 @@ def decode_cache(cache, seq_len: int):
     ``W - 1`` tokens, gets one more slot so that a step attends to ``W`` keys); linear-attention layers are kept
     as they are (their state is updated in place). Returns a cache of the same family (HybridCache for hybrids).
     """
-    from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
-
-    from ..model.cache import HybridCache, LinearStateLayer
-
     layer_cls = _fixed_slot_layer_class()
     layers = []
     for i, layer in enumerate(cache.layers):
@@ -537,8 +532,6 @@ def profile_steps(step: Callable[[], Any], dev: torch.device, steps: int = 3) ->
     """Milliseconds per decode step by :data:`PROFILE_CATEGORIES` (and ``other``, ``total``) over ``steps`` calls
     of ``step`` (an eager step or a CUDA graph's replay) under ``torch.profiler``: GPU kernel time on CUDA,
     operators' own CPU time on CPU; ``other_top``: the largest parts of ``other`` as ``[kernel_label, ms]`` pairs."""
-    from torch.profiler import ProfilerActivity, profile
-
     cuda = dev.type == "cuda"
     step()
     _sync(dev)
@@ -674,8 +667,6 @@ class Pair:
 
 
 def _surgery(model, layer_types, attention: dict):
-    from ..convert.surgery import linearize_model
-
     return linearize_model(model, layer_types, {"attention": dict(attention)})
 
 
@@ -689,9 +680,6 @@ def _raise_positions(config, max_len: int, notes: list[str], name: str) -> None:
 def plan_pair(spec: str, *, against: str | None, random_weights: bool, ratio: str, recipe, dtype, device,
               max_len: int) -> Pair:
     """Resolve what to compare without loading any weights (every user error surfaces here)."""
-    from ..model.architectures import arch_spec
-    from ..convert.selection import select_layout
-
     if random_weights:
         cfg, name = load_config(spec)
         notes: list[str] = []
@@ -718,8 +706,6 @@ def plan_pair(spec: str, *, against: str | None, random_weights: bool, ratio: st
                                                layer_types, attention),
             hybrid_from_original=reuse, layer_types=layer_types, notes=notes,
             layout_from_checkpoint=cfg.model_type == "linearize")
-
-    from ..io.sources import is_hybrid_dir, load_model, local_dir, read_config, resolve
 
     r = resolve(spec)
     path = local_dir(r)
@@ -771,11 +757,10 @@ def parse_sdpa(value: str) -> list[str]:
 
 
 def _versions() -> dict[str, str]:
-    import transformers
-
     out = {"linearize": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
            "python": platform.python_version()}
     try:
+        # optional: Triton, absent on a CPU-only install
         import triton
 
         out["triton"] = triton.__version__
@@ -860,11 +845,6 @@ def bench_model(spec: str, *, against: str | None = None, random_weights: bool =
     ``config.json`` path. ``profile``: also split a few eager decode steps per row by kernel category
     (:func:`profile_steps`). See the module docstring for what each number means.
     """
-    from .. import recipe as recipes
-    from ..convert.selection import describe_layout, parse_ratio
-    from ..evals.common import parse_batch_sizes, parse_lengths
-    from ..io.sources import resolve_dtype
-
     Ts, Bs = parse_lengths(lengths), parse_batch_sizes(batches)
     if int(decode_steps) < 1:
         raise LinearizeError(f"--decode-steps {decode_steps}: must be at least 1")
@@ -985,11 +965,7 @@ def _row_line(r: dict) -> str:
 
 def print_result(result: dict, console=None) -> None:
     """The hybrid-vs-original table (and the speed goals the rows answer) with rich."""
-    from rich.table import Table
-
     if console is None:
-        from ..progress import make_console
-
         # a captured (non-terminal) stdout would otherwise get 80 columns and truncate the 14-column table
         console = make_console()
     con = console

@@ -24,10 +24,22 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from rich.table import Table
+from transformers import AutoTokenizer
 
+from .. import distributed as dist
+from .. import recipe as recipes
+from ..convert.selection import describe_layout, select_layout
+from ..convert.surgery import linearize_model
 from ..errors import LinearizeError, ResourceError, SpecError
+from ..io.checkpoint import check_output_dir
+from ..io.sources import check_device, load_model, local_dir, resolve, resolve_dtype
+from ..progress import make_console
 from ..settings import DEFAULT_MODEL, DEFAULT_RATIO, DEFAULT_RECIPE
+from ..train.distill import distill
+from ..train.finetune import finetune
 from ..units import format_tokens, parse_tokens
+from .model import _versions, _write, load_config, random_model
 
 RESULT_FILE = "bench_train.json"
 STAGES = ("distill", "finetune")
@@ -52,15 +64,9 @@ def _positive(name: str, value: int) -> int:
 
 def _build(spec: str, *, random_weights: bool, tokenizer: str, dtype, device):
     """``(model, tokenizer, name)``; random weights come with ``tokenizer``'s tokenizer."""
-    from ..io.sources import load_model
-
     if not random_weights:
         model, tok = load_model(spec, dtype=dtype, device=device)
         return model, tok, model.linearize_source.name
-    from transformers import AutoTokenizer
-
-    from ..io.sources import local_dir, resolve
-    from .model import load_config, random_model
 
     config, name = load_config(spec)
     if config.model_type == "linearize":
@@ -80,10 +86,7 @@ def _stage_recipe(rec, stage: str, *, seq_len: int, batch: int, tokens: int, gra
 
 def _run_stage(model, tok, rec, stage: str, tokens: int, quiet: Callable[[str], None]) -> tuple[Any, dict]:
     if stage == "distill":
-        from ..train.distill import distill
-
         return model, distill(model, tok, rec, state_dir=None, tokens=tokens, progress=False, log=quiet)
-    from ..train.finetune import finetune
 
     return finetune(model, tok, rec, state_dir=None, tokens=tokens, progress=False, log=quiet)
 
@@ -95,14 +98,6 @@ def bench_train(spec: str, *, random_weights: bool = False, ratio: str = DEFAULT
                 overrides: dict | None = None, log: Callable[[str], None] = print) -> dict:
     """Time ``steps`` training steps of each stage after ``warmup`` steps; write ``out_dir/bench_train.json``.
     ``overrides`` (``--set``) change recipe fields; the timing options above take precedence over them."""
-    from .. import distributed as dist
-    from .. import recipe as recipes
-    from ..convert.selection import describe_layout, select_layout
-    from ..convert.surgery import linearize_model
-    from ..io.checkpoint import check_output_dir
-    from ..io.sources import check_device, resolve_dtype
-    from .model import _versions
-
     names = parse_stages(stages)
     seq_len, batch, steps = _positive("--seq-len", seq_len), _positive("--batch", batch), _positive("--steps", steps)
     grad_accum = _positive("--grad-accum", grad_accum)
@@ -205,18 +200,12 @@ def project(rows: dict[str, dict], rec, total: int | None, processes: int = 1) -
 
 def _write_result(out_dir: Path, result: dict) -> None:
     """Rewritten after every stage, so a run cut short keeps what it measured."""
-    from .model import _write
-
     out_dir.mkdir(parents=True, exist_ok=True)
     _write(out_dir / RESULT_FILE, result)
 
 
 def print_result(result: dict, console=None) -> None:
     """A table of the stages and the projected conversion time."""
-    from rich.table import Table
-
-    from ..progress import make_console
-
     console = console or make_console()
     shape = f"batch {result['batch']} x {result['seq_len']}"
     if result.get("grad_accum", 1) > 1:
@@ -244,4 +233,3 @@ def print_result(result: dict, console=None) -> None:
         if "target" in proj:
             line += f" ({'meets' if proj['target']['met'] else 'misses'} the 1-hour target)"
         console.print(line, highlight=False)
-

@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
+from ..bench.info import model_info, retrieval_layers
 from ..convert.selection import describe_swap
 from ..errors import LinearizeError
 from ..settings import DEFAULT_RECIPE
@@ -25,9 +26,6 @@ def info(spec: str = typer.Argument(..., help="Model spec or hybrid checkpoint d
          dtype: Optional[str] = typer.Option(None, "--dtype", help="With --retrieval: float32, bfloat16 or float16."),
          device: Optional[str] = typer.Option(None, "--device", help="With --retrieval: cpu, cuda or cuda:N.")):
     """Show the layer map, parameter counts and cache bytes at 4K/32K/128K (of a conversion, planned with --ratio)."""
-    # start-up time: info imports the sources (and, past an unknown spec, torch and transformers)
-    from ..bench.info import model_info, retrieval_layers
-
     if retrieval is None and (dtype is not None or device is not None):
         raise LinearizeError("info: --dtype and --device only apply with --retrieval (nothing else loads weights)")
     if retrieval is not None and (ratio is not None or softmax_layers is not None):

@@ -6,6 +6,8 @@ through them, for the CLI.
 
 from __future__ import annotations
 
+import json
+import shutil
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -13,13 +15,26 @@ from typing import Any, Callable
 
 from .. import distributed as dist
 from .. import recipe as recipes
-from ..errors import LinearizeError
+from ..data.checks import check_text_files, check_training_source
+from ..errors import DataError, LinearizeError
+from ..evals import copyspan
+from ..evals.common import EvalError
+from ..evals.copyspan import POOL_TOKENS
+from ..evals.corpus import heldout_stream
 from ..io.checkpoint import check_output_dir, save_checkpoint, verify_checkpoint
-from ..io.sources import check_device, load_model, resolve
+from ..io.outputs import is_hybrid_dir
+from ..io.sources import check_device, load_model, local_dir, resolve
 from ..settings import DEFAULT_MODEL, DEFAULT_RECIPE
+from ..train import fsdp as sharding  # the module (a rerun's `fsdp` is its flag)
+from ..train.distill import STATE_FILE as DISTILL_STATE
+from ..train.distill import distill
+from ..train.finetune import STATE_FILE, finetune
+from ..train.loop import resume_refusal, saved_settings, stage_settings
 from ..units import parse_tokens
 from .plan import AutoSelect, LayoutOptions, RunOptions, TrainingOptions, build_plan
-from .selection import describe_layout, softmax_indices
+from .probe import apply_feature_maps, run_probe, score_weights, select_report, swap_check
+from .selection import (choose_softmax_layers, describe_layout, layout_from_softmax_layers, rank_layers,
+                        selection_boundary, softmax_indices)
 
 
 def convert(spec: str = DEFAULT_MODEL, *, recipe: str = DEFAULT_RECIPE, overrides: dict[str, Any] | None = None,
@@ -47,13 +62,12 @@ def convert(spec: str = DEFAULT_MODEL, *, recipe: str = DEFAULT_RECIPE, override
                              probe=plan.auto is not None)
     device = dist.init(plan.device)  # torchrun: join the process group; this rank's device
     t0 = time.time()
+    # start-up time: the model code imports transformers; a bad spec is one line before it loads
     from .surgery import linearize_model
 
     layer_types = plan.layer_types
     if plan.fsdp:  # rank 0 loads and converts the model, every rank keeps only its shards (linearize.train.fsdp)
-        from ..train.fsdp import load_and_shard
-
-        hybrid, tokenizer = load_and_shard(plan.source, device, plan.dtype, log=log,
+        hybrid, tokenizer = sharding.load_and_shard(plan.source, device, plan.dtype, log=log,
                                            prepare=lambda m: linearize_model(m, layer_types, rec))
         model = None
     else:
@@ -97,7 +111,6 @@ def convert(spec: str = DEFAULT_MODEL, *, recipe: str = DEFAULT_RECIPE, override
             resolved={**plan.layout.recorded(), "layer_types": layer_types, "dtype": dtype_name,
                       "load_and_surgery_seconds": round(t_load, 2)},
         )
-        import shutil
 
         shutil.rmtree(state_dir_for(plan.out), ignore_errors=True)
     dist.barrier()
@@ -106,9 +119,7 @@ def convert(spec: str = DEFAULT_MODEL, *, recipe: str = DEFAULT_RECIPE, override
 
 def _gather(model):
     """The full state dict of an FSDP-sharded model on rank 0 (``{}`` elsewhere); None for an unsharded one."""
-    from ..train.fsdp import full_state_dict, is_sharded
-
-    return full_state_dict(model) if is_sharded(model) else None
+    return sharding.full_state_dict(model) if sharding.is_sharded(model) else None
 
 
 class RecallCheck:
@@ -127,8 +138,6 @@ class RecallCheck:
     @classmethod
     def measure(cls, hybrid, tokenizer, rec, *, finetune: bool, log: Callable[[str], None]) -> RecallCheck:
         """Score the teacher now: the hybrid in softmax mode, before any training changes its projections."""
-        from ..evals import copyspan
-
         stage = rec["finetune"] if finetune else rec["distill"]
         length = cls.length_for(stage, hybrid.config)
         t = time.time()
@@ -156,7 +165,6 @@ class RecallCheck:
         """Score the trained hybrid and return the report (``teacher`` / ``hybrid`` copy scores)."""
         if "skipped" in self.teacher:
             return dict(self.teacher)
-        from ..evals import copyspan
 
         t = time.time()
         extra = {"span": self.span} if self.span else {}
@@ -173,9 +181,6 @@ class RecallCheck:
 def run_auto_select(model, tokenizer, rec, auto: AutoSelect, *, log: Callable[[str], None] = print):
     """Probe (or read the cached probe) and choose the softmax layers; ``(layer_types, probe result or None,
     swap check report or None)``."""
-    from .probe import run_probe, score_weights
-    from .selection import choose_softmax_layers, layout_from_softmax_layers, rank_layers, selection_boundary
-
     n, count = model.config.num_hidden_layers, auto.count
     if count in (0, n):
         log(f"select: {count} of {n} layers softmax leaves nothing to choose; probe skipped")
@@ -194,8 +199,6 @@ def run_auto_select(model, tokenizer, rec, auto: AutoSelect, *, log: Callable[[s
             + ("" if rec["select"]["swap_rounds"] else ", or check swaps jointly with --set select.swap_rounds=2"))
     swaps = None
     if rec["select"]["swap_rounds"] > 0:
-        from .probe import swap_check
-
         softmax, swaps = swap_check(model, tokenizer, rec, probe, softmax, scores, log=log)
         if swaps["final_layers"] != swaps["start_layers"]:
             log(f"select: after the swap check keeps softmax layers {','.join(map(str, softmax))}")
@@ -206,8 +209,6 @@ def auto_report(hybrid, rec, auto: AutoSelect, probe, swaps: dict | None, *, tra
                 log: Callable[[str], None] = print) -> dict:
     """The ``select`` stage report (``swaps``: the swap check's); with training, the linear layers start from the
     probe's trained maps."""
-    from .probe import apply_feature_maps, select_report
-
     softmax = softmax_indices(hybrid.config.layer_types)
     if probe is None:
         return {"method": "auto", "softmax_count": len(softmax), "count_from": auto.count_from,
@@ -225,8 +226,6 @@ def auto_report(hybrid, rec, auto: AutoSelect, probe, swaps: dict | None, *, tra
 def run_finetune(model, tokenizer, rec, out: Path, *, tokens=None, loss=None, resume: bool = False,
                  adapter_only_dir: Path | None = None, log: Callable[[str], None] = print):
     """The LoRA stage with its state beside ``out``; returns ``(model, report)``."""
-    from ..train.finetune import finetune
-
     model, report = finetune(model, tokenizer, rec, state_dir=state_dir_for(out), resume=resume, tokens=tokens,
                              loss=loss, adapter_only_dir=adapter_only_dir, log=log)
     if "heldout_ppl_end" in report:
@@ -245,8 +244,6 @@ def check_before_loading(rec, stages: dict[str, Any], *, source: Path, out: Path
     over torchrun processes and, with ``resume``, the settings a stage's saved state was written with (the first
     that differs is named). ``stages`` maps a stage to its token budget (None: the recipe's); ``probe``: stage 1
     starts after the ``--select auto`` probe, so its budget and layer layout are not known yet."""
-    from ..data.checks import check_training_source
-
     for stage in stages:
         dist.check_batch(stage, rec[stage]["batch_size"])
     if resume:
@@ -266,6 +263,7 @@ def check_before_loading(rec, stages: dict[str, Any], *, source: Path, out: Path
 
 def _tokenizer(path: Path):
     """The tokenizer in ``path`` (no model), or None when it does not load."""
+    # start-up time: transformers, after the spec's one-line errors
     from transformers import AutoTokenizer
 
     try:
@@ -276,12 +274,6 @@ def _tokenizer(path: Path):
 
 def _check_recall_text(tokenizer, data: str, length: int, field: str) -> None:
     """The recall check's held-out text, read as the check reads it."""
-    from ..data.checks import check_text_files
-    from ..errors import DataError
-    from ..evals.common import EvalError
-    from ..evals.copyspan import POOL_TOKENS
-    from ..evals.corpus import heldout_stream
-
     if not check_text_files(data, field=field).cacheable:
         return  # streamed: not measured in advance
     try:
@@ -295,10 +287,6 @@ def _check_recall_text(tokenizer, data: str, length: int, field: str) -> None:
 def _check_resume(rec, stages: dict[str, Any], sdir: Path, *, loss: str | None, layer_types: list[str] | None,
                   attention: dict[str, Any] | None, probe: bool = False) -> None:
     """Refuse a ``--resume`` whose stage state in ``sdir`` was written with other settings, naming the first."""
-    from ..train.distill import STATE_FILE as DISTILL_STATE
-    from ..train.finetune import STATE_FILE
-    from ..train.loop import resume_refusal, saved_settings, stage_settings
-
     for stage, tokens in stages.items():
         ckpt = sdir / (DISTILL_STATE if stage == "distill" else STATE_FILE)
         if not ckpt.is_file():
@@ -324,12 +312,8 @@ def state_dir_for(out: Path) -> Path:
 def run_distill(model, tokenizer, rec, out: Path, *, tokens=None, resume: bool = False,
                 log: Callable[[str], None] = print) -> dict:
     """Attention transfer with its state beside ``out``; the state is removed once the output is saved."""
-    from ..train.distill import distill
-
     sdir = state_dir_for(out)
     if sdir.exists() and not resume and dist.is_main():
-        import shutil
-
         shutil.rmtree(sdir)
     report = distill(model, tokenizer, rec, state_dir=sdir, resume=resume, tokens=tokens, log=log)
     if "heldout_mse_reduction_mean" in report:
@@ -347,11 +331,6 @@ def rerun_stage(stage: str, path: str, *, out: Path | None = None, overrides: di
 
     With ``adapter_only`` (finetune), only the LoRA adapter is written, to ``out`` (default ``PATH-adapter``).
     """
-    import json
-    import shutil
-
-    from ..io.sources import is_hybrid_dir, local_dir
-
     resolved = resolve(path)
     src = Path(resolved.path if resolved.kind == "dir" else local_dir(resolved))
     if not is_hybrid_dir(src):
@@ -364,9 +343,7 @@ def rerun_stage(stage: str, path: str, *, out: Path | None = None, overrides: di
         raise LinearizeError(f"--loss {loss!r}: expected xent or kl")
     check_device(device)
     if fsdp:
-        from ..train.fsdp import check_options
-
-        check_options(adapter_only=adapter_only)
+        sharding.check_options(adapter_only=adapter_only)
     config = json.loads((src / "config.json").read_text())
     window = (config.get("linear_attention") or {}).get("window")
     recipes.check_training(rec, {stage: tokens}, window=window)  # the model's window, not the recipe text's
@@ -391,9 +368,7 @@ def rerun_stage(stage: str, path: str, *, out: Path | None = None, overrides: di
                          recall=recall)
     device = dist.init(device)  # torchrun: join the process group; this rank's device
     if fsdp:  # rank 0 loads the model, every rank keeps only its shards (linearize.train.fsdp)
-        from ..train.fsdp import load_and_shard
-
-        model, tokenizer = load_and_shard(str(src), device, dtype, log=log)
+        model, tokenizer = sharding.load_and_shard(str(src), device, dtype, log=log)
     else:
         model, tokenizer = load_model(str(src), dtype=dtype, device=device)
     if recall is not None:

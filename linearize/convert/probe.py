@@ -59,9 +59,19 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 
 from ..atomic import atomic_write
+from ..data.packing import heldout_sequences
+from ..data.specs import parse_spec
+from ..data.tokens import source_fingerprint, tokenizer_fingerprint
 from ..errors import SelectionError
+from ..evals import passkey
+from ..evals.common import EvalConfig, EvalError, parse_depths
+from ..evals.prompts import PieceEncoder
+from ..io.sources import cache_root, local_dir
+from ..model.architectures import arch_spec
+from ..train.distill import distill, evaluate_layers
 from ..version import __version__
 from .selection import LINEAR, rank_layers, selection_boundary
 
@@ -178,16 +188,12 @@ def _model_identity(model) -> dict[str, Any] | None:
     source = getattr(model, "linearize_source", None)  # set by sources.load_model
     if source is None:
         return None
-    from ..io.sources import local_dir
 
     return weights_identity(local_dir(source))
 
 
 def cache_key(model, tokenizer, recipe, probe_tokens: int) -> tuple[str | None, dict[str, Any]]:
     """``(KEY, inputs)``; KEY is None when the model has no on-disk identity (not loaded from a spec)."""
-    from ..data.specs import parse_spec
-    from ..data.tokens import source_fingerprint, tokenizer_fingerprint
-
     identity = _model_identity(model)
     data = recipe["distill"]["data"]
     src = parse_spec(data)
@@ -213,14 +219,10 @@ def cache_key(model, tokenizer, recipe, probe_tokens: int) -> tuple[str | None, 
 
 
 def probes_dir() -> Path:
-    from ..io.sources import cache_root
-
     return cache_root() / "probes"
 
 
 def _save(result: ProbeResult, inputs: dict[str, Any]) -> None:
-    from safetensors.torch import save_file
-
     base = probes_dir() / result.key
     if result.maps:  # the maps first: the JSON's presence means the entry is complete
         with atomic_write(base.with_suffix(".safetensors")) as tmp:
@@ -234,8 +236,6 @@ def _save(result: ProbeResult, inputs: dict[str, Any]) -> None:
 
 
 def _load(key: str) -> ProbeResult | None:
-    from safetensors.torch import load_file
-
     path = probes_dir() / f"{key}.json"
     if not path.is_file():
         return None
@@ -254,7 +254,7 @@ def _load(key: str) -> ProbeResult | None:
 def all_linear(model, recipe):
     """Yield a hybrid of ``model`` with every layer linear; restore ``model``'s own attention modules
     (and its parameters' ``requires_grad``) on exit, so ``model`` can be converted again."""
-    from ..model.architectures import arch_spec
+    # start-up time: surgery imports transformers' model code; the plan imports this module before its checks
     from .surgery import check_supported, linearize_model
 
     check_supported(model)
@@ -287,10 +287,6 @@ def _heldout_loss(model, ids: torch.Tensor, batch_size: int = 4) -> float:
 def retrieval_samples(tokenizer, recipe, max_positions: int | None) -> list[tuple[list[int], list[int], list[int]]]:
     """``(prompt ids, answer ids, key positions)`` passkey triples: the prompt ends in "The pass key is", the
     answer is the key, the positions are where the needle states the key's digits in the prompt."""
-    from ..evals import passkey
-    from ..evals.common import EvalConfig, EvalError, parse_depths
-    from ..evals.prompts import PieceEncoder
-
     sel = recipe["select"]
     length = sel["retrieval_length"]
     if max_positions:
@@ -399,9 +395,6 @@ def apply_feature_maps(hybrid, maps: dict[str, torch.Tensor]) -> list[int]:
 
 
 def _measure(model, tokenizer, recipe, probe_tokens: int, *, progress: bool, log: Callable[[str], None]) -> ProbeResult:
-    from ..data.packing import heldout_sequences
-    from ..train.distill import distill, evaluate_layers
-
     sel, d = recipe["select"], recipe["distill"]
     weights = score_weights(recipe)
     t0 = time.time()
@@ -465,8 +458,6 @@ def swap_check(model, tokenizer, recipe, result: ProbeResult, softmax: list[int]
     lowest-scoring kept layers for one of the ``swap_pool`` highest-scoring dropped ones and keeps the best if
     it lowers the joint loss by more than :data:`MIN_SWAP_GAIN`; a round without such a swap ends the check.
     """
-    from ..data.packing import heldout_sequences
-
     sel, d = recipe["select"], recipe["distill"]
     heldout = heldout_sequences(tokenizer, d["data"], seq_len=d["seq_len"], n_seqs=d["eval_seqs"])
     samples = retrieval_samples(tokenizer, recipe, getattr(model.config, "max_position_embeddings", None))

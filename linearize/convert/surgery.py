@@ -7,8 +7,9 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from ..model.architectures import arch_spec, not_causal_reason, not_supported_reason, supported_types, text_part
 from ..errors import UnsupportedModelError
+from ..io.sources import read_config
+from ..model.architectures import arch_spec, not_causal_reason, not_supported_reason, supported_types, text_part
 from ..model.modeling import LinearizeConfig, LinearizeForCausalLM
 from ..recipe import Recipe
 
@@ -41,8 +42,6 @@ def check_config_supported(config, spec: str | None = None) -> str:
 def load_base_config(spec: str, path) -> Any:
     """Read ``path/config.json`` (one line on failure) and check it is a supported architecture; a
     vision-language model's config is its text decoder's (what ``convert`` converts)."""
-    from ..io.sources import read_config
-
     try:
         config = read_config(path)
     except (ValueError, OSError, KeyError, TypeError) as e:

@@ -48,6 +48,7 @@ def _stream_len(cfg: EvalConfig) -> int:
 
 @torch.no_grad()
 def _generate_original(handle: ModelHandle, prompt: torch.Tensor, n: int, seed: int) -> list[int]:
+    # start-up time: transformers, only when a task generates
     from transformers import GenerationConfig  # noqa: PLC0415
 
     x = prompt.to(handle.device).reshape(1, -1)

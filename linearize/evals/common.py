@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from linearize.io.sources import input_device
 from linearize.units import UnitError, parse_length
 
 __all__ = [
@@ -189,8 +190,6 @@ class ModelHandle:
     def device(self) -> torch.device:
         """Where inputs go: the embedding's device, or for a model dispatched by accelerate (``--max-memory``)
         its execution device (``next(parameters()).device`` is ``meta`` for offloaded weights)."""
-        from linearize.io.sources import input_device  # noqa: PLC0415
-
         return input_device(self.model)
 
     @property
@@ -254,6 +253,7 @@ def greedy_generate(handle: ModelHandle, prompts: list[list[int]], max_new_token
     Prompts are only batched together when they have the same length (the tasks build prompts of exactly
     the requested length), so no compute goes to padding. ``batch_size`` None picks
     :func:`auto_batch_size` per prompt length."""
+    # start-up time: transformers, only when a task generates
     from transformers import GenerationConfig
 
     model = handle.model

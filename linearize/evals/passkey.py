@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 
-from .common import EvalConfig, ModelHandle, Progress, greedy_generate, grid_summary, prompt_sha1, sample_rng
+from .common import EvalConfig, ModelHandle, Progress, greedy_generate, grid_summary, no_args, prompt_sha1, sample_rng
 from .prompts import Needle, PieceEncoder, assemble, build_frame, cycle_units, make_units
 
 NAME = "passkey"
@@ -33,8 +33,6 @@ DEFAULT_MAX_NEW_TOKENS = 12
 
 
 def parse_args(arg: str | None) -> dict:
-    from .common import no_args  # noqa: PLC0415
-
     return no_args(NAME, arg)
 
 

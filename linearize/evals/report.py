@@ -12,9 +12,12 @@ import math
 from pathlib import Path
 from typing import Any
 
-from . import copyspan
+import numpy as np
+from rich.table import Table
+
 from linearize.units import format_length
 
+from . import copyspan
 from .common import depth_key
 
 ROLE_LABEL = {"model": "model", "against": "original", "diff": "difference"}
@@ -121,9 +124,11 @@ def _label_depth(d: str) -> str:
 # ----------------------------------------------------------------------------- plots
 
 def _matplotlib():
+    # heavy optional: matplotlib, only when a report draws its heatmaps
     import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg", force=False)
+    # heavy optional: matplotlib, only when a report draws its heatmaps
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
     return matplotlib, plt
@@ -134,9 +139,8 @@ def heatmap(grid: dict, path: Path, title: str, *, diff: bool = False) -> Path:
 
     Scores use red (0%) -> yellow -> green (100%); differences use red (model worse) ->
     white (equal) -> green (model better) on [-100%, +100%]."""
-    import numpy as np  # noqa: PLC0415
-
     matplotlib, plt = _matplotlib()
+    # heavy optional: matplotlib, only when a report draws its heatmaps
     from matplotlib.colors import LinearSegmentedColormap  # noqa: PLC0415
 
     lengths = sorted(grid, key=int)
@@ -473,8 +477,6 @@ def write_report(out_dir: Path, summary: dict) -> list[Path]:
 
 def summary_table(summary: dict):
     """A rich Table: task, metric, model, original, difference."""
-    from rich.table import Table  # noqa: PLC0415
-
     ag = summary.get("against")
     table = Table(title=f"linearize eval · {summary['model']}" + (f" vs {ag['model']}" if ag else ""))
     table.add_column("task")

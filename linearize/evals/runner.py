@@ -8,16 +8,24 @@ import gc
 import json
 import time
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Sequence
 
+import torch
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
 from linearize.atomic import atomic_write
+from linearize.io.outputs import check_output, normalize_modes, write_marker
+from linearize.io.sources import check_placement, load_model, placement, resolve
+from linearize.progress import make_console, make_progress
+from linearize.train.guards import is_oom, oom_error
 from linearize.units import format_length
 
 from . import agreement, copyspan, lm_eval, niah, passkey, ppl, recall, speed, swapback
-from .common import (EvalConfig, EvalError, ModelHandle, Progress, parse_batch_sizes, parse_depths,
-                     parse_lengths, parse_seeds)
+from .common import (EvalConfig, EvalError, ModelHandle, Progress, parse_batch_sizes, parse_depths, parse_lengths,
+                     parse_seeds)
 from .corpus import check_data
 from .report import summary_table, task_difference, write_report
 
@@ -75,20 +83,12 @@ def parse_tasks(value: str | Sequence[str]) -> list[TaskSpec]:
 
 
 def _default_loader() -> Callable:
-    try:
-        from linearize.io.sources import load_model  # noqa: PLC0415
-    except ImportError as e:  # pragma: no cover - sources.py ships with the package
-        raise EvalError(f"model loading is unavailable ({e}); pass loader=") from None
+    """The loader a run uses unless ``LoadOptions.loader`` names another (the tests swap it here)."""
     return load_model
 
 
 class _RichProgress(Progress):
     def __init__(self, console):
-        from rich.progress import (BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn,  # noqa: PLC0415
-                                   TimeRemainingColumn)
-
-        from linearize.progress import make_progress  # noqa: PLC0415 - bars on a terminal, lines in a log
-
         self.console = console
         self.p = make_progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                TimeElapsedColumn(), TimeRemainingColumn(), console=console)
@@ -122,7 +122,6 @@ class _Quiet(Progress):
 
 def _versions() -> dict:
     out = {}
-    from importlib import metadata  # noqa: PLC0415
 
     for pkg in ("linearize", "torch", "transformers"):
         try:
@@ -155,8 +154,6 @@ def default_out_dir(spec: str, tasks: str | Sequence[str], *, now: _dt.datetime 
                     parent: str | Path = ".") -> Path:
     """A new report folder for this run: ``eval-MODEL-TASKS-YYYYMMDD-HHMMSS`` (``eval-smollm2-135m-passkey,ppl-
     20261204-143012``), with ``-2``, ``-3``, ... when that name is taken, so runs never collide."""
-    from linearize.io.sources import resolve  # noqa: PLC0415
-
     names = ",".join(dict.fromkeys(s.name for s in parse_tasks(tasks)))
     stamp = (now or _dt.datetime.now()).strftime("%Y%m%d-%H%M%S")
     base = Path(parent) / f"eval-{resolve(spec).name}-{names}-{stamp}"
@@ -291,7 +288,6 @@ def run_eval(spec: str, tasks: str | Sequence[str], report: ReportOptions, *, ag
     options.check_counts()
     placement: dict = {}
     if load.max_memory is not None or load.offload_dir is not None:  # bad values fail here, before any model loads
-        from linearize.io.sources import check_placement  # noqa: PLC0415
 
         placement = {"max_memory": check_placement(load.device, load.max_memory, load.offload_dir),
                      "offload_dir": load.offload_dir}
@@ -300,7 +296,6 @@ def run_eval(spec: str, tasks: str | Sequence[str], report: ReportOptions, *, ag
         raise EvalError("task 'agreement' needs against= (--against SPEC): the original generates the text it is scored on")
     check_data(cfg.data)  # a bad --data spec or a missing corpus: one line, before any model loads
     out_dir, overwrite = Path(report.out_dir), report.overwrite
-    from linearize.io.outputs import check_output, normalize_modes, write_marker  # noqa: PLC0415
 
     # a model checkpoint, a folder inside one, another command's output, a read-only or file parent: one line here,
     # before any model is loaded
@@ -314,8 +309,6 @@ def run_eval(spec: str, tasks: str | Sequence[str], report: ReportOptions, *, ag
 
     console = report.console
     if console is None and report.progress:
-        from linearize.progress import make_console  # noqa: PLC0415
-
         console = make_console(stderr=True)
     ui = _RichProgress(console) if report.progress else _Quiet()
     roles = ([("against", against)] if against else []) + [("model", spec)]
@@ -344,7 +337,6 @@ def run_eval(spec: str, tasks: str | Sequence[str], report: ReportOptions, *, ag
                     try:
                         rows = ts.module.run(handle, cfg, ts.args, ui, shared)
                     except Exception as e:  # out of memory: one line naming task, model, layer and batch
-                        from linearize.train.guards import is_oom, oom_error  # noqa: PLC0415
 
                         if not is_oom(e):
                             raise
@@ -400,8 +392,6 @@ def _placement(model, handle: ModelHandle) -> str:
     """``cpu`` / ``cuda:0``, or for a model dispatched by accelerate (``--max-memory``)
     ``cuda:0 + offload (cpu, disk): decoder layers 20 on cuda:0, 8 on cpu, 4 on disk``."""
     try:
-        from linearize.io.sources import placement  # noqa: PLC0415
-
         return placement(model)
     except Exception:  # noqa: BLE001  # pragma: no cover - a stand-in model from a custom loader
         return str(handle.device)
@@ -410,8 +400,6 @@ def _placement(model, handle: ModelHandle) -> str:
 def _free() -> None:
     gc.collect()
     try:
-        import torch  # noqa: PLC0415
-
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     except Exception:  # noqa: BLE001  # pragma: no cover

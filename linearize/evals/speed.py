@@ -127,6 +127,7 @@ class _StepClock:
 def timed_generate(handle: ModelHandle, x: torch.Tensor, new: int) -> tuple[float, float]:
     """One greedy ``generate`` of exactly ``new`` tokens; returns (prefill seconds, seconds per
     decode step), both read from the step clock inside that one call."""
+    # start-up time: transformers, only when a task generates
     from transformers import GenerationConfig, LogitsProcessorList  # noqa: PLC0415
 
     cfg = GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=False, num_beams=1,

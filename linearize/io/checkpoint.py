@@ -17,7 +17,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -26,36 +25,22 @@ import torch
 from safetensors.torch import save_file
 
 from ..atomic import atomic_write
+from ..bundle import remote_code_files
+from ..convert.selection import describe_layout, scores_markdown
 from ..errors import OutputError
+from ..recipe import resolved_yaml
 from ..version import __version__
+from .aliases import ALIASES
+from .outputs import check_output, current_scope, normalize_modes, write_marker
 
 INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_SHARD_BYTES = 2 * 1024**3
-
-def check_writable(out: Path) -> None:
-    """Fail in one line unless ``out`` can be created: its nearest existing ancestor must be a directory
-    in which a file can be made (probed for real: permission bits lie to root, read-only mounts do not).
-    The probe file is removed at once; nothing else is written."""
-    out = Path(out)
-    probe = out.resolve().parent
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    if not probe.is_dir():
-        raise OutputError(f"output {out}: {probe} is not a directory")
-    try:
-        fd, name = tempfile.mkstemp(prefix=".linearize-probe-", dir=probe)
-    except OSError as e:
-        raise OutputError(f"output {out}: {probe} is not writable ({e.strerror})") from None
-    os.close(fd)
-    os.unlink(name)
 
 
 def check_output_dir(out: Path, overwrite: bool, *, command: str | None = None) -> None:
     """Refuse an existing output unless ``overwrite``, a model checkpoint (or a folder inside one) and, on the
     command line, a folder another command wrote (:func:`linearize.io.outputs.check_output`); check the parent is
     writable. Writes nothing."""
-    from .outputs import check_output
-
     check_output(out, overwrite=overwrite, command=command)
 
 
@@ -95,8 +80,6 @@ def atomic_dir(out: Path, overwrite: bool = False, *, marker: str | None = None)
     (:func:`recover_output`) and ``out`` is checked (:func:`check_output_dir`). With ``marker`` (a command name), the
     finished directory carries the marker naming it (:data:`linearize.io.outputs.MARKER`); its files get the usual
     modes (0644 / 0755 under umask 022) whatever their writer used."""
-    from .outputs import normalize_modes, write_marker
-
     out = Path(out)
     recover_output(out)
     check_output_dir(out, overwrite)
@@ -211,8 +194,6 @@ def base_model_id(base: str, source: str | Path | None = None) -> str:
     """The original's Hugging Face id for a model card's ``base_model``: an alias's hub id (``smollm2-135m`` ->
     ``HuggingFaceTB/SmolLM2-135M-Instruct``), the id a hybrid ``source`` folder recorded, the id of a hub-cache
     snapshot ``source`` (``.../models--ORG--NAME/snapshots/...``), else ``base`` as given."""
-    from .sources import ALIASES
-
     if base in ALIASES:
         return ALIASES[base]
     if source:
@@ -232,8 +213,6 @@ def base_model_id(base: str, source: str | Path | None = None) -> str:
 def model_card(model, *, base: str, recipe_name: str, reports: dict[str, Any], base_id: str | None = None) -> str:
     """The checkpoint's README.md: metadata front matter, layer map, how to load, scores. ``base_id``: the
     original's hub id for ``base_model`` (default: :func:`base_model_id` of ``base``)."""
-    from ..convert.selection import describe_layout
-
     cfg = model.config
     base_id = base_id or base_model_id(base)
     named = f"`{base_id}`" + (f" (alias `{base}`)" if base_id != base else "")
@@ -281,7 +260,6 @@ def model_card(model, *, base: str, recipe_name: str, reports: dict[str, Any], b
     for stage, rep in reports.items():
         lines.append(f"- **{stage}**: " + ", ".join(f"{k}={v}" for k, v in rep.items() if not isinstance(v, (dict, list))))
     if "select" in reports:  # --select auto: the per-layer scores behind the layout
-        from ..convert.selection import scores_markdown
 
         lines += ["", *scores_markdown(reports["select"])]
     return "\n".join(lines) + "\n"
@@ -294,10 +272,6 @@ def save_checkpoint(model, tokenizer, out: Path, *, base: str, recipe, overwrite
     """Write the complete checkpoint directory atomically; return its path. ``state_dict`` replaces the
     model's own (``--fsdp``: the full weights gathered on rank 0 by :func:`linearize.train.fsdp.full_state_dict`).
     ``command``: what the output marker names (default: the running command line command, else convert)."""
-    from ..bundle import remote_code_files
-    from ..recipe import resolved_yaml
-    from .outputs import current_scope
-
     out = Path(out)
     reports = reports or {}
     t0 = time.time()
@@ -329,8 +303,6 @@ def save_checkpoint(model, tokenizer, out: Path, *, base: str, recipe, overwrite
 
 
 def _report_md(summary: dict[str, Any]) -> str:
-    from ..convert.selection import describe_layout
-
     lines = [f"# Conversion report: {summary['base_model']}", "",
              f"- recipe: `{summary['recipe']}`",
              f"- layers: `{describe_layout(summary['layer_types'])}`", ""]
@@ -341,7 +313,6 @@ def _report_md(summary: dict[str, Any]) -> str:
         lines += [f"| {k} | {v} |" for k, v in rep.items() if not isinstance(v, (dict, list))]
         lines.append("")
         if stage == "select":  # --select auto: the per-layer scores
-            from ..convert.selection import scores_markdown
 
             lines += scores_markdown(rep)
     return "\n".join(lines) + "\n"

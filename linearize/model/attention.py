@@ -21,23 +21,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import (BACKENDS, hedgehog_feature_map, linear_attention, linear_attention_hedgehog,
+                       linear_attention_step, linear_attention_step_hedgehog, rotary_embedding, window_linear_attention,
+                       window_linear_attention_hedgehog, window_linear_attention_step,
+                       window_linear_attention_step_hedgehog, window_state_from_prefill)
 from .architectures import ArchSpec, attention_shape
 from .cache import HybridCache, softmax_windows
 from .feature_maps import HedgehogFeatureMap, build_feature_map
-from ..kernels import (
-    BACKENDS,
-    hedgehog_feature_map,
-    linear_attention,
-    linear_attention_hedgehog,
-    linear_attention_step,
-    linear_attention_step_hedgehog,
-    rotary_embedding,
-    window_linear_attention,
-    window_linear_attention_hedgehog,
-    window_linear_attention_step,
-    window_linear_attention_step_hedgehog,
-    window_state_from_prefill,
-)
 
 #: Where GPU inference of Hedgehog layers computes the features in Triton kernels instead of the PyTorch map (the
 #: ``fused_feature_maps`` kernel option), in increasing order: ``none``; ``decode`` inside the decode-step kernels
@@ -361,6 +351,7 @@ class LinearAttention(nn.Module):
     def signed_feature_weights(self, dtype: torch.dtype):
         """``([Wq, -Wq], [Wk, -Wk])`` of the Hedgehog maps in ``dtype``, kept between decode steps (remade when
         a weight changes: a new tensor or an in-place update)."""
+        # optional: Triton, only where the GPU kernels run
         from ..kernels.triton_common import signed_projections
 
         wq, wk = self.feature_map_q.weight, self.feature_map_k.weight

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
+from ..kernels import window_state_from_prefill
 from .layout import FULL
 
 #: tokens a :meth:`HybridCache.crop` may take back (assisted / speculative decoding drafts are far shorter)
@@ -124,8 +125,6 @@ class LinearStateLayer(CacheLayerMixin):
     def crop(self, tokens_to_remove: int) -> None:
         """Take back the last ``-tokens_to_remove`` tokens: their terms leave ``S, z`` (subtracted, so equal to
         the state that never saw them up to fp32 rounding) and the window ring is rebuilt from the history."""
-        from ..kernels import window_state_from_prefill
-
         r = -int(tokens_to_remove)
         if r <= 0 or self.state is None:
             return

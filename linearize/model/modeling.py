@@ -18,18 +18,20 @@ with ``model_type: linearize`` load the same way.
 
 from __future__ import annotations
 
+import inspect
 import json
 from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import Cache
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+from ..version import __version__
 from .architectures import arch_spec
 from .attention import KERNEL_OPTIONS, LinearAttention, RealTokens, merge_kernel_options
 from .cache import HybridCache, softmax_windows
 from .layout import LINEAR
-from ..version import __version__
 
 #: base-config fields that belong to the hybrid and must not be passed to the base config class
 _OWN_FIELDS = ("base_model_type", "layer_types", "linear_attention", "base_layer_types", "base_rope_parameters",
@@ -119,8 +121,6 @@ class LinearizeConfig(PretrainedConfig):
 def _base_attention(base_config: PretrainedConfig, impl: str) -> str:
     """The attention implementation the base family runs: ``impl``, or eager where the family has no SDPA path
     (Gemma 2, whose scores are soft-capped), as transformers picks for the original model."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
     try:
         cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(base_config)]
     except KeyError:
@@ -252,8 +252,6 @@ _PARAMS_CACHE: dict[Any, set[str]] = {}
 
 def _base_forward_params(fn) -> set[str]:
     if fn not in _PARAMS_CACHE:
-        import inspect
-
         _PARAMS_CACHE[fn] = set(inspect.signature(inspect.unwrap(fn)).parameters)
     return _PARAMS_CACHE[fn]
 

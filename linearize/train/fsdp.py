@@ -34,6 +34,7 @@ import torch
 
 from .. import distributed as dist
 from ..errors import LinearizeError
+from ..io.sources import load_model, resolve_dtype
 
 __all__ = ["check_options", "load_device", "load_and_shard", "shard", "is_sharded",
            "merge_lora", "full_state_dict"]
@@ -56,8 +57,6 @@ def check_options(*, select_auto: bool = False, train: bool = True, adapter_only
 def load_device(device: str | None, dtype):
     """Where and in which dtype an FSDP rank loads the full model: the CPU, in the dtype its training
     device would default to (bf16 for CUDA ranks, fp32 on the CPU)."""
-    from ..io.sources import resolve_dtype
-
     return "cpu", resolve_dtype(dtype, device or "cpu")
 
 
@@ -66,7 +65,7 @@ def load_and_shard(spec: str, device: str | None, dtype, prepare=None, log=None)
     :class:`LinearizeForCausalLM`), build the same model on the meta device on the other ranks, and shard
     it over all ranks with rank 0's weights. Returns ``(model, tokenizer)`` on every rank. A load error on
     rank 0 is raised on every rank (one line), so no rank waits forever."""
-    from ..io.sources import load_model
+    # start-up time: the model code imports transformers; a bad spec is one line before it loads
     from ..model.modeling import LinearizeForCausalLM
 
     load_at, load_dtype = load_device(device, dtype)
@@ -108,8 +107,13 @@ def shard(model, device: str | None, log=None):
 
     The stage-1 parameters (feature maps, window logits) stay replicated; every other parameter is sharded
     (dim 0) by ``fully_shard`` per decoder layer and at the root, on ``device``."""
+    # torch.distributed's FSDP modules take half a second to import: only under --fsdp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    # torch.distributed's FSDP modules take half a second to import: only under --fsdp
     from torch.distributed.device_mesh import init_device_mesh
+
+    # torch.distributed's FSDP modules take half a second to import: only under --fsdp
     from torch.distributed.fsdp import fully_shard
 
     dev = torch.device(device or "cpu")
@@ -145,6 +149,7 @@ def shard(model, device: str | None, log=None):
             torch.distributed.broadcast(t, src=0)
     model._linearize_fsdp = True
     if log is not None:
+        # torch.distributed's FSDP modules take half a second to import: only under --fsdp
         from torch.distributed.tensor import DTensor
 
         total = sum(p.numel() for p in model.parameters())
@@ -168,7 +173,10 @@ def merge_lora(peft_model, adapter: str = "default") -> int:
 
     Same arithmetic as peft's ``merge`` (``W += get_delta_weight().to(W.dtype)``): the adapters are
     replicated, so each rank computes the full delta and keeps the rows of its own shard."""
+    # peft: only when a LoRA model is merged under --fsdp
     from peft.tuners.lora import LoraLayer
+
+    # torch.distributed's FSDP modules take half a second to import: only under --fsdp
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     n = 0
@@ -191,6 +199,7 @@ def merge_lora(peft_model, adapter: str = "default") -> int:
 
 def full_state_dict(model) -> dict[str, torch.Tensor]:
     """The full (unsharded) state dict on rank 0's CPU, ``{}`` on the other ranks; every rank must call it."""
+    # torch.distributed's FSDP modules take half a second to import: only under --fsdp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
