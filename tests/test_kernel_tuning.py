@@ -14,10 +14,13 @@ from linearize.kernels import triton_linear, triton_step, triton_window, tuning
 def iso(tmp_path, monkeypatch):
     """A private cache, pristine configurations and a fake GPU name; restores everything afterwards."""
     monkeypatch.setenv("LINEARIZE_CACHE", str(tmp_path))
-    monkeypatch.setattr(triton_linear, "CONFIG", dict(triton_linear.CONFIG))
-    monkeypatch.setattr(triton_window, "CONFIG", dict(triton_window.CONFIG))
-    monkeypatch.setattr(triton_step, "CONFIG", dict(triton_step.CONFIG))
-    monkeypatch.setattr(tuning, "_STATE", {"checked": False, "source": None})
+    configs = {"linear": dict(triton_linear.CONFIG), "window": dict(triton_window.CONFIG),
+               "step": dict(triton_step.CONFIG)}
+    monkeypatch.setattr(triton_linear, "CONFIG", configs["linear"])
+    monkeypatch.setattr(triton_window, "CONFIG", configs["window"])
+    monkeypatch.setattr(triton_step, "CONFIG", configs["step"])
+    monkeypatch.setattr(tuning, "_CONFIGS", dict(configs))  # what the modules registered at import, as copies
+    monkeypatch.setattr(tuning, "_STATE", {"checked": False, "source": None, "tuned": None})
     monkeypatch.setattr(tuning, "_gpu_name", lambda device=None: "NVIDIA Test GPU 80GB")
     return tmp_path
 

@@ -20,9 +20,6 @@ import pytest
 from linearize.bundle import BUNDLE, CONSTANTS
 
 PACKAGE = Path(__file__).resolve().parents[1] / "linearize"
-#: the kernel package's own import cycles and function-level imports are its owners' to untangle (see the two
-#: xfail tests at the end); everything else in the package is held to the rules now
-KERNELS = "linearize.kernels"
 #: what a reason comment may not consist of alone
 _MARKERS = re.compile(r"noqa(:\s*[A-Z]+\d+(,\s*[A-Z]+\d+)*)?|type:\s*ignore(\[[^\]]*\])?|pragma:\s*no cover")
 
@@ -153,22 +150,18 @@ def _unexplained(modules) -> list[str]:
             for m in modules for i in imports_of(m) if i.in_function and not i.reason]
 
 
-def _kernel_modules() -> list[str]:
-    return [m for m in MODULES if m == KERNELS or m.startswith(KERNELS + ".")]
-
-
 # ------------------------------------------------------------------------------------------------ the rules
 
 
 def test_no_import_cycles():
-    cycle = find_cycle(module_graph(skip_inside=KERNELS))
+    cycle = find_cycle(module_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
 def test_imports_inside_functions_give_a_reason():
     """Heavy optional dependencies and start-up time are reasons (``linearize --help`` and option errors answer
     fast because the commands import torch, transformers and the model code only when they run)."""
-    bad = _unexplained(m for m in MODULES if m not in _kernel_modules())
+    bad = _unexplained(MODULES)
     assert not bad, "imports inside functions without a reason comment (move them to the top, or say why):\n" + \
         "\n".join(bad)
 
@@ -212,20 +205,3 @@ def test_the_graph_sees_imports_at_every_level():
     assert "linearize.convert.pipeline" in module_graph()["linearize.cli.convert"]
     inside = [i for i in imports_of("linearize.cli.convert") if i.in_function]
     assert inside and all(i.reason for i in inside)
-
-
-# ------------------------------------------------------------------------------ the kernel package, pending
-
-
-@pytest.mark.xfail(strict=True, reason="the kernel package's internal import cycles are its owners' to untangle")
-def test_no_import_cycles_inside_the_kernel_package():
-    graph = module_graph()
-    kernels = {m: graph[m] & set(_kernel_modules()) for m in _kernel_modules()}
-    cycle = find_cycle(kernels)
-    assert cycle is None, "import cycle: " + " -> ".join(cycle)
-
-
-@pytest.mark.xfail(strict=True, reason="the kernel package's function-level imports are its owners' to explain")
-def test_kernel_imports_inside_functions_give_a_reason():
-    bad = _unexplained(_kernel_modules())
-    assert not bad, "\n".join(bad)

@@ -39,6 +39,7 @@ import torch
 
 from .chunked import linear_attention_chunked, window_linear_attention_chunked
 from .reference import (
+    needs_grad,
     drop_decay,
     drop_keys,
     hedgehog_features,
@@ -90,7 +91,7 @@ BACKENDS = (None, "triton", "torch", "reference")
 def triton_available() -> bool:
     """True if the Triton kernels can be imported."""
     try:
-        import triton  # noqa: F401
+        import triton  # noqa: F401 - triton is optional: is it installed?
     except Exception:  # pragma: no cover - depends on the platform
         return False
     return True
@@ -176,7 +177,7 @@ def linear_attention(
         return linear_attention_reference(q, k, v, **kw)
     if be == "torch":
         return linear_attention_chunked(q, k, v, **kw)
-    from .triton_linear import linear_attention_triton
+    from .triton_linear import linear_attention_triton  # triton is optional: imported only on the Triton path
 
     if log_decay is not None and not takes_log_decay(linear_attention_triton):
         return linear_attention_chunked(q, k, v, **kw)
@@ -247,7 +248,7 @@ def window_linear_attention(
         return window_linear_attention_reference(q, k, fq, fk, v, window_factor, **kw)
     if be == "torch":
         return window_linear_attention_chunked(q, k, fq, fk, v, window_factor, **kw)
-    from .triton_window import window_linear_attention_triton
+    from .triton_window import window_linear_attention_triton  # triton is optional: imported only on the Triton path
 
     if log_decay is not None and not takes_log_decay(window_linear_attention_triton):
         return window_linear_attention_chunked(q, k, fq, fk, v, window_factor, **kw)
@@ -290,7 +291,7 @@ def window_linear_attention_hedgehog(
     kw = dict(window=int(window), scale=scale, eps=eps, initial_state=initial_state,
               output_final_state=output_final_state)
     if log_decay is not None or be != "triton" or \
-            _needs_grad(q, k, v, window_factor, weight_q, weight_k, fk, *(initial_state or ())) or \
+            needs_grad(q, k, v, window_factor, weight_q, weight_k, fk, *(initial_state or ())) or \
             not _projection_fits(q.shape[-1], K, q.dtype):
         fq, fk = _features_first(q, k, weight_q, weight_k, feature_eps, fk)
         return window_linear_attention(q, k, fq, fk, v, window_factor, backend=backend, log_decay=log_decay, **kw)
@@ -301,7 +302,7 @@ def window_linear_attention_hedgehog(
         raise ValueError(f"window_factor must have shape [H]=[{H}], got {tuple(window_factor.shape)}")
     if int(window) < 1:
         raise ValueError(f"window must be >= 1, got {window}")
-    from .triton_window import window_linear_attention_hedgehog_triton
+    from .triton_window import window_linear_attention_hedgehog_triton  # triton is optional: imported only on the Triton path
 
     return window_linear_attention_hedgehog_triton(q, k, v, window_factor, weight_q, weight_k, fk=fk,
                                                    feature_eps=feature_eps, **kw)
@@ -335,8 +336,8 @@ def linear_attention_step_hedgehog(
 
     if log_decay is not None or _resolve_backend(backend, q) != "triton":
         return features_first()
-    from .triton_common import signed_projections, triton_or_fallback
-    from .triton_step import linear_step_triton
+    from .triton_common import signed_projections, triton_or_fallback  # triton is optional: imported only on the Triton path
+    from .triton_step import linear_step_triton  # triton is optional: imported only on the Triton path
 
     S, z = check_linear_state("linear_attention_step_hedgehog", state)
     wqx, wkx = signed if signed is not None else signed_projections(weight_q, weight_k, q.dtype)
@@ -380,8 +381,8 @@ def window_linear_attention_step_hedgehog(
 
     if log_decay is not None or _resolve_backend(backend, q) != "triton":
         return features_first()
-    from .triton_common import signed_projections, triton_or_fallback
-    from .triton_step import window_step_triton
+    from .triton_common import signed_projections, triton_or_fallback  # triton is optional: imported only on the Triton path
+    from .triton_step import window_step_triton  # triton is optional: imported only on the Triton path
 
     wqx, wkx = signed if signed is not None else signed_projections(weight_q, weight_k, q.dtype)
     return triton_or_fallback(
@@ -405,13 +406,9 @@ def _hedgehog_shapes(name: str, q, k, weight_q, weight_k) -> int:
 
 def _projection_fits(D: int, features: int, dtype: torch.dtype) -> bool:
     """:func:`triton_common.projection_fits` (imported late: ``triton`` is optional off the GPU path)."""
-    from .triton_common import projection_fits
+    from .triton_common import projection_fits  # triton is optional: imported only on the Triton path
 
     return projection_fits(D, features, dtype)
-
-
-def _needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def hedgehog_feature_map(
@@ -432,8 +429,8 @@ def hedgehog_feature_map(
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     if _resolve_backend(backend, x) != "triton" or needs_grad:
         return hedgehog_features_rounded(x, weight, eps)
-    from .triton_common import triton_or_fallback
-    from .triton_features import hedgehog_feature_map_triton
+    from .triton_common import triton_or_fallback  # triton is optional: imported only on the Triton path
+    from .triton_features import hedgehog_feature_map_triton  # triton is optional: imported only on the Triton path
 
     return triton_or_fallback(("feature_map", x.shape[2:], tuple(weight.shape), x.dtype),
                               lambda: hedgehog_feature_map_triton(x, weight, eps),
@@ -461,7 +458,7 @@ def rotary_embedding(
              and 0 < R <= D and R % 2 == 0)
     if be != "triton" or not plain or cos.requires_grad or sin.requires_grad:
         return rotary_reference(q, k, cos, sin)
-    from .triton_rotary import RotaryTriton
+    from .triton_rotary import RotaryTriton  # triton is optional: imported only on the Triton path
 
     return RotaryTriton.apply(q, k, cos, sin)
 
@@ -498,11 +495,11 @@ def linear_attention_hedgehog(
     K = _hedgehog_shapes("linear_attention_hedgehog", q, k, weight_q, weight_k)
     be = _resolve_backend(backend, q)
     kw = dict(normalize=normalize, eps=eps, initial_state=initial_state, output_final_state=output_final_state)
-    if log_decay is not None or be != "triton" or _needs_grad(q, k, v, weight_q, weight_k, *(initial_state or ())) \
+    if log_decay is not None or be != "triton" or needs_grad(q, k, v, weight_q, weight_k, *(initial_state or ())) \
             or not _projection_fits(q.shape[-1], K, q.dtype):
         fq, fk = _features_first(q, k, weight_q, weight_k, feature_eps)
         return linear_attention(fq, fk, v, backend=backend, log_decay=log_decay, **kw)
     _check("linear_attention_hedgehog(q,k,v)", q, k, v, initial_state, qk_dim_pairs=(K,))
-    from .triton_linear import linear_attention_hedgehog_triton
+    from .triton_linear import linear_attention_hedgehog_triton  # triton is optional: imported only on the Triton path
 
     return linear_attention_hedgehog_triton(q, k, v, weight_q, weight_k, feature_eps=feature_eps, **kw)

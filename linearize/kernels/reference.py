@@ -20,6 +20,11 @@ def _acc_dtype(*ts: torch.Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in ts) else torch.float32
 
 
+def needs_grad(*tensors) -> bool:
+    """Whether autograd will want gradients of any of ``tensors`` (None entries allowed)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def drop_keys(key_mask: torch.Tensor, *xs: torch.Tensor) -> Tuple[torch.Tensor, ...]:
     """``xs`` (each ``[B, T, Hk, X]``) with zeros at the positions where ``key_mask [B, T]`` is False: such keys add
     nothing to a linear-attention sum (``torch.where``, so a non-finite padding row is dropped too)."""

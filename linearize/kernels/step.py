@@ -224,7 +224,7 @@ def linear_attention_step(
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
     log_decay = check_log_decay("linear_attention_step", log_decay, tuple(k.shape[:2]))
     if _use_triton(q, backend):
-        from .triton_step import linear_step_triton
+        from .triton_step import linear_step_triton  # triton is optional: imported only on the Triton path
 
         if log_decay is None:
             return linear_step_triton(q, k, v, S, z, normalize=normalize, eps=eps, out=out)
@@ -316,7 +316,7 @@ def window_linear_attention_step(
     if scale is None:
         scale = q.shape[-1] ** -0.5
     if _use_triton(q, backend):
-        from .triton_step import window_step_triton
+        from .triton_step import window_step_triton  # triton is optional: imported only on the Triton path
 
         if log_decay is None:
             return window_step_triton(q, k, fq, fk, v, window_factor, st, scale=scale, eps=eps, out=out)

@@ -6,7 +6,8 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
-from . import linear_attention, window_linear_attention
+from . import (linear_attention, linear_attention_step, window_linear_attention, window_linear_attention_step,
+               window_state_from_prefill)
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor, floor: float = 0.0) -> float:
@@ -189,7 +190,6 @@ def check_left_padding(kind, backend, *, T=40, pad=13, H=4, Hk=2, D=16, K=16, V=
     """A batch of two rows, the second left-padded by ``pad`` tokens whose inputs are NaN: the forward (with
     ``key_mask``) and ``steps`` decode steps after it give each row what its sequence gives alone, outputs and
     states. ``kind``: ``"linear"`` or ``"window"``."""
-    from . import linear_attention_step, window_linear_attention_step, window_state_from_prefill
 
     tol = tol or TOL[dtype]
     n = T + steps

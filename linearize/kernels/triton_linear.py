@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .reference import hedgehog_features_rounded
 from .triton_common import (
     chunk_states,
     decay_cumsum,
@@ -45,7 +46,7 @@ from .triton_common import (
     segment_sum_launch,
     signed_projections,
 )
-from .tuning import ensure_applied
+from .tuning import ensure_applied, register
 
 
 
@@ -811,7 +812,6 @@ def linear_attention_hedgehog_triton(
 ):
     """Triton path of :func:`linearize.kernels.linear_attention_hedgehog`: forward only (no autograd), the
     Hedgehog features of the raw ``q``, ``k`` computed inside the kernel."""
-    from .reference import hedgehog_features_rounded
 
     ensure_applied(q.device)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -827,3 +827,6 @@ def linear_attention_hedgehog_triton(
         o, _, S_f, z_f = _fwd(q, k, v, S0, z0, normalize, float(eps), output_final_state, False, wqx=wqx, wkx=wkx,
                               feps=float(feature_eps), make_fk=make_fk)
     return o, ((S_f, z_f) if output_final_state else None)
+
+
+register("linear", CONFIG)  # tunable per GPU (tuning.py)

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .triton_common import hedgehog_row, num_sms, pow2
-from .tuning import ensure_applied
+from .tuning import ensure_applied, register
 
 
 @triton.jit
@@ -417,3 +417,6 @@ def window_step_triton(q, k, fq, fk, v, wf, st, *, scale, eps=1e-12, out=None, w
     )
     st.seen.add_(1)
     return out
+
+
+register("step", CONFIG)  # tunable per GPU (tuning.py)

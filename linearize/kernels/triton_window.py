@@ -23,7 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import decayed_sum, drop_keys
+from .chunked import window_linear_attention_chunked
+from .reference import decayed_sum, drop_keys, hedgehog_features_rounded, needs_grad
+from .triton_linear import _fwd as linear_fwd
 from .triton_common import (
     chunk_states,
     fwd_blocks,
@@ -40,7 +42,7 @@ from .triton_common import (
     segment_sum_launch,
     signed_projections,
 )
-from .tuning import ensure_applied
+from .tuning import ensure_applied, register
 
 NEG_INF = tl.constexpr(float("-inf"))
 
@@ -524,7 +526,6 @@ def _fwd_two_pass(q, k, fq, fk, v, wf, W, scale, eps, S0, z0, o, ms, den, wqx=No
     the Hedgehog features itself, as in :func:`_fwd`), then :func:`_win_softmax_kernel` (writes ``o`` and, if
     given, the backward's ``ms`` / ``den``). ``keep`` ``[B, T]`` bool: the window leaves out the keys marked
     False (the caller has zeroed their ``k``, ``fk``, ``v``, so the linear part has none of them)."""
-    from .triton_linear import _fwd as linear_fwd
 
     B, T, H, D = q.shape
     HK, V = k.shape[2], v.shape[-1]
@@ -676,14 +677,12 @@ def window_linear_attention_triton(
     64``, no gradient; otherwise the chunked PyTorch path). ``log_decay`` (``[B, T, Hk]``): the single-pass forward
     and the backward with decays, unsegmented (one program walks a whole sequence per value block and head); the
     final state by PyTorch (:func:`reference.decayed_sum`); with a ``key_mask`` the chunked PyTorch path."""
-    from . import _needs_grad
 
     ensure_applied(q.device)  # this GPU's saved launch configuration (bench kernels --tune), once
     W = int(window)
     if not supported(W, q.dtype) or (key_mask is not None and (log_decay is not None or _chunk_for(W, q.dtype) != 64
-                                                               or _needs_grad(q, k, fq, fk, v, window_factor,
+                                                               or needs_grad(q, k, fq, fk, v, window_factor,
                                                                               *(initial_state or ())))):
-        from .chunked import window_linear_attention_chunked
 
         return window_linear_attention_chunked(q, k, fq, fk, v, window_factor, window=W, scale=scale, eps=eps,
                                                initial_state=initial_state, output_final_state=output_final_state,
@@ -732,7 +731,6 @@ def window_linear_attention_hedgehog_triton(
 ):
     """Triton path of :func:`linearize.kernels.window_linear_attention_hedgehog`: forward only (no autograd),
     the query features (and the key features unless ``fk`` is given) computed inside the kernel."""
-    from .reference import hedgehog_features_rounded
 
     ensure_applied(q.device)
     W = int(window)
@@ -745,7 +743,6 @@ def window_linear_attention_hedgehog_triton(
         return made[0]
 
     if not supported(W, q.dtype):
-        from .chunked import window_linear_attention_chunked
 
         fq = hedgehog_features_rounded(q, weight_q, feature_eps)
         return window_linear_attention_chunked(q, k, fq, fk if fk is not None else make_fk(), v, window_factor,
@@ -765,3 +762,6 @@ def window_linear_attention_hedgehog_triton(
                        wqx=wqx, wkx=wkx, feps=float(feature_eps), make_fk=make_fk)
         state = _final_state(fk if fk is not None else make_fk(), v, W, S0, z0) if output_final_state else None
     return o, state
+
+
+register("window", CONFIG)  # tunable per GPU (tuning.py)

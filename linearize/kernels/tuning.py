@@ -16,28 +16,34 @@ import os
 import re
 from pathlib import Path
 
+import torch
+
 from ..atomic import atomic_write
 
 __all__ = ["tuned_path", "save", "load", "ensure_applied", "applied_from"]
 
-_STATE = {"checked": False, "source": None}
+_STATE: dict = {"checked": False, "source": None, "tuned": None}
+#: name -> a kernel module's ``CONFIG`` dict, registered by the module when it is imported (``register``)
+_CONFIGS: dict[str, dict] = {}
 
 
-def _modules():
-    from . import triton_linear, triton_step, triton_window
-
-    return {"linear": triton_linear, "window": triton_window, "step": triton_step}
+def register(name: str, config: dict) -> dict:
+    """Make ``config`` (a kernel module's ``CONFIG``) tunable under ``name``; tuned values already loaded for this
+    process apply to it at once. Returns ``config``."""
+    _CONFIGS[name] = config
+    tuned = _STATE["tuned"]
+    if tuned is not None and isinstance(tuned.get(name), dict) and set(tuned[name]) <= set(config):
+        config.update(tuned[name])
+    return config
 
 
 def _triton_version() -> str:
-    import triton
+    import triton  # triton is optional: only asked once a kernel launches
 
     return str(triton.__version__)
 
 
 def _gpu_name(device=None) -> str:
-    import torch
-
     return torch.cuda.get_device_name(device)
 
 
@@ -51,7 +57,7 @@ def save(gpu_name: str) -> Path:
     """Write the current configurations as the tuned ones for ``gpu_name`` (atomically); return the path."""
     path = tuned_path(gpu_name)
     blob = {"gpu": gpu_name, "triton": _triton_version(),
-            **{name: dict(mod.CONFIG) for name, mod in _modules().items()}}
+            **{name: dict(cfg) for name, cfg in _CONFIGS.items()}}
     with atomic_write(path) as tmp, open(tmp, "w") as f:
         json.dump(blob, f, indent=1, sort_keys=True)
     return path
@@ -68,9 +74,9 @@ def load(gpu_name: str) -> dict | None:
     if not isinstance(blob, dict) or blob.get("gpu") != gpu_name or blob.get("triton") != _triton_version():
         return None
     out = {}
-    for name, mod in _modules().items():
+    for name, known in _CONFIGS.items():
         cfg = blob.get(name, {})
-        if not isinstance(cfg, dict) or not set(cfg) <= set(mod.CONFIG):
+        if not isinstance(cfg, dict) or not set(cfg) <= set(known):
             return None  # written by another version of the kernels
         out[name] = cfg
     return out
@@ -87,8 +93,9 @@ def ensure_applied(device) -> None:
     tuned = load(name)
     if tuned is None:
         return
-    for key, mod in _modules().items():
-        mod.CONFIG.update(tuned[key])
+    _STATE["tuned"] = tuned
+    for key, cfg in _CONFIGS.items():
+        cfg.update(tuned[key])
     _STATE["source"] = str(tuned_path(name))
 
 
