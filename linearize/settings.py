@@ -2,7 +2,7 @@
 
 The defaults are what the command line and the library fall back to when an option is not given. The
 environment is read here, through small functions called at use (a variable set after import counts). Not here:
-``linearize/kernels/`` reads its own variables (``LINEARIZE_KERNEL_TUNING``, ``LINEARIZE_POISON``, its tuning
+``linearize/kernels/`` reads its own variables (``LINEARIZE_KERNEL_TUNING``, its tuning
 cache), because it ships inside every checkpoint and imports nothing from the rest of the package.
 """
 
