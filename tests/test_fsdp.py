@@ -159,11 +159,14 @@ def test_fsdp_option_checks(monkeypatch):
 
 _ONLY_RANK0_LOADS = """
 import os, sys
-from linearize import sources
+from linearize.convert import pipeline
+from linearize.io import sources
+from linearize.train import fsdp
 if os.environ["RANK"] != "0":  # the other ranks must build the model on the meta device, never load it
     def refuse(*args, **kwargs):
         raise AssertionError("rank " + os.environ["RANK"] + " loaded the model")
-    sources.load_model = refuse
+    for module in (sources, fsdp, pipeline):  # the function and every module that imported it by name
+        module.load_model = refuse
 from linearize.cli import main
 sys.argv = ["linearize", *sys.argv[1:]]
 main()
