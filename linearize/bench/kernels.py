@@ -1,23 +1,31 @@
 """Kernel benchmark: ``linearize bench kernels``.
 
-Times our Triton kernels side by side with fla 0.6.0 (``chunk_linear_attn``,
-``fused_recurrent_linear_attn``, ``chunk_simple_gla`` for the gated rows; optional: rows are skipped when fla is
-absent) and
-PyTorch SDPA (flash and cuDNN backends), median of ``triton.testing.do_bench``, all
-in one process on one GPU. A correctness check against the float64 reference runs
-first (fresh random inputs per check). See ``kernels/README.md`` for the table.
+Times our Triton kernels side by side with fla 0.6.0 (``chunk_linear_attn``, ``fused_recurrent_linear_attn``;
+``chunk_simple_gla`` and ``chunk_gla`` for the gated rows; optional: their rows are skipped when fla is absent)
+and PyTorch SDPA (flash and cuDNN backends), median of ``triton.testing.do_bench``, all in one process on one GPU.
+
+The rows are data (:data:`ROW_SPECS`, one :class:`RowSpec` per kind of row) and run one at a time: each pass is
+compiled on its first call, checked once against the PyTorch path (``--check quick``), timed, printed and saved
+before the next one compiles, so the first row comes within seconds of the start. The default set (lengths
+2K, 8K, 32K; ours linear and window, SDPA, fla, decode steps) stays within minutes on a fresh GPU; ``--gated``,
+``--hedgehog`` and ``--full`` add the rest. See ``kernels/README.md`` for the tables.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
+import importlib
 import importlib.metadata as md
+import importlib.util
 import itertools
 import json
 import os
 import platform
+import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from rich.table import Table
@@ -26,11 +34,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from linearize.kernels import (empty_window_state, linear_attention, linear_attention_hedgehog, linear_attention_step,
                                window_linear_attention, window_linear_attention_hedgehog, window_linear_attention_step,
                                window_state_from_prefill)
-from linearize.kernels.testing import check_linear, check_window, linear_inputs, rel_err, window_inputs
+from linearize.kernels.testing import GRAD_FLOOR, TOL, TOL_G, check_linear, check_window, linear_inputs, rel_err, \
+    window_inputs
 
 from ..atomic import atomic_write
 from ..errors import DeviceError, LinearizeError
 from ..progress import make_console
+from ..units import format_length, parse_length
 
 # fla's Triton path only (it otherwise dispatches to other backends when present)
 os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")
@@ -41,27 +51,6 @@ def _bench(fn: Callable[[], object], warmup: int = 25, rep: int = 100) -> float:
     import triton
 
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
-
-
-def _fla():
-    try:
-        # optional dependency: fla (its rows are skipped without it)
-        from fla.ops.linear_attn import chunk_linear_attn, fused_recurrent_linear_attn
-
-        return chunk_linear_attn, fused_recurrent_linear_attn
-    except Exception:  # pragma: no cover - optional dependency
-        return None
-
-
-def _fla_simple_gla():
-    """fla's ``chunk_simple_gla`` (per-token, per-head log decay, unnormalised), or None without fla."""
-    try:
-        # optional dependency: fla (its rows are skipped without it)
-        from fla.ops.simple_gla import chunk_simple_gla
-
-        return chunk_simple_gla
-    except Exception:  # pragma: no cover - optional dependency
-        return None
 
 
 def _versions() -> Dict[str, str]:
@@ -83,20 +72,25 @@ def _versions() -> Dict[str, str]:
 # correctness on the device
 
 
-def check_kernels(device: str = "cuda") -> List[dict]:
+def check_kernels(device: str = "cuda", report: Optional[Callable[[dict], None]] = None) -> List[dict]:
     """Our Triton paths vs the float64 reference on the device (outputs, states, gradients).
 
-    Returns one row per check with the measured relative errors; raises nothing (a failed
-    check is a row with ``ok=False``).
+    Returns one row per check with the measured relative errors, each also given to ``report`` as it completes;
+    raises nothing (a failed check is a row with ``ok=False``).
     """
     rows: List[dict] = []
+
+    def add(row: dict) -> None:
+        rows.append(row)
+        if report is not None:
+            report(row)
 
     def run(name, fn):
         try:
             fn()
-            rows.append({"check": name, "ok": True})
+            add({"check": name, "ok": True})
         except Exception as e:  # pragma: no cover - device only
-            rows.append({"check": name, "ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            add({"check": name, "ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"})
 
     for dt in (torch.float32, torch.bfloat16):
         for shape in [(2, 1000, 4, 2, 64, 32), (1, 777, 2, 2, 128, 128), (1, 300, 2, 1, 256, 64)]:
@@ -108,9 +102,10 @@ def check_kernels(device: str = "cuda") -> List[dict]:
             run(f"window {shape} {dt}", lambda: check_window("triton", *shape, dt, state=True, device=device))
 
     try:
-        rows.extend(_check_accuracy(device))
+        for row in _check_accuracy(device):
+            add(row)
     except Exception as e:  # pragma: no cover - device only
-        rows.append({"check": "accuracy/decode", "ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+        add({"check": "accuracy/decode", "ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"})
     return rows
 
 
@@ -372,7 +367,80 @@ def tune_kernels(heads: int = 32, dim: int = 128, progress: Optional[Callable[[s
 
 
 # ---------------------------------------------------------------------------
-# timing
+# timing: row specs (which kernels, how their inputs are made, what they are checked against) and the runner
+
+
+#: ``--check`` modes: ``quick`` (default) checks each timed kernel once, at the first shape it is timed at,
+#: against the chunked PyTorch path on float32 copies of the same inputs (the output; for fwd+bwd rows the
+#: gradients too); ``accuracy`` and ``full`` add, after the rows, the long-sequence accuracy checks
+#: (:func:`_check_accuracy`) or the whole sweep (:func:`check_kernels`: every variant, fp32 and bf16, states)
+CHECK_MODES = ("quick", "accuracy", "full", "none")
+#: lengths timed by default; ``--full`` adds 128K
+DEFAULT_LENGTHS = (2048, 8192, 32768)
+FULL_LENGTHS = (2048, 8192, 32768, 131072)
+#: row groups beyond the core rows (ours linear and window, SDPA, decode steps): ``fla`` (on by default where fla
+#: imports), ``gated`` (``--gated``), ``hedgehog`` (``--hedgehog``), ``unnorm`` (our unnormalised forwards; only
+#: with ``--full``, which turns every group on)
+ROW_GROUPS = ("fla", "gated", "hedgehog", "unnorm")
+DEFAULT_GROUPS = frozenset({"fla"})
+#: decode states rotated over per timed call (more than L2 holds), each step captured in one CUDA graph
+NROT = 8
+#: what progress calls each pass
+PASS_NAMES = {"fwd": "forward", "fwd+bwd": "forward+backward", "step": "decode step"}
+
+
+@dataclass
+class BenchContext:
+    """The shapes and resources every row spec builds from."""
+
+    heads: int
+    dim: int  # head size of q, k (raw) and v
+    window: int
+    hedgehog_dim: int  # feature size of the Hedgehog rows (2f)
+    device: torch.device
+    dtype: torch.dtype
+    fla: Mapping[str, Callable]  # fla's functions by name (:class:`FlaOps`)
+    sdpa_bwd_max_len: int = 32768
+    hedgehog_lengths: Optional[Sequence[int]] = None  # None: every length
+    copy_gbs: float = float("nan")  # device-to-device copy, the decode rows' ceiling
+
+
+@dataclass
+class Timed:
+    """One timed pass of a row spec at one shape: ``warm`` (default: ``fn`` once) is the first call, where Triton
+    compiles; ``fn`` is what ``do_bench`` times (``calls`` calls per ``fn``); ``check`` returns ``[(name, relative
+    error, tolerance)]`` against the PyTorch path; ``fields(ms)`` adds row fields (decode: GB/s)."""
+
+    fn: Callable[[], object]
+    warm: Optional[Callable[[], object]] = None
+    check: Optional[Callable[[], List[tuple]]] = None
+    fields: Optional[Callable[[float], dict]] = None
+    calls: int = 1
+    no_grad: bool = False
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    """One kind of row. ``build(ctx, B, T)`` makes its inputs on the device and returns ``{passes: Timed}`` (an
+    empty dict: nothing to time at this shape). ``bench`` / ``impl`` are the table's columns (formatted with
+    ``window`` and ``hedgehog_dim``); ``groups`` must all be on and ``fla`` (function names) importable for the
+    row to run; a ``decode`` row runs once, at the decode batch, after every length; ``when(ctx, T)`` can leave a
+    length out. ``first_call`` is the progress verb for a pass's first call ("" for kernels that ship compiled)."""
+
+    bench: str
+    impl: str
+    what: str
+    build: Callable[[BenchContext, int, int], Dict[str, Timed]]
+    groups: FrozenSet[str] = frozenset()
+    fla: Tuple[str, ...] = ()
+    decode: bool = False
+    when: Optional[Callable[[BenchContext, int], bool]] = None
+    first_call: str = "compiling"
+
+    def names(self, ctx: BenchContext) -> Tuple[str, str]:
+        """The table's (bench, impl) for this context."""
+        fmt = dict(window=ctx.window, hedgehog_dim=ctx.hedgehog_dim)
+        return self.bench.format(**fmt), self.impl.format(**fmt)
 
 
 def _grad_fn(fwd: Callable[[], torch.Tensor], inputs: Sequence[torch.Tensor], do: torch.Tensor):
@@ -383,19 +451,403 @@ def _grad_fn(fwd: Callable[[], torch.Tensor], inputs: Sequence[torch.Tensor], do
     return f
 
 
-_ECHO: Optional[Callable[[str], None]] = None
+def _f32(x):
+    """A float32 copy of a floating tensor (a leaf requiring grad where ``x`` does); anything else as is."""
+    if isinstance(x, torch.Tensor) and x.is_floating_point():
+        return x.detach().float().requires_grad_(x.requires_grad)
+    return x
+
+
+def _differentiable(ctx: BenchContext, fast: Callable, args: Dict[str, torch.Tensor], do: torch.Tensor,
+                    ref: Optional[Callable] = None, passes: Sequence[str] = ("fwd", "fwd+bwd")) -> Dict[str, Timed]:
+    """The ``fwd`` (no autograd) and ``fwd+bwd`` (gradients of every argument that requires one, cotangent
+    ``do``) passes of ``fast(*args)``. With ``ref`` (the same computation on the PyTorch path) the check compares
+    the output, and for fwd+bwd the gradients, with ``ref`` on float32 copies of the arguments."""
+    xs = tuple(args.values())
+    leaves = [x for x in xs if isinstance(x, torch.Tensor) and x.requires_grad]
+    names = [n for n, x in args.items() if isinstance(x, torch.Tensor) and x.requires_grad]
+    tol, tol_g = TOL.get(ctx.dtype, TOL[torch.bfloat16]), TOL_G.get(ctx.dtype, TOL_G[torch.bfloat16])
+
+    def check_fwd():
+        with torch.no_grad():
+            o, r = fast(*xs), ref(*(_f32(x) for x in xs))
+        return [("out", rel_err(o, r), tol)]
+
+    def check_fwd_bwd():
+        o = fast(*xs)
+        g = torch.autograd.grad(o, leaves, do)
+        rx = tuple(_f32(x) for x in xs)
+        r = ref(*rx)
+        rg = torch.autograd.grad(r, [x for x in rx if isinstance(x, torch.Tensor) and x.requires_grad], do.float())
+        return [("out", rel_err(o, r), tol)] + [(f"d{n}", rel_err(a, b, floor=GRAD_FLOOR), tol_g)
+                                                for n, a, b in zip(names, g, rg)]
+
+    out = {}
+    if "fwd" in passes:
+        out["fwd"] = Timed(fn=lambda: fast(*xs), no_grad=True, check=check_fwd if ref is not None else None)
+    if "fwd+bwd" in passes and leaves:
+        out["fwd+bwd"] = Timed(fn=_grad_fn(lambda: fast(*xs), leaves, do),
+                               check=check_fwd_bwd if ref is not None else None)
+    return out
+
+
+def _rand(ctx: BenchContext, B: int, T: int, D: int, *, signed: bool = False, grad: bool = False) -> torch.Tensor:
+    """``[B, T, heads, D]`` in the benchmark's dtype: uniform in [0, 1) (feature-mapped q, k) or normal."""
+    x = (torch.randn if signed else torch.rand)(B, T, ctx.heads, D, device=ctx.device, dtype=ctx.dtype)
+    return x.requires_grad_(grad)
+
+
+def _linear_args(ctx: BenchContext, B: int, T: int, *, wide: bool = False, gated: bool = False) -> dict:
+    """q, k (features, K = dim or the Hedgehog width), v (V = dim), all requiring grad; gated: log decays
+    ``[B, T, heads]`` in [-0.1, 0] (float32)."""
+    K = ctx.hedgehog_dim if wide else ctx.dim
+    args = {"q": _rand(ctx, B, T, K, grad=True), "k": _rand(ctx, B, T, K, grad=True),
+            "v": _rand(ctx, B, T, ctx.dim, signed=True, grad=True)}
+    if gated:
+        args["log_decay"] = (-0.1 * torch.rand(B, T, ctx.heads, device=ctx.device)).requires_grad_()
+    return args
+
+
+def _ours_linear(normalize: bool = True, *, wide: bool = False, gated: bool = False):
+    """Our ``linear_attention`` (gated: with ``log_decay``), checked against its PyTorch path."""
+
+    def build(ctx, B, T):
+        def run(backend):
+            return lambda q, k, v, log_decay=None: linear_attention(q, k, v, normalize=normalize, log_decay=log_decay,
+                                                                    backend=backend)[0]
+
+        args = _linear_args(ctx, B, T, wide=wide, gated=gated)
+        return _differentiable(ctx, run(None), args, _rand(ctx, B, T, ctx.dim, signed=True), ref=run("torch"))
+
+    return build
+
+
+def _fla_linear(normalize: bool = True, *, wide: bool = False):
+    """fla's ``chunk_linear_attn`` (``scale=1.0``; its normalisation is a PyTorch step after the kernel)."""
+
+    def build(ctx, B, T):
+        chunk = ctx.fla["chunk_linear_attn"]
+        return _differentiable(ctx, lambda q, k, v: chunk(q, k, v, scale=1.0, normalize=normalize)[0],
+                               _linear_args(ctx, B, T, wide=wide), _rand(ctx, B, T, ctx.dim, signed=True))
+
+    return build
+
+
+def _fla_simple_gla_rows(ctx, B, T):
+    """fla's ``chunk_simple_gla``: one log decay per token and head (our ``log_decay``), unnormalised."""
+    sgla = ctx.fla["chunk_simple_gla"]
+    return _differentiable(ctx, lambda q, k, v, log_decay: sgla(q, k, v, g=log_decay, scale=1.0)[0],
+                           _linear_args(ctx, B, T, gated=True), _rand(ctx, B, T, ctx.dim, signed=True))
+
+
+def _fla_gla_rows(ctx, B, T):
+    """fla's ``chunk_gla``: a log decay per token, head and key channel, here our per-head decay repeated over the
+    K channels (the same recurrence, in fla's general gated kernel), unnormalised."""
+    gla = ctx.fla["chunk_gla"]
+    args = _linear_args(ctx, B, T, gated=True)
+    ld = args.pop("log_decay").detach()  # [B, T, H]
+    args["g"] = ld.unsqueeze(-1).expand(*ld.shape, ctx.dim).contiguous().requires_grad_()  # [B, T, H, K]
+    return _differentiable(ctx, lambda q, k, v, g: gla(q, k, v, g=g, scale=1.0)[0], args,
+                           _rand(ctx, B, T, ctx.dim, signed=True))
+
+
+def _ours_window(*, wide: bool = False):
+    """Our ``window_linear_attention``: raw q, k of size dim (the window's softmax), features of size dim or the
+    Hedgehog width, window factor 0.3; checked against its PyTorch path."""
+
+    def build(ctx, B, T):
+        K = ctx.hedgehog_dim if wide else ctx.dim
+
+        def run(backend):
+            return lambda q, k, fq, fk, v, wf: window_linear_attention(q, k, fq, fk, v, wf, window=ctx.window,
+                                                                       backend=backend)[0]
+
+        args = {"q": _rand(ctx, B, T, ctx.dim, signed=True, grad=True),
+                "k": _rand(ctx, B, T, ctx.dim, signed=True, grad=True),
+                "fq": _rand(ctx, B, T, K, grad=True), "fk": _rand(ctx, B, T, K, grad=True),
+                "v": _rand(ctx, B, T, ctx.dim, signed=True, grad=True),
+                "window_factor": torch.full((ctx.heads,), 0.3, device=ctx.device, requires_grad=True)}
+        return _differentiable(ctx, run(None), args, _rand(ctx, B, T, ctx.dim, signed=True), ref=run("torch"))
+
+    return build
+
+
+def _ours_fused_hedgehog(*, window: bool):
+    """Our forwards with the Hedgehog features computed inside the kernel (inference: forward only) from raw
+    q, k of size dim: linear with 2f = the Hedgehog width, window with 2f = dim; checked against the PyTorch
+    path (features first)."""
+
+    def build(ctx, B, T):
+        f = (ctx.dim if window else ctx.hedgehog_dim) // 2
+        wq, wk = (0.1 * torch.randn(ctx.heads, ctx.dim, f, device=ctx.device, dtype=ctx.dtype) for _ in range(2))
+        args = {"q": _rand(ctx, B, T, ctx.dim, signed=True), "k": _rand(ctx, B, T, ctx.dim, signed=True),
+                "v": _rand(ctx, B, T, ctx.dim, signed=True), "weight_q": wq, "weight_k": wk}
+        if window:
+            args["window_factor"] = torch.full((ctx.heads,), 0.3, device=ctx.device)
+
+            def run(backend):
+                return lambda q, k, v, wq, wk, wf: window_linear_attention_hedgehog(q, k, v, wf, wq, wk,
+                                                                                    window=ctx.window,
+                                                                                    backend=backend)[0]
+        else:
+            def run(backend):
+                return lambda q, k, v, wq, wk: linear_attention_hedgehog(q, k, v, wq, wk, backend=backend)[0]
+        return _differentiable(ctx, run(None), args, None, ref=run("torch"), passes=("fwd",))
+
+    return build
+
+
+def _sdpa(backend):
+    """PyTorch SDPA (causal) with one backend, ``[B, heads, T, dim]``: fwd, and fwd+bwd up to
+    ``sdpa_bwd_max_len``. Their kernels ship compiled; they run on CUDA only."""
+
+    def build(ctx, B, T):
+        if ctx.device.type != "cuda":
+            return {}
+        args = {n: torch.randn(B, ctx.heads, T, ctx.dim, device=ctx.device, dtype=ctx.dtype, requires_grad=True)
+                for n in ("q", "k", "v")}
+
+        def fast(q, k, v):
+            with sdpa_kernel(backend):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        passes = ("fwd", "fwd+bwd") if T <= ctx.sdpa_bwd_max_len else ("fwd",)
+        do = torch.randn(B, ctx.heads, T, ctx.dim, device=ctx.device, dtype=ctx.dtype)
+        return _differentiable(ctx, fast, args, do, passes=passes)
+
+    return build
+
+
+def _decode_timed(ctx: BenchContext, step: Callable[[int], object], nbytes: int,
+                  check: Optional[Callable[[], List[tuple]]] = None) -> Timed:
+    """A decode-step pass: ``step(i)`` on state ``i`` of :data:`NROT`, all of them captured in one CUDA graph
+    (eager where capture fails or off CUDA); its row adds GB/s of state read and written and % of copy."""
+    box: dict = {}
+
+    def warm():
+        for i in range(NROT):  # compile outside the capture
+            step(i)
+        box.update(fn=lambda: [step(i) for i in range(NROT)], graph=False)
+        if ctx.device.type == "cuda":
+            try:
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    for i in range(NROT):
+                        step(i)
+                box.update(fn=g.replay, graph=True, g=g)
+            except Exception:  # pragma: no cover - device only: eager steps
+                pass
+
+    def fields(ms):
+        gbs = nbytes / ms / 1e6
+        return {"gbs": gbs, "pct_copy": 100 * gbs / ctx.copy_gbs, "graph": box["graph"]}
+
+    return Timed(fn=lambda: box["fn"](), warm=warm, check=check, fields=fields, calls=NROT)
+
+
+def _decode_inputs(ctx: BenchContext, B: int):
+    """One decode token: q, k (features, [B, heads, dim]) in [0, 1), v normal, an output buffer."""
+    H, D = ctx.heads, ctx.dim
+    q = torch.rand(B, H, D, device=ctx.device, dtype=ctx.dtype)
+    k = torch.rand(B, H, D, device=ctx.device, dtype=ctx.dtype)
+    v = torch.randn(B, H, D, device=ctx.device, dtype=ctx.dtype)
+    return q, k, v, torch.empty(B, H, D, device=ctx.device, dtype=ctx.dtype)
+
+
+def _linear_step(*, gated: bool = False, fla: bool = False):
+    """A linear-attention decode step at K = V = dim from :data:`NROT` random states: ours (gated: with a log
+    decay per head; checked against the PyTorch step), or fla's ``fused_recurrent_linear_attn``."""
+
+    def build(ctx, B, T):
+        H, D = ctx.heads, ctx.dim
+        states = [(torch.rand(B, H, D, D, device=ctx.device), torch.rand(B, H, D, device=ctx.device) + 1)
+                  for _ in range(NROT)]
+        q, k, v, out = _decode_inputs(ctx, B)
+        ld = -0.1 * torch.rand(B, H, device=ctx.device) if gated else None
+        nbytes = 2 * (B * H * D * D * 4 + B * H * D * 4)  # S and z, read and written
+        if fla:
+            rec = ctx.fla["fused_recurrent_linear_attn"]
+            q4, k4, v4 = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
+            return {"step": _decode_timed(ctx, lambda i: rec(q4, k4, v4, scale=1.0, initial_state=states[i][0],
+                                                             output_final_state=True), nbytes)}
+
+        def check():
+            st, rst = ([x.clone() for x in states[0]] for _ in range(2))
+            o = linear_attention_step(q, k, v, st, log_decay=ld)
+            r = linear_attention_step(q, k, v, rst, log_decay=ld, backend="torch")
+            tol = TOL.get(ctx.dtype, TOL[torch.bfloat16])
+            return [("out", rel_err(o, r), tol), ("S", rel_err(st[0], rst[0]), tol)]
+
+        return {"step": _decode_timed(ctx, lambda i: linear_attention_step(q, k, v, states[i], out=out, log_decay=ld),
+                                      nbytes, check)}
+
+    return build
+
+
+def _window_step(ctx, B, T):
+    """Our window-hybrid decode step (features = dim, a full window of ``window`` tokens) from :data:`NROT`
+    random states; checked against the PyTorch step."""
+    H, D = ctx.heads, ctx.dim
+    states = []
+    for _ in range(NROT):
+        st = empty_window_state(B, H, D, D, D, ctx.window, dtype=ctx.dtype, device=ctx.device)
+        st.S.copy_(torch.rand_like(st.S))
+        st.z.copy_(torch.rand_like(st.z) + 1)
+        st.k_ring.normal_()
+        st.fk_ring.uniform_()
+        st.v_ring.normal_()
+        st.seen.fill_(1000)
+        states.append(st)
+    q, k, v, out = _decode_inputs(ctx, B)
+    wf = torch.full((H,), 0.3, device=ctx.device)
+    nbytes = 2 * (B * H * D * D * 4 + B * H * D * 4) + B * H * ctx.window * 3 * D * ctx.dtype.itemsize
+
+    def check():
+        st, rst = (type(states[0])(*(x.clone() for x in states[0])) for _ in range(2))
+        o = window_linear_attention_step(q, k, q, k, v, wf, st)
+        r = window_linear_attention_step(q, k, q, k, v, wf, rst, backend="torch")
+        tol = TOL.get(ctx.dtype, TOL[torch.bfloat16])
+        return [("out", rel_err(o, r), tol), ("S", rel_err(st.S, rst.S), tol)]
+
+    return {"step": _decode_timed(ctx, lambda i: window_linear_attention_step(q, k, q, k, v, wf, states[i], out=out),
+                                  nbytes, check)}
+
+
+def _hedgehog_length(ctx: BenchContext, T: int) -> bool:
+    """The Hedgehog-width rows: a width other than dim, at the lengths asked for (default all)."""
+    return ctx.hedgehog_dim != ctx.dim and (ctx.hedgehog_lengths is None or T in ctx.hedgehog_lengths)
+
+
+_FLA = frozenset({"fla"})
+_GATED = frozenset({"gated"})
+_HEDGEHOG = frozenset({"hedgehog"})
+
+#: every row kind, in the order each length runs them (the default's first, fla's autotuned kernels last among
+#: them); add a kernel by adding a spec. ``bench kernels`` times those whose groups are on.
+ROW_SPECS: List[RowSpec] = [
+    RowSpec("linear", "ours", "linear attention (ours)", _ours_linear()),
+    RowSpec("window", "ours W={window}", "window hybrid W={window} (ours)", _ours_window()),
+    RowSpec("linear", "sdpa-flash", "SDPA flash", _sdpa(SDPBackend.FLASH_ATTENTION), first_call=""),
+    RowSpec("linear", "sdpa-cudnn", "SDPA cuDNN", _sdpa(SDPBackend.CUDNN_ATTENTION), first_call=""),
+    RowSpec("linear", "fla", "fla chunk_linear_attn", _fla_linear(), _FLA, ("chunk_linear_attn",),
+            first_call="compiling and autotuning"),
+    RowSpec("linear", "fla-unnorm", "fla chunk_linear_attn unnormalised", _fla_linear(False), _FLA,
+            ("chunk_linear_attn",), first_call="compiling and autotuning"),
+    RowSpec("linear", "ours-unnorm", "linear attention unnormalised (ours)", _ours_linear(False),
+            frozenset({"unnorm"})),
+    RowSpec("linear gated", "ours", "gated linear attention (ours)", _ours_linear(gated=True), _GATED),
+    RowSpec("linear gated", "ours-unnorm", "gated linear attention unnormalised (ours)",
+            _ours_linear(False, gated=True), _GATED),
+    RowSpec("linear gated", "fla simple_gla", "fla chunk_simple_gla", _fla_simple_gla_rows, _GATED | _FLA,
+            ("chunk_simple_gla",), first_call="compiling and autotuning"),
+    RowSpec("linear gated", "fla gla", "fla chunk_gla", _fla_gla_rows, _GATED | _FLA, ("chunk_gla",),
+            first_call="compiling and autotuning"),
+    RowSpec("linear K={hedgehog_dim}", "ours", "linear attention K={hedgehog_dim} (ours)", _ours_linear(wide=True),
+            _HEDGEHOG, when=_hedgehog_length),
+    RowSpec("linear K={hedgehog_dim}", "ours-unnorm", "linear attention K={hedgehog_dim} unnormalised (ours)",
+            _ours_linear(False, wide=True), _HEDGEHOG | {"unnorm"}, when=_hedgehog_length),
+    RowSpec("linear K={hedgehog_dim}", "fla", "fla chunk_linear_attn K={hedgehog_dim}", _fla_linear(wide=True),
+            _HEDGEHOG | _FLA, ("chunk_linear_attn",), when=_hedgehog_length, first_call="compiling and autotuning"),
+    RowSpec("linear K={hedgehog_dim}", "fla-unnorm", "fla chunk_linear_attn K={hedgehog_dim} unnormalised",
+            _fla_linear(False, wide=True), _HEDGEHOG | _FLA | {"unnorm"}, ("chunk_linear_attn",),
+            when=_hedgehog_length, first_call="compiling and autotuning"),
+    RowSpec("linear K={hedgehog_dim}", "ours fused hedgehog", "linear attention, Hedgehog features in the kernel",
+            _ours_fused_hedgehog(window=False), _HEDGEHOG,
+            when=lambda ctx, T: _hedgehog_length(ctx, T) and ctx.hedgehog_dim % 2 == 0),
+    RowSpec("window K={hedgehog_dim}", "ours W={window}", "window hybrid W={window} K={hedgehog_dim} (ours)",
+            _ours_window(wide=True), _HEDGEHOG, when=_hedgehog_length),
+    RowSpec("window", "ours W={window} fused hedgehog", "window hybrid, Hedgehog features in the kernel",
+            _ours_fused_hedgehog(window=True), _HEDGEHOG, when=lambda ctx, T: ctx.dim % 2 == 0),
+    RowSpec("decode", "ours linear step", "linear decode step (ours)", _linear_step(), decode=True),
+    RowSpec("decode", "ours gated linear step", "gated linear decode step (ours)", _linear_step(gated=True),
+            _GATED, decode=True),
+    RowSpec("decode", "fla fused_recurrent", "fla fused_recurrent_linear_attn", _linear_step(fla=True), _FLA,
+            ("fused_recurrent_linear_attn",), decode=True),
+    RowSpec("decode", "ours window step W={window}", "window decode step W={window} (ours)", _window_step,
+            decode=True),
+]
+
+
+def row_groups(*, gated: bool = False, hedgehog: bool = False, full: bool = False, fla: bool = True) -> frozenset:
+    """The row groups a run times: the default's (fla), ``gated``, ``hedgehog``, or with ``full`` all of them;
+    ``fla=False`` leaves fla's rows out."""
+    groups = set(ROW_GROUPS) if full else set(DEFAULT_GROUPS) | ({"gated"} if gated else set()) | \
+        ({"hedgehog"} if hedgehog else set())
+    if not fla:
+        groups.discard("fla")
+    return frozenset(groups)
+
+
+def select_rows(specs: Sequence[RowSpec], groups, fla_ops) -> List[RowSpec]:
+    """The specs whose groups are all in ``groups`` and whose fla functions are all in ``fla_ops``."""
+    return [s for s in specs if set(s.groups) <= set(groups) and all(f in fla_ops for f in s.fla)]
+
+
+def parse_lengths(value) -> List[int]:
+    """``--lengths``: ``"2K,8K"`` -> ``[2048, 8192]`` (sorted, duplicates removed); one line naming the forms
+    otherwise."""
+    items = [v.strip() for v in (value.split(",") if isinstance(value, str) else value) if str(v).strip()]
+    if not items:
+        raise LinearizeError(f"bad lengths {value!r}: give at least one, e.g. 2K,8K,32K")
+    return sorted({parse_length(v) for v in items})
+
+
+#: the fla functions rows may time, by the module that holds them
+_FLA_MODULES = {"chunk_linear_attn": "fla.ops.linear_attn", "fused_recurrent_linear_attn": "fla.ops.linear_attn",
+                "chunk_simple_gla": "fla.ops.simple_gla", "chunk_gla": "fla.ops.gla"}
+
+
+class FlaOps:
+    """fla's functions by name (``ops["chunk_gla"]``), imported when a row first needs one: importing fla takes
+    seconds, which must not delay the first row. ``name in ops`` when fla is installed (fla is optional: its
+    rows are skipped without it)."""
+
+    def __init__(self, installed: Optional[bool] = None):
+        self.installed = importlib.util.find_spec("fla") is not None if installed is None else installed
+
+    def __contains__(self, name: str) -> bool:
+        return self.installed and name in _FLA_MODULES
+
+    def __getitem__(self, name: str) -> Callable:
+        return getattr(importlib.import_module(_FLA_MODULES[name]), name)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _copy_row(ctx: BenchContext, timer) -> dict:
+    """The device-to-device copy ceiling (1 GiB on CUDA, 4 MiB elsewhere), the decode rows' reference."""
+    n = (1 << 28) if ctx.device.type == "cuda" else (1 << 20)
+    x = torch.empty(n, dtype=torch.float32, device=ctx.device)
+    y = torch.empty_like(x)
+    x.normal_()
+    ms = timer(lambda: y.copy_(x))
+    ctx.copy_gbs = 2 * x.numel() * 4 / ms / 1e6
+    return dict(bench="copy", impl="torch copy_", T=0, B=0, passes="-", ms=ms, gbs=ctx.copy_gbs)
+
+
+def format_row(row: dict) -> str:
+    """One result row as a line (what the run prints as each row is measured)."""
+    T = format_length(row["T"]) if row["T"] >= 1024 else str(row["T"])
+    line = f"{row['bench']:<14} {row['impl']:<28} T={T:<5} B={row['B']:<3} {row['passes']:<8} {row['ms']:9.4f} ms"
+    if "gbs" in row:
+        line += f"  {row['gbs']:.0f} GB/s"
+    if "pct_copy" in row:
+        line += f" ({row['pct_copy']:.0f}% of copy)"
+    return line
 
 
 def _row(rows, **kw):
     rows.append(kw)
-    if _ECHO is not None:
-        _ECHO("ROW " + json.dumps(kw))
     return kw
 
 
 def bench_kernels(
     out_json: Optional[Path] = None,
-    lengths: Sequence[int] = (2048, 8192, 32768, 131072),
+    lengths: Sequence[int] = DEFAULT_LENGTHS,
     tokens: int = 32768,
     heads: int = 32,
     dim: int = 128,
@@ -408,181 +860,160 @@ def bench_kernels(
     decode: bool = True,
     warmup: int = 25,
     rep: int = 100,
-    check: str = "full",
+    check: str = "quick",
+    groups=None,
+    specs: Optional[Sequence[RowSpec]] = None,
+    fla_ops: Optional[Mapping[str, Callable]] = None,
     progress: Optional[Callable[[str], None]] = None,
+    device: str = "cuda",
+    dtype: torch.dtype = torch.bfloat16,
+    timer: Optional[Callable[[Callable[[], object]], float]] = None,
 ) -> List[dict]:
-    """Benchmark our kernels vs fla and SDPA on the current CUDA device.
+    """Time our kernels against fla and SDPA, one row at a time.
 
-    For each ``T`` in ``lengths`` the batch is ``max(1, tokens // T)``; bf16, ``heads``
-    heads of size ``dim`` (K = V = dim), plus the window hybrid (``window``) and the
-    Hedgehog feature size ``hedgehog_dim``; decode steps at ``decode_batch``. Returns
-    rows (dicts) and writes them with the environment to ``out_json`` if given.
+    For each ``T`` in ``lengths`` (batch ``max(1, tokens // T)``) every selected row spec (:data:`ROW_SPECS`
+    whose ``groups`` are on: default :data:`DEFAULT_GROUPS`; see :func:`row_groups`) runs each pass in turn:
+    its first call (Triton compiles here: progress says so first), the ``check`` of that kernel if it has not
+    been checked yet (:data:`CHECK_MODES`), the timing (median of ``do_bench``), then the row is printed through
+    ``progress`` and ``out_json`` rewritten (``"complete": false`` until the end, so a run cut short keeps every
+    row it finished). Decode-step rows run after the lengths, at ``decode_batch``. Nothing is compiled ahead of
+    the row that needs it. ``specs`` / ``fla_ops`` / ``device`` / ``timer`` (ms of a call) let tests run the
+    plumbing on CPU.
+    Returns ``[{"meta"}] + checks + rows``.
     """
-    if not torch.cuda.is_available():
-        raise RuntimeError("bench_kernels needs a CUDA GPU")
-
-    global _ECHO
+    if check not in CHECK_MODES:
+        raise LinearizeError(f"--check {check!r}: expected one of {', '.join(CHECK_MODES)}")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise DeviceError("bench kernels needs a CUDA GPU (none is visible)")
     say = progress or (lambda s: None)
-    _ECHO = progress
-    dev = torch.device("cuda")
-    bf = torch.bfloat16
-    fla = _fla()
-    fla_gla = _fla_simple_gla()
-    rows: List[dict] = []
+    timer = timer or (lambda fn: _bench(fn, warmup, rep))
+    groups = DEFAULT_GROUPS if groups is None else frozenset(groups)
+    fla_ops = FlaOps() if fla_ops is None else fla_ops
+    chosen = select_rows(ROW_SPECS if specs is None else specs, groups, fla_ops)
+    ctx = BenchContext(heads=heads, dim=dim, window=window, hedgehog_dim=hedgehog_dim, device=dev, dtype=dtype,
+                       fla=fla_ops, sdpa_bwd_max_len=sdpa_bwd_max_len,
+                       hedgehog_lengths=tuple(hedgehog_lengths) if hedgehog_lengths is not None else None)
     # optional: Triton, only where the GPU kernels run
     from linearize.kernels import triton_linear, triton_window, tuning
 
-    tuning.ensure_applied(dev)
+    tuning.ensure_applied(dev)  # the shipped launch configuration, or this GPU's saved tuning: nothing is swept
     meta = {"date": _dt.datetime.now().isoformat(timespec="seconds"), **_versions(),
             "heads": heads, "dim": dim, "tokens": tokens, "window": window,
+            "lengths": list(lengths), "check": check, "groups": sorted(groups),
             # the launch configuration timed: the shipped defaults or this GPU's saved tuning
             "config": {"linear": dict(triton_linear.CONFIG), "window": dict(triton_window.CONFIG),
                        "source": tuning.applied_from() or "defaults"}}
-    if check == "full":
-        checks = check_kernels("cuda")
-    elif check == "accuracy":
-        try:
-            checks = _check_accuracy("cuda")
-        except Exception as e:  # pragma: no cover - device only
-            checks = [{"check": "accuracy", "ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}]
-    else:
-        checks = []
-    for c in checks:
-        say(f"check {c['check']}: {'ok' if c['ok'] else 'FAIL'} {c.get('rel_err', '')} {c.get('error', '')}")
+    checks: List[dict] = []
+    rows: List[dict] = []
 
-    def block_done(message: str) -> None:  # a run cut short (a time limit) keeps the blocks it finished
-        say(message)
+    def save(complete: bool = False) -> None:  # after every row: a run cut short keeps what it measured
         if out_json is not None:
-            write_rows(out_json, meta, checks, rows, complete=False)
+            write_rows(out_json, meta, checks, rows, complete=complete)
 
-    # device ceilings: device-to-device copy
-    x = torch.empty(1 << 28, dtype=torch.float32, device=dev)  # 1 GiB
-    y = torch.empty_like(x)
-    x.normal_()
-    t = _bench(lambda: y.copy_(x), warmup, rep)
-    copy_gbs = 2 * x.numel() * 4 / t / 1e6
-    _row(rows, bench="copy", impl="torch copy_", T=0, B=0, passes="-", ms=t, gbs=copy_gbs)
-    del x, y
-    say(f"copy {copy_gbs:.0f} GB/s")
+    prefill = [s for s in chosen if not s.decode]
+    decoding = [s for s in chosen if s.decode] if decode else []
+    off = [g for g in ROW_GROUPS if g not in groups]
+    say(f"bench kernels: T={','.join(format_length(T) for T in lengths)} (B*T={tokens}), {len(prefill)} kinds of "
+        f"rows per length, {len(decoding)} decode rows, check {check}"
+        + (f"; off: {', '.join(off)} (--gated, --hedgehog, --full)" if off else "")
+        + ("" if "fla" not in groups or "chunk_linear_attn" in fla_ops else
+           "; fla is not installed: its rows are skipped"))
+    say("each kernel compiles on its first call (seconds each on a fresh machine; Triton caches them for later runs)")
 
-    def lin_inputs(B, T, K, V, dt=bf):
-        q = torch.rand(B, T, heads, K, device=dev, dtype=dt)
-        k = torch.rand(B, T, heads, K, device=dev, dtype=dt)
-        v = torch.randn(B, T, heads, V, device=dev, dtype=dt)
-        return q, k, v
+    copy = _row(rows, **_copy_row(ctx, timer))
+    say(format_row(copy))
+    save()
+    checked = set()
+
+    def run_spec(spec: RowSpec, B: int, T: int) -> None:
+        bench, impl = spec.names(ctx)
+        where = f"T={format_length(T) if T >= 1024 else T}, B={B}"
+        try:
+            passes = spec.build(ctx, B, T)
+        except Exception as e:  # pragma: no cover - device only (out of memory, a missing backend)
+            _failed(bench, impl, T, B, "-", e)
+            return
+        for name, timed in passes.items():
+            if spec.first_call:
+                say(f"{spec.first_call} {spec.what.format(window=window, hedgehog_dim=hedgehog_dim)}: "
+                    f"{PASS_NAMES.get(name, name)} ({where}) ...")
+            try:
+                with torch.no_grad() if timed.no_grad else contextlib.nullcontext():
+                    t0 = time.perf_counter()
+                    (timed.warm or timed.fn)()
+                    _sync(dev)
+                    first_s = time.perf_counter() - t0
+                note = ""
+                if check != "none" and timed.check is not None and (bench, impl, name) not in checked:
+                    checked.add((bench, impl, name))
+                    entry = _run_check(f"quick {bench} {impl} {name} {where}", timed.check)
+                    checks.append(entry)
+                    note = ", check " + (f"ok {entry['rel_err']:.1e}" if entry["ok"] else
+                                         f"FAILED {entry.get('error', '')}")
+                with torch.no_grad() if timed.no_grad else contextlib.nullcontext():
+                    ms = timer(timed.fn) / timed.calls
+                row = _row(rows, bench=bench, impl=impl, T=T, B=B, passes=name, ms=ms,
+                           first_call_s=round(first_s, 3), **(timed.fields(ms) if timed.fields else {}))
+                save()
+                say(f"{format_row(row)}  (first call {first_s:.1f} s{note})")
+            except (KeyboardInterrupt, DeviceError):
+                raise
+            except Exception as e:  # pragma: no cover - device only
+                _failed(bench, impl, T, B, name, e)
+        del passes
+
+    def _failed(bench, impl, T, B, name, e) -> None:
+        if _context_lost(e):  # every later launch in this process would fail too
+            raise DeviceError(f"{bench} {impl} at T={T} crashed the GPU context ({str(e)[:80]}); the rows measured "
+                              "before it are kept") from e
+        _row(rows, bench="error", impl=f"{bench} {impl}", T=T, B=B, passes=name, ms=float("nan"), note=str(e)[:300])
+        save()
+        say(f"ERROR {bench} {impl} {name} T={T}: {type(e).__name__}: {str(e)[:300]}")
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
 
     for T in lengths:
-        B = max(1, tokens // T)
-        for K in (dim, hedgehog_dim):
-            if K != dim and hedgehog_lengths is not None and T not in hedgehog_lengths:
-                continue
+        for spec in prefill:
+            if spec.when is None or spec.when(ctx, T):
+                run_spec(spec, max(1, tokens // T), T)
+    for spec in decoding:
+        run_spec(spec, decode_batch, 1)
+
+    if check in ("accuracy", "full"):
+        say(f"check {check}: " + ("the long-sequence accuracy and decode checks" if check == "accuracy" else
+                                  "every variant, fp32 and bf16, then the long-sequence checks") + " ...")
+
+        def report(c: dict) -> None:
+            checks.append(c)
+            save()
+            say(f"check {c['check']}: {'ok' if c['ok'] else 'FAIL'} {c.get('rel_err', '')} {c.get('error', '')}")
+
+        if check == "full":
+            check_kernels(device, report=report)
+        else:
             try:
-                tag = "" if K == dim else f" K={K}"
-                q, k, v = lin_inputs(B, T, K, dim)
-                do = torch.randn(B, T, heads, dim, device=dev, dtype=bf)
-                ins = (q, k, v)
-                for p in ins:
-                    p.requires_grad_(True)
-                for norm in (True, False):
-                    name = "ours" if norm else "ours-unnorm"
-                    f = lambda: linear_attention(q, k, v, normalize=norm)[0]  # noqa: E731
-                    with torch.no_grad():
-                        ms = _bench(f, warmup, rep)
-                    _row(rows, bench="linear" + tag, impl=name, T=T, B=B, passes="fwd", ms=ms)
-                    ms = _bench(_grad_fn(f, ins, do), warmup, rep)
-                    _row(rows, bench="linear" + tag, impl=name, T=T, B=B, passes="fwd+bwd", ms=ms)
-                    if fla is not None:
-                        chunk = fla[0]
-                        g = lambda: chunk(q, k, v, scale=1.0, normalize=norm)[0]  # noqa: E731
-                        fname = "fla" if norm else "fla-unnorm"
-                        with torch.no_grad():
-                            ms = _bench(g, warmup, rep)
-                        _row(rows, bench="linear" + tag, impl=fname, T=T, B=B, passes="fwd", ms=ms)
-                        ms = _bench(_grad_fn(g, ins, do), warmup, rep)
-                        _row(rows, bench="linear" + tag, impl=fname, T=T, B=B, passes="fwd+bwd", ms=ms)
-                if K == dim:  # gated (log_decay), the same shapes; fla's chunk_simple_gla is unnormalised
-                    ld = (-0.1 * torch.rand(B, T, heads, device=dev)).requires_grad_()
-                    for norm in (True, False):
-                        name = "ours" if norm else "ours-unnorm"
-                        f = lambda: linear_attention(q, k, v, normalize=norm, log_decay=ld)[0]  # noqa: E731
-                        with torch.no_grad():
-                            ms = _bench(f, warmup, rep)
-                        _row(rows, bench="linear gated", impl=name, T=T, B=B, passes="fwd", ms=ms)
-                        ms = _bench(_grad_fn(f, ins + (ld,), do), warmup, rep)
-                        _row(rows, bench="linear gated", impl=name, T=T, B=B, passes="fwd+bwd", ms=ms)
-                    if fla_gla is not None:
-                        g = lambda: fla_gla(q, k, v, g=ld, scale=1.0)[0]  # noqa: E731
-                        with torch.no_grad():
-                            ms = _bench(g, warmup, rep)
-                        _row(rows, bench="linear gated", impl="fla simple_gla", T=T, B=B, passes="fwd", ms=ms)
-                        ms = _bench(_grad_fn(g, ins + (ld,), do), warmup, rep)
-                        _row(rows, bench="linear gated", impl="fla simple_gla", T=T, B=B, passes="fwd+bwd", ms=ms)
-                    del ld
-                if K != dim and K % 2 == 0:  # Hedgehog: K = 2f features of raw dim-wide q, k, made in the kernel
-                    qr = torch.randn(B, T, heads, dim, device=dev, dtype=bf)
-                    kr = torch.randn(B, T, heads, dim, device=dev, dtype=bf)
-                    wq = 0.1 * torch.randn(heads, dim, K // 2, device=dev, dtype=bf)
-                    wk = 0.1 * torch.randn(heads, dim, K // 2, device=dev, dtype=bf)
-                    with torch.no_grad():
-                        ms = _bench(lambda: linear_attention_hedgehog(qr, kr, v, wq, wk)[0], warmup, rep)
-                    _row(rows, bench="linear" + tag, impl="ours fused hedgehog", T=T, B=B, passes="fwd", ms=ms)
-                    del qr, kr
-                block_done(f"linear{tag} T={T} done")
-                # window hybrid: raw q/k of size dim, features of size K
-                qr = torch.randn(B, T, heads, dim, device=dev, dtype=bf)
-                kr = torch.randn(B, T, heads, dim, device=dev, dtype=bf)
-                wf = torch.full((heads,), 0.3, device=dev, requires_grad=True)
-                wins = (qr, kr, q, k, v)
-                for p in (qr, kr):
-                    p.requires_grad_(True)
-                f = lambda: window_linear_attention(qr, kr, q, k, v, wf, window=window)[0]  # noqa: E731
-                with torch.no_grad():
-                    ms = _bench(f, warmup, rep)
-                _row(rows, bench="window" + tag, impl=f"ours W={window}", T=T, B=B, passes="fwd", ms=ms)
-                ms = _bench(_grad_fn(f, wins + (wf,), do), warmup, rep)
-                _row(rows, bench="window" + tag, impl=f"ours W={window}", T=T, B=B, passes="fwd+bwd", ms=ms)
-                if K == dim and dim % 2 == 0:  # Hedgehog maps (2f = dim features) computed inside the kernel
-                    wq = 0.1 * torch.randn(heads, dim, dim // 2, device=dev, dtype=bf)
-                    wk = 0.1 * torch.randn(heads, dim, dim // 2, device=dev, dtype=bf)
-                    with torch.no_grad():
-                        ms = _bench(lambda: window_linear_attention_hedgehog(qr, kr, v, wf, wq, wk, window=window)[0],
-                                    warmup, rep)
-                    _row(rows, bench="window" + tag, impl=f"ours W={window} fused hedgehog", T=T, B=B, passes="fwd",
-                         ms=ms)
-                del qr, kr, q, k, v, do
-                block_done(f"window{tag} T={T} done")
+                for c in _check_accuracy(device):
+                    report(c)
             except Exception as e:  # pragma: no cover - device only
-                _row(rows, bench="error", impl=f"K={K}", T=T, B=B, passes="-", ms=float("nan"), note=str(e)[:300])
-                say(f"ERROR K={K} T={T}: {type(e).__name__}: {str(e)[:300]}")
-                torch.cuda.empty_cache()
-        # softmax baselines
-        qs = torch.randn(B, heads, T, dim, device=dev, dtype=bf, requires_grad=True)
-        ks = torch.randn(B, heads, T, dim, device=dev, dtype=bf, requires_grad=True)
-        vs = torch.randn(B, heads, T, dim, device=dev, dtype=bf, requires_grad=True)
-        dos = torch.randn(B, heads, T, dim, device=dev, dtype=bf)
-        for be, nm in ((SDPBackend.FLASH_ATTENTION, "sdpa-flash"), (SDPBackend.CUDNN_ATTENTION, "sdpa-cudnn")):
-            def s():
-                with sdpa_kernel(be):
-                    return torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
-
-            try:
-                with torch.no_grad():
-                    ms = _bench(s, warmup, rep)
-                _row(rows, bench="linear", impl=nm, T=T, B=B, passes="fwd", ms=ms)
-                if T <= sdpa_bwd_max_len:
-                    ms = _bench(_grad_fn(s, (qs, ks, vs), dos), warmup, rep)
-                    _row(rows, bench="linear", impl=nm, T=T, B=B, passes="fwd+bwd", ms=ms)
-            except Exception as e:  # pragma: no cover - backend availability
-                _row(rows, bench="linear", impl=nm, T=T, B=B, passes="fwd", ms=float("nan"), note=str(e)[:120])
-        del qs, ks, vs, dos
-        block_done(f"sdpa T={T} done")
-
-    if decode:
-        _bench_decode(rows, heads, dim, window, decode_batch, copy_gbs, fla, warmup, rep, say)
-
-    if out_json is not None:
-        write_rows(out_json, meta, checks, rows, complete=True)
+                report({"check": "accuracy", "ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+    save(complete=True)
     return [dict(meta=meta)] + checks + rows
+
+
+def _run_check(name: str, fn: Callable[[], List[tuple]]) -> dict:
+    """A quick check's entry: ``rel_err`` the largest relative error, ``ok`` if each is within its tolerance;
+    ``error`` names what failed (or the exception)."""
+    try:
+        results = fn()
+    except Exception as e:  # pragma: no cover - device only
+        return {"check": name, "ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+    worst = max(results, key=lambda r: r[1] / r[2] if r[1] == r[1] else float("inf"))
+    ok = all(err <= tol for _, err, tol in results)
+    entry = {"check": name, "ok": ok, "rel_err": max(err for _, err, _ in results)}
+    if not ok:
+        entry["error"] = f"{worst[0]} relative error {worst[1]:.2e} > {worst[2]:.0e}"
+    return entry
 
 
 def write_rows(out_json, meta: dict, checks: list, rows: list, *, complete: bool) -> Path:
@@ -592,75 +1023,6 @@ def write_rows(out_json, meta: dict, checks: list, rows: list, *, complete: bool
     with atomic_write(out_json) as tmp:
         tmp.write_text(json.dumps({"meta": meta, "checks": checks, "rows": rows, "complete": complete}, indent=1))
     return out_json
-
-
-def _bench_decode(rows, heads, dim, window, decode_batch, copy_gbs, fla, warmup, rep, say):
-    """Decode-step rows: ours vs fla fused_recurrent, GB/s of state read+write and % of copy."""
-    dev = torch.device("cuda")
-    bf = torch.bfloat16
-    # decode steps, state rotated over 8 copies (more than L2), captured in a CUDA graph
-    Bd, K, V = decode_batch, dim, dim
-    nrot = 8
-    states = [(torch.rand(Bd, heads, K, V, device=dev), torch.rand(Bd, heads, K, device=dev) + 1)
-              for _ in range(nrot)]
-    qd = torch.rand(Bd, heads, K, device=dev, dtype=bf)
-    kd = torch.rand(Bd, heads, K, device=dev, dtype=bf)
-    vd = torch.randn(Bd, heads, V, device=dev, dtype=bf)
-    out = torch.empty(Bd, heads, V, device=dev, dtype=bf)
-    state_bytes = 2 * (Bd * heads * K * V * 4 + Bd * heads * K * 4)
-
-    def graphed(step_fn):
-        for i in range(nrot):  # warm up / compile outside capture
-            step_fn(i)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for i in range(nrot):
-                step_fn(i)
-        return lambda: g.replay()
-
-    def add_decode(impl, step_fn, nbytes):
-        try:
-            _add_decode(impl, step_fn, nbytes)
-        except Exception as e:  # pragma: no cover - device only
-            say(f"ERROR decode {impl}: {type(e).__name__}: {str(e)[:300]}")
-
-    def _add_decode(impl, step_fn, nbytes):
-        try:
-            ms = _bench(graphed(step_fn), warmup, rep) / nrot
-            graph = True
-        except Exception:  # pragma: no cover
-            ms = _bench(lambda: [step_fn(i) for i in range(nrot)], warmup, rep) / nrot
-            graph = False
-        gbs = nbytes / ms / 1e6
-        _row(rows, bench="decode", impl=impl, T=1, B=Bd, passes="step", ms=ms, gbs=gbs,
-             pct_copy=100 * gbs / copy_gbs, graph=graph)
-
-    add_decode("ours linear step", lambda i: linear_attention_step(qd, kd, vd, states[i], out=out), state_bytes)
-    ldd = -0.1 * torch.rand(Bd, heads, device=dev)
-    add_decode("ours gated linear step", lambda i: linear_attention_step(qd, kd, vd, states[i], out=out, log_decay=ldd),
-               state_bytes)
-    if fla is not None:
-        rec = fla[1]
-        q4, k4, v4 = qd.unsqueeze(1), kd.unsqueeze(1), vd.unsqueeze(1)
-        add_decode("fla fused_recurrent", lambda i: rec(q4, k4, v4, scale=1.0, initial_state=states[i][0],
-                                                        output_final_state=True), state_bytes)
-    wstates = []
-    for _ in range(nrot):
-        st = empty_window_state(Bd, heads, dim, K, V, window, dtype=bf, device=dev)
-        st.S.copy_(torch.rand_like(st.S))
-        st.z.copy_(torch.rand_like(st.z) + 1)
-        st.k_ring.normal_()
-        st.fk_ring.uniform_()
-        st.v_ring.normal_()
-        st.seen.fill_(1000)
-        wstates.append(st)
-    wfd = torch.full((heads,), 0.3, device=dev)
-    ring_bytes = Bd * heads * window * (dim + K + V) * 2
-    add_decode(f"ours window step W={window}",
-               lambda i: window_linear_attention_step(qd, kd, qd, kd, vd, wfd, wstates[i], out=out),
-               state_bytes + ring_bytes)
-    say("decode done")
 
 
 def summarize(rows: List[dict]) -> List[dict]:
@@ -685,6 +1047,10 @@ def summarize(rows: List[dict]) -> List[dict]:
         ratio("gated unnorm fwd vs fla simple_gla", g("linear gated", "fla simple_gla", "fwd"),
               g("linear gated", "ours-unnorm", "fwd"))
         ratio("gated unnorm fwd+bwd vs fla simple_gla", g("linear gated", "fla simple_gla", "fwd+bwd"),
+              g("linear gated", "ours-unnorm", "fwd+bwd"))
+        ratio("gated unnorm fwd vs fla gla", g("linear gated", "fla gla", "fwd"),
+              g("linear gated", "ours-unnorm", "fwd"))
+        ratio("gated unnorm fwd+bwd vs fla gla", g("linear gated", "fla gla", "fwd+bwd"),
               g("linear gated", "ours-unnorm", "fwd+bwd"))
         sd = [x for x in (g("linear", "sdpa-flash", "fwd"), g("linear", "sdpa-cudnn", "fwd")) if x and x == x]
         if sd:
@@ -735,15 +1101,14 @@ def print_table(rows: List[dict]) -> None:
                   f"{dec['fla fused_recurrent']['ms'] / dec['ours linear step']['ms']:.2f}x")
 
 
-if __name__ == "__main__":  # python -m linearize.bench [out.json] [--tune]
+if __name__ == "__main__":  # python -m linearize.bench.kernels [out.json] [--tune] [--full]
     import sys
 
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     if "--tune" in sys.argv:
         tuned = tune_kernels(progress=lambda s: print(s, flush=True))
         print("TUNED", json.dumps(tuned), flush=True)
-    quick = "--quick" in sys.argv
-    res = bench_kernels(Path(args[0]) if args else None, progress=lambda s: print(s, flush=True),
-                        check="accuracy" if quick else "full", hedgehog_lengths=(32768,) if quick else None,
-                        warmup=10 if quick else 25, rep=50 if quick else 100)
+    full = "--full" in sys.argv
+    res = bench_kernels(Path(args[0]) if args else None, lengths=FULL_LENGTHS if full else DEFAULT_LENGTHS,
+                        groups=row_groups(full=full), progress=lambda s: print(s, flush=True))
     print_table(res)

@@ -16,36 +16,48 @@ from .options import BENCH_DEVICE, BENCH_DTYPE, SET, overrides
 @bench_app.command("kernels")
 @user_errors
 def bench_kernels_cmd(
-    lengths: str = typer.Option("2K,8K,32K,128K", "--lengths", help="Sequence lengths T (B*T = --tokens)."),
+    lengths: Optional[str] = typer.Option(None, "--lengths", help="Sequence lengths T (default 2K,8K,32K; with --full 2K,8K,32K,128K); B*T = --tokens."),
     tokens: int = typer.Option(32768, "--tokens", help="Tokens per call (B = tokens / T, at least 1)."),
     heads: int = typer.Option(32, "--heads"),
     dim: int = typer.Option(128, "--dim", help="Key and value head dimension."),
     window: int = typer.Option(64, "--window", help="Window of the hybrid rows."),
     hedgehog_dim: int = typer.Option(256, "--hedgehog-dim", help="Feature dimension of the Hedgehog rows."),
     decode_batch: int = typer.Option(8, "--decode-batch", help="Batch of the decode-step rows."),
-    check: str = typer.Option("full", "--check", help="Correctness check before timing: full | accuracy | none."),
-    tune: bool = typer.Option(False, "--tune", help="Sweep launch configurations first."),
+    check: str = typer.Option("quick", "--check", help="quick: each kernel once, at the first shape it is timed at, against the PyTorch path (output; gradients for fwd+bwd) | accuracy: quick, then long-sequence accuracy | full: quick, then every variant in fp32 and bf16 | none."),
+    gated: bool = typer.Option(False, "--gated", help="Add the gated rows: our log_decay kernels vs fla's chunk_simple_gla and chunk_gla (fla autotunes their kernels: minutes on a fresh machine)."),
+    hedgehog: bool = typer.Option(False, "--hedgehog", help="Add the Hedgehog rows: features of --hedgehog-dim, and the forwards that compute the features in the kernel."),
+    full: bool = typer.Option(False, "--full", help="Every row: 128K, --gated, --hedgehog and the unnormalised forwards."),
+    fla: bool = typer.Option(True, "--fla/--no-fla", help="Time fla's kernels beside ours where fla is installed (their first call autotunes)."),
+    tune: bool = typer.Option(False, "--tune", help="Sweep launch configurations first (long; without it the shipped or saved configuration is timed)."),
     tune_only: Optional[str] = typer.Option(None, "--tune-only", help="Comma-separated kernel families to sweep (implies --tune): lin_fwd, lin_fb, win_fwd, win_fb, lin_fused_fwd, win_fused_fwd, lin_step, win_step."),
-    out: Optional[Path] = typer.Option(None, "-o", "--output", help="Write the rows as JSON here."),
+    out: Optional[Path] = typer.Option(None, "-o", "--output", help="Write the rows as JSON here (rewritten after every row)."),
 ):
-    """Time our kernels against fla and SDPA on the GPU (median of triton.testing.do_bench)."""
+    """Time our kernels against fla and SDPA on the GPU, one row at a time (median of triton.testing.do_bench)."""
     # start-up time: torch, Triton and the kernels
     import torch
 
-    from ..bench.kernels import bench_kernels, parse_families, print_table, tune_kernels
-    from ..evals.common import parse_lengths
+    from ..bench.kernels import (CHECK_MODES, DEFAULT_LENGTHS, FULL_LENGTHS, bench_kernels, parse_families,
+                                 parse_lengths, print_table, row_groups, tune_kernels)
 
-    if check not in ("full", "accuracy", "none"):
-        fail(f"--check {check!r}: expected full, accuracy or none")
+    if check not in CHECK_MODES:
+        fail(f"--check {check!r}: expected {', '.join(CHECK_MODES)}")
+    for name, value in (("--tokens", tokens), ("--heads", heads), ("--dim", dim), ("--window", window),
+                        ("--hedgehog-dim", hedgehog_dim), ("--decode-batch", decode_batch)):
+        if value < 1:
+            fail(f"{name} {value}: expected a positive whole number")
+    Ts = parse_lengths(lengths) if lengths is not None else list(FULL_LENGTHS if full else DEFAULT_LENGTHS)
     families = parse_families(tune_only) if tune_only is not None else None
     if not torch.cuda.is_available():
         fail("bench kernels needs a CUDA GPU (none is visible)")
-    log = lambda m: err_console.print(m, highlight=False)  # noqa: E731
+    log = lambda m: err_console.print(m, highlight=False, markup=False, soft_wrap=True)  # noqa: E731
     if tune or families:
         tune_kernels(heads=heads, dim=dim, progress=log, families=families)
-    rows = bench_kernels(out, lengths=parse_lengths(lengths), tokens=tokens, heads=heads, dim=dim, window=window,
-                         hedgehog_dim=hedgehog_dim, decode_batch=decode_batch, check=check, progress=log)
+    rows = bench_kernels(out, lengths=Ts, tokens=tokens, heads=heads, dim=dim, window=window,
+                         hedgehog_dim=hedgehog_dim, decode_batch=decode_batch, check=check,
+                         groups=row_groups(gated=gated, hedgehog=hedgehog, full=full, fla=fla), progress=log)
     print_table(rows)
+    if out is not None:
+        console.print(f"wrote {out}", highlight=False)
 
 
 @bench_app.command("model")
