@@ -29,6 +29,7 @@ BUNDLE = {
     "linearize.model.cache": "linearize_cache",
     "linearize.model.feature_maps": "linearize_feature_maps",
     "linearize.model.layout": "linearize_layout",
+    "linearize.model.prefill": "linearize_prefill",
     "linearize.errors": "linearize_errors",
     "linearize.atomic": "linearize_atomic",
     "linearize.kernels": "linearize_kernels",

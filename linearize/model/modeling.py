@@ -3,10 +3,11 @@
 ``LinearizeConfig`` carries every field of the base model's config (so generic code reads
 ``hidden_size``, ``vocab_size``, ... as usual), plus ``base_model_type``, the hybrid
 ``layer_types``, the ``linear_attention`` settings and the kernel options (``fused_feature_maps``,
-``rotary_backend``: :data:`~linearize.model.attention.KERNEL_OPTIONS`). ``LinearizeForCausalLM`` builds the base
-family's causal LM from that config, replaces the attention of every ``linear_attention`` layer
-with :class:`~linearize.model.attention.LinearAttention`, and runs the base family's own forward.
-Parameter names are the base model's plus the feature-map and window parameters.
+``rotary_backend``: :data:`~linearize.model.attention.KERNEL_OPTIONS`) and ``prefill_chunk_tokens``.
+``LinearizeForCausalLM`` builds the base family's causal LM from that config, replaces the attention of every
+``linear_attention`` layer with :class:`~linearize.model.attention.LinearAttention`, and runs the base family's own
+forward (an inference forward longer than ``prefill_chunk_tokens`` tokens as consecutive cached forwards:
+:mod:`~linearize.model.prefill`). Parameter names are the base model's plus the feature-map and window parameters.
 
 In memory the config's ``model_type`` is ``linearize``; on disk ``config.json`` names the base family
 (``llama``, ``gemma3_text``, ...) and the hybrid by ``architectures`` and ``auto_map``. transformers'
@@ -32,15 +33,17 @@ from .architectures import arch_spec
 from .attention import KERNEL_OPTIONS, LinearAttention, RealTokens, merge_kernel_options
 from .cache import HybridCache, softmax_windows
 from .layout import LINEAR
+from .prefill import PREFILL_CHUNK_TOKENS, check_chunk_size, chunked_forward
 
 #: base-config fields that belong to the hybrid and must not be passed to the base config class
 _OWN_FIELDS = ("base_model_type", "layer_types", "linear_attention", "base_layer_types", "base_rope_parameters",
-               "linearize_version", *KERNEL_OPTIONS)
+               "linearize_version", "prefill_chunk_tokens", *KERNEL_OPTIONS)
 
 
 class LinearizeConfig(PretrainedConfig):
     """Config of a linearize hybrid: the base config's fields + the layer layout + layer settings + the kernel
-    options (a config without them, as written before they existed, takes the defaults)."""
+    options + ``prefill_chunk_tokens`` (tokens per piece of a chunked prefill, 0: none; :mod:`~linearize.model.prefill`)
+    (a config without the last two, as written before they existed, takes the defaults)."""
 
     model_type = "linearize"
 
@@ -48,8 +51,10 @@ class LinearizeConfig(PretrainedConfig):
                  linear_attention: dict | None = None, base_layer_types: list[str] | None = None,
                  base_rope_parameters: dict | None = None, linearize_version: str | None = None,
                  fused_feature_maps: str = KERNEL_OPTIONS["fused_feature_maps"],
-                 rotary_backend: str | None = KERNEL_OPTIONS["rotary_backend"], **kwargs):
+                 rotary_backend: str | None = KERNEL_OPTIONS["rotary_backend"],
+                 prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS, **kwargs):
         merge_kernel_options(KERNEL_OPTIONS, dict(fused_feature_maps=fused_feature_maps, rotary_backend=rotary_backend))
+        self.prefill_chunk_tokens = check_chunk_size(prefill_chunk_tokens)
         self.base_model_type = base_model_type
         self.layer_types = list(layer_types) if layer_types is not None else None
         self.linear_attention = dict(linear_attention or {})
@@ -228,23 +233,57 @@ class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
         return out
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, cache=None,
-                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
+                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, prefill_chunk_tokens=None, **kwargs):
+        """The base family's forward with the hybrid's cache. ``prefill_chunk_tokens`` (default: the config's) splits
+        an inference forward longer than that many tokens into cached forwards of that many (:meth:`_chunk_size`
+        says when); the logits asked for by ``logits_to_keep`` and the filled cache come back as from one forward
+        (the cache even with ``use_cache=False``, which then is internal and not returned)."""
         impl = self.config._attn_implementation
         if impl is not None and self.model.config._attn_implementation != impl:  # e.g. set on the hybrid's config
             self.model.config._attn_implementation = _base_attention(self.model.config, impl)
         c = cache if cache is not None else past_key_values
         if use_cache is None:
             use_cache = self.config.use_cache and not self.training
-        if use_cache and c is None:
+        x = input_ids if input_ids is not None else inputs_embeds
+        past = c.get_seq_length() if isinstance(c, Cache) else 0
+        chunk = self._chunk_size(prefill_chunk_tokens, x, attention_mask, past, labels, logits_to_keep, kwargs)
+        if (use_cache or chunk) and c is None:
             c = self.new_cache()
         c = self._swap_cache(c)
-        if "cache" in _base_forward_params(self._base_forward):
-            kwargs["cache"] = c
-        else:
-            kwargs["past_key_values"] = c
+        key = "cache" if "cache" in _base_forward_params(self._base_forward) else "past_key_values"
+        if chunk:
+
+            def step(**piece):  # one piece: a cached forward of the base family
+                return self._base_forward(self, use_cache=True, **{key: c}, **piece, **kwargs)
+
+            return chunked_forward(step, chunk, input_ids=input_ids, inputs_embeds=inputs_embeds,
+                                   attention_mask=attention_mask, position_ids=position_ids, past=past,
+                                   logits_to_keep=logits_to_keep, cache_position=kwargs.pop("cache_position", None),
+                                   return_cache=bool(use_cache))
+        kwargs[key] = c
         return self._base_forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                   inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
                                   logits_to_keep=logits_to_keep, **kwargs)
+
+    def _chunk_size(self, prefill_chunk_tokens, x, attention_mask, past: int, labels, logits_to_keep, kwargs: dict) -> int:
+        """Tokens per piece if this forward runs as a chunked prefill, else 0. It does for inference (eval mode, no
+        labels, no gradient recorded: training and backward need the whole graph, which pieces would not shrink)
+        longer than one piece, with every converted layer in linear mode (a softmax teacher keeps no cache), no
+        padding mask or a 2-D one over the ``past`` cached tokens and the new ones, ``logits_to_keep`` an int or a
+        1-D tensor, and no per-layer outputs asked for (attentions, hidden states, router logits) nor a tuple."""
+        chunk = check_chunk_size(self.config.prefill_chunk_tokens if prefill_chunk_tokens is None else prefill_chunk_tokens)
+        if not chunk or x is None or x.shape[1] <= chunk or labels is not None or self.training:
+            return 0
+        if torch.is_grad_enabled() or any(m.mode != "linear" for m in self.linear_modules()):
+            return 0
+        if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.shape[1] != past + x.shape[1]):
+            return 0
+        if torch.is_tensor(logits_to_keep) and logits_to_keep.dim() != 1:
+            return 0
+        if any(kwargs.get(k, getattr(self.config, k, False))
+               for k in ("output_attentions", "output_hidden_states", "output_router_logits")):
+            return 0
+        return 0 if kwargs.get("return_dict") is False else chunk
 
 
 _PARAMS_CACHE: dict[Any, set[str]] = {}
