@@ -1,0 +1,582 @@
+"""Triton kernels for the gated delta rule (Gated DeltaNet): chunked forward and backward.
+
+Chunks of ``BT`` (64) tokens; per chunk ``c`` the chunk-local inclusive cumulative log decays (``decay_cumsum``: an
+fp32 pair, the chunk total its last element), ``gamma = e^c``, ``M = e^{c_i - c_j}`` for ``j <= i`` only (masked
+before ``exp``), so no factor exceeds 1. The forward is three launches:
+
+1. ``_prep_kernel`` (chunk-parallel, per KV head): ``A = strict_lower(diag(beta) (K K^T) * M)``, the UT transform
+   ``T = (I + A)^{-1}`` by forward substitution in registers, ``w = T diag(beta gamma) K``, ``u = T diag(beta) V``;
+2. ``_walk_kernel`` (one program per (value block, batch x KV head) walking the chunks): the state before each
+   chunk ``S`` (stored), the chunk's new values ``U = u - w S`` (written over ``u``), ``S <- e^{c_last} S +
+   (e^{c_last - c} K)^T U``;
+3. ``_out_kernel`` (chunk-parallel, per query head): ``O = scale (gamma * (Q S) + (tril(Q K^T) * M) U)``.
+
+The backward recomputes 1 and 2 (``T``, the states and ``U`` kept in fp32), then: ``_dvl_kernel`` (``sum_h P_h^T
+dO_h``, the intra-chunk part of ``dU``), ``_bwd_walk_kernel`` (reverse over chunks: ``dU = dvl + (e^{c_last - c}
+K) dS``, ``dS <- e^{c_last} dS + sum_h (gamma scale Q_h)^T dO_h - w^T dU``), ``_dqk_kernel`` (``dq``, the query-side
+parts of ``dk`` and ``d log_decay``) and ``_wy_kernel`` (the UT transform's backward: ``dk``, ``dv``, ``d beta``,
+``d log_decay``). The math is in ``kernels/README.md``. The state and the UT transform belong to the KV heads; a
+KV head's query heads are looped over inside the programs (GQA is never materialised).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_common import decay_cumsum, decay_pairs, interpreting, launch, mm, new_empty, pow2, prec
+from .tuning import ensure_applied, register
+
+_INTERP = tl.constexpr(interpreting())
+
+CONFIG = {  # launch configuration (untuned defaults; kernels/README.md, "Gated delta rule")
+    "bt": 64,  # chunk of every kernel (they share the per-chunk states)
+    "prep_warps": 4,
+    "walk_bv": 64,  # value block of the forward and backward walks: the [K, BV] fp32 state lives in registers
+    "walk_warps": 4,
+    "walk_stages": 2,
+    "out_bv": 64,  # value block of the output kernel and of the backward's dvl kernel
+    "out_warps": 4,
+    "bwd_bv": 64,  # value block the chunk-parallel backward kernels loop over
+    "bwd_warps": 8,
+    # the forward's chunk states in fp32 instead of the inputs' dtype: twice the bytes of its largest intermediate,
+    # bf16 outputs 3.9e-3 instead of 5.8e-3 off float64 under the interpreter (its bf16 output alone: 3.3e-3)
+    "fwd_states_fp32": False,
+}
+
+
+@triton.jit
+def _tf32(x):
+    """``x`` (fp32) with the low 13 mantissa bits cleared: a tf32 operand (truncated, the worse case)."""
+    return (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def dot32(a, b, PREC: tl.constexpr):
+    """Product of fp32 operands with fp32 accumulation: exact for fp32 inputs (``PREC`` "ieee"), tf32 tensor cores
+    for 16-bit inputs ("tf32": 10-bit mantissas, where bf16 operands would keep 7). The interpreter rounds the
+    operands to tf32 itself, so the tests on the CPU see the GPU's error."""
+    if _INTERP:
+        if PREC == "tf32":
+            return tl.dot(_tf32(a), _tf32(b), input_precision="ieee")
+        else:
+            return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
+def _chunk_decays(LG, row, mt, BT: tl.constexpr):
+    """``(gamma [BT] = e^c, wk [BT] = e^{c_last - c}, keep = e^{c_last}, M [BT, BT] = e^{c_i - c_j} (j <= i, else
+    0))`` of a chunk, ``c`` its inclusive cumulative log decays (0 past T)."""
+    hi, lo, last_hi, last_lo = decay_cumsum(tl.load(LG + row, mask=mt, other=0.0), BT)
+    return (tl.exp(hi + lo), tl.exp((last_hi - hi) + (last_lo - lo)), tl.exp(last_hi + last_lo),
+            decay_pairs(hi, lo, BT))
+
+
+@triton.jit
+def _unit_lower_inverse(A, BT: tl.constexpr):
+    """``(I + A)^{-1}`` of a strictly lower triangular ``A [BT, BT]`` (fp32) by forward substitution: row ``t`` is
+    ``e_t - sum_{j<t} A_tj row_j``, the rows before it already final."""
+    ar = tl.arange(0, BT)
+    Tm = tl.zeros([BT, BT], dtype=tl.float32)
+    for t in range(BT):
+        a = tl.sum(tl.where(ar[:, None] == t, A, 0.0), 0)  # [BT]: row t of A (zero from column t on)
+        r = tl.where(ar == t, 1.0, -tl.sum(a[:, None] * Tm, 0))
+        Tm = tl.where(ar[:, None] == t, r[None, :], Tm)
+    return Tm
+
+
+@triton.jit
+def _prep_kernel(
+    Kp, Vp, BETA, LG,  # k [B,T,HK,K], v [B,T,HK,V], beta [B,T,HK], log decays [B,T,HK] fp32
+    W, U, TM,  # w [B,T,HK,K] fp32, u [B,T,HK,V] fp32, STORE_T: T [B,HK,N,BT,BT] fp32
+    T, HK,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NV_BLK: tl.constexpr,
+    STORE_T: tl.constexpr, PREC: tl.constexpr,
+):
+    """Program (chunk, batch x KV head): the UT transform of the chunk and ``w``, ``u``."""
+    i = tl.program_id(0)
+    pbh = tl.program_id(1)
+    b = pbh // HK
+    hk = pbh % HK
+    ar = tl.arange(0, BT)
+    ot = i * BT + ar
+    mt = ot < T
+    row = (b.to(tl.int64) * T + ot) * HK + hk  # [BT]
+    ok = tl.arange(0, BK)
+    mk = ok < K
+    k = tl.load(Kp + row[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+    beta = tl.load(BETA + row, mask=mt, other=0.0).to(tl.float32)
+    gam, _, _, M = _chunk_decays(LG, row, mt, BT)
+    A = tl.where(ar[:, None] > ar[None, :], mm(k, tl.trans(k), PREC) * M, 0.0) * beta[:, None]
+    Tm = _unit_lower_inverse(A, BT)
+    if STORE_T:
+        N = tl.cdiv(T, BT)
+        tl.store(TM + ((pbh.to(tl.int64) * N + i) * BT + ar[:, None]) * BT + ar[None, :], Tm)
+    kb = k.to(tl.float32) * (beta * gam)[:, None]
+    tl.store(W + row[:, None] * K + ok[None, :], dot32(Tm, kb, PREC), mask=mt[:, None] & mk[None, :])
+    for vb in tl.static_range(NV_BLK):
+        ov = vb * BV + tl.arange(0, BV)
+        mv = ov < V
+        v = tl.load(Vp + row[:, None] * V + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
+        tl.store(U + row[:, None] * V + ov[None, :], dot32(Tm, v.to(tl.float32) * beta[:, None], PREC),
+                 mask=mt[:, None] & mv[None, :])
+
+
+@triton.jit
+def _walk_kernel(
+    Kp, W, U, LG,  # k [B,T,HK,K], w [B,T,HK,K] fp32, u [B,T,HK,V] fp32 (overwritten with U = u - w S), log decays
+    INIT, HS, FIN,  # initial state [B,HK,K,V] fp32; states before each chunk [B,HK,N,K,V]; final state fp32
+    T, HK,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+    HAS_INIT: tl.constexpr, STORE_FINAL: tl.constexpr, PREC: tl.constexpr,
+):
+    """Program (value block, batch x KV head): walks the chunks in order with the ``[K, BV]`` state in fp32
+    registers, stores it before each chunk, turns ``u`` into ``U = u - w S`` in place and moves the state to the
+    chunk's end. A value block's columns depend only on themselves, so the blocks run independently. The
+    products that feed the state take fp32 operands (``dot32``): this path accumulates over the whole sequence."""
+    pv = tl.program_id(0)
+    pbh = tl.program_id(1)
+    b = pbh // HK
+    hk = pbh % HK
+    ok = tl.arange(0, BK)
+    ov = pv * BV + tl.arange(0, BV)
+    mk = ok < K
+    mv = ov < V
+    m2 = mk[:, None] & mv[None, :]
+    kv = ok[:, None] * V + ov[None, :]
+    S = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_INIT:
+        S += tl.load(INIT + pbh.to(tl.int64) * K * V + kv, mask=m2, other=0.0)
+    N = tl.cdiv(T, BT)
+    ar = tl.arange(0, BT)
+    for i in range(N):
+        tl.store(HS + (pbh.to(tl.int64) * N + i) * K * V + kv, S.to(HS.dtype.element_ty), mask=m2)
+        ot = i * BT + ar
+        mt = ot < T
+        row = (b.to(tl.int64) * T + ot) * HK + hk
+        _, wk, keep, _ = _chunk_decays(LG, row, mt, BT)
+        w = tl.load(W + row[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+        up = U + row[:, None] * V + ov[None, :]
+        new = tl.load(up, mask=mt[:, None] & mv[None, :], other=0.0) - dot32(w, S, PREC)
+        tl.store(up, new, mask=mt[:, None] & mv[None, :])
+        k = tl.load(Kp + row[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+        kd = k.to(tl.float32) * wk[:, None]  # keys decayed to the chunk's end
+        S = S * keep + dot32(tl.trans(kd), new, PREC)
+    if STORE_FINAL:
+        tl.store(FIN + pbh.to(tl.int64) * K * V + kv, S, mask=m2)
+
+
+@triton.jit
+def _out_kernel(
+    Q, Kp, U, HS, LG, O,  # q [B,T,H,K], k, U [B,T,HK,V] fp32, states [B,HK,N,K,V], log decays, o [B,T,H,V]
+    T, H, HK, scale,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr,
+    S32: tl.constexpr,
+):
+    """Program (value block, chunk, batch x query head): ``o = scale (gamma * (q S) + (tril(q k^T) * M) U)``;
+    ``q S`` a 16-bit product for 16-bit inputs unless the states are fp32 (``S32``)."""
+    pv = tl.program_id(0)
+    i = tl.program_id(1)
+    pbh = tl.program_id(2)
+    b = pbh // H
+    h = pbh % H
+    hk = h // (H // HK)
+    DT = Kp.dtype.element_ty
+    ar = tl.arange(0, BT)
+    ot = i * BT + ar
+    mt = ot < T
+    qrow = (b.to(tl.int64) * T + ot) * H + h
+    krow = (b.to(tl.int64) * T + ot) * HK + hk
+    ok = tl.arange(0, BK)
+    ov = pv * BV + tl.arange(0, BV)
+    mk = ok < K
+    mv = ov < V
+    N = tl.cdiv(T, BT)
+    gam, _, _, M = _chunk_decays(LG, krow, mt, BT)
+    q = tl.load(Q + qrow[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+    k = tl.load(Kp + krow[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+    S = tl.load(HS + ((b * HK + hk).to(tl.int64) * N + i) * K * V + ok[:, None] * V + ov[None, :],
+                mask=mk[:, None] & mv[None, :], other=0.0)
+    new = tl.load(U + krow[:, None] * V + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
+    if S32:
+        o = dot32(q.to(tl.float32), S, PREC)
+    else:
+        o = mm(q, S.to(DT), PREC)
+    o = gam[:, None] * o + dot32(mm(q, tl.trans(k), PREC) * M, new, PREC)
+    tl.store(O + qrow[:, None] * V + ov[None, :], (o * scale).to(O.dtype.element_ty), mask=mt[:, None] & mv[None, :])
+
+
+# ---------------------------------------------------------------------------
+# backward. Per chunk, with S0 / S1 the states before / after it, U its new values, dO_h the output gradients of
+# its query heads, dS1 the gradient of S1 (from the chunks after it, or of the final state):
+#   dU = sum_h P_h^T dO_h + Kd dS1                 (P_h = scale tril(Q_h K^T) * M, Kd = e^{c_last - c} K)
+#   dS0 = e^{c_last} dS1 + sum_h (gamma scale Q_h)^T dO_h - w^T dU
+# then the chunk-parallel rest (kernels/README.md has every term).
+
+
+@triton.jit
+def _dvl_kernel(
+    Q, Kp, DO, LG, DVL,  # q [B,T,H,K], k, do [B,T,H,V], log decays, dvl [B,T,HK,V] fp32
+    T, H, HK, scale,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, G: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """Program (value block, chunk, batch x KV head): ``dvl = sum_h P_h^T dO_h`` over the KV group's query heads,
+    the part of ``dU`` inside the chunk."""
+    pv = tl.program_id(0)
+    i = tl.program_id(1)
+    pbh = tl.program_id(2)
+    b = pbh // HK
+    hk = pbh % HK
+    ar = tl.arange(0, BT)
+    ot = i * BT + ar
+    mt = ot < T
+    krow = (b.to(tl.int64) * T + ot) * HK + hk
+    ok = tl.arange(0, BK)
+    ov = pv * BV + tl.arange(0, BV)
+    mk = ok < K
+    mv = ov < V
+    _, _, _, M = _chunk_decays(LG, krow, mt, BT)
+    k = tl.load(Kp + krow[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+    acc = tl.zeros([BT, BV], dtype=tl.float32)
+    for g in tl.static_range(G):
+        qrow = (b.to(tl.int64) * T + ot) * H + hk * G + g
+        q = tl.load(Q + qrow[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+        do = tl.load(DO + qrow[:, None] * V + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
+        P = mm(q, tl.trans(k), PREC) * M * scale  # [t, j]
+        acc += dot32(tl.trans(P), do.to(tl.float32), PREC)
+    tl.store(DVL + krow[:, None] * V + ov[None, :], acc, mask=mt[:, None] & mv[None, :])
+
+
+@triton.jit
+def _bwd_walk_kernel(
+    Q, Kp, W, DO, LG,  # q, k, w [B,T,HK,K] fp32, do, log decays
+    DU,  # [B,T,HK,V] fp32: dvl in, dU out
+    DSF, DH, DS0,  # final-state gradient [B,HK,K,V]; state gradients after each chunk [B,HK,N,K,V] fp32; dS0
+    T, H, HK, scale,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, G: tl.constexpr,
+    HAS_DSF: tl.constexpr, STORE_DS0: tl.constexpr, PREC: tl.constexpr,
+):
+    """Program (value block, batch x KV head): walks the chunks backwards with the ``[K, BV]`` state gradient in
+    fp32 registers, stores it after each chunk (``dS1``), completes ``dU`` in place and moves the gradient to the
+    chunk's start; at the end it is the initial state's gradient."""
+    pv = tl.program_id(0)
+    pbh = tl.program_id(1)
+    b = pbh // HK
+    hk = pbh % HK
+    ok = tl.arange(0, BK)
+    ov = pv * BV + tl.arange(0, BV)
+    mk = ok < K
+    mv = ov < V
+    m2 = mk[:, None] & mv[None, :]
+    kv = ok[:, None] * V + ov[None, :]
+    dS = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_DSF:
+        dS += tl.load(DSF + pbh.to(tl.int64) * K * V + kv, mask=m2, other=0.0)
+    N = tl.cdiv(T, BT)
+    ar = tl.arange(0, BT)
+    for it in range(N):
+        i = N - 1 - it
+        tl.store(DH + (pbh.to(tl.int64) * N + i) * K * V + kv, dS, mask=m2)
+        ot = i * BT + ar
+        mt = ot < T
+        krow = (b.to(tl.int64) * T + ot) * HK + hk
+        gam, wk, keep, _ = _chunk_decays(LG, krow, mt, BT)
+        k = tl.load(Kp + krow[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+        dup = DU + krow[:, None] * V + ov[None, :]
+        du = tl.load(dup, mask=mt[:, None] & mv[None, :], other=0.0) + dot32(k.to(tl.float32) * wk[:, None], dS, PREC)
+        tl.store(dup, du, mask=mt[:, None] & mv[None, :])
+        w = tl.load(W + krow[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+        dS = dS * keep - dot32(tl.trans(w), du, PREC)
+        for g in tl.static_range(G):
+            qrow = (b.to(tl.int64) * T + ot) * H + hk * G + g
+            q = tl.load(Q + qrow[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+            do = tl.load(DO + qrow[:, None] * V + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
+            dS += dot32(tl.trans(q.to(tl.float32) * (gam * scale)[:, None]), do.to(tl.float32), PREC)
+    if STORE_DS0:
+        tl.store(DS0 + pbh.to(tl.int64) * K * V + kv, dS, mask=m2)
+
+
+@triton.jit
+def _dqk_kernel(
+    Q, Kp, DO, HS, U, LG,  # q, k, do, states before each chunk [B,HK,N,K,V] fp32, U [B,T,HK,V] fp32, log decays
+    DQ, DKA, DGA,  # dq [B,T,H,K]; the query side's dk [B,T,HK,K] fp32 and dL/dc [B,T,HK] fp32
+    T, H, HK, scale,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, G: tl.constexpr,
+    NV_BLK: tl.constexpr, PREC: tl.constexpr,
+):
+    """Program (chunk, batch x KV head), each query head of the group in turn, with ``X = dO S0^T`` and ``DP =
+    (dO U^T) * M * scale`` summed over value blocks: ``dq = gamma scale X + DP K``; the group's ``DP^T Q`` (the
+    keys' share of the outputs) and the outputs' share of ``dL/dc`` (``c`` the chunk-local cumulative log decay):
+    ``gamma scale q.X + rowsum(DP * QK) - colsum(DP * QK)``."""
+    i = tl.program_id(0)
+    pbh = tl.program_id(1)
+    b = pbh // HK
+    hk = pbh % HK
+    ar = tl.arange(0, BT)
+    ot = i * BT + ar
+    mt = ot < T
+    krow = (b.to(tl.int64) * T + ot) * HK + hk
+    ok = tl.arange(0, BK)
+    mk = ok < K
+    N = tl.cdiv(T, BT)
+    st = (pbh.to(tl.int64) * N + i) * K * V
+    gam, _, _, M = _chunk_decays(LG, krow, mt, BT)
+    k = tl.load(Kp + krow[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+    k32 = k.to(tl.float32)
+    dk = tl.zeros([BT, BK], dtype=tl.float32)
+    dc = tl.zeros([BT], dtype=tl.float32)
+    for g in tl.static_range(G):
+        qrow = (b.to(tl.int64) * T + ot) * H + hk * G + g
+        q = tl.load(Q + qrow[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+        X = tl.zeros([BT, BK], dtype=tl.float32)
+        DP = tl.zeros([BT, BT], dtype=tl.float32)
+        for vb in tl.static_range(NV_BLK):
+            ov = vb * BV + tl.arange(0, BV)
+            mv = ov < V
+            do = tl.load(DO + qrow[:, None] * V + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
+            do = do.to(tl.float32)
+            S0 = tl.load(HS + st + ok[:, None] * V + ov[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
+            new = tl.load(U + krow[:, None] * V + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
+            X += dot32(do, tl.trans(S0), PREC)
+            DP += dot32(do, tl.trans(new), PREC)
+        DP = DP * M * scale
+        q32 = q.to(tl.float32)
+        dq = X * (gam * scale)[:, None] + dot32(DP, k32, PREC)
+        tl.store(DQ + qrow[:, None] * K + ok[None, :], dq.to(DQ.dtype.element_ty), mask=mt[:, None] & mk[None, :])
+        dk += dot32(tl.trans(DP), q32, PREC)
+        D = DP * mm(q, tl.trans(k), PREC)
+        dc += gam * scale * tl.sum(q32 * X, 1) + tl.sum(D, 1) - tl.sum(D, 0)
+    tl.store(DKA + krow[:, None] * K + ok[None, :], dk, mask=mt[:, None] & mk[None, :])
+    tl.store(DGA + krow, dc, mask=mt)
+
+
+@triton.jit
+def _wy_kernel(
+    Kp, Vp, BETA, LG, TM,  # k, v, beta, log decays, the UT transforms [B,HK,N,BT,BT] fp32
+    HS, DH, U, DU,  # states before / gradients after each chunk [B,HK,N,K,V] fp32; U, dU [B,T,HK,V] fp32
+    DKA, DGA,  # the query side's dk and dL/dc (_dqk_kernel)
+    DK, DV, DBETA, DLG,  # dk [B,T,HK,K], dv [B,T,HK,V], dbeta [B,T,HK], d log_decay [B,T,HK] fp32
+    T, HK,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+    NV_BLK: tl.constexpr, PREC: tl.constexpr,
+):
+    """Program (chunk, batch x KV head): the backward of ``U = u - w S0``, ``S1 = e^{c_last} S0 + Kd^T U`` and of
+    the UT transform (``w = T Kb``, ``u = T Vb``, ``Kb = diag(beta gamma) K``, ``Vb = diag(beta) V``,
+    ``dA = -T^T dT T^T`` on the strictly lower part, ``A = diag(beta) (K K^T) * M``); adds the query side, and
+    turns ``dL/dc`` into ``d log_decay`` by a reverse cumulative sum over the chunk."""
+    i = tl.program_id(0)
+    pbh = tl.program_id(1)
+    b = pbh // HK
+    hk = pbh % HK
+    ar = tl.arange(0, BT)
+    ot = i * BT + ar
+    mt = ot < T
+    row = (b.to(tl.int64) * T + ot) * HK + hk
+    ok = tl.arange(0, BK)
+    mk = ok < K
+    m_tk = mt[:, None] & mk[None, :]
+    N = tl.cdiv(T, BT)
+    st = (pbh.to(tl.int64) * N + i) * K * V
+    gam, wk, keep, M = _chunk_decays(LG, row, mt, BT)
+    strict = ar[:, None] > ar[None, :]
+    k = tl.load(Kp + row[:, None] * K + ok[None, :], mask=m_tk, other=0.0)
+    k32 = k.to(tl.float32)
+    beta = tl.load(BETA + row, mask=mt, other=0.0).to(tl.float32)
+    Tm = tl.load(TM + ((pbh.to(tl.int64) * N + i) * BT + ar[:, None]) * BT + ar[None, :])
+    dw = tl.zeros([BT, BK], dtype=tl.float32)
+    dKd = tl.zeros([BT, BK], dtype=tl.float32)
+    dT = tl.zeros([BT, BT], dtype=tl.float32)
+    db = tl.zeros([BT], dtype=tl.float32)
+    dSS = tl.zeros([BK], dtype=tl.float32)  # rows of <S0, dS1>
+    for vb in tl.static_range(NV_BLK):
+        ov = vb * BV + tl.arange(0, BV)
+        mv = ov < V
+        m_tv = mt[:, None] & mv[None, :]
+        m_kv = mk[:, None] & mv[None, :]
+        S0 = tl.load(HS + st + ok[:, None] * V + ov[None, :], mask=m_kv, other=0.0)
+        dS1 = tl.load(DH + st + ok[:, None] * V + ov[None, :], mask=m_kv, other=0.0)
+        new = tl.load(U + row[:, None] * V + ov[None, :], mask=m_tv, other=0.0)
+        du = tl.load(DU + row[:, None] * V + ov[None, :], mask=m_tv, other=0.0)
+        v = tl.load(Vp + row[:, None] * V + ov[None, :], mask=m_tv, other=0.0).to(tl.float32)
+        dw -= dot32(du, tl.trans(S0), PREC)
+        dKd += dot32(new, tl.trans(dS1), PREC)
+        dSS += tl.sum(S0 * dS1, 1)
+        dT += dot32(du, tl.trans(v * beta[:, None]), PREC)
+        dVb = dot32(tl.trans(Tm), du, PREC)  # d(beta v)
+        tl.store(DV + row[:, None] * V + ov[None, :], (dVb * beta[:, None]).to(DV.dtype.element_ty), mask=m_tv)
+        db += tl.sum(dVb * v, 1)
+    bg = beta * gam
+    dKb = dot32(tl.trans(Tm), dw, PREC)  # d(beta gamma k)
+    dT += dot32(dw, tl.trans(k32 * bg[:, None]), PREC)
+    dA = -dot32(dot32(tl.trans(Tm), dT, PREC), tl.trans(Tm), PREC)
+    KK = mm(k, tl.trans(k), PREC)
+    dA = tl.where(strict, dA, 0.0)
+    dKK = dA * M * beta[:, None]  # A = beta_t (k_t.k_j) M_tj below the diagonal
+    dk = dKb * bg[:, None] + dot32(dKK, k32, PREC) + dot32(tl.trans(dKK), k32, PREC) + dKd * wk[:, None]
+    kdKb = tl.sum(dKb * k32, 1)
+    db += gam * kdKb + tl.sum(dA * M * KK, 1)
+    DA = dKK * KK  # dA * A
+    e = wk * tl.sum(k32 * dKd, 1)  # the keys' decay to the chunk's end, e^{c_last - c_t}
+    dc = bg * kdKb + tl.sum(DA, 1) - tl.sum(DA, 0) - e
+    dc += tl.where(ar == BT - 1, tl.sum(e, 0) + keep * tl.sum(dSS, 0), 0.0)  # c_last: the last row, padding or not
+    dk += tl.load(DKA + row[:, None] * K + ok[None, :], mask=m_tk, other=0.0)
+    dc += tl.load(DGA + row, mask=mt, other=0.0)
+    tl.store(DK + row[:, None] * K + ok[None, :], dk.to(DK.dtype.element_ty), mask=m_tk)
+    tl.store(DBETA + row, db.to(DBETA.dtype.element_ty), mask=mt)
+    # d log_decay_s = sum_{t >= s in the chunk} dL/dc_t
+    tl.store(DLG + row, tl.sum(dc, 0) - tl.cumsum(dc, 0) + dc, mask=mt)
+
+
+# ---------------------------------------------------------------------------
+# launches
+
+
+def _blocks(key: str, V: int) -> int:
+    """A value block from ``CONFIG[key]``, no wider than ``V`` padded to a power of two (at least 32)."""
+    return pow2(min(int(CONFIG[key]), pow2(V)))
+
+
+def _prep(k, v, beta, lg, *, store_t):
+    """``w``, ``u`` (fp32) and, with ``store_t``, the UT transforms ``[B, HK, N, BT, BT]``."""
+    B, T, HK, K = k.shape
+    V = v.shape[-1]
+    BT = CONFIG["bt"]
+    N = triton.cdiv(T, BT)
+    dev = k.device
+    w = new_empty((B, T, HK, K), dtype=torch.float32, device=dev)
+    u = new_empty((B, T, HK, V), dtype=torch.float32, device=dev)
+    Tm = new_empty((B, HK, N, BT, BT), dtype=torch.float32, device=dev) if store_t else None
+    BV = min(pow2(V), 64)
+    launch(_prep_kernel, (N, B * HK), k, v, beta, lg, w, u, Tm if store_t else w, T, HK,
+           K=K, V=V, BK=pow2(K), BV=BV, BT=BT, NV_BLK=triton.cdiv(V, BV), STORE_T=store_t, PREC=prec(k.dtype),
+           num_warps=CONFIG["prep_warps"])
+    return w, u, Tm
+
+
+def _walk(k, w, u, lg, S0, *, state_dtype, want_final):
+    """The chunk states ``[B, HK, N, K, V]`` in ``state_dtype`` (``u`` becomes ``U``) and the final state."""
+    B, T, HK, K = k.shape
+    V = u.shape[-1]
+    BT = CONFIG["bt"]
+    N = triton.cdiv(T, BT)
+    dev = k.device
+    hs = new_empty((B, HK, N, K, V), dtype=state_dtype, device=dev)
+    fin = new_empty((B, HK, K, V), dtype=torch.float32, device=dev) if want_final else None
+    BV = _blocks("walk_bv", V)
+    launch(_walk_kernel, (triton.cdiv(V, BV), B * HK), k, w, u, lg, S0 if S0 is not None else hs, hs,
+           fin if want_final else hs, T, HK, K=K, V=V, BK=pow2(K), BV=BV, BT=BT, HAS_INIT=S0 is not None,
+           STORE_FINAL=want_final, PREC=prec(k.dtype), num_warps=CONFIG["walk_warps"],
+           num_stages=CONFIG["walk_stages"])
+    return hs, fin
+
+
+def _fwd(q, k, v, beta, lg, S0, scale, want_final):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    BT = CONFIG["bt"]
+    w, u, _ = _prep(k, v, beta, lg, store_t=False)
+    s32 = bool(CONFIG["fwd_states_fp32"]) or k.dtype == torch.float32
+    hs, fin = _walk(k, w, u, lg, S0, state_dtype=torch.float32 if s32 else k.dtype, want_final=want_final)
+    o = new_empty((B, T, H, V), dtype=v.dtype, device=q.device)
+    BV = _blocks("out_bv", V)
+    launch(_out_kernel, (triton.cdiv(V, BV), triton.cdiv(T, BT), B * H), q, k, u, hs, lg, o, T, H, k.shape[2],
+           float(scale), K=K, V=V, BK=pow2(K), BV=BV, BT=BT, PREC=prec(q.dtype), S32=s32,
+           num_warps=CONFIG["out_warps"])
+    return o, fin
+
+
+def _bwd(q, k, v, beta, lg, S0, scale, do, dS_f, need_dS0):
+    """``(dq, dk, dv, dbeta, d log_decay, dS0)``: the forward's prep and walk recomputed with fp32 states, then the
+    reverse walk and the chunk-parallel kernels."""
+    B, T, H, K = q.shape
+    HK, V = k.shape[2], v.shape[-1]
+    G = H // HK
+    BT = CONFIG["bt"]
+    N = triton.cdiv(T, BT)
+    dev = q.device
+    f32 = torch.float32
+    pr = prec(q.dtype)
+    BK = pow2(K)
+    w, u, Tm = _prep(k, v, beta, lg, store_t=True)
+    hs, _ = _walk(k, w, u, lg, S0, state_dtype=f32, want_final=False)  # u is now U
+    do = do.contiguous()
+    du = new_empty((B, T, HK, V), dtype=f32, device=dev)
+    BVo = _blocks("out_bv", V)
+    launch(_dvl_kernel, (triton.cdiv(V, BVo), N, B * HK), q, k, do, lg, du, T, H, HK, float(scale),
+           K=K, V=V, BK=BK, BV=BVo, BT=BT, G=G, PREC=pr, num_warps=CONFIG["out_warps"])
+    dh = new_empty((B, HK, N, K, V), dtype=f32, device=dev)
+    dS0 = new_empty((B, HK, K, V), dtype=f32, device=dev) if need_dS0 else None
+    BVw = _blocks("walk_bv", V)
+    launch(_bwd_walk_kernel, (triton.cdiv(V, BVw), B * HK), q, k, w, do, lg, du,
+           dS_f.float().contiguous() if dS_f is not None else dh, dh, dS0 if need_dS0 else dh, T, H, HK, float(scale),
+           K=K, V=V, BK=BK, BV=BVw, BT=BT, G=G, HAS_DSF=dS_f is not None, STORE_DS0=need_dS0, PREC=pr,
+           num_warps=CONFIG["walk_warps"], num_stages=CONFIG["walk_stages"])
+    dq = new_empty(q.shape, dtype=q.dtype, device=dev)
+    dka = new_empty((B, T, HK, K), dtype=f32, device=dev)
+    dca = new_empty((B, T, HK), dtype=f32, device=dev)
+    BVb = _blocks("bwd_bv", V)
+    NVB = triton.cdiv(V, BVb)
+    launch(_dqk_kernel, (N, B * HK), q, k, do, hs, u, lg, dq, dka, dca, T, H, HK, float(scale),
+           K=K, V=V, BK=BK, BV=BVb, BT=BT, G=G, NV_BLK=NVB, PREC=pr, num_warps=CONFIG["bwd_warps"])
+    dk = new_empty(k.shape, dtype=k.dtype, device=dev)
+    dv = new_empty(v.shape, dtype=v.dtype, device=dev)
+    dbeta = new_empty(beta.shape, dtype=beta.dtype, device=dev)
+    dlg = new_empty(lg.shape, dtype=f32, device=dev)
+    launch(_wy_kernel, (N, B * HK), k, v, beta, lg, Tm, hs, dh, u, du, dka, dca, dk, dv, dbeta, dlg, T, HK,
+           K=K, V=V, BK=BK, BV=BVb, BT=BT, NV_BLK=NVB, PREC=pr, num_warps=CONFIG["bwd_warps"])
+    return dq, dk, dv, dbeta, dlg, dS0
+
+
+class _GatedDeltaRule(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, beta, lg, S0, scale, output_final_state):
+        o, fin = _fwd(q, k, v, beta, lg, S0, scale, output_final_state)
+        ctx.save_for_backward(q, k, v, beta, lg, S0)
+        ctx.scale = scale
+        ctx.set_materialize_grads(False)
+        return o, fin
+
+    @staticmethod
+    def backward(ctx, do, dS_f):
+        q, k, v, beta, lg, S0 = ctx.saved_tensors
+        if do is None:
+            do = torch.zeros(q.shape[:3] + v.shape[3:], dtype=v.dtype, device=q.device)
+        dq, dk, dv, dbeta, dlg, dS0 = _bwd(q, k, v, beta, lg, S0, ctx.scale, do, dS_f, ctx.needs_input_grad[5])
+        return dq, dk, dv, dbeta, dlg, dS0, None, None
+
+
+def gated_delta_rule_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    log_decay: Optional[torch.Tensor],
+    *,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Triton path of :func:`linearize.kernels.delta.gated_delta_rule` (autograd: ``_GatedDeltaRule``)."""
+    ensure_applied(q.device)  # this GPU's saved launch configuration, once
+    B, T, H, K = q.shape
+    HK, V = k.shape[2], v.shape[-1]
+    scale = K ** -0.5 if scale is None else float(scale)
+    S0 = initial_state.float().contiguous() if initial_state is not None else None
+    if T == 0:  # nothing to launch: the state passes through
+        o = q.new_zeros(B, 0, H, V, dtype=v.dtype)
+        if not output_final_state:
+            return o, None
+        return o, (S0 * 1 if S0 is not None else q.new_zeros(B, HK, K, V, dtype=torch.float32))
+    lg = (log_decay.float() if log_decay is not None else q.new_zeros(B, T, HK, dtype=torch.float32)).contiguous()
+    o, fin = _GatedDeltaRule.apply(q.contiguous(), k.contiguous(), v.contiguous(), beta.contiguous(), lg, S0, scale,
+                                   output_final_state)
+    return o, fin
+
+
+register("delta", CONFIG)  # tunable per GPU (tuning.py)

@@ -1,0 +1,279 @@
+"""The gated delta rule on the Triton kernels vs the float64 token-by-token reference.
+
+Checked: outputs, final state and the gradients of q, k, v, beta, log_decay and the initial state (fp32 <= 1e-4,
+bf16 <= 1e-2 relative L2), odd T, GQA, K != V, continuation (two halves == one call), decode steps == forward,
+no decay, strong decay, the empty sequence, the public entry points reaching the kernels.
+
+Two tiers. On a GPU the tests marked ``gpu`` run the kernels at real shapes. Without one,
+``test_delta_kernels_under_interpreter`` (slow tier) re-runs the tiny-shape ``interp`` tests of this module in a
+fresh interpreter with ``TRITON_INTERPRET=1`` (it must be set before ``torch`` imports ``triton``), with 16-token
+chunks so that a few dozen tokens cross several chunks. Outputs and intermediates are poisoned with NaN before
+every launch, so an element a kernel forgets to write fails a test.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from linearize.kernels import triton_common, triton_delta, triton_delta_step  # noqa: E402
+from linearize.kernels.delta import gated_delta_rule, gated_delta_rule_step  # noqa: E402
+from linearize.kernels.delta_testing import NAMES, TOL, check, delta_inputs  # noqa: E402
+from linearize.kernels.testing import rel_err  # noqa: E402
+
+ON_GPU = torch.cuda.is_available()
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEV = "cuda" if ON_GPU else "cpu"
+F64 = torch.float64
+
+gpu = pytest.mark.skipif(not ON_GPU, reason="needs a GPU (tiny shapes: test_delta_kernels_under_interpreter)")
+interp = pytest.mark.skipif(not INTERPRET,
+                            reason="needs TRITON_INTERPRET=1 (run by test_delta_kernels_under_interpreter)")
+
+
+@pytest.fixture(autouse=True)
+def _poison():
+    triton_common.set_poison(True)
+    yield
+    triton_common.set_poison(False)
+
+
+def check_continuation(B, T, H, Hk, K, V, split, dtype=torch.float32):
+    """Two calls, the second from the first's final state, equal one call (outputs and final state)."""
+    inp = delta_inputs(B, T, H, Hk, K, V, dtype=dtype, device=DEV, seed=9)
+    xs = [inp[n] for n in NAMES]
+
+    def call(sl, state):
+        return gated_delta_rule(*(x[:, sl] for x in xs), initial_state=state, output_final_state=True,
+                                backend="triton")
+
+    o, S = call(slice(None), inp["initial_state"])
+    o1, S1 = call(slice(0, split), inp["initial_state"])
+    o2, S2 = call(slice(split, None), S1)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert rel_err(torch.cat([o1, o2], 1), o) <= tol and rel_err(S2, S) <= tol
+
+
+def check_step(B, T, H, Hk, K, V, prefill, dtype=torch.float32):
+    """A Triton prefill, then one Triton decode step per token (state in place, output into ``out``): the outputs
+    and the state equal the float64 reference over the whole sequence."""
+    inp = delta_inputs(B, T, H, Hk, K, V, dtype=dtype, device=DEV, seed=5, state=False)
+    q, k, v, beta, ld = (inp[n] for n in NAMES)
+    ref, ref_S = gated_delta_rule(*(x.double() for x in (q, k, v, beta, ld)), output_final_state=True,
+                                  backend="reference")
+    if prefill:
+        _, state = gated_delta_rule(*(x[:, :prefill] for x in (q, k, v, beta, ld)), output_final_state=True,
+                                    backend="triton")
+    else:
+        state = torch.zeros(B, Hk, K, V, device=DEV)
+    out = torch.full((B, H, V), float("nan"), dtype=dtype, device=DEV)
+    outs = [gated_delta_rule_step(q[:, t], k[:, t], v[:, t], beta[:, t], ld[:, t], state, out=out,
+                                  backend="triton").clone() for t in range(prefill, T)]
+    assert rel_err(torch.stack(outs, 1), ref[:, prefill:]) <= TOL[dtype]
+    assert rel_err(state, ref_S) <= (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def check_entry_points(B, T, H, Hk, K, V, monkeypatch):
+    """``gated_delta_rule`` (with gradients) and ``gated_delta_rule_step`` on the Triton backend launch these
+    kernels; without a GPU ``backend=None`` on CPU tensors does not."""
+    launched = []
+
+    def spy(module, name):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, functools.wraps(real)(lambda *a, **kw: launched.append(name) or real(*a, **kw)))
+
+    spy(triton_delta, "_fwd")
+    spy(triton_delta, "_bwd")
+    spy(triton_delta_step, "gated_delta_rule_step_triton")
+    inp = delta_inputs(B, T + 1, H, Hk, K, V, device=DEV, seed=8)
+    q, k, v, beta, ld = (inp[n][:, :T].clone().requires_grad_() for n in NAMES)
+    o, S = gated_delta_rule(q, k, v, beta, ld, initial_state=inp["initial_state"], output_final_state=True,
+                            backend="triton")
+    (o.sum() + S.sum()).backward()
+    gated_delta_rule_step(*(inp[n][:, T] for n in NAMES), S.detach().clone(), backend="triton")
+    assert launched == ["_fwd", "_bwd", "gated_delta_rule_step_triton"]
+    if not ON_GPU:
+        gated_delta_rule(*(inp[n] for n in NAMES))
+        assert len(launched) == 3
+
+
+def check_empty_sequence():
+    inp = delta_inputs(2, 0, 4, 2, 16, 32, device=DEV)
+    o, S = gated_delta_rule(*(inp[n] for n in NAMES), initial_state=inp["initial_state"], output_final_state=True,
+                            backend="triton")
+    assert o.shape == (2, 0, 4, 32) and torch.equal(S, inp["initial_state"])
+
+
+# ---------------------------------------------------------------------------
+# GPU: real shapes
+
+KV_DIMS = [(64, 128), (128, 128)]
+HEADS = [(4, 2), (4, 4)]
+
+
+@gpu
+@pytest.mark.parametrize("T", [1, 37, 130, 1024])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: "H{}Hk{}".format(*h))
+@pytest.mark.parametrize("dims", KV_DIMS, ids=lambda d: "K{}V{}".format(*d))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_forward_backward(T, heads, dims, dtype):
+    check("triton", 2, T, *heads, *dims, dtype, state=T != 1024, device=DEV)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fp32_states(dtype, monkeypatch):
+    monkeypatch.setitem(triton_delta.CONFIG, "fwd_states_fp32", True)
+    check("triton", 2, 300, 4, 2, 128, 128, dtype, device=DEV)
+
+
+@gpu
+@pytest.mark.parametrize("bt", [32, 64])
+@pytest.mark.parametrize("bv", [32, 128])
+def test_chunks_and_value_blocks(bt, bv, monkeypatch):
+    """Other chunk sizes and value blocks than the defaults."""
+    monkeypatch.setitem(triton_delta.CONFIG, "bt", bt)
+    for key in ("walk_bv", "out_bv", "bwd_bv"):
+        monkeypatch.setitem(triton_delta.CONFIG, key, bv)
+    check("triton", 2, 300, 4, 2, 128, 128, torch.bfloat16, device=DEV)
+
+
+@gpu
+@pytest.mark.parametrize("decay", ["strong", "zero"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_decays(decay, dtype):
+    check("triton", 2, 1024, 4, 2, 128, 128, dtype, decay=decay, device=DEV)
+
+
+@gpu
+@pytest.mark.parametrize("split", [64, 100])
+def test_continuation(split):
+    check_continuation(2, 300, 4, 2, 128, 128, split)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("bv", [0, 32])
+def test_step_matches_forward(dtype, bv, monkeypatch):
+    monkeypatch.setitem(triton_delta_step.CONFIG, "step_bv", bv)
+    check_step(2, 90, 8, 2, 128, 128, prefill=70, dtype=dtype)
+
+
+@gpu
+def test_entry_points(monkeypatch):
+    check_entry_points(2, 130, 4, 2, 128, 128, monkeypatch)
+
+
+@gpu
+def test_empty_sequence():
+    check_empty_sequence()
+
+
+@gpu
+def test_step_under_a_cuda_graph():
+    """The step captured once and replayed: the state advances in place, the outputs land in ``out``."""
+    B, H, Hk, K, V, T = 2, 4, 2, 128, 128, 6
+    inp = delta_inputs(B, T, H, Hk, K, V, device=DEV, seed=11, state=False)
+    xs = [inp[n] for n in NAMES]
+    ref, _ = gated_delta_rule(*(x.double() for x in xs), backend="reference")
+    state = torch.zeros(B, Hk, K, V, device=DEV)
+    slots = [torch.empty_like(x[:, 0]) for x in xs]
+    out = torch.empty(B, H, V, device=DEV)
+    gated_delta_rule_step(*(x[:, 0] for x in xs), state.clone(), out=out)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gated_delta_rule_step(*slots, state, out=out)
+    outs = []
+    for t in range(T):
+        for slot, x in zip(slots, xs):
+            slot.copy_(x[:, t])
+        graph.replay()
+        outs.append(out.clone())
+    assert rel_err(torch.stack(outs, 1), ref) <= 1e-5
+
+
+# ---------------------------------------------------------------------------
+# CPU: Triton's interpreter at tiny shapes (16-token chunks)
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    monkeypatch.setitem(triton_delta.CONFIG, "bt", 16)
+
+
+@interp
+@pytest.mark.parametrize("shape", [(1, 1, 2, 2, 16, 32), (1, 37, 4, 2, 16, 32), (2, 33, 2, 2, 32, 16)],
+                         ids=lambda s: "B{}T{}H{}Hk{}K{}V{}".format(*s))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_interp_forward_backward(shape, dtype, small_chunks):
+    check("triton", *shape, dtype, state=shape[1] != 33)
+
+
+@interp
+def test_interp_long_odd_sequence(small_chunks):
+    """T = 130: nine chunks, the last one of two tokens; groups of 4 query heads."""
+    check("triton", 1, 130, 4, 1, 16, 16, torch.float32)
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_interp_fp32_states(dtype, small_chunks, monkeypatch):
+    monkeypatch.setitem(triton_delta.CONFIG, "fwd_states_fp32", True)
+    check("triton", 1, 37, 4, 2, 16, 32, dtype)
+
+
+@interp
+@pytest.mark.parametrize("decay", ["strong", "zero"])
+def test_interp_decays(decay, small_chunks):
+    check("triton", 1, 40, 2, 2, 16, 16, torch.float32, decay=decay)
+
+
+@interp
+def test_interp_chunk_of_32(monkeypatch):
+    monkeypatch.setitem(triton_delta.CONFIG, "bt", 32)
+    check("triton", 1, 45, 2, 1, 32, 32, torch.float32)
+
+
+@interp
+def test_interp_continuation(small_chunks):
+    check_continuation(1, 40, 4, 2, 16, 32, split=21)
+
+
+@interp
+@pytest.mark.parametrize("bv", [0, 16])
+def test_interp_step_matches_forward(bv, small_chunks, monkeypatch):
+    monkeypatch.setitem(triton_delta_step.CONFIG, "step_bv", bv)
+    check_step(1, 24, 4, 2, 16, 64, prefill=17)
+
+
+@interp
+def test_interp_entry_points(small_chunks, monkeypatch):
+    check_entry_points(1, 20, 4, 2, 16, 32, monkeypatch)
+
+
+@interp
+def test_interp_empty_sequence():
+    check_empty_sequence()
+
+
+@pytest.mark.slow  # the interpreter: about half a minute of CPU
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the gpu tests run the kernels directly")
+@pytest.mark.skipif(INTERPRET, reason="already interpreting: the interp tests run directly")
+def test_delta_kernels_under_interpreter():
+    here = Path(__file__).resolve()
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "-k", "interp_",
+                          str(here)], capture_output=True, text=True, env=env, cwd=here.parent.parent, timeout=1800)
+    tail = (res.stdout + res.stderr)[-6000:]
+    assert res.returncode == 0, tail
+    last = res.stdout.strip().splitlines()[-1]
+    assert " passed" in last and "failed" not in last and "error" not in last, tail
+    assert int(last.split(" passed")[0].split()[-1]) == 17, tail  # every interp test ran
