@@ -82,11 +82,13 @@ def test_chunked_prefill_equals_one_forward(family, recipe, count_chunked):
     assert count_chunked == [7, 13]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3_text", "starcoder2", "cohere2"])
-def test_chunked_continuation_of_a_cache(family, count_chunked):
+@pytest.mark.parametrize("family,attn", [("llama", "sdpa"), ("llama", "eager"), ("qwen3", "sdpa"),
+                                         ("gemma3_text", "sdpa"), ("starcoder2", "eager"), ("cohere2", "sdpa")])
+def test_chunked_continuation_of_a_cache(family, attn, count_chunked):
     """A cache that already holds 11 tokens continues over 39 more in pieces of 7: the logits of those 39 in one
-    forward (sliding softmax windows of Gemma 3, Starcoder 2 and Command R7B included)."""
+    forward (sliding softmax windows of Gemma 3, Starcoder 2 and Command R7B included; SDPA's and eager masks)."""
     hybrid = _hybrid(family)
+    hybrid.config._attn_implementation = attn
     ids, mask, pos = _padded(pad=4)
     with torch.no_grad():
         whole = hybrid(ids, attention_mask=mask, position_ids=pos, use_cache=False, prefill_chunk_tokens=0).logits
@@ -95,6 +97,23 @@ def test_chunked_continuation_of_a_cache(family, count_chunked):
                       use_cache=True, prefill_chunk_tokens=7)
     _close(rest.logits, whole[:, 11:])
     assert _cache(rest).get_seq_length() == T and count_chunked == [7]
+
+
+@pytest.mark.parametrize("window", [0, 8])
+def test_gated_layers_prefill_in_chunks(window, count_chunked):
+    """Gated linear layers (attention.decay: learned, a half-life of 4 tokens so that a decay missed at a chunk
+    boundary shows) carry their decayed state across pieces: the logits of one forward, left padding included."""
+    rec = R.load("lolcats", {"attention.window": window, "attention.decay": "learned", "attention.decay_half_life": 4.0})
+    hybrid = linearize_model(tiny_model("llama"), select_layout(4, ratio="3:1"), rec)
+    g = torch.Generator().manual_seed(1)
+    for m in hybrid.linear_modules():  # an input-dependent gate
+        m.decay.weight.data = torch.randn(m.decay.weight.shape, generator=g) * 0.3
+    ids, mask, pos = _padded()
+    with torch.no_grad():
+        whole = hybrid(ids, attention_mask=mask, position_ids=pos, prefill_chunk_tokens=0).logits
+        out = hybrid(ids, attention_mask=mask, position_ids=pos, prefill_chunk_tokens=7).logits
+    _close(out[mask.bool()], whole[mask.bool()])
+    assert count_chunked == [7]
 
 
 def test_logits_to_keep_and_use_cache():
