@@ -59,12 +59,12 @@ def count_chunked(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("family,recipe", [(f, "lolcats") for f in FAMILIES] + [
+    (f, "elu") for f in ("llama", "gemma2", "gemma3_text", "phi3", "qwen3_moe", "starcoder2", "cohere2")])
 def test_chunked_prefill_equals_one_forward(family, recipe, count_chunked):
-    """Odd chunk sizes over a left-padded batch of 50 tokens (GQA, softmax and linear layers, the window of 8 and
-    the base layers' sliding windows of 16 crossing chunk boundaries): the logits and the cache of one forward; the
-    cache then decodes as the one-forward cache does."""
+    """Odd chunk sizes over a left-padded batch of 50 tokens (GQA, softmax and linear layers, with the window of 8
+    in every family and without a window in some, the base layers' sliding windows of 16 crossing chunk
+    boundaries): the logits and the cache of one forward; the cache then decodes as the one-forward cache does."""
     hybrid = _hybrid(family, recipe)
     ids, mask, pos = _padded()
     real = mask.bool()
@@ -190,6 +190,24 @@ def test_generate_is_the_same_with_chunked_prefill(family, count_chunked):
         assert torch.equal(got_tokens, tokens)
         _close(got_logits, logits)
         assert count_chunked == pieces  # the prefill only: decode steps are single tokens
+
+
+def test_bench_model_prefill_is_chunked(count_chunked):
+    """`linearize bench model`'s prefill (one forward with a fresh cache, logits_to_keep=1, no gradients) runs in
+    pieces for the hybrid, and its decode-timing cache steps as after one forward."""
+    from linearize.bench import model as bm
+
+    hybrid = _hybrid(ratio="3:1")
+    ids = torch.randint(0, 128, (2, T), generator=torch.Generator().manual_seed(0))
+    steps = []
+    for chunk in (0, 7):
+        hybrid.config.prefill_chunk_tokens = chunk
+        dcache = bm.decode_cache(bm.prefill(hybrid, ids), T)
+        with torch.no_grad():
+            steps.append(hybrid(input_ids=ids[:, -1:], position_ids=torch.full((2, 1), T - 1), use_cache=True,
+                                logits_to_keep=1, **bm._cache_kwargs(hybrid, dcache)).logits)
+    assert count_chunked == [7]
+    _close(steps[1], steps[0])
 
 
 def test_chunk_size_is_a_config_field(tmp_path):
