@@ -139,8 +139,9 @@ def test_fp32_states(dtype, monkeypatch):
 @pytest.mark.parametrize("bt", [32, 64])
 @pytest.mark.parametrize("bv", [32, 128])
 def test_chunks_and_value_blocks(bt, bv, monkeypatch):
-    """Other chunk sizes and value blocks than the defaults."""
+    """Other chunk sizes and value blocks than the defaults (the walks keep theirs: walk_waves 0)."""
     monkeypatch.setitem(triton_delta.CONFIG, "bt", bt)
+    monkeypatch.setitem(triton_delta.CONFIG, "walk_waves", 0)
     for key in ("walk_bv", "out_bv", "bwd_bv"):
         monkeypatch.setitem(triton_delta.CONFIG, key, bv)
     check("triton", 2, 300, 4, 2, 128, 128, torch.bfloat16, device=DEV)

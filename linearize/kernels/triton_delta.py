@@ -27,20 +27,27 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import decay_cumsum, decay_pairs, interpreting, launch, mm, new_empty, pow2, prec
+from .triton_common import decay_cumsum, decay_pairs, interpreting, launch, mm, new_empty, num_sms, pow2, prec
 from .tuning import ensure_applied, register
 
 _INTERP = tl.constexpr(interpreting())
 
-CONFIG = {  # launch configuration (untuned defaults; kernels/README.md, "Gated delta rule")
+CONFIG = {  # launch configuration: untuned; registers and spills from an offline sm_90a compile (kernels/README.md)
     "bt": 64,  # chunk of every kernel (they share the per-chunk states)
-    "prep_warps": 4,
-    "walk_bv": 64,  # value block of the forward and backward walks: the [K, BV] fp32 state lives in registers
-    "walk_warps": 4,
+    "prep_warps": 4,  # 226 registers, no spills
+    # value block of the forward and backward walks (the [K, BV] fp32 state lives in registers), halved to 32 while
+    # the grid has fewer than walk_waves programs per SM (long T, small batch: the walk is serial); 8 warps at
+    # 64 (4 spill ~90 bytes), 4 at 32 (no spills)
+    "walk_bv": 64,
+    "walk_waves": 1.0,
+    "walk_warps": 8,
+    "walk_warps_narrow": 4,
     "walk_stages": 2,
-    "out_bv": 64,  # value block of the output kernel and of the backward's dvl kernel
+    "out_bv": 64,  # value block of the output kernel and of the backward's dvl kernel (136 / 154 registers)
     "out_warps": 4,
-    "bwd_bv": 64,  # value block the chunk-parallel backward kernels loop over
+    # value block the chunk-parallel backward kernels loop over: at 64 the UT backward spilled ~350 bytes, at 32
+    # 88 (the query-side kernel none at either)
+    "bwd_bv": 32,
     "bwd_warps": 8,
     # the forward's chunk states in fp32 instead of the inputs' dtype: twice the bytes of its largest intermediate,
     # bf16 outputs 3.9e-3 instead of 5.8e-3 off float64 under the interpreter (its bf16 output alone: 3.3e-3)
@@ -336,7 +343,7 @@ def _dqk_kernel(
         q = tl.load(Q + qrow[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
         X = tl.zeros([BT, BK], dtype=tl.float32)
         DP = tl.zeros([BT, BT], dtype=tl.float32)
-        for vb in tl.static_range(NV_BLK):
+        for vb in range(NV_BLK):  # not unrolled: one value block's tiles live at a time (unrolled: ~300 B spilled)
             ov = vb * BV + tl.arange(0, BV)
             mv = ov < V
             do = tl.load(DO + qrow[:, None] * V + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
@@ -368,8 +375,10 @@ def _wy_kernel(
 ):
     """Program (chunk, batch x KV head): the backward of ``U = u - w S0``, ``S1 = e^{c_last} S0 + Kd^T U`` and of
     the UT transform (``w = T Kb``, ``u = T Vb``, ``Kb = diag(beta gamma) K``, ``Vb = diag(beta) V``,
-    ``dA = -T^T dT T^T`` on the strictly lower part, ``A = diag(beta) (K K^T) * M``); adds the query side, and
-    turns ``dL/dc`` into ``d log_decay`` by a reverse cumulative sum over the chunk."""
+    ``A = diag(beta) (K K^T) * M`` strictly lower); adds the query side, and turns ``dL/dc`` into ``d log_decay``
+    by a reverse cumulative sum over the chunk. Its value-block loop is not unrolled and carries two ``[BT, BK]``
+    accumulators (unrolled, or folding the key terms into one accumulator with two more products, it spilled
+    1-3 KB per thread compiled for sm_90a)."""
     i = tl.program_id(0)
     pbh = tl.program_id(1)
     b = pbh // HK
@@ -388,13 +397,16 @@ def _wy_kernel(
     k = tl.load(Kp + row[:, None] * K + ok[None, :], mask=m_tk, other=0.0)
     k32 = k.to(tl.float32)
     beta = tl.load(BETA + row, mask=mt, other=0.0).to(tl.float32)
-    Tm = tl.load(TM + ((pbh.to(tl.int64) * N + i) * BT + ar[:, None]) * BT + ar[None, :])
-    dw = tl.zeros([BT, BK], dtype=tl.float32)
-    dKd = tl.zeros([BT, BK], dtype=tl.float32)
-    dT = tl.zeros([BT, BT], dtype=tl.float32)
+    Tt = tl.load(TM + ((pbh.to(tl.int64) * N + i) * BT + ar[None, :]) * BT + ar[:, None])  # T^T, read transposed
+    bg = beta * gam
+    # With Y = Vb - Kb S0 = (I + A) U (U = T Y), the gradient of T is dT = dU Y^T, so dA = -T^T dT T^T = -dVb U^T and
+    # d(Kb) = T^T dw = -dVb S0^T, with dVb = T^T dU the gradient of Vb = diag(beta) V: neither dT nor dw is formed
+    dKd = tl.zeros([BT, BK], dtype=tl.float32)  # U dS1^T (S1 = e^{c_last} S0 + Kd^T U)
+    dKb = tl.zeros([BT, BK], dtype=tl.float32)  # d(Kb), Kb = diag(beta gamma) K
+    dA = tl.zeros([BT, BT], dtype=tl.float32)
     db = tl.zeros([BT], dtype=tl.float32)
     dSS = tl.zeros([BK], dtype=tl.float32)  # rows of <S0, dS1>
-    for vb in tl.static_range(NV_BLK):
+    for vb in range(NV_BLK):  # a loop, not unrolled: one value block's tiles live at a time
         ov = vb * BV + tl.arange(0, BV)
         mv = ov < V
         m_tv = mt[:, None] & mv[None, :]
@@ -404,25 +416,22 @@ def _wy_kernel(
         new = tl.load(U + row[:, None] * V + ov[None, :], mask=m_tv, other=0.0)
         du = tl.load(DU + row[:, None] * V + ov[None, :], mask=m_tv, other=0.0)
         v = tl.load(Vp + row[:, None] * V + ov[None, :], mask=m_tv, other=0.0).to(tl.float32)
-        dw -= dot32(du, tl.trans(S0), PREC)
-        dKd += dot32(new, tl.trans(dS1), PREC)
-        dSS += tl.sum(S0 * dS1, 1)
-        dT += dot32(du, tl.trans(v * beta[:, None]), PREC)
-        dVb = dot32(tl.trans(Tm), du, PREC)  # d(beta v)
+        dVb = dot32(Tt, du, PREC)
         tl.store(DV + row[:, None] * V + ov[None, :], (dVb * beta[:, None]).to(DV.dtype.element_ty), mask=m_tv)
         db += tl.sum(dVb * v, 1)
-    bg = beta * gam
-    dKb = dot32(tl.trans(Tm), dw, PREC)  # d(beta gamma k)
-    dT += dot32(dw, tl.trans(k32 * bg[:, None]), PREC)
-    dA = -dot32(dot32(tl.trans(Tm), dT, PREC), tl.trans(Tm), PREC)
-    KK = mm(k, tl.trans(k), PREC)
+        dA -= dot32(dVb, tl.trans(new), PREC)
+        dKd += dot32(new, tl.trans(dS1), PREC)
+        dKb -= dot32(dVb, tl.trans(S0), PREC)
+        dSS += tl.sum(S0 * dS1, 1)
+    e = wk * tl.sum(k32 * dKd, 1)  # the keys' decay to the chunk's end, e^{c_last - c_t}
+    kdKb = tl.sum(k32 * dKb, 1)
+    dk = dKd * wk[:, None] + dKb * bg[:, None]
     dA = tl.where(strict, dA, 0.0)
+    KK = mm(k, tl.trans(k), PREC)
     dKK = dA * M * beta[:, None]  # A = beta_t (k_t.k_j) M_tj below the diagonal
-    dk = dKb * bg[:, None] + dot32(dKK, k32, PREC) + dot32(tl.trans(dKK), k32, PREC) + dKd * wk[:, None]
-    kdKb = tl.sum(dKb * k32, 1)
+    dk += dot32(dKK + tl.trans(dKK), k32, PREC)  # both keys of each pair: dKK K + dKK^T K
     db += gam * kdKb + tl.sum(dA * M * KK, 1)
     DA = dKK * KK  # dA * A
-    e = wk * tl.sum(k32 * dKd, 1)  # the keys' decay to the chunk's end, e^{c_last - c_t}
     dc = bg * kdKb + tl.sum(DA, 1) - tl.sum(DA, 0) - e
     dc += tl.where(ar == BT - 1, tl.sum(e, 0) + keep * tl.sum(dSS, 0), 0.0)  # c_last: the last row, padding or not
     dk += tl.load(DKA + row[:, None] * K + ok[None, :], mask=m_tk, other=0.0)
@@ -435,6 +444,16 @@ def _wy_kernel(
 
 # ---------------------------------------------------------------------------
 # launches
+
+
+def _walk_launch(programs: int, V: int, device: torch.device) -> tuple[int, int]:
+    """``(BV, num_warps)`` of a walk over ``programs`` (batch x KV head) sequences: ``walk_bv`` halved (to 32 at
+    least) while the grid has fewer than ``walk_waves`` programs per SM (off CUDA: ``walk_bv``)."""
+    BV = _blocks("walk_bv", V)
+    if device.type == "cuda":
+        while BV > 32 and programs * triton.cdiv(V, BV) < CONFIG["walk_waves"] * num_sms(device):
+            BV //= 2
+    return BV, CONFIG["walk_warps"] if BV >= 64 else CONFIG["walk_warps_narrow"]
 
 
 def _blocks(key: str, V: int) -> int:
@@ -468,11 +487,10 @@ def _walk(k, w, u, lg, S0, *, state_dtype, want_final):
     dev = k.device
     hs = new_empty((B, HK, N, K, V), dtype=state_dtype, device=dev)
     fin = new_empty((B, HK, K, V), dtype=torch.float32, device=dev) if want_final else None
-    BV = _blocks("walk_bv", V)
+    BV, warps = _walk_launch(B * HK, V, dev)
     launch(_walk_kernel, (triton.cdiv(V, BV), B * HK), k, w, u, lg, S0 if S0 is not None else hs, hs,
            fin if want_final else hs, T, HK, K=K, V=V, BK=pow2(K), BV=BV, BT=BT, HAS_INIT=S0 is not None,
-           STORE_FINAL=want_final, PREC=prec(k.dtype), num_warps=CONFIG["walk_warps"],
-           num_stages=CONFIG["walk_stages"])
+           STORE_FINAL=want_final, PREC=prec(k.dtype), num_warps=warps, num_stages=CONFIG["walk_stages"])
     return hs, fin
 
 
@@ -512,11 +530,11 @@ def _bwd(q, k, v, beta, lg, S0, scale, do, dS_f, need_dS0):
            K=K, V=V, BK=BK, BV=BVo, BT=BT, G=G, PREC=pr, num_warps=CONFIG["out_warps"])
     dh = new_empty((B, HK, N, K, V), dtype=f32, device=dev)
     dS0 = new_empty((B, HK, K, V), dtype=f32, device=dev) if need_dS0 else None
-    BVw = _blocks("walk_bv", V)
+    BVw, warps = _walk_launch(B * HK, V, dev)
     launch(_bwd_walk_kernel, (triton.cdiv(V, BVw), B * HK), q, k, w, do, lg, du,
            dS_f.float().contiguous() if dS_f is not None else dh, dh, dS0 if need_dS0 else dh, T, H, HK, float(scale),
            K=K, V=V, BK=BK, BV=BVw, BT=BT, G=G, HAS_DSF=dS_f is not None, STORE_DS0=need_dS0, PREC=pr,
-           num_warps=CONFIG["walk_warps"], num_stages=CONFIG["walk_stages"])
+           num_warps=warps, num_stages=CONFIG["walk_stages"])
     dq = new_empty(q.shape, dtype=q.dtype, device=dev)
     dka = new_empty((B, T, HK, K), dtype=f32, device=dev)
     dca = new_empty((B, T, HK), dtype=f32, device=dev)
