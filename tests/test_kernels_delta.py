@@ -72,6 +72,11 @@ def test_chunked_vs_reference(shape, dtype):
     check("torch", *shape, dtype, state=shape[1] % 2 == 1)
 
 
+def test_chunked_fp32_queries_and_keys_with_bf16_values():
+    """As the layer calls it: q and k normalised in fp32, v and beta in the model's bf16 (outputs in bf16)."""
+    check("torch", 1, 70, 4, 2, 16, 8, torch.bfloat16, qk_dtype=torch.float32)
+
+
 @pytest.mark.parametrize("decay", ["strong", "zero"])
 def test_chunked_decays(decay):
     """log_decay ~ -5 (the state forgets within a few tokens) over several chunks stays finite and exact; zero

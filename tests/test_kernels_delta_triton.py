@@ -129,6 +129,12 @@ def test_forward_backward(T, heads, dims, dtype):
 
 
 @gpu
+def test_fp32_queries_and_keys_with_bf16_values():
+    """As the layer calls it: q and k normalised in fp32, v and beta in bf16."""
+    check("triton", 2, 300, 4, 2, 128, 128, torch.bfloat16, device=DEV, qk_dtype=torch.float32)
+
+
+@gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_fp32_states(dtype, monkeypatch):
     monkeypatch.setitem(triton_delta.CONFIG, "fwd_states_fp32", True)
@@ -232,6 +238,11 @@ def test_interp_fp32_states(dtype, small_chunks, monkeypatch):
 
 
 @interp
+def test_interp_fp32_queries_and_keys_with_bf16_values(small_chunks):
+    check("triton", 1, 37, 4, 2, 16, 32, torch.bfloat16, qk_dtype=torch.float32)
+
+
+@interp
 @pytest.mark.parametrize("decay", ["strong", "zero"])
 def test_interp_decays(decay, small_chunks):
     check("triton", 1, 40, 2, 2, 16, 16, torch.float32, decay=decay)
@@ -277,4 +288,4 @@ def test_delta_kernels_under_interpreter():
     assert res.returncode == 0, tail
     last = res.stdout.strip().splitlines()[-1]
     assert " passed" in last and "failed" not in last and "error" not in last, tail
-    assert int(last.split(" passed")[0].split()[-1]) == 17, tail  # every interp test ran
+    assert int(last.split(" passed")[0].split()[-1]) == 18, tail  # every interp test ran

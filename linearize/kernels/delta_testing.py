@@ -80,8 +80,11 @@ def compare(got, ref, dtype: torch.dtype, *, tols: Optional[Dict[str, float]] = 
 
 
 def check(backend: str, B, T, H, Hk, K, V, dtype, *, state=True, decay="mixed", device="cpu", tols=None,
-          scale=None) -> Dict[str, float]:
-    """A backend against the float64 reference on :func:`delta_inputs` (see :func:`compare`)."""
+          scale=None, qk_dtype=None) -> Dict[str, float]:
+    """A backend against the float64 reference on :func:`delta_inputs` (see :func:`compare`); ``qk_dtype``: ``q``
+    and ``k`` in another dtype than ``v`` and ``beta`` (the layer normalises them in fp32)."""
     inp = delta_inputs(B, T, H, Hk, K, V, dtype=dtype, device=device, seed=T * 7 + H + K, state=state, decay=decay)
+    if qk_dtype is not None:
+        inp["q"], inp["k"] = inp["q"].to(qk_dtype), inp["k"].to(qk_dtype)
     return compare(run(backend_fn(backend, scale), inp), run(backend_fn("reference", scale), inp, dtype=F64), dtype,
                    tols=tols)

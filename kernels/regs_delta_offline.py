@@ -1,0 +1,96 @@
+"""(CPU) Registers, spills and shared memory of the gated-delta-rule kernels compiled for sm_90a, without a GPU.
+
+Compiles every kernel of ``triton_delta.py`` and ``triton_delta_step.py`` at the benchmark shape (bf16,
+K = V = 128, 64-token chunks, no GQA; the step with groups of 4) with the launch configuration of ``CONFIG``, and
+runs ``ptxas -v`` on the PTX, as ``kernels/regs_offline.py`` does for the linear and window forwards. Triton 3.9
+emits PTX 9.x, which its bundled ``ptxas`` (CUDA 12.9) refuses; ``ptxas-blackwell`` (CUDA 13) takes it:
+
+    python kernels/regs_delta_offline.py                      # the shipped CONFIG
+    python kernels/regs_delta_offline.py walk_warps=4 bwd_bv=64   # overrides (ints)
+    PTXAS=/path/to/ptxas python kernels/regs_delta_offline.py
+
+The device's own Triton (3.6 on the H200 machine) may allocate differently; this is for comparing variants.
+"""
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from linearize.kernels import triton_delta as TD
+from linearize.kernels import triton_delta_step as TS
+
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+PTXAS = os.environ.get("PTXAS") or next(p for p in (os.path.join(BIN, "ptxas-blackwell"), os.path.join(BIN, "ptxas"))
+                                         if os.path.exists(p))
+DIV16 = {"T", "H", "HK"}  # as the device specialises them at the benchmark shapes
+
+
+def compile_stats(fn, pointers: dict, ints: set, floats: set, consts: dict, warps: int, stages: int):
+    """(registers, spill store bytes, spill load bytes, shared bytes) of ``fn`` compiled for sm_90a."""
+    sig = {}
+    for name in fn.arg_names:
+        sig[name] = ("constexpr" if name in consts else pointers.get(name) or
+                     ("i32" if name in ints else "fp32" if name in floats else None))
+        if sig[name] is None:
+            raise KeyError(name)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if sig[n].startswith("*") or n in DIV16}
+    kernel = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": warps, "num_stages": stages})
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(kernel.asm["ptx"])
+        f.flush()
+        out = subprocess.run([PTXAS, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull], capture_output=True,
+                             text=True)
+    log = out.stderr + out.stdout
+    regs = re.search(r"Used (\d+) registers", log)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    if regs is None:
+        raise RuntimeError(log[-800:])
+    return int(regs.group(1)), int(spill.group(1)), int(spill.group(2)), kernel.metadata.shared
+
+
+def kernels(cfg: dict):
+    """(name, kernel, pointer types, int args, float args, constexprs, warps, stages) at the benchmark shape."""
+    bf, f32 = "*bf16", "*fp32"
+    K = V = 128
+    BT = cfg["bt"]
+    base = dict(K=K, V=V, BK=K, BT=BT, PREC="tf32")
+    wbv = cfg["walk_bv"]
+    wwarps = cfg["walk_warps"] if wbv >= 64 else cfg["walk_warps_narrow"]
+    return [
+        ("prep", TD._prep_kernel, dict(Kp=bf, Vp=bf, BETA=bf, LG=f32, W=f32, U=f32, TM=f32), {"T", "HK"}, set(),
+         dict(base, BV=64, NV_BLK=V // 64, STORE_T=True), cfg["prep_warps"], 1),
+        ("walk", TD._walk_kernel, dict(Kp=bf, W=f32, U=f32, LG=f32, INIT=f32, HS=bf, FIN=f32), {"T", "HK"}, set(),
+         dict(base, BV=wbv, HAS_INIT=True, STORE_FINAL=True), wwarps, cfg["walk_stages"]),
+        ("out", TD._out_kernel, dict(Q=bf, Kp=bf, U=f32, HS=bf, LG=f32, O=bf), {"T", "H", "HK"}, {"scale"},
+         dict(base, BV=cfg["out_bv"], S32=cfg["fwd_states_fp32"]), cfg["out_warps"], 2),
+        ("dvl", TD._dvl_kernel, dict(Q=bf, Kp=bf, DO=bf, LG=f32, DVL=f32), {"T", "H", "HK"}, {"scale"},
+         dict(base, BV=cfg["out_bv"], G=1), cfg["out_warps"], 2),
+        ("bwd walk", TD._bwd_walk_kernel, dict(Q=bf, Kp=bf, W=f32, DO=bf, LG=f32, DU=f32, DSF=f32, DH=f32, DS0=f32),
+         {"T", "H", "HK"}, {"scale"}, dict(base, BV=wbv, G=1, HAS_DSF=True, STORE_DS0=True), wwarps,
+         cfg["walk_stages"]),
+        ("dqk", TD._dqk_kernel, dict(Q=bf, Kp=bf, DO=bf, HS=f32, U=f32, LG=f32, DQ=bf, DKA=f32, DGA=f32),
+         {"T", "H", "HK"}, {"scale"}, dict(base, BV=cfg["bwd_bv"], G=1, NV_BLK=V // cfg["bwd_bv"]),
+         cfg["bwd_warps"], 1),
+        ("wy", TD._wy_kernel, dict(Kp=bf, Vp=bf, BETA=bf, LG=f32, TM=f32, HS=f32, DH=f32, U=f32, DU=f32, DKA=f32,
+                                   DGA=f32, DK=bf, DV=bf, DBETA=bf, DLG=f32),
+         {"T", "HK"}, set(), dict(base, BV=cfg["bwd_bv"], NV_BLK=V // cfg["bwd_bv"]), cfg["bwd_warps"], 1),
+        ("step", TS._delta_step_kernel, dict(Q=bf, Kp=bf, Vp=bf, BETA=bf, LD=f32, S=f32, O=bf), {"H", "HK"},
+         {"scale"}, dict(K=K, V=V, BK=K, BV=64, G=4, DECAY=True), TS.CONFIG["step_warps"], 1),
+    ]
+
+
+if __name__ == "__main__":
+    cfg = dict(TD.CONFIG, **{k: int(v) for k, v in (a.split("=") for a in sys.argv[1:])})
+    print(f"triton {triton.__version__}, {os.path.basename(PTXAS)}; {cfg}")
+    print("registers, spill stores / loads (bytes), shared memory (bytes)")
+    for name, fn, ptrs, ints, floats, consts, warps, stages in kernels(cfg):
+        regs, st, ld, smem = compile_stats(fn, ptrs, ints, floats, consts, warps, stages)
+        print(f"  {name:9s} {warps:2d} warps, {stages} stages: {regs:3d} registers, spills {st} / {ld}, "
+              f"shared {smem:,}", flush=True)
