@@ -7,8 +7,8 @@ import sys
 
 import pytest
 import torch
-
 from conftest import FAMILIES, tiny_model
+
 from linearize import recipe as R
 from linearize.convert.selection import select_layout
 from linearize.convert.surgery import linearize_model
@@ -21,7 +21,8 @@ T = 50
 
 
 def _hybrid(family="llama", recipe="lolcats", ratio="1:1", seed=0):
-    return linearize_model(tiny_model(family, seed=seed), select_layout(4, ratio=ratio), R.load(recipe, RECIPES[recipe]))
+    rec = R.load(recipe, RECIPES[recipe])
+    return linearize_model(tiny_model(family, seed=seed), select_layout(4, ratio=ratio), rec)
 
 
 def _cache(out):
@@ -103,7 +104,8 @@ def test_chunked_continuation_of_a_cache(family, attn, count_chunked):
 def test_gated_layers_prefill_in_chunks(window, count_chunked):
     """Gated linear layers (attention.decay: learned, a half-life of 4 tokens so that a decay missed at a chunk
     boundary shows) carry their decayed state across pieces: the logits of one forward, left padding included."""
-    rec = R.load("lolcats", {"attention.window": window, "attention.decay": "learned", "attention.decay_half_life": 4.0})
+    rec = R.load("lolcats", {"attention.window": window, "attention.decay": "learned",
+                             "attention.decay_half_life": 4.0})
     hybrid = linearize_model(tiny_model("llama"), select_layout(4, ratio="3:1"), rec)
     g = torch.Generator().manual_seed(1)
     for m in hybrid.linear_modules():  # an input-dependent gate
@@ -119,7 +121,7 @@ def test_gated_layers_prefill_in_chunks(window, count_chunked):
 def test_logits_to_keep_and_use_cache():
     """logits_to_keep keeps its meaning over pieces: the last n positions (1: the last piece's last logit only; a
     span across two pieces; 0: all), 1-D tensors of positions (negative ones, any order) and of booleans;
-    use_cache=False returns no cache, use_cache=True the filled one."""
+    use_cache=False returns no cache, use_cache=True the filled one; return_dict=False a tuple."""
     hybrid = _hybrid()
     ids = torch.randint(0, 128, (2, T))
     with torch.no_grad():
@@ -132,6 +134,9 @@ def test_logits_to_keep_and_use_cache():
             assert _cache(out) is None
         out = hybrid(ids, use_cache=True, logits_to_keep=1, prefill_chunk_tokens=13)
         assert out.logits.shape == (2, 1, 128) and _cache(out).get_seq_length() == T
+        logits, cache = hybrid(ids, use_cache=True, return_dict=False, prefill_chunk_tokens=13)  # a tuple
+        _close(logits, full)
+        assert cache.get_seq_length() == T
 
 
 def test_which_pieces_compute_logits():
@@ -152,7 +157,6 @@ def test_only_inference_forwards_are_chunked(count_chunked):
         hybrid(ids, labels=ids, prefill_chunk_tokens=7)
         hybrid(ids, prefill_chunk_tokens=T)
         hybrid(ids, output_hidden_states=True, prefill_chunk_tokens=7)
-        hybrid(ids, return_dict=False, prefill_chunk_tokens=7)
         hybrid(ids, logits_to_keep=torch.tensor([[1, 2]]), prefill_chunk_tokens=7)
         hybrid(ids, attention_mask=torch.ones(1, 1, T, T, dtype=torch.bool), prefill_chunk_tokens=7)
         for mode in ("softmax", "distill"):
@@ -226,7 +230,10 @@ def test_chunk_size_is_a_config_field(tmp_path):
     assert LinearizeForCausalLM.from_pretrained(tmp_path).config.prefill_chunk_tokens == PREFILL_CHUNK_TOKENS
     assert LinearizeForCausalLM.from_pretrained(tmp_path, prefill_chunk_tokens=512).config.prefill_chunk_tokens == 512
     # not transformers' GenerationConfig.prefill_chunk_size, which generate() would take from the model's config
-    assert LinearizeForCausalLM.from_pretrained(tmp_path, prefill_chunk_tokens=0).generation_config.prefill_chunk_size is None
+    loaded = LinearizeForCausalLM.from_pretrained(tmp_path, prefill_chunk_tokens=0)
+    assert loaded.generation_config.prefill_chunk_size is None
+    with torch.no_grad():
+        assert loaded.generate(torch.ones(1, 9, dtype=torch.long), max_new_tokens=2, do_sample=False).shape == (1, 11)
     for bad in (-1, 1.5, True, "8K"):
         with pytest.raises(ValueError, match="prefill_chunk_tokens=.*expected a whole number of tokens >= 0"):
             LinearizeConfig(prefill_chunk_tokens=bad)
@@ -249,6 +256,7 @@ def test_bundled_runtime_prefills_in_chunks(tmp_path):
     """A checkpoint loaded with trust_remote_code=True, without the package, prefills in pieces from its own files
     (prefill_chunk_tokens set at load) and computes the package's logits."""
     from conftest import char_tokenizer
+
     from linearize.io.checkpoint import save_checkpoint
 
     rec = R.load("lolcats", RECIPES["lolcats"])
@@ -271,7 +279,7 @@ def test_bundled_runtime_prefills_in_chunks(tmp_path):
         "    diff = (m(d['ids']).logits - d['want']).abs().max().item()\n"
         "print(pieces, diff)\n"
     )
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
     assert res.returncode == 0, res.stderr[-3000:]
     pieces, diff = res.stdout.strip().rsplit(" ", 1)
     assert pieces == "[7]" and float(diff) <= 1e-5

@@ -252,26 +252,31 @@ class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
         c = self._swap_cache(c)
         key = "cache" if "cache" in _base_forward_params(self._base_forward) else "past_key_values"
         if chunk:
+            cache_position = kwargs.pop("cache_position", None)  # older transformers: cut per piece like the ids
+            as_tuple = kwargs.pop("return_dict", getattr(self.config, "return_dict", True)) is False
 
             def step(**piece):  # one piece: a cached forward of the base family
-                return self._base_forward(self, use_cache=True, **{key: c}, **piece, **kwargs)
+                return self._base_forward(self, use_cache=True, return_dict=True, **{key: c}, **piece, **kwargs)
 
-            return chunked_forward(step, chunk, input_ids=input_ids, inputs_embeds=inputs_embeds,
-                                   attention_mask=attention_mask, position_ids=position_ids, past=past,
-                                   logits_to_keep=logits_to_keep, cache_position=kwargs.pop("cache_position", None),
-                                   return_cache=bool(use_cache))
+            out = chunked_forward(step, chunk, input_ids=input_ids, inputs_embeds=inputs_embeds,
+                                  attention_mask=attention_mask, position_ids=position_ids, past=past,
+                                  logits_to_keep=logits_to_keep, cache_position=cache_position,
+                                  return_cache=bool(use_cache))
+            return out.to_tuple() if as_tuple else out
         kwargs[key] = c
         return self._base_forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                   inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
                                   logits_to_keep=logits_to_keep, **kwargs)
 
-    def _chunk_size(self, prefill_chunk_tokens, x, attention_mask, past: int, labels, logits_to_keep, kwargs: dict) -> int:
+    def _chunk_size(self, prefill_chunk_tokens, x, attention_mask, past: int, labels, logits_to_keep,
+                    kwargs: dict) -> int:
         """Tokens per piece if this forward runs as a chunked prefill, else 0. It does for inference (eval mode, no
         labels, no gradient recorded: training and backward need the whole graph, which pieces would not shrink)
         longer than one piece, with every converted layer in linear mode (a softmax teacher keeps no cache), no
         padding mask or a 2-D one over the ``past`` cached tokens and the new ones, ``logits_to_keep`` an int or a
-        1-D tensor, and no per-layer outputs asked for (attentions, hidden states, router logits) nor a tuple."""
-        chunk = check_chunk_size(self.config.prefill_chunk_tokens if prefill_chunk_tokens is None else prefill_chunk_tokens)
+        1-D tensor, and no per-layer outputs asked for (attentions, hidden states, router logits)."""
+        asked = self.config.prefill_chunk_tokens if prefill_chunk_tokens is None else prefill_chunk_tokens
+        chunk = check_chunk_size(asked)
         if not chunk or x is None or x.shape[1] <= chunk or labels is not None or self.training:
             return 0
         if torch.is_grad_enabled() or any(m.mode != "linear" for m in self.linear_modules()):
@@ -283,7 +288,7 @@ class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
         if any(kwargs.get(k, getattr(self.config, k, False))
                for k in ("output_attentions", "output_hidden_states", "output_router_logits")):
             return 0
-        return 0 if kwargs.get("return_dict") is False else chunk
+        return chunk
 
 
 _PARAMS_CACHE: dict[Any, set[str]] = {}

@@ -12,7 +12,8 @@ in linear mode, an input longer than one chunk).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -71,13 +72,13 @@ def chunked_forward(step: Callable[..., Any], chunk: int, *, input_ids: torch.Te
     for start in range(0, T, chunk):
         end = min(start + chunk, T)
         keep, indices = kept_positions(logits_to_keep, T, start, end)
-        pieces = dict(
-            input_ids=None if input_ids is None else input_ids[:, start:end],
-            inputs_embeds=None if inputs_embeds is None else inputs_embeds[:, start:end],
-            attention_mask=None if attention_mask is None else attention_mask[:, : past + end],
-            position_ids=None if position_ids is None else position_ids[..., start:end],
-            logits_to_keep=keep if keep is not None else x.new_zeros(0, dtype=torch.long),  # [0]: no position
-        )
+        pieces = {
+            "input_ids": None if input_ids is None else input_ids[:, start:end],
+            "inputs_embeds": None if inputs_embeds is None else inputs_embeds[:, start:end],
+            "attention_mask": None if attention_mask is None else attention_mask[:, : past + end],
+            "position_ids": None if position_ids is None else position_ids[..., start:end],
+            "logits_to_keep": keep if keep is not None else x.new_zeros(0, dtype=torch.long),  # [0]: no position
+        }
         if cache_position is not None:
             pieces["cache_position"] = cache_position[start:end]
         last = None  # the previous piece's output (its hidden states, its logits if unkept) is freed before the next
@@ -92,5 +93,6 @@ def chunked_forward(step: Callable[..., Any], chunk: int, *, input_ids: torch.Te
         out = torch.cat(logits, dim=1) if len(logits) > 1 else logits[0]
     if answered:  # the pieces answer a tensor's positions in position order: back to the order asked
         out = out[:, torch.cat(answered).argsort()]
-    fields = {k: v for k, v in last.items() if k != "logits" and (return_cache or k not in ("cache", "past_key_values"))}
+    dropped = ("logits",) if return_cache else ("logits", "cache", "past_key_values")
+    fields = {k: v for k, v in last.items() if k not in dropped}
     return type(last)(logits=out, **fields)
