@@ -7,6 +7,7 @@ emits PTX 9.x, which its bundled ``ptxas`` (CUDA 12.9) refuses; ``ptxas-blackwel
 
     python kernels/regs_delta_offline.py                      # the shipped CONFIG
     python kernels/regs_delta_offline.py walk_warps=4 bwd_bv=64   # overrides (ints)
+    KV=256 python kernels/regs_delta_offline.py                  # K = V = 256
     PTXAS=/path/to/ptxas python kernels/regs_delta_offline.py
 
 The device's own Triton (3.6 on the H200 machine) may allocate differently; this is for comparing variants.
@@ -58,11 +59,11 @@ def compile_stats(fn, pointers: dict, ints: set, floats: set, consts: dict, warp
 def kernels(cfg: dict):
     """(name, kernel, pointer types, int args, float args, constexprs, warps, stages) at the benchmark shape."""
     bf, f32 = "*bf16", "*fp32"
-    K = V = 128
+    K = V = int(os.environ.get("KV", 128))
     BT = cfg["bt"]
     base = dict(K=K, V=V, BK=K, BT=BT, PREC="tf32")
     wbv = cfg["walk_bv"]
-    wwarps = cfg["walk_warps"] if wbv >= 64 else cfg["walk_warps_narrow"]
+    wwarps = cfg["walk_warps"] if K * wbv >= 128 * 64 else cfg["walk_warps_narrow"]
     return [
         ("prep", TD._prep_kernel, dict(Kp=bf, Vp=bf, BETA=bf, LG=f32, W=f32, U=f32, TM=f32), {"T", "HK"}, set(),
          dict(base, BV=64, NV_BLK=V // 64, STORE_T=True), cfg["prep_warps"], 1),

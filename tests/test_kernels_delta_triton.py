@@ -129,6 +129,14 @@ def test_forward_backward(T, heads, dims, dtype):
 
 
 @gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_head_dim_256(dtype):
+    """Gemma's head size: the walks' state tiles are [256, BV] (the backward walk's pipeline does not fit shared
+    memory at two stages; launch() retries with one)."""
+    check("triton", 1, 200, 2, 1, 256, 256, dtype, device=DEV)
+
+
+@gpu
 def test_fp32_queries_and_keys_with_bf16_values():
     """As the layer calls it: q and k normalised in fp32, v and beta in bf16."""
     check("triton", 2, 300, 4, 2, 128, 128, torch.bfloat16, device=DEV, qk_dtype=torch.float32)

@@ -36,8 +36,8 @@ CONFIG = {  # launch configuration: untuned; registers and spills from an offlin
     "bt": 64,  # chunk of every kernel (they share the per-chunk states)
     "prep_warps": 4,  # 226 registers, no spills
     # value block of the forward and backward walks (the [K, BV] fp32 state lives in registers), halved to 32 while
-    # the grid has fewer than walk_waves programs per SM (long T, small batch: the walk is serial); 8 warps at
-    # 64 (4 spill ~90 bytes), 4 at 32 (no spills)
+    # the grid has fewer than walk_waves programs per SM (long T, small batch: the walk is serial); walk_warps for
+    # state tiles of 128 x 64 or more (at 4 warps: ~90 bytes spilled at K = 128, 656 at 256 x 32), 4 below (none)
     "walk_bv": 64,
     "walk_waves": 1.0,
     "walk_warps": 8,
@@ -446,14 +446,15 @@ def _wy_kernel(
 # launches
 
 
-def _walk_launch(programs: int, V: int, device: torch.device) -> tuple[int, int]:
+def _walk_launch(programs: int, K: int, V: int, device: torch.device) -> tuple[int, int]:
     """``(BV, num_warps)`` of a walk over ``programs`` (batch x KV head) sequences: ``walk_bv`` halved (to 32 at
-    least) while the grid has fewer than ``walk_waves`` programs per SM (off CUDA: ``walk_bv``)."""
+    least) while the grid has fewer than ``walk_waves`` programs per SM (off CUDA: ``walk_bv``); the warps by the
+    size of the ``[K, BV]`` state tile."""
     BV = _blocks("walk_bv", V)
     if device.type == "cuda":
         while BV > 32 and programs * triton.cdiv(V, BV) < CONFIG["walk_waves"] * num_sms(device):
             BV //= 2
-    return BV, CONFIG["walk_warps"] if BV >= 64 else CONFIG["walk_warps_narrow"]
+    return BV, CONFIG["walk_warps"] if pow2(K) * BV >= 128 * 64 else CONFIG["walk_warps_narrow"]
 
 
 def _blocks(key: str, V: int) -> int:
@@ -487,7 +488,7 @@ def _walk(k, w, u, lg, S0, *, state_dtype, want_final):
     dev = k.device
     hs = new_empty((B, HK, N, K, V), dtype=state_dtype, device=dev)
     fin = new_empty((B, HK, K, V), dtype=torch.float32, device=dev) if want_final else None
-    BV, warps = _walk_launch(B * HK, V, dev)
+    BV, warps = _walk_launch(B * HK, K, V, dev)
     launch(_walk_kernel, (triton.cdiv(V, BV), B * HK), k, w, u, lg, S0 if S0 is not None else hs, hs,
            fin if want_final else hs, T, HK, K=K, V=V, BK=pow2(K), BV=BV, BT=BT, HAS_INIT=S0 is not None,
            STORE_FINAL=want_final, PREC=prec(k.dtype), num_warps=warps, num_stages=CONFIG["walk_stages"])
@@ -530,7 +531,7 @@ def _bwd(q, k, v, beta, lg, S0, scale, do, dS_f, need_dS0):
            K=K, V=V, BK=BK, BV=BVo, BT=BT, G=G, PREC=pr, num_warps=CONFIG["out_warps"])
     dh = new_empty((B, HK, N, K, V), dtype=f32, device=dev)
     dS0 = new_empty((B, HK, K, V), dtype=f32, device=dev) if need_dS0 else None
-    BVw, warps = _walk_launch(B * HK, V, dev)
+    BVw, warps = _walk_launch(B * HK, K, V, dev)
     launch(_bwd_walk_kernel, (triton.cdiv(V, BVw), B * HK), q, k, w, do, lg, du,
            dS_f.float().contiguous() if dS_f is not None else dh, dh, dS0 if need_dS0 else dh, T, H, HK, float(scale),
            K=K, V=V, BK=BK, BV=BVw, BT=BT, G=G, HAS_DSF=dS_f is not None, STORE_DS0=need_dS0, PREC=pr,
