@@ -25,6 +25,7 @@ from .version import __version__
 BUNDLE = {
     "linearize.model.modeling": "modeling_linearize",
     "linearize.model.attention": "linearize_attention",
+    "linearize.model.delta_attention": "linearize_delta_attention",
     "linearize.model.architectures": "linearize_architectures",
     "linearize.model.cache": "linearize_cache",
     "linearize.model.feature_maps": "linearize_feature_maps",
@@ -35,7 +36,8 @@ BUNDLE = {
     "linearize.kernels": "linearize_kernels",
     **{f"linearize.kernels.{m}": f"linearize_kernels_{m}" for m in (
         "chunked", "reference", "step", "triton_common", "triton_features", "triton_linear", "triton_rotary",
-        "triton_step", "triton_window", "tuning")},
+        "triton_step", "triton_window", "tuning", "delta", "delta_chunked", "delta_reference", "delta_step",
+        "triton_delta", "triton_delta_step")},
 }
 #: modules whose imported names are written as constants instead of bundling the module
 CONSTANTS = {"linearize.version": ("__version__",)}

@@ -19,6 +19,7 @@ import yaml
 from .data.checks import check_text_files
 from .data.mixture import mixture_text
 from .errors import DataError, RecipeError
+from .model.layout import CONVERTED, GATED_DELTA, LINEAR
 from .settings import DEFAULT_RECIPE
 from .units import parse_tokens
 
@@ -97,6 +98,13 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "eps": Field(float, 1e-6, "a number in (0, 0.1]", lambda v: 0.0 < v <= 0.1),
         "decay": Field(str, "none", "none or learned", lambda v: v in ("none", "learned")),
         "decay_half_life": Field(float, 16384.0, "a number of tokens in [1, 1e9]", lambda v: 1.0 <= v <= 1e9),
+        # what the converted layers compute: linear attention with feature maps, or the gated delta rule
+        # (linearize/model/delta_attention.py; the feature-map and window fields do not apply to it)
+        "layer_type": Field(str, LINEAR, f"one of {', '.join(CONVERTED)}", lambda v: v in CONVERTED),
+        "delta_beta_init": Field(float, 0.5, "a number in (0, 1)", lambda v: 0.0 < v < 1.0),
+        "delta_q_scale": Field(float, 1.0, "a number in (0, 64]", lambda v: 0.0 < v <= 64.0),
+        "delta_qk_map": Field(bool, False, "true or false"),
+        "delta_output_gate": Field(bool, False, "true or false"),
     },
     "distill": {
         **_training_fields(lr=1e-2),
@@ -283,7 +291,23 @@ def validate(raw: dict[str, Any], *, source: str = "", lines: dict[str, int] | N
             hint = _did_you_mean("", key)
             raise RecipeError(f"{where(key)}unknown field {key!r}; " + (f"{hint} (a field belongs under its section)"
                                                                         if hint else f"allowed: {', '.join(allowed)}"))
+    _check_layer_type(values, where)
     return Recipe(values=values, source=source)
+
+
+def _check_layer_type(values: dict[str, dict[str, Any]], where: Callable[[str], str]) -> None:
+    """Fields that mean nothing to gated delta layers are refused rather than ignored: the sliding window (a
+    gated_delta layer has none) and Hedgehog's attention-weight loss (it has no attention weights)."""
+    att = values["attention"]
+    if att["layer_type"] != GATED_DELTA:
+        return
+    if att["window"]:
+        raise RecipeError(f"{where('attention.window')}attention.window = {att['window']}: gated_delta layers "
+                          f"(attention.layer_type) have no sliding window; set attention.window=0")
+    if values["distill"]["xent_weight"] > 0:
+        raise RecipeError(f"{where('distill.xent_weight')}distill.xent_weight = {values['distill']['xent_weight']}: "
+                          f"gated_delta layers (attention.layer_type) have no attention weights to match; set "
+                          f"distill.xent_weight=0")
 
 
 def _line_map(text: str) -> dict[str, int]:

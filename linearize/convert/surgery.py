@@ -10,6 +10,7 @@ from transformers import PreTrainedModel
 from ..errors import UnsupportedModelError
 from ..io.sources import read_config
 from ..model.architectures import arch_spec, not_causal_reason, not_supported_reason, supported_types, text_part
+from ..model.layout import LINEAR
 from ..model.modeling import LinearizeConfig, LinearizeForCausalLM
 from ..recipe import Recipe
 
@@ -69,8 +70,11 @@ def check_supported(model: PreTrainedModel) -> str:
 
 
 def linearize_model(model: PreTrainedModel, layer_types: list[str], recipe: Recipe) -> LinearizeForCausalLM:
-    """Turn a loaded causal LM into a hybrid in place (its weights are adopted, not copied)."""
+    """Turn a loaded causal LM into a hybrid in place (its weights are adopted, not copied). The layout's converted
+    layers (``linear_attention``, as layouts are chosen) become the recipe's ``attention.layer_type``."""
     check_supported(model)
+    converted = recipe["attention"].get("layer_type") or LINEAR
+    layer_types = [converted if t == LINEAR else t for t in layer_types]
     config = LinearizeConfig.from_base(model.config, layer_types, dict(recipe["attention"]))
     config._attn_implementation = model.config._attn_implementation
     param = next(model.parameters())

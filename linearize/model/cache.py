@@ -3,8 +3,8 @@
 Softmax layers keep a growing KV cache (``DynamicLayer``; ``DynamicSlidingWindowLayer`` where the base model's
 layer has a sliding window, as the original's cache does); linear layers keep a fixed-size
 recurrent state ``(S, z)`` and, for window-hybrid layers, a ring buffer of the last W tokens
-(``linearize.kernels.WindowState``). Every layer reports the number of tokens seen, so masks and
-position ids come out as for a plain dynamic cache.
+(``linearize.kernels.WindowState``); gated delta layers keep their state ``S`` (:class:`DeltaStateLayer`). Every
+layer reports the number of tokens seen, so masks and position ids come out as for a plain dynamic cache.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
 from ..kernels import window_state_from_prefill
-from .layout import FULL
+from .layout import FULL, GATED_DELTA
 
 #: tokens a :meth:`HybridCache.crop` may take back (assisted / speculative decoding drafts are far shorter)
 CROP_TOKENS = 256
@@ -169,6 +169,33 @@ class LinearStateLayer(CacheLayerMixin):
         return sum(t.numel() * t.element_size() for t in self.state)
 
 
+class DeltaStateLayer(LinearStateLayer):
+    """Cache of one gated delta layer: its state ``S`` ``[B, Hk, K, V]`` fp32 (a decode step updates it in place)
+    and a token counter. The delta rule's state cannot give tokens back (each write rescales what came before it),
+    so :meth:`crop` is refused."""
+
+    def set_state(self, state: torch.Tensor, new_tokens: int) -> None:
+        """Record the layer's state after processing ``new_tokens`` more tokens."""
+        self.state = state
+        self.seen += int(new_tokens)
+        self.is_initialized = True
+        self.device = state.device
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.state is not None:
+            self.state = self.state.index_select(0, beam_idx.to(self.state.device))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if -int(tokens_to_remove) > 0 and self.state is not None:
+            raise RuntimeError("a gated delta layer's state cannot take tokens back (assisted or prompt-lookup "
+                               "decoding); generate without it")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by this layer's state."""
+        return 0 if self.state is None else self.state.numel() * self.state.element_size()
+
+
 def _accepted(fn, kwargs: dict) -> dict:
     """The part of ``kwargs`` that ``fn`` takes (all of it when ``fn`` has ``**kwargs``)."""
     params = inspect.signature(fn).parameters
@@ -178,8 +205,10 @@ def _accepted(fn, kwargs: dict) -> dict:
 
 
 def _cache_layer(layer_type: str, window: int | None) -> CacheLayerMixin:
-    """The cache layer of one decoder layer: recurrent state for a linear layer, KV for a softmax one (the last
-    ``window`` tokens where the base layer slides)."""
+    """The cache layer of one decoder layer: recurrent state for a converted layer (the delta rule's own for a gated
+    delta one), KV for a softmax one (the last ``window`` tokens where the base layer slides)."""
+    if layer_type == GATED_DELTA:
+        return DeltaStateLayer()
     if layer_type != FULL:
         return LinearStateLayer()
     return DynamicSlidingWindowLayer(sliding_window=window) if window else DynamicLayer()
@@ -187,7 +216,7 @@ def _cache_layer(layer_type: str, window: int | None) -> CacheLayerMixin:
 
 class HybridCache(Cache):
     """One cache layer per decoder layer: KV for ``full_attention`` (only the last ``windows[i]`` tokens where the
-    base layer slides), recurrent state otherwise."""
+    base layer slides), recurrent state otherwise (:class:`DeltaStateLayer` for ``gated_delta``)."""
 
     def __init__(self, layer_types: list[str], windows: list[int | None] | None = None):
         windows = list(windows) if windows is not None else [None] * len(layer_types)

@@ -1,13 +1,17 @@
 """The hybrid model: a Hugging Face config and causal-LM class with its own ``model_type``.
 
 ``LinearizeConfig`` carries every field of the base model's config (so generic code reads
-``hidden_size``, ``vocab_size``, ... as usual), plus ``base_model_type``, the hybrid
-``layer_types``, the ``linear_attention`` settings and the kernel options (``fused_feature_maps``,
-``rotary_backend``: :data:`~linearize.model.attention.KERNEL_OPTIONS`) and ``prefill_chunk_tokens``.
+``hidden_size``, ``vocab_size``, ... as usual), plus ``base_model_type``, the hybrid's layout
+(``hybrid_layer_types``: ``full_attention``, ``linear_attention`` or ``gated_delta`` per layer; ``layer_types``: the
+same in transformers' vocabulary, ``linear_attention`` for both kinds of converted layer), the ``linear_attention``
+settings, the kernel options (``fused_feature_maps``, ``rotary_backend``:
+:data:`~linearize.model.attention.KERNEL_OPTIONS`) and ``prefill_chunk_tokens``.
 ``LinearizeForCausalLM`` builds the base family's causal LM from that config, replaces the attention of every
-``linear_attention`` layer with :class:`~linearize.model.attention.LinearAttention`, and runs the base family's own
-forward (an inference forward longer than ``prefill_chunk_tokens`` tokens as consecutive cached forwards:
-:mod:`~linearize.model.prefill`). Parameter names are the base model's plus the feature-map and window parameters.
+``linear_attention`` layer with :class:`~linearize.model.attention.LinearAttention` and of every ``gated_delta``
+layer with :class:`~linearize.model.delta_attention.GatedDeltaAttention`, and runs the base family's own forward
+(an inference forward longer than ``prefill_chunk_tokens`` tokens as consecutive cached forwards:
+:mod:`~linearize.model.prefill`). Parameter names are the base model's plus the converted layers' own (feature maps,
+window and decay; the delta rule's gates and read-out scale).
 
 In memory the config's ``model_type`` is ``linearize``; on disk ``config.json`` names the base family
 (``llama``, ``gemma3_text``, ...) and the hybrid by ``architectures`` and ``auto_map``. transformers'
@@ -32,23 +36,30 @@ from ..version import __version__
 from .architectures import arch_spec
 from .attention import KERNEL_OPTIONS, LinearAttention, RealTokens, merge_kernel_options
 from .cache import HybridCache, softmax_windows
-from .layout import LINEAR
+from .delta_attention import GatedDeltaAttention
+from .layout import CONVERTED, FULL, GATED_DELTA, transformers_layer_types
 from .prefill import PREFILL_CHUNK_TOKENS, check_chunk_size, chunked_forward
 
 #: base-config fields that belong to the hybrid and must not be passed to the base config class
-_OWN_FIELDS = ("base_model_type", "layer_types", "linear_attention", "base_layer_types", "base_rope_parameters",
-               "linearize_version", "prefill_chunk_tokens", *KERNEL_OPTIONS)
+_OWN_FIELDS = ("base_model_type", "layer_types", "hybrid_layer_types", "linear_attention", "base_layer_types",
+               "base_rope_parameters", "linearize_version", "prefill_chunk_tokens", *KERNEL_OPTIONS)
 
 
 class LinearizeConfig(PretrainedConfig):
     """Config of a linearize hybrid: the base config's fields + the layer layout + layer settings + the kernel
     options + ``prefill_chunk_tokens`` (tokens per piece of a chunked prefill, 0: none; :mod:`~linearize.model.prefill`)
-    (a config without the last two, as written before they existed, takes the defaults)."""
+    (a config without the last two, as written before they existed, takes the defaults).
+
+    The layout is ``hybrid_layer_types`` (:mod:`~linearize.model.layout`'s types per decoder layer); ``layer_types``
+    is its transformers spelling (:func:`~linearize.model.layout.transformers_layer_types`), since transformers
+    refuses a ``layer_types`` entry it does not know and builds its caches from them. Given ``layer_types`` alone
+    (a config written before gated delta layers, or ``from_base``'s layout), the layout is read from it."""
 
     model_type = "linearize"
 
     def __init__(self, base_model_type: str = "llama", layer_types: list[str] | None = None,
-                 linear_attention: dict | None = None, base_layer_types: list[str] | None = None,
+                 hybrid_layer_types: list[str] | None = None, linear_attention: dict | None = None,
+                 base_layer_types: list[str] | None = None,
                  base_rope_parameters: dict | None = None, linearize_version: str | None = None,
                  fused_feature_maps: str = KERNEL_OPTIONS["fused_feature_maps"],
                  rotary_backend: str | None = KERNEL_OPTIONS["rotary_backend"],
@@ -56,7 +67,11 @@ class LinearizeConfig(PretrainedConfig):
         merge_kernel_options(KERNEL_OPTIONS, dict(fused_feature_maps=fused_feature_maps, rotary_backend=rotary_backend))
         self.prefill_chunk_tokens = check_chunk_size(prefill_chunk_tokens)
         self.base_model_type = base_model_type
-        self.layer_types = list(layer_types) if layer_types is not None else None
+        layout = hybrid_layer_types if hybrid_layer_types is not None else layer_types
+        self.hybrid_layer_types = list(layout) if layout is not None else None
+        self.layer_types = transformers_layer_types(layout) if layout is not None else None
+        if hybrid_layer_types is not None and layer_types is not None and list(layer_types) != self.layer_types:
+            raise ValueError(f"layer_types {list(layer_types)} does not spell hybrid_layer_types {list(layout)}")
         self.linear_attention = dict(linear_attention or {})
         self.base_layer_types = base_layer_types
         self.base_rope_parameters = base_rope_parameters
@@ -120,7 +135,8 @@ class LinearizeConfig(PretrainedConfig):
 
     @property
     def linear_layers(self) -> list[int]:
-        return [i for i, t in enumerate(self.layer_types or []) if t == LINEAR]
+        """The converted layers (linear attention or gated delta rule), in order."""
+        return [i for i, t in enumerate(self.hybrid_layer_types or []) if t in CONVERTED]
 
 
 def _base_attention(base_config: PretrainedConfig, impl: str) -> str:
@@ -134,7 +150,8 @@ def _base_attention(base_config: PretrainedConfig, impl: str) -> str:
 
 
 class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
-    """A causal LM whose ``linear_attention`` layers run linear attention. Loads with ``from_pretrained``."""
+    """A causal LM whose ``linear_attention`` layers run linear attention and ``gated_delta`` layers the gated delta
+    rule. Loads with ``from_pretrained``."""
 
     config_class = LinearizeConfig
     base_model_prefix = "model"
@@ -165,11 +182,17 @@ class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
         spec = arch_spec(config.base_model_type)
         options = self.kernel_options()
         masks = RealTokens()  # one padding read per forward, shared by the converted layers
-        for i in config.linear_layers:
+        for i, kind in enumerate(config.hybrid_layer_types or []):
+            if kind not in CONVERTED:
+                if kind != FULL:
+                    raise ValueError(f"hybrid_layer_types[{i}] = {kind!r}: expected one of "
+                                     f"{', '.join((FULL, *CONVERTED))}")
+                continue
             layer = self.model.layers[i]
             original = getattr(layer, spec.attention)
-            setattr(layer, spec.attention, LinearAttention(original, base_cfg, i, config.linear_attention, spec,
-                                                           kernel_options=options, masks=masks))
+            cls = GatedDeltaAttention if kind == GATED_DELTA else LinearAttention
+            setattr(layer, spec.attention, cls(original, base_cfg, i, config.linear_attention, spec,
+                                               kernel_options=options, masks=masks))
         self.post_init()
 
     def _init_weights(self, module):
@@ -183,9 +206,9 @@ class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
     def set_input_embeddings(self, value):
         self.model.embed_tokens = value
 
-    def linear_modules(self) -> list[LinearAttention]:
-        """The linear-attention layers, in order."""
-        return [m for m in self.modules() if isinstance(m, LinearAttention)]
+    def linear_modules(self) -> list[LinearAttention | GatedDeltaAttention]:
+        """The converted layers (linear attention, gated delta rule), in order."""
+        return [m for m in self.modules() if isinstance(m, (LinearAttention, GatedDeltaAttention))]
 
     def set_attention_mode(self, mode: str) -> None:
         """``"linear"`` (converted), ``"softmax"`` (original attention) or ``"distill"`` (both)."""
@@ -213,7 +236,7 @@ class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
             m.set_kernel_options(**options)
 
     def new_cache(self) -> HybridCache:
-        return HybridCache(self.config.layer_types, softmax_windows(self.config))
+        return HybridCache(self.config.hybrid_layer_types, softmax_windows(self.config))
 
     def _swap_cache(self, cache: Any) -> Any:
         if cache is None or isinstance(cache, HybridCache):
