@@ -26,6 +26,8 @@ def recipes_cmd(name: Optional[str] = typer.Argument(None, help="Show this recip
     table.add_column("description")
     for n in R.available():
         r = R.load(n)
-        table.add_row(n, r["attention"]["feature_map"], str(r["attention"]["window"]), r[""]["description"])
+        att = r["attention"]  # gated delta layers have no feature map: the column names their rule
+        fm = att["feature_map"] if att["layer_type"] == "linear_attention" else att["layer_type"].replace("_", " ")
+        table.add_row(n, fm, str(att["window"]), r[""]["description"])
     console.print(table)
 
