@@ -12,6 +12,8 @@ Layout ``[B, T, H, D]`` (like flash-attn / fla). Public entry points:
   :func:`window_linear_attention_step_hedgehog` with the Hedgehog features computed inside the step kernel.
 - :func:`hedgehog_feature_map` -- the Hedgehog features alone (a Triton kernel for inference on the GPU).
 - :func:`rotary_embedding` -- rotary position embedding of queries and keys (one Triton kernel, with backward).
+- :func:`gated_delta_rule`, :func:`gated_delta_rule_step` -- the gated delta rule (Gated DeltaNet), a sequence
+  and one decode token (:mod:`linearize.kernels.delta`).
 - :func:`window_state_from_prefill`, :func:`empty_window_state`,
   :func:`empty_linear_state` -- decode-state helpers.
 
@@ -38,6 +40,7 @@ from typing import Optional, Tuple
 import torch
 
 from .chunked import linear_attention_chunked, window_linear_attention_chunked
+from .delta import gated_delta_rule, gated_delta_rule_step
 from .reference import (
     needs_grad,
     drop_decay,
@@ -70,6 +73,8 @@ __all__ = [
     "hedgehog_features",
     "hedgehog_feature_map",
     "rotary_embedding",
+    "gated_delta_rule",
+    "gated_delta_rule_step",
     "linear_attention_step",
     "window_linear_attention_step",
     "window_linear_attention_step_hedgehog",
