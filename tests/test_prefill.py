@@ -118,6 +118,20 @@ def test_gated_layers_prefill_in_chunks(window, count_chunked):
     assert count_chunked == [7]
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_gated_delta_layers_prefill_in_chunks(family, count_chunked):
+    """Gated delta rule layers (the gdn recipe) carry their state across pieces: the logits of one forward, left
+    padding included."""
+    hybrid = linearize_model(tiny_model(family), select_layout(4, ratio="1:1"), R.load("gdn"))
+    assert "gated_delta" in hybrid.config.hybrid_layer_types
+    ids, mask, pos = _padded()
+    with torch.no_grad():
+        whole = hybrid(ids, attention_mask=mask, position_ids=pos, prefill_chunk_tokens=0).logits
+        out = hybrid(ids, attention_mask=mask, position_ids=pos, prefill_chunk_tokens=7).logits
+    _close(out[mask.bool()], whole[mask.bool()])
+    assert count_chunked == [7]
+
+
 def test_logits_to_keep_and_use_cache():
     """logits_to_keep keeps its meaning over pieces: the last n positions (1: the last piece's last logit only; a
     span across two pieces; 0: all), 1-D tensors of positions (negative ones, any order) and of booleans;
