@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from linearize.bench import kernels as bk
 from linearize.cli import app
-from linearize.kernels import linear_attention, linear_attention_step
+from linearize.kernels import gated_delta_rule, gated_delta_rule_step, linear_attention, linear_attention_step
 
 FAST = lambda fn: (fn(), 1.0)[1]  # noqa: E731 - a timer: one call, 1 ms
 
@@ -86,7 +86,7 @@ def test_progress_names_what_compiles_and_stays_off_the_rows():
     assert not any("kernel sdpa" in m for m in said)
     assert any(m.startswith("bench-sdpa") for m in said)
     assert said[0].startswith("bench kernels: T=32K (B*T=32768), 2 kinds of rows per length, 0 decode rows, check "
-                              "quick; off: gated, hedgehog, unnorm (--gated, --hedgehog, --full)")
+                              "quick; off: gated, delta, hedgehog, unnorm (--gated, --delta, --hedgehog, --full)")
 
     log = []
     bk.bench_kernels(specs=bk.ROW_SPECS[:1], lengths=[2048], tokens=2048, heads=1, dim=16, device="cpu",
@@ -172,12 +172,15 @@ def test_rows_are_saved_as_they_come(tmp_path):
 
 def test_default_rows_and_the_flags_that_add_the_others():
     """Default: ours linear and window (first), SDPA, fla when it is installed (after ours), decode steps;
-    --gated adds our gated kernels and fla's chunk_simple_gla and chunk_gla; --hedgehog the Hedgehog widths and
-    fused features; --full everything; --no-fla leaves fla out."""
+    --gated adds our gated kernels and fla's chunk_simple_gla and chunk_gla; --delta the gated delta rule, ours
+    and fla's, sequence and decode step; --hedgehog the Hedgehog widths and fused features; --full everything;
+    --no-fla leaves fla out."""
     names = lambda specs: [(s.bench, s.impl) for s in specs]  # noqa: E731
     fla = bk.FlaOps(installed=True)
     assert bk.row_groups() == {"fla"} and bk.row_groups(fla=False) == set()
     assert bk.row_groups(full=True) == set(bk.ROW_GROUPS) and bk.row_groups(gated=True, fla=False) == {"gated"}
+    assert bk.row_groups(delta=True) == {"fla", "delta"} and bk.row_groups(delta=True, fla=False) == {"delta"}
+    assert "delta" in bk.row_groups(full=True, fla=False)
     default = bk.select_rows(bk.ROW_SPECS, bk.row_groups(), fla)
     assert names(default) == [
         ("linear", "ours"), ("window", "ours W={window}"), ("linear", "sdpa-flash"), ("linear", "sdpa-cudnn"),
@@ -189,6 +192,12 @@ def test_default_rows_and_the_flags_that_add_the_others():
     assert [n for n in gated if n not in names(default)] == [
         ("linear gated", "ours"), ("linear gated", "ours-unnorm"), ("linear gated", "fla simple_gla"),
         ("linear gated", "fla gla"), ("decode", "ours gated linear step")]
+    delta = names(bk.select_rows(bk.ROW_SPECS, bk.row_groups(delta=True), fla))
+    assert [n for n in delta if n not in names(default)] == [
+        ("gated delta", "ours"), ("gated delta", "fla"), ("decode", "ours gated delta step"),
+        ("decode", "fla fused_recurrent delta")]
+    assert [n for n in names(bk.select_rows(bk.ROW_SPECS, bk.row_groups(delta=True, fla=False), fla))
+            if n not in names(default)] == [("gated delta", "ours"), ("decode", "ours gated delta step")]
     hedgehog = names(bk.select_rows(bk.ROW_SPECS, bk.row_groups(hedgehog=True), fla))
     assert [n for n in hedgehog if n not in names(default)] == [
         ("linear K={hedgehog_dim}", "ours"), ("linear K={hedgehog_dim}", "fla"),
@@ -223,7 +232,31 @@ def _fake_fla():
         S = initial_state + torch.einsum("bthk,bthv->bhkv", k.float(), v.float())
         return torch.einsum("bthk,bhkv->bthv", q.float(), S).to(v.dtype), S
 
-    ops = {f.__name__: f for f in (chunk_linear_attn, chunk_simple_gla, chunk_gla, fused_recurrent_linear_attn)}
+    def unit(x):  # L2-normalised per head, as the layer gives q and k
+        return torch.allclose(x.float().norm(dim=-1), torch.ones(x.shape[:-1]), atol=1e-3)
+
+    # fla 0.6.0's signatures (fla.ops.gated_delta_rule): q, k [B, T, H, K] (as many heads: no GQA), v [B, T, H, V],
+    # g (log decays) and beta [B, T, H]
+    def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False):
+        calls.append("chunk_gated_delta_rule")
+        assert q.shape == k.shape and v.shape[:3] == g.shape == beta.shape == q.shape[:3], (q.shape, k.shape, g.shape)
+        assert g.dtype == torch.float32 and bool((g <= 0).all()) and bool(((beta > 0) & (beta < 1)).all())
+        assert scale == q.shape[-1] ** -0.5 and unit(q) and unit(k) and initial_state is None
+        return gated_delta_rule(q, k, v, beta, g, scale=scale, backend="torch")[0], None
+
+    def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None,
+                                         initial_state=None, output_final_state=False):
+        calls.append("fused_recurrent_gated_delta_rule")
+        B, T, H, K = q.shape
+        assert T == 1 and k.shape == q.shape and v.shape[:3] == g.shape == beta.shape == (B, 1, H)
+        assert initial_state.shape == (B, H, K, v.shape[-1]) and initial_state.dtype == torch.float32
+        assert scale == K ** -0.5 and unit(q) and unit(k) and output_final_state and gk is None and gv is None
+        S = initial_state.clone()  # fla returns a new state
+        o = gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], beta[:, 0], g[:, 0], S, scale=scale, backend="torch")
+        return o.unsqueeze(1), S
+
+    ops = {f.__name__: f for f in (chunk_linear_attn, chunk_simple_gla, chunk_gla, fused_recurrent_linear_attn,
+                                   chunk_gated_delta_rule, fused_recurrent_gated_delta_rule)}
     return ops, calls
 
 
@@ -253,8 +286,90 @@ def test_every_row_kind_runs_on_the_pytorch_paths(tmp_path):
     (s64, s128) = bk.summarize(rows)
     assert s64["T"] == 64 and s64["gated unnorm fwd vs fla gla"] == pytest.approx(1.0)
     assert s64["gated unnorm fwd+bwd vs fla simple_gla"] == pytest.approx(1.0)
+    assert s128["delta fwd vs fla"] == pytest.approx(1.0) and s128["delta fwd+bwd vs fla"] == pytest.approx(1.0)
     assert json.loads(out.read_text())["complete"] is True
     bk.print_table(res)
+
+
+def _ctx(ops, heads=2, dim=16):
+    return bk.BenchContext(heads=heads, dim=dim, window=8, hedgehog_dim=32, device=torch.device("cpu"),
+                           dtype=torch.float32, fla=ops)
+
+
+@pytest.mark.parametrize("kv_heads", [None, 1])
+def test_delta_rows_on_the_pytorch_paths(kv_heads):
+    """--delta's specs built at a tiny shape (fla faked with its 0.6.0 signatures, which check the arguments'
+    names, shapes and dtypes): ours and fla's forward give the same output; fwd+bwd's check covers the output and
+    the gradients of q, k, v, beta and log_decay; the decode steps: ours updates each state in place and is
+    checked on its output and state, fla's gets the state as initial_state; GQA (kv_heads, the lab script's HK)
+    repeats the KV heads for fla."""
+    ops, calls = _fake_fla()
+    ctx = _ctx(ops, heads=2)
+    ours, fla, step, fla_step = bk.delta_row_specs(kv_heads)
+    assert (ours.bench, fla.impl) == ("gated delta" + (" Hk=1" if kv_heads else ""), "fla")
+    torch.manual_seed(0)
+    p_ours, p_fla = ours.build(ctx, 2, 70), fla.build(ctx, 2, 70)
+    assert set(p_ours) == set(p_fla) == {"fwd", "fwd+bwd"} and p_ours["fwd"].no_grad
+    with torch.no_grad():
+        o, of = p_ours["fwd"].fn(), p_fla["fwd"].fn()
+    assert o.shape == of.shape == (2, 70, 2, 16) and bk.rel_err(o, of) > 0  # their own random inputs
+    assert [n for n, _, _ in p_ours["fwd+bwd"].check()] == ["out", "dq", "dk", "dv", "dbeta", "dlog_decay"]
+    assert all(err <= tol for _, err, tol in p_ours["fwd+bwd"].check() + p_ours["fwd"].check())
+    p_fla["fwd+bwd"].fn()
+    assert p_fla["fwd"].check is None and calls == ["chunk_gated_delta_rule"] * 2
+
+    ctx.copy_gbs = 100.0
+    s_ours, s_fla = step.build(ctx, 3, 1)["step"], fla_step.build(ctx, 3, 1)["step"]
+    s_ours.warm()
+    s_ours.fn()
+    checks = s_ours.check()
+    assert [n for n, _, _ in checks] == ["out", "S"] and all(err <= tol for _, err, tol in checks)
+    s_fla.warm()
+    assert calls.count("fused_recurrent_gated_delta_rule") == bk.NROT
+    Hk = kv_heads or 2
+    assert s_ours.fields(1.0)["gbs"] == pytest.approx(2 * 3 * Hk * 16 * 16 * 4 / 1e6)
+    assert s_fla.fields(1.0)["gbs"] == pytest.approx(2 * 3 * 2 * 16 * 16 * 4 / 1e6)  # fla's state: every head
+
+
+def test_our_delta_step_row_rotates_states_in_place(monkeypatch):
+    """Each timed call steps all NROT fp32 states, each in place (its own, one after another) into one output
+    buffer: the decode row's bytes are those states read and written."""
+    seen = []
+
+    def spy(q, k, v, beta, log_decay, state, **kw):
+        before = state.clone()
+        o = gated_delta_rule_step(q, k, v, beta, log_decay, state, **kw)
+        seen.append((state.data_ptr(), kw.get("out") is not None, not torch.equal(before, state)))
+        return o
+
+    monkeypatch.setattr(bk, "gated_delta_rule_step", spy)
+    ops, _ = _fake_fla()
+    timed = bk.delta_row_specs()[2].build(_ctx(ops), 2, 1)["step"]
+    timed.warm()  # the first call of each (where Triton compiles), outside a CUDA graph
+    seen.clear()
+    timed.fn()
+    assert timed.calls == bk.NROT and len(seen) == bk.NROT and len({p for p, _, _ in seen}) == bk.NROT
+    assert all(out and moved for _, out, moved in seen)
+
+
+def test_summary_has_the_delta_ratios_per_length(capsys):
+    """fla's ms / ours for the delta rows, fwd and fwd+bwd, at each length; the decode line for the delta steps."""
+    row = lambda b, i, T, p, ms: {"bench": b, "impl": i, "T": T, "B": 32768 // T, "passes": p, "ms": ms}  # noqa
+    rows = [row("linear", "ours", 2048, "fwd", 1.0),
+            row("gated delta", "ours", 2048, "fwd", 2.0), row("gated delta", "fla", 2048, "fwd", 3.0),
+            row("gated delta", "ours", 2048, "fwd+bwd", 4.0), row("gated delta", "fla", 2048, "fwd+bwd", 10.0),
+            row("gated delta", "ours", 8192, "fwd", 2.5), row("gated delta", "fla", 8192, "fwd", 2.0),
+            row("decode", "ours gated delta step", 1, "step", 0.02),
+            row("decode", "fla fused_recurrent delta", 1, "step", 0.05)]
+    s2k, s8k = bk.summarize(rows)
+    assert (s2k["T"], s8k["T"]) == (2048, 8192)
+    assert s2k["delta fwd vs fla"] == pytest.approx(1.5) and s2k["delta fwd+bwd vs fla"] == pytest.approx(2.5)
+    assert s8k["delta fwd vs fla"] == pytest.approx(0.8) and "delta fwd+bwd vs fla" not in s8k
+    (only_fb,) = bk.summarize(rows[:2] + rows[3:5])  # no fla forward: no forward ratio
+    assert "delta fwd vs fla" not in only_fb and only_fb["delta fwd+bwd vs fla"] == pytest.approx(2.5)
+    bk.print_table([{"meta": {}}] + rows)
+    out = capsys.readouterr().out
+    assert "gated delta decode: ours 20.0 us vs fla 50.0 us = 2.50x" in out and "delta fwd vs fla" in out
 
 
 def test_format_row():
@@ -297,10 +412,12 @@ def test_no_gpu_is_one_line(monkeypatch):
 
 @pytest.mark.parametrize("args, lengths, groups", [
     ([], [2048, 8192, 32768], {"fla"}),
-    (["--full"], [2048, 8192, 32768, 131072], {"fla", "gated", "hedgehog", "unnorm"}),
-    (["--full", "--lengths", "4K"], [4096], {"fla", "gated", "hedgehog", "unnorm"}),
+    (["--full"], [2048, 8192, 32768, 131072], {"fla", "gated", "delta", "hedgehog", "unnorm"}),
+    (["--full", "--lengths", "4K"], [4096], {"fla", "gated", "delta", "hedgehog", "unnorm"}),
     (["--gated", "--no-fla", "--check", "none"], [2048, 8192, 32768], {"gated"}),
     (["--hedgehog", "--lengths", "32K,2K"], [2048, 32768], {"fla", "hedgehog"}),
+    (["--delta"], [2048, 8192, 32768], {"fla", "delta"}),
+    (["--delta", "--no-fla", "--lengths", "8K"], [8192], {"delta"}),
 ])
 def test_command_passes_the_plan_and_keeps_progress_on_stderr(monkeypatch, tmp_path, args, lengths, groups):
     """The options reach bench_kernels (default: quick check, 2K/8K/32K, fla's rows); progress goes to stderr,

@@ -1,14 +1,16 @@
 """Kernel benchmark: ``linearize bench kernels``.
 
 Times our Triton kernels side by side with fla 0.6.0 (``chunk_linear_attn``, ``fused_recurrent_linear_attn``;
-``chunk_simple_gla`` and ``chunk_gla`` for the gated rows; optional: their rows are skipped when fla is absent)
-and PyTorch SDPA (flash and cuDNN backends), median of ``triton.testing.do_bench``, all in one process on one GPU.
+``chunk_simple_gla`` and ``chunk_gla`` for the gated rows; ``chunk_gated_delta_rule`` and
+``fused_recurrent_gated_delta_rule`` for the gated delta rule's; optional: their rows are skipped when fla is
+absent) and PyTorch SDPA (flash and cuDNN backends), median of ``triton.testing.do_bench``, all in one process on
+one GPU.
 
 The rows are data (:data:`ROW_SPECS`, one :class:`RowSpec` per kind of row) and run one at a time: each pass is
 compiled on its first call, checked once against the PyTorch path (``--check quick``), timed, printed and saved
 before the next one compiles, so the first row comes within seconds of the start. The default set (lengths
 2K, 8K, 32K; ours linear and window, SDPA, fla, decode steps) stays within minutes on a fresh GPU; ``--gated``,
-``--hedgehog`` and ``--full`` add the rest. See ``kernels/README.md`` for the tables.
+``--delta``, ``--hedgehog`` and ``--full`` add the rest. See ``kernels/README.md`` for the tables.
 """
 
 from __future__ import annotations
@@ -28,11 +30,13 @@ from pathlib import Path
 from typing import Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 from rich.table import Table
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from linearize.kernels import (empty_window_state, linear_attention, linear_attention_hedgehog, linear_attention_step,
-                               window_linear_attention, window_linear_attention_hedgehog, window_linear_attention_step,
+from linearize.kernels import (empty_window_state, gated_delta_rule, gated_delta_rule_step, linear_attention,
+                               linear_attention_hedgehog, linear_attention_step, window_linear_attention,
+                               window_linear_attention_hedgehog, window_linear_attention_step,
                                window_state_from_prefill)
 from linearize.kernels.testing import GRAD_FLOOR, TOL, TOL_G, check_linear, check_window, linear_inputs, rel_err, \
     window_inputs
@@ -379,9 +383,9 @@ CHECK_MODES = ("quick", "accuracy", "full", "none")
 DEFAULT_LENGTHS = (2048, 8192, 32768)
 FULL_LENGTHS = (2048, 8192, 32768, 131072)
 #: row groups beyond the core rows (ours linear and window, SDPA, decode steps): ``fla`` (on by default where fla
-#: imports), ``gated`` (``--gated``), ``hedgehog`` (``--hedgehog``), ``unnorm`` (our unnormalised forwards; only
-#: with ``--full``, which turns every group on)
-ROW_GROUPS = ("fla", "gated", "hedgehog", "unnorm")
+#: imports), ``gated`` (``--gated``), ``delta`` (``--delta``: the gated delta rule), ``hedgehog`` (``--hedgehog``),
+#: ``unnorm`` (our unnormalised forwards; only with ``--full``, which turns every group on)
+ROW_GROUPS = ("fla", "gated", "delta", "hedgehog", "unnorm")
 DEFAULT_GROUPS = frozenset({"fla"})
 #: decode states rotated over per timed call (more than L2 holds), each step captured in one CUDA graph
 NROT = 8
@@ -714,6 +718,101 @@ def _window_step(ctx, B, T):
                                   nbytes, check)}
 
 
+def _delta_gates(ctx: BenchContext, *shape: int):
+    """``beta = sigmoid(randn)`` in the benchmark's dtype and ``log_decay = logsigmoid(randn) / 16`` (float32, a few
+    per cent per token), both of ``shape``."""
+    beta = torch.sigmoid(torch.randn(*shape, device=ctx.device)).to(ctx.dtype)
+    log_decay = F.logsigmoid(torch.randn(*shape, device=ctx.device)) / 16
+    return beta, log_decay
+
+
+def _unit(ctx: BenchContext, *shape: int) -> torch.Tensor:
+    """Normal entries, L2-normalised over the last dimension (as the layer gives q and k), in the benchmark's dtype."""
+    return F.normalize(torch.randn(*shape, device=ctx.device), dim=-1).to(ctx.dtype)
+
+
+def _delta_args(ctx: BenchContext, B: int, T: int, kv_heads: Optional[int]) -> dict:
+    """The gated delta rule's inputs, all requiring grad: q ``[B, T, heads, dim]``, k ``[B, T, Hk, dim]``
+    (L2-normalised per head), v ``[B, T, Hk, dim]`` normal, beta and log_decay ``[B, T, Hk]``."""
+    Hk = kv_heads or ctx.heads
+    beta, log_decay = _delta_gates(ctx, B, T, Hk)
+    args = {"q": _unit(ctx, B, T, ctx.heads, ctx.dim), "k": _unit(ctx, B, T, Hk, ctx.dim),
+            "v": torch.randn(B, T, Hk, ctx.dim, device=ctx.device, dtype=ctx.dtype), "beta": beta,
+            "log_decay": log_decay}
+    return {n: x.requires_grad_() for n, x in args.items()}
+
+
+def _ours_delta(kv_heads: Optional[int] = None):
+    """Our ``gated_delta_rule`` (scale dim^-1/2), checked against its chunked PyTorch path."""
+
+    def build(ctx, B, T):
+        def run(backend):
+            return lambda q, k, v, beta, log_decay: gated_delta_rule(q, k, v, beta, log_decay, scale=ctx.dim ** -0.5,
+                                                                     backend=backend)[0]
+
+        return _differentiable(ctx, run(None), _delta_args(ctx, B, T, kv_heads),
+                               _rand(ctx, B, T, ctx.dim, signed=True), ref=run("torch"))
+
+    return build
+
+
+def _fla_delta(kv_heads: Optional[int] = None):
+    """fla's ``chunk_gated_delta_rule`` (``g`` = our log_decay, scale dim^-1/2). It has no GQA: with fewer KV heads
+    their k, v, beta, log_decay are repeated per query head inside the timed call."""
+
+    def build(ctx, B, T):
+        chunk = ctx.fla["chunk_gated_delta_rule"]
+        G = ctx.heads // (kv_heads or ctx.heads)
+
+        def fast(q, k, v, beta, log_decay):
+            if G > 1:
+                k, v, beta, log_decay = (x.repeat_interleave(G, 2) for x in (k, v, beta, log_decay))
+            return chunk(q, k, v, g=log_decay, beta=beta, scale=ctx.dim ** -0.5)[0]
+
+        return _differentiable(ctx, fast, _delta_args(ctx, B, T, kv_heads), _rand(ctx, B, T, ctx.dim, signed=True))
+
+    return build
+
+
+def _delta_step(*, fla: bool = False, kv_heads: Optional[int] = None):
+    """A gated-delta-rule decode step at K = V = dim from :data:`NROT` random fp32 states ``[B, Hk, dim, dim]``:
+    ours (in place; checked against the PyTorch step), or fla's ``fused_recurrent_gated_delta_rule`` (one token,
+    the state as ``initial_state``; it returns a new one; with fewer KV heads the state and k, v, beta, log_decay
+    repeated per query head)."""
+
+    def build(ctx, B, T):
+        H, D = ctx.heads, ctx.dim
+        Hk = kv_heads or H
+        states = [0.1 * torch.randn(B, Hk, D, D, device=ctx.device) for _ in range(NROT)]
+        q, k = _unit(ctx, B, H, D), _unit(ctx, B, Hk, D)
+        v = torch.randn(B, Hk, D, device=ctx.device, dtype=ctx.dtype)
+        beta, ld = _delta_gates(ctx, B, Hk)
+        scale = D ** -0.5
+        if fla:
+            rec, G = ctx.fla["fused_recurrent_gated_delta_rule"], H // Hk
+            q4, k4, v4, b4, g4 = (x.unsqueeze(1) for x in (q, k, v, beta, ld))  # [B, 1, ...]
+            if G > 1:
+                k4, v4, b4, g4 = (x.repeat_interleave(G, 2) for x in (k4, v4, b4, g4))
+                states = [s.repeat_interleave(G, 1) for s in states]
+            return {"step": _decode_timed(ctx, lambda i: rec(q4, k4, v4, g=g4, beta=b4, scale=scale,
+                                                             initial_state=states[i], output_final_state=True),
+                                          2 * states[0].numel() * 4)}
+        out = torch.empty(B, H, D, device=ctx.device, dtype=ctx.dtype)
+
+        def check():
+            st, rst = states[0].clone(), states[0].clone()
+            o = gated_delta_rule_step(q, k, v, beta, ld, st, scale=scale)
+            r = gated_delta_rule_step(q, k, v, beta, ld, rst, scale=scale, backend="torch")
+            tol = TOL.get(ctx.dtype, TOL[torch.bfloat16])
+            return [("out", rel_err(o, r), tol), ("S", rel_err(st, rst), tol)]
+
+        return {"step": _decode_timed(ctx, lambda i: gated_delta_rule_step(q, k, v, beta, ld, states[i], scale=scale,
+                                                                           out=out),
+                                      2 * states[0].numel() * 4, check)}
+
+    return build
+
+
 def _hedgehog_length(ctx: BenchContext, T: int) -> bool:
     """The Hedgehog-width rows: a width other than dim, at the lengths asked for (default all)."""
     return ctx.hedgehog_dim != ctx.dim and (ctx.hedgehog_lengths is None or T in ctx.hedgehog_lengths)
@@ -721,7 +820,26 @@ def _hedgehog_length(ctx: BenchContext, T: int) -> bool:
 
 _FLA = frozenset({"fla"})
 _GATED = frozenset({"gated"})
+_DELTA = frozenset({"delta"})
 _HEDGEHOG = frozenset({"hedgehog"})
+
+
+def delta_row_specs(kv_heads: Optional[int] = None) -> List[RowSpec]:
+    """The gated delta rule's rows (``--delta``): our ``gated_delta_rule`` and fla's ``chunk_gated_delta_rule``
+    (fwd, fwd+bwd), our decode step and fla's ``fused_recurrent_gated_delta_rule``. ``kv_heads`` (GQA, for
+    ``kernels/bench_delta.py``; default the query heads) adds ``Hk=N`` to the names."""
+    hk = f" Hk={kv_heads}" if kv_heads else ""
+    return [
+        RowSpec("gated delta" + hk, "ours", f"gated delta rule{hk} (ours)", _ours_delta(kv_heads), _DELTA),
+        RowSpec("gated delta" + hk, "fla", f"fla chunk_gated_delta_rule{hk}", _fla_delta(kv_heads), _DELTA | _FLA,
+                ("chunk_gated_delta_rule",), first_call="compiling and autotuning"),
+        RowSpec("decode", "ours gated delta step" + hk, f"gated delta rule decode step{hk} (ours)",
+                _delta_step(kv_heads=kv_heads), _DELTA, decode=True),
+        RowSpec("decode", "fla fused_recurrent delta" + hk, f"fla fused_recurrent_gated_delta_rule{hk}",
+                _delta_step(fla=True, kv_heads=kv_heads), _DELTA | _FLA, ("fused_recurrent_gated_delta_rule",),
+                decode=True, first_call="compiling and autotuning"),
+    ]
+
 
 #: every row kind, in the order each length runs them (the default's first, fla's autotuned kernels last among
 #: them); add a kernel by adding a spec. ``bench kernels`` times those whose groups are on.
@@ -743,6 +861,7 @@ ROW_SPECS: List[RowSpec] = [
             ("chunk_simple_gla",), first_call="compiling and autotuning"),
     RowSpec("linear gated", "fla gla", "fla chunk_gla", _fla_gla_rows, _GATED | _FLA, ("chunk_gla",),
             first_call="compiling and autotuning"),
+    *delta_row_specs(),
     RowSpec("linear K={hedgehog_dim}", "ours", "linear attention K={hedgehog_dim} (ours)", _ours_linear(wide=True),
             _HEDGEHOG, when=_hedgehog_length),
     RowSpec("linear K={hedgehog_dim}", "ours-unnorm", "linear attention K={hedgehog_dim} unnormalised (ours)",
@@ -769,11 +888,12 @@ ROW_SPECS: List[RowSpec] = [
 ]
 
 
-def row_groups(*, gated: bool = False, hedgehog: bool = False, full: bool = False, fla: bool = True) -> frozenset:
-    """The row groups a run times: the default's (fla), ``gated``, ``hedgehog``, or with ``full`` all of them;
-    ``fla=False`` leaves fla's rows out."""
-    groups = set(ROW_GROUPS) if full else set(DEFAULT_GROUPS) | ({"gated"} if gated else set()) | \
-        ({"hedgehog"} if hedgehog else set())
+def row_groups(*, gated: bool = False, hedgehog: bool = False, delta: bool = False, full: bool = False,
+               fla: bool = True) -> frozenset:
+    """The row groups a run times: the default's (fla), ``gated``, ``hedgehog``, ``delta``, or with ``full`` all of
+    them; ``fla=False`` leaves fla's rows out."""
+    on = {"gated": gated, "hedgehog": hedgehog, "delta": delta}
+    groups = set(ROW_GROUPS) if full else set(DEFAULT_GROUPS) | {g for g, flag in on.items() if flag}
     if not fla:
         groups.discard("fla")
     return frozenset(groups)
@@ -795,7 +915,9 @@ def parse_lengths(value) -> List[int]:
 
 #: the fla functions rows may time, by the module that holds them
 _FLA_MODULES = {"chunk_linear_attn": "fla.ops.linear_attn", "fused_recurrent_linear_attn": "fla.ops.linear_attn",
-                "chunk_simple_gla": "fla.ops.simple_gla", "chunk_gla": "fla.ops.gla"}
+                "chunk_simple_gla": "fla.ops.simple_gla", "chunk_gla": "fla.ops.gla",
+                "chunk_gated_delta_rule": "fla.ops.gated_delta_rule",
+                "fused_recurrent_gated_delta_rule": "fla.ops.gated_delta_rule"}
 
 
 class FlaOps:
@@ -904,6 +1026,11 @@ def bench_kernels(
             # the launch configuration timed: the shipped defaults or this GPU's saved tuning
             "config": {"linear": dict(triton_linear.CONFIG), "window": dict(triton_window.CONFIG),
                        "source": tuning.applied_from() or "defaults"}}
+    if "delta" in groups:
+        # optional: Triton, only where the GPU kernels run
+        from linearize.kernels import triton_delta, triton_delta_step
+
+        meta["config"].update(delta=dict(triton_delta.CONFIG), delta_step=dict(triton_delta_step.CONFIG))
     checks: List[dict] = []
     rows: List[dict] = []
 
@@ -916,7 +1043,7 @@ def bench_kernels(
     off = [g for g in ROW_GROUPS if g not in groups]
     say(f"bench kernels: T={','.join(format_length(T) for T in lengths)} (B*T={tokens}), {len(prefill)} kinds of "
         f"rows per length, {len(decoding)} decode rows, check {check}"
-        + (f"; off: {', '.join(off)} (--gated, --hedgehog, --full)" if off else "")
+        + (f"; off: {', '.join(off)} (--gated, --delta, --hedgehog, --full)" if off else "")
         + ("" if "fla" not in groups or "chunk_linear_attn" in fla_ops else
            "; fla is not installed: its rows are skipped"))
     say("each kernel compiles on its first call (seconds each on a fresh machine; Triton caches them for later runs)")
@@ -1032,7 +1159,7 @@ def summarize(rows: List[dict]) -> List[dict]:
         if "bench" in r:
             by[(r["bench"], r["impl"], r["T"], r["passes"])] = r["ms"]
     out = []
-    Ts = sorted({r["T"] for r in rows if r.get("bench") == "linear"})
+    Ts = sorted({r["T"] for r in rows if r.get("bench") in ("linear", "gated delta")})
     for T in Ts:
         g = lambda b, i, p: by.get((b, i, T, p))  # noqa: E731
         ours_f, ours_fb = g("linear", "ours", "fwd"), g("linear", "ours", "fwd+bwd")
@@ -1052,6 +1179,8 @@ def summarize(rows: List[dict]) -> List[dict]:
               g("linear gated", "ours-unnorm", "fwd"))
         ratio("gated unnorm fwd+bwd vs fla gla", g("linear gated", "fla gla", "fwd+bwd"),
               g("linear gated", "ours-unnorm", "fwd+bwd"))
+        ratio("delta fwd vs fla", g("gated delta", "fla", "fwd"), g("gated delta", "ours", "fwd"))
+        ratio("delta fwd+bwd vs fla", g("gated delta", "fla", "fwd+bwd"), g("gated delta", "ours", "fwd+bwd"))
         sd = [x for x in (g("linear", "sdpa-flash", "fwd"), g("linear", "sdpa-cudnn", "fwd")) if x and x == x]
         if sd:
             ratio("fwd vs best sdpa", min(sd), ours_f)
@@ -1095,10 +1224,11 @@ def print_table(rows: List[dict]) -> None:
             s.add_row(*[(f"{r[c]:.3f}" if isinstance(r.get(c), float) else str(r.get(c, ""))) for c in cols])
         con.print(s)
     dec = {r["impl"]: r for r in data if r["bench"] == "decode"}
-    if "ours linear step" in dec and "fla fused_recurrent" in dec:
-        con.print(f"decode: ours {dec['ours linear step']['ms'] * 1e3:.1f} us vs fla "
-                  f"{dec['fla fused_recurrent']['ms'] * 1e3:.1f} us = "
-                  f"{dec['fla fused_recurrent']['ms'] / dec['ours linear step']['ms']:.2f}x")
+    for what, ours, theirs in (("decode", "ours linear step", "fla fused_recurrent"),
+                               ("gated delta decode", "ours gated delta step", "fla fused_recurrent delta")):
+        if ours in dec and theirs in dec:
+            con.print(f"{what}: ours {dec[ours]['ms'] * 1e3:.1f} us vs fla {dec[theirs]['ms'] * 1e3:.1f} us = "
+                      f"{dec[theirs]['ms'] / dec[ours]['ms']:.2f}x")
 
 
 if __name__ == "__main__":  # python -m linearize.bench.kernels [out.json] [--tune] [--full]

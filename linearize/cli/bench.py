@@ -25,8 +25,9 @@ def bench_kernels_cmd(
     decode_batch: int = typer.Option(8, "--decode-batch", help="Batch of the decode-step rows."),
     check: str = typer.Option("quick", "--check", help="quick: each kernel once, at the first shape it is timed at, against the PyTorch path (output; gradients for fwd+bwd) | accuracy: quick, then long-sequence accuracy | full: quick, then every variant in fp32 and bf16 | none."),
     gated: bool = typer.Option(False, "--gated", help="Add the gated rows: our log_decay kernels vs fla's chunk_simple_gla and chunk_gla (fla autotunes their kernels: minutes on a fresh machine)."),
+    delta: bool = typer.Option(False, "--delta", help="Add the gated delta rule rows: our gated_delta_rule (fwd, fwd+bwd) and decode step vs fla's chunk_gated_delta_rule and fused_recurrent_gated_delta_rule (fla autotunes its kernels)."),
     hedgehog: bool = typer.Option(False, "--hedgehog", help="Add the Hedgehog rows: features of --hedgehog-dim, and the forwards that compute the features in the kernel."),
-    full: bool = typer.Option(False, "--full", help="Every row: 128K, --gated, --hedgehog and the unnormalised forwards."),
+    full: bool = typer.Option(False, "--full", help="Every row: 128K, --gated, --delta, --hedgehog and the unnormalised forwards."),
     fla: bool = typer.Option(True, "--fla/--no-fla", help="Time fla's kernels beside ours where fla is installed (their first call autotunes)."),
     tune: bool = typer.Option(False, "--tune", help="Sweep launch configurations first (long; without it the shipped or saved configuration is timed)."),
     tune_only: Optional[str] = typer.Option(None, "--tune-only", help="Comma-separated kernel families to sweep (implies --tune): lin_fwd, lin_fb, win_fwd, win_fb, lin_fused_fwd, win_fused_fwd, lin_step, win_step."),
@@ -54,7 +55,7 @@ def bench_kernels_cmd(
         tune_kernels(heads=heads, dim=dim, progress=log, families=families)
     rows = bench_kernels(out, lengths=Ts, tokens=tokens, heads=heads, dim=dim, window=window,
                          hedgehog_dim=hedgehog_dim, decode_batch=decode_batch, check=check,
-                         groups=row_groups(gated=gated, hedgehog=hedgehog, full=full, fla=fla), progress=log)
+                         groups=row_groups(gated=gated, hedgehog=hedgehog, delta=delta, full=full, fla=fla), progress=log)
     print_table(rows)
     if out is not None:
         console.print(f"wrote {out}", highlight=False)
