@@ -1,31 +1,28 @@
-"""Our gated delta rule (``linearize.kernels.delta``) against fla's ``chunk_gated_delta_rule`` (forward and
-forward + backward) at the benchmark shapes (bf16, H = 32, K = V = 128, B*T = 32768; ``LENGTHS=2048,8192,32768``
-by default), and the decode step as a fraction of copy bandwidth (batch 8, H = 32, fp32 state, CUDA graphs, the
-state rotated over 8 copies so that it comes from memory), against fla's ``fused_recurrent_gated_delta_rule``.
-All in one process; median of ``do_bench`` (warmup 25 ms, rep 150 ms). fla's rows are skipped when it is not
-installed. Errors: relative L2 of the bf16 outputs (ours and fla's) against our chunked PyTorch path in fp32.
-Needs a GPU:
+"""The gated delta rule's rows of ``linearize bench kernels --delta`` alone (their specs are
+``linearize.bench.kernels.delta_row_specs``: ours vs fla's ``chunk_gated_delta_rule``, forward and forward +
+backward, bf16, H = 32, K = V = 128, B*T = 32768; the decode step at batch 8 as a share of copy bandwidth vs
+``fused_recurrent_gated_delta_rule``), plus what the command lacks: launch-configuration overrides and variants
+timed in the same process, GQA, and fla's error (fla's rows checked against our chunked PyTorch path in fp32 as
+ours are). Needs a GPU:
 
-    LINEARIZE_KERNEL_TUNING=0 FLA_DISABLE_BACKEND_DISPATCH=1 python kernels/bench_delta.py
+    LINEARIZE_KERNEL_TUNING=0 python kernels/bench_delta.py [OUT.json]
 
-``CONFIG="walk_warps=8 bwd_bv=32"`` overrides ``triton_delta.CONFIG`` entries (ints; booleans as 0 / 1);
-``VARIANTS="fwd_states_fp32=1;walk_bv=128"`` also times ours with each ``;``-separated set of overrides, after the
-shipped (or ``CONFIG``) configuration, in the same process. ``HK=8`` runs GQA (our kernels; fla's rows then run
-with the KV heads repeated, as its kernel has no GQA).
+``LENGTHS=2K,8K,32K`` (the default), ``DECODE_BATCH=8``. ``CONFIG="walk_warps=8 bwd_bv=32"`` overrides
+``triton_delta.CONFIG`` entries (ints; booleans as 0 / 1); ``VARIANTS="fwd_states_fp32=1;walk_bv=128"`` adds a row of
+ours per ``;``-separated set of overrides (on top of the shipped, saved or ``CONFIG`` configuration), in the same
+process. ``HK=8`` runs GQA (fla's rows then repeat the KV heads, as its kernel has no GQA). Ends with fla's time /
+ours per length and variant.
 """
+import dataclasses
 import os
+import sys
+from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from triton.testing import do_bench
 
+from linearize.bench import kernels as bk
 from linearize.kernels import triton_delta as TD
-from linearize.kernels.delta import gated_delta_rule, gated_delta_rule_step
-
-try:  # optional: fla's rows are skipped without it
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
-except ImportError:
-    chunk_gated_delta_rule = fused_recurrent_gated_delta_rule = None
+from linearize.kernels import tuning
 
 
 def overrides(spec: str) -> dict:
@@ -37,118 +34,53 @@ def overrides(spec: str) -> dict:
     return out
 
 
-TD.CONFIG.update(overrides(os.environ.get("CONFIG", "")))
-base = dict(TD.CONFIG)
-variants = [v.strip() for v in os.environ.get("VARIANTS", "").split(";") if v.strip()]
-print("CONFIG:", TD.CONFIG)
-print("fla:", "absent" if chunk_gated_delta_rule is None else "chunk_gated_delta_rule, fused_recurrent_gated_delta_rule")
-
-torch.manual_seed(0)
-dev, bf, H, D = "cuda", torch.bfloat16, 32, 128
-HK = int(os.environ.get("HK", H))
-scale = D ** -0.5
-
-
-def bench(fn):
-    return do_bench(fn, warmup=25, rep=150)
-
-
-def inputs(B, T):
-    q = F.normalize(torch.randn(B, T, H, D, device=dev), dim=-1).to(bf)
-    k = F.normalize(torch.randn(B, T, HK, D, device=dev), dim=-1).to(bf)
-    v = torch.randn(B, T, HK, D, device=dev).to(bf)
-    beta = torch.sigmoid(torch.randn(B, T, HK, device=dev)).to(bf)
-    ld = F.logsigmoid(torch.randn(B, T, HK, device=dev)) / 16  # [B, T, HK] fp32, a few per cent per token
-    return q, k, v, beta, ld
-
-
-def rel(x, ref):
-    return ((x.float() - ref).norm() / ref.norm()).item()
-
-
-def fwd_bwd(call, args, do):
-    """``call(*args)``'s output, then the gradients of every input (no accumulation between runs)."""
+def under(over: dict, fn):
+    """``fn`` run with ``over`` applied to ``triton_delta.CONFIG`` (restored after each call)."""
     def run():
-        o = call(*args)
-        torch.autograd.grad(o, args, do)
+        base = dict(TD.CONFIG)
+        TD.CONFIG.update(over)
+        try:
+            return fn()
+        finally:
+            TD.CONFIG.update(base)
     return run
 
 
-ours = lambda q, k, v, beta, ld: gated_delta_rule(q, k, v, beta, ld, scale=scale)[0]  # noqa: E731
+def variant(spec: bk.RowSpec, label: str) -> bk.RowSpec:
+    """``spec`` (ours) with every call (first call, timing, check) under the overrides ``label`` names."""
+    over = overrides(label)
+
+    def build(ctx, B, T):
+        return {name: dataclasses.replace(t, fn=under(over, t.fn), warm=t.warm and under(over, t.warm),
+                                          check=t.check and under(over, t.check))
+                for name, t in spec.build(ctx, B, T).items()}
+
+    return dataclasses.replace(spec, impl=f"ours {label}", what=f"{spec.what} {label}", build=build)
 
 
-def fla_call(q, k, v, beta, ld):
-    G = H // HK  # fla has no GQA: its keys and values repeated per query head
-    k, v, beta, ld = (x.repeat_interleave(G, 2) if G > 1 else x for x in (k, v, beta, ld))
-    return chunk_gated_delta_rule(q, k, v, g=ld, beta=beta, scale=scale)[0]
+def main() -> None:
+    tuning.ensure_applied(torch.device("cuda"))  # a saved tuning first, so that CONFIG's overrides stay on top
+    TD.CONFIG.update(overrides(os.environ.get("CONFIG", "")))
+    hk = int(os.environ["HK"]) if os.environ.get("HK") else None
+    ours, fla, step, fla_step = bk.delta_row_specs(hk, check_fla=True)
+    labels = [v.strip() for v in os.environ.get("VARIANTS", "").split(";") if v.strip()]
+    specs = [ours, *(variant(ours, label) for label in labels), fla, step, fla_step]
+    res = bk.bench_kernels(Path(sys.argv[1]) if len(sys.argv) > 1 else None,
+                           lengths=bk.parse_lengths(os.environ.get("LENGTHS", "2K,8K,32K")),
+                           decode_batch=int(os.environ.get("DECODE_BATCH", 8)), groups=bk.row_groups(delta=True),
+                           specs=specs, progress=lambda m: print(m, flush=True))
+    bk.print_table(res)
+    rows = [r for r in res if r.get("bench") == ours.bench]
+    ms = {(r["impl"], r["T"], r["passes"]): r["ms"] for r in rows}
+    print(f"\nfla / ours ({ours.bench}; > 1: ours faster)")
+    for T in sorted({r["T"] for r in rows}):
+        for impl in ["ours"] + [f"ours {label}" for label in labels]:
+            cells = []
+            for p in ("fwd", "fwd+bwd"):
+                a, b = ms.get((impl, T, p)), ms.get(("fla", T, p))
+                cells.append(f"{p} {a:.3f} ms" + (f" = {b / a:.2f}x" if a and b else "") if a else f"{p} -")
+            print(f"  T={bk.format_length(T):<5} {impl:<32} " + ", ".join(cells))
 
 
-print(f"\n{'T':>6} {'B':>3} | {'ours fwd':>9} {'fla fwd':>9} {'x':>5} | {'ours f+b':>9} {'fla f+b':>9} {'x':>5} | "
-      f"{'err ours':>8} {'err fla':>8}  (ms; x = fla / ours)")
-for T in [int(t) for t in os.environ.get("LENGTHS", "2048,8192,32768").split(",")]:
-    B = max(1, 32768 // T)
-    x = inputs(B, T)
-    with torch.no_grad():
-        ref = gated_delta_rule(*(t.float() for t in x), scale=scale, backend="torch")[0]
-        err = rel(ours(*x), ref)
-        err_fla = rel(fla_call(*x), ref) if chunk_gated_delta_rule is not None else float("nan")
-        t_fwd = bench(lambda: ours(*x))
-        f_fwd = bench(lambda: fla_call(*x)) if chunk_gated_delta_rule is not None else float("nan")
-    leaves = [t.detach().clone().requires_grad_() for t in x]
-    do = torch.randn(B, T, H, D, device=dev, dtype=bf)
-    t_fb = bench(fwd_bwd(ours, leaves, do))
-    f_fb = bench(fwd_bwd(fla_call, leaves, do)) if chunk_gated_delta_rule is not None else float("nan")
-    print(f"{T:6d} {B:3d} | {t_fwd:9.3f} {f_fwd:9.3f} {f_fwd / t_fwd:5.2f} | {t_fb:9.3f} {f_fb:9.3f} "
-          f"{f_fb / t_fb:5.2f} | {err:8.1e} {err_fla:8.1e}", flush=True)
-    for spec in variants:
-        TD.CONFIG.update(base, **overrides(spec))
-        with torch.no_grad():
-            err = rel(ours(*x), ref)
-            t_fwd = bench(lambda: ours(*x))
-        t_fb = bench(fwd_bwd(ours, leaves, do))
-        print(f"{'':6} {'':3} | {t_fwd:9.3f} {'':9} {f_fwd / t_fwd:5.2f} | {t_fb:9.3f} {'':9} {f_fb / t_fb:5.2f} | "
-              f"{err:8.1e} {'':8}  {spec}", flush=True)
-        TD.CONFIG.update(base)
-    del x, leaves, do, ref
-    torch.cuda.empty_cache()
-
-# decode: one token per call, fp32 state [B, HK, K, V] in place, under a CUDA graph
-Bd, copies = int(os.environ.get("DECODE_BATCH", 8)), 8
-buf = torch.empty(2 ** 30, dtype=torch.uint8, device=dev)
-copy_gbs = 2 * buf.numel() / bench(lambda: buf.clone()) / 1e6  # read + write, GB/s
-del buf
-q, k, v, beta, ld = (t[:, 0].contiguous() for t in inputs(Bd, 1))
-states = [torch.randn(Bd, HK, D, D, device=dev) * 0.1 for _ in range(copies)]
-out = torch.empty(Bd, H, D, device=dev, dtype=bf)
-state_bytes = 2 * states[0].numel() * 4  # read + write of the state
-with torch.no_grad():
-    ref_out = gated_delta_rule_step(q, k, v, beta, ld, states[0].clone(), scale=scale, backend="torch")
-    err = rel(gated_delta_rule_step(q, k, v, beta, ld, states[0].clone(), scale=scale), ref_out.float())
-    gated_delta_rule_step(q, k, v, beta, ld, states[0].clone(), scale=scale, out=out)  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for s in states:
-            gated_delta_rule_step(q, k, v, beta, ld, s, scale=scale, out=out)
-    us = bench(graph.replay) / copies * 1e3
-print(f"\ndecode step, batch {Bd}, H {H}, HK {HK}, K = V = {D}, fp32 state, CUDA graph: copy bandwidth "
-      f"{copy_gbs:,.0f} GB/s")
-print(f"  ours {us:7.1f} us = {state_bytes / us / 1e3:,.0f} GB/s of state read+write = "
-      f"{state_bytes / us / 1e3 / copy_gbs:.0%} of copy   (err vs the PyTorch step {err:.1e})")
-if fused_recurrent_gated_delta_rule is not None:
-    G = H // HK
-    q4, k4, v4, b4, g4 = (t.unsqueeze(1) for t in (q, k, v, beta, ld))
-    if G > 1:
-        k4, v4, b4, g4 = (t.repeat_interleave(G, 2) for t in (k4, v4, b4, g4))
-    fs = [s.repeat_interleave(G, 1) if G > 1 else s for s in states]
-    with torch.no_grad():
-        fla_step = lambda i: fused_recurrent_gated_delta_rule(  # noqa: E731
-            q4, k4, v4, g=g4, beta=b4, scale=scale, initial_state=fs[i], output_final_state=True)
-        fla_step(0)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for i in range(copies):
-                fla_step(i)
-        us_fla = bench(graph.replay) / copies * 1e3
-    fla_bytes = 2 * fs[0].numel() * 4
-    print(f"  fla  {us_fla:7.1f} us = {fla_bytes / us_fla / 1e3:,.0f} GB/s = {fla_bytes / us_fla / 1e3 / copy_gbs:.0%} "
-          f"of copy (returns a new state); ours {us_fla / us:.2f}x fla")
+if __name__ == "__main__":
+    main()

@@ -372,6 +372,55 @@ def test_summary_has_the_delta_ratios_per_length(capsys):
     assert "gated delta decode: ours 20.0 us vs fla 50.0 us = 2.50x" in out and "delta fwd vs fla" in out
 
 
+def test_lab_script_bench_delta_times_variants_and_gqa_through_the_rows(monkeypatch, capsys):
+    """kernels/bench_delta.py is the --delta rows plus its own options: CONFIG overrides, a row of ours per
+    VARIANTS entry (each call under its overrides, restored after), HK (GQA, in the names), fla's rows checked;
+    it ends with fla / ours per length and variant. Run on CPU at a tiny shape with fla faked."""
+    import importlib.util
+    from pathlib import Path
+
+    from linearize.kernels import triton_delta, tuning
+
+    path = Path(__file__).resolve().parents[1] / "kernels" / "bench_delta.py"
+    spec = importlib.util.spec_from_file_location("bench_delta_lab", path)
+    lab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lab)
+    monkeypatch.setattr(triton_delta, "CONFIG", dict(triton_delta.CONFIG))
+    monkeypatch.setattr(tuning, "ensure_applied", lambda device: None)
+    ops, calls = _fake_fla()
+    seen = []
+    real_fla = ops["chunk_gated_delta_rule"]
+
+    def fla_spy(*a, **kw):  # fla's calls see the configuration left as it was
+        seen.append(("fla", triton_delta.CONFIG["walk_bv"], triton_delta.CONFIG["walk_warps"]))
+        return real_fla(*a, **kw)
+
+    ops["chunk_gated_delta_rule"] = fla_spy
+    real_gdr = bk.gated_delta_rule
+
+    def ours_spy(*a, **kw):
+        seen.append(("ours", triton_delta.CONFIG["walk_bv"], triton_delta.CONFIG["walk_warps"]))
+        return real_gdr(*a, **kw)
+
+    monkeypatch.setattr(bk, "gated_delta_rule", ours_spy)
+    real_bench = bk.bench_kernels
+    monkeypatch.setattr(bk, "bench_kernels", lambda out, **kw: real_bench(
+        out, **kw, tokens=128, heads=2, dim=16, device="cpu", dtype=torch.float32, timer=FAST, fla_ops=ops))
+    for k, v in {"HK": "1", "LENGTHS": "64", "CONFIG": "walk_warps=4", "VARIANTS": "walk_bv=32; walk_bv=16"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr("sys.argv", ["bench_delta.py"])
+    lab.main()
+    out = capsys.readouterr().out
+    assert triton_delta.CONFIG["walk_warps"] == 4 and triton_delta.CONFIG["walk_bv"] == 64  # CONFIG stays
+    assert {x for x in seen if x[0] == "ours"} == {("ours", 64, 4), ("ours", 32, 4), ("ours", 16, 4)}
+    assert {x for x in seen if x[0] == "fla"} == {("fla", 64, 4)}
+    assert "quick gated delta Hk=1 fla fwd+bwd T=64, B=2" in out and "FAIL" not in out
+    table = out[out.index("fla / ours (gated delta Hk=1"):].splitlines()[1:]
+    assert [ln.split()[1] + " " + ln.split()[2] for ln in table] == ["ours fwd", "ours walk_bv=32", "ours walk_bv=16"]
+    assert all("= 1.00x" in ln for ln in table)
+    assert "fused_recurrent_gated_delta_rule" in calls
+
+
 def test_format_row():
     row = {"bench": "decode", "impl": "ours linear step", "T": 1, "B": 8, "passes": "step", "ms": 0.0123,
            "gbs": 3400.4, "pct_copy": 80.2}

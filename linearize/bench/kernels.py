@@ -742,23 +742,26 @@ def _delta_args(ctx: BenchContext, B: int, T: int, kv_heads: Optional[int]) -> d
     return {n: x.requires_grad_() for n, x in args.items()}
 
 
+def _delta_fn(ctx: BenchContext, backend: Optional[str]) -> Callable:
+    """Our ``gated_delta_rule``'s output on ``backend`` (scale dim^-1/2)."""
+    return lambda q, k, v, beta, log_decay: gated_delta_rule(q, k, v, beta, log_decay, scale=ctx.dim ** -0.5,
+                                                             backend=backend)[0]
+
+
 def _ours_delta(kv_heads: Optional[int] = None):
-    """Our ``gated_delta_rule`` (scale dim^-1/2), checked against its chunked PyTorch path."""
+    """Our ``gated_delta_rule``, checked against its chunked PyTorch path."""
 
     def build(ctx, B, T):
-        def run(backend):
-            return lambda q, k, v, beta, log_decay: gated_delta_rule(q, k, v, beta, log_decay, scale=ctx.dim ** -0.5,
-                                                                     backend=backend)[0]
-
-        return _differentiable(ctx, run(None), _delta_args(ctx, B, T, kv_heads),
-                               _rand(ctx, B, T, ctx.dim, signed=True), ref=run("torch"))
+        return _differentiable(ctx, _delta_fn(ctx, None), _delta_args(ctx, B, T, kv_heads),
+                               _rand(ctx, B, T, ctx.dim, signed=True), ref=_delta_fn(ctx, "torch"))
 
     return build
 
 
-def _fla_delta(kv_heads: Optional[int] = None):
+def _fla_delta(kv_heads: Optional[int] = None, check: bool = False):
     """fla's ``chunk_gated_delta_rule`` (``g`` = our log_decay, scale dim^-1/2). It has no GQA: with fewer KV heads
-    their k, v, beta, log_decay are repeated per query head inside the timed call."""
+    their k, v, beta, log_decay are repeated per query head inside the timed call. ``check``: compared with our
+    chunked PyTorch path as ours is (fla's own accuracy)."""
 
     def build(ctx, B, T):
         chunk = ctx.fla["chunk_gated_delta_rule"]
@@ -769,7 +772,8 @@ def _fla_delta(kv_heads: Optional[int] = None):
                 k, v, beta, log_decay = (x.repeat_interleave(G, 2) for x in (k, v, beta, log_decay))
             return chunk(q, k, v, g=log_decay, beta=beta, scale=ctx.dim ** -0.5)[0]
 
-        return _differentiable(ctx, fast, _delta_args(ctx, B, T, kv_heads), _rand(ctx, B, T, ctx.dim, signed=True))
+        return _differentiable(ctx, fast, _delta_args(ctx, B, T, kv_heads), _rand(ctx, B, T, ctx.dim, signed=True),
+                               ref=_delta_fn(ctx, "torch") if check else None)
 
     return build
 
@@ -824,20 +828,21 @@ _DELTA = frozenset({"delta"})
 _HEDGEHOG = frozenset({"hedgehog"})
 
 
-def delta_row_specs(kv_heads: Optional[int] = None) -> List[RowSpec]:
+def delta_row_specs(kv_heads: Optional[int] = None, *, check_fla: bool = False) -> List[RowSpec]:
     """The gated delta rule's rows (``--delta``): our ``gated_delta_rule`` and fla's ``chunk_gated_delta_rule``
-    (fwd, fwd+bwd), our decode step and fla's ``fused_recurrent_gated_delta_rule``. ``kv_heads`` (GQA, for
-    ``kernels/bench_delta.py``; default the query heads) adds ``Hk=N`` to the names."""
+    (fwd, fwd+bwd), our decode step and fla's ``fused_recurrent_gated_delta_rule``. For ``kernels/bench_delta.py``:
+    ``kv_heads`` (GQA; default the query heads) adds ``Hk=N`` to the names; ``check_fla`` checks fla's sequence
+    rows too."""
     hk = f" Hk={kv_heads}" if kv_heads else ""
     return [
         RowSpec("gated delta" + hk, "ours", f"gated delta rule{hk} (ours)", _ours_delta(kv_heads), _DELTA),
-        RowSpec("gated delta" + hk, "fla", f"fla chunk_gated_delta_rule{hk}", _fla_delta(kv_heads), _DELTA | _FLA,
-                ("chunk_gated_delta_rule",), first_call="compiling and autotuning"),
+        RowSpec("gated delta" + hk, "fla", f"fla chunk_gated_delta_rule{hk}", _fla_delta(kv_heads, check_fla),
+                _DELTA | _FLA, ("chunk_gated_delta_rule",), first_call="compiling and autotuning"),
         RowSpec("decode", "ours gated delta step" + hk, f"gated delta rule decode step{hk} (ours)",
                 _delta_step(kv_heads=kv_heads), _DELTA, decode=True),
         RowSpec("decode", "fla fused_recurrent delta" + hk, f"fla fused_recurrent_gated_delta_rule{hk}",
                 _delta_step(fla=True, kv_heads=kv_heads), _DELTA | _FLA, ("fused_recurrent_gated_delta_rule",),
-                decode=True, first_call="compiling and autotuning"),
+                decode=True),
     ]
 
 
@@ -861,7 +866,6 @@ ROW_SPECS: List[RowSpec] = [
             ("chunk_simple_gla",), first_call="compiling and autotuning"),
     RowSpec("linear gated", "fla gla", "fla chunk_gla", _fla_gla_rows, _GATED | _FLA, ("chunk_gla",),
             first_call="compiling and autotuning"),
-    *delta_row_specs(),
     RowSpec("linear K={hedgehog_dim}", "ours", "linear attention K={hedgehog_dim} (ours)", _ours_linear(wide=True),
             _HEDGEHOG, when=_hedgehog_length),
     RowSpec("linear K={hedgehog_dim}", "ours-unnorm", "linear attention K={hedgehog_dim} unnormalised (ours)",
@@ -885,6 +889,7 @@ ROW_SPECS: List[RowSpec] = [
             ("fused_recurrent_linear_attn",), decode=True),
     RowSpec("decode", "ours window step W={window}", "window decode step W={window} (ours)", _window_step,
             decode=True),
+    *delta_row_specs(),  # the gated delta rule's (--delta): each length's last rows, and the last decode rows
 ]
 
 
