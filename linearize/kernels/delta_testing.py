@@ -1,4 +1,4 @@
-"""Helpers shared by the gated-delta-rule tests and ``kernels/bench_delta.py``: inputs, a forward + backward with
+"""Helpers of the gated-delta-rule tests: inputs, a forward + backward with
 random cotangents, the comparison of a path against the float64 reference."""
 
 from __future__ import annotations
