@@ -31,6 +31,7 @@ BUNDLE = {
     "linearize.model.feature_maps": "linearize_feature_maps",
     "linearize.model.layout": "linearize_layout",
     "linearize.model.prefill": "linearize_prefill",
+    "linearize.model.softmax_attention": "linearize_softmax_attention",
     "linearize.errors": "linearize_errors",
     "linearize.atomic": "linearize_atomic",
     "linearize.kernels": "linearize_kernels",

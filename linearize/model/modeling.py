@@ -39,6 +39,7 @@ from .cache import HybridCache, softmax_windows
 from .delta_attention import GatedDeltaAttention
 from .layout import CONVERTED, FULL, GATED_DELTA, transformers_layer_types
 from .prefill import PREFILL_CHUNK_TOKENS, check_chunk_size, chunked_forward
+from .softmax_attention import attention_implementation
 
 #: base-config fields that belong to the hybrid and must not be passed to the base config class
 _OWN_FIELDS = ("base_model_type", "layer_types", "hybrid_layer_types", "linear_attention", "base_layer_types",
@@ -141,12 +142,13 @@ class LinearizeConfig(PretrainedConfig):
 
 def _base_attention(base_config: PretrainedConfig, impl: str) -> str:
     """The attention implementation the base family runs: ``impl``, or eager where the family has no SDPA path
-    (Gemma 2, whose scores are soft-capped), as transformers picks for the original model."""
+    (Gemma 2, whose scores are soft-capped), as transformers picks for the original model; ``sdpa`` runs as
+    :data:`~linearize.model.softmax_attention.SDPA` (no mask for a cache's unpadded continuation)."""
     try:
         cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(base_config)]
     except KeyError:
-        return impl
-    return "eager" if impl == "sdpa" and not getattr(cls, "_supports_sdpa", True) else impl
+        return attention_implementation(impl)
+    return "eager" if impl == "sdpa" and not getattr(cls, "_supports_sdpa", True) else attention_implementation(impl)
 
 
 class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
@@ -262,8 +264,9 @@ class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
         says when); the logits asked for by ``logits_to_keep`` and the filled cache come back as from one forward
         (the cache even with ``use_cache=False``, which then is internal and not returned)."""
         impl = self.config._attn_implementation
-        if impl is not None and self.model.config._attn_implementation != impl:  # e.g. set on the hybrid's config
-            self.model.config._attn_implementation = _base_attention(self.model.config, impl)
+        base = _base_attention(self.model.config, impl) if impl is not None else None
+        if base is not None and self.model.config._attn_implementation != base:  # e.g. set on the hybrid's config
+            self.model.config._attn_implementation = base
         c = cache if cache is not None else past_key_values
         if use_cache is None:
             use_cache = self.config.use_cache and not self.training
