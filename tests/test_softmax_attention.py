@@ -4,6 +4,8 @@ gives the logits of one forward; padding, sliding windows, decode steps, trainin
 transformers' own path."""
 
 import inspect
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -219,3 +221,56 @@ def test_mask_function():
     assert causal_mask_function is softmax_attention.causal_mask_function
     assert softmax_attention.attention_implementation("eager") == "eager"
     assert softmax_attention.attention_implementation("sdpa") == softmax_attention.SDPA
+
+
+_NO_PACKAGE = (  # a process in which `import linearize` (and `import triton`) fail
+    "import sys\n"
+    "class _Block:\n"
+    "    def find_spec(self, name, path=None, target=None):\n"
+    "        if name.split('.')[0] in ('linearize', 'triton'):\n"
+    "            raise ImportError(name + ' is not installed here')\n"
+    "sys.meta_path.insert(0, _Block())\n"
+)
+
+
+@pytest.mark.slow
+def test_bundled_runtime_runs_without_a_mask(tmp_path):
+    """A checkpoint loaded with trust_remote_code=True, without the package, registers its own copy of the
+    implementation and prefills the pieces after the first without a mask, with the package's logits."""
+    from conftest import char_tokenizer
+
+    from linearize.io.checkpoint import save_checkpoint
+
+    hybrid = _hybrid()
+    save_checkpoint(hybrid, char_tokenizer(), tmp_path / "ckpt", base="tiny",
+                    recipe=R.load("lolcats", {"attention.window": 8}))
+    ids = torch.randint(1, 128, (2, T), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = hybrid(ids, prefill_chunk_tokens=0).logits
+    torch.save({"ids": ids, "want": want}, tmp_path / "want.pt")
+    code = _NO_PACKAGE + (
+        "import torch\n"
+        "import torch.nn.functional as F\n"
+        "from torch.nn.attention.bias import CausalBias\n"
+        "from torch.overrides import TorchFunctionMode\n"
+        "from transformers import AutoModelForCausalLM\n"
+        "from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS\n"
+        "class Spy(TorchFunctionMode):\n"
+        "    n = 0\n"
+        "    def __torch_function__(self, func, types, args=(), kwargs=None):\n"
+        "        if func is F.scaled_dot_product_attention and isinstance((kwargs or {}).get('attn_mask'), CausalBias):\n"
+        "            Spy.n += 1\n"
+        "        return func(*args, **(kwargs or {}))\n"
+        f"m = AutoModelForCausalLM.from_pretrained({str(tmp_path / 'ckpt')!r}, trust_remote_code=True, "
+        f"prefill_chunk_tokens={CHUNK})\n"
+        f"d = torch.load({str(tmp_path / 'want.pt')!r})\n"
+        "with torch.no_grad(), Spy():\n"
+        "    diff = (m(d['ids']).logits - d['want']).abs().max().item()\n"
+        "fn = ALL_ATTENTION_FUNCTIONS[m.model.config._attn_implementation]\n"
+        "print(m.model.config._attn_implementation, fn.__module__.rsplit('.', 1)[-1], Spy.n, diff)\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    assert res.returncode == 0, res.stderr[-3000:]
+    impl, module, calls, diff = res.stdout.split()[-4:]
+    assert (impl, module, int(calls)) == (softmax_attention.SDPA, "linearize_softmax_attention", CONTINUED * 2)
+    assert float(diff) <= 1e-5
