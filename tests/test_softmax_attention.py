@@ -177,9 +177,11 @@ def test_the_original_model_is_untouched():
     assert spy.kinds(continued=True) == ["dense"] * 4
 
 
-def test_bottom_right_attention_equals_the_masked_one():
-    """The mask-free path (grouped KV heads, a softmax scale) equals SDPA with the dense bottom-right mask; with a
-    position bias the dense mask is built and the bias added, as transformers adds it."""
+@pytest.mark.parametrize("as_they_are", [True, False])
+def test_bottom_right_attention_equals_the_masked_one(as_they_are, monkeypatch):
+    """The mask-free path (grouped KV heads as they are, or repeated as for the memory-efficient kernel; a softmax
+    scale) equals SDPA with the dense bottom-right mask; with a position bias the dense mask is built and the bias
+    added, as transformers adds it."""
 
     class Layer(torch.nn.Module):
         is_causal = True
@@ -188,6 +190,9 @@ def test_bottom_right_attention_equals_the_masked_one():
     g = torch.Generator().manual_seed(0)
     q, k, v = torch.randn(2, 4, 5, 8, generator=g), torch.randn(2, 2, 12, 8, generator=g), torch.randn(2, 2, 12, 8, generator=g)
     dense = torch.ones(5, 12, dtype=torch.bool).tril(12 - 5)
+    # on a CPU neither flash nor the memory-efficient kernel runs: the bias's fallback takes the heads as they are
+    assert softmax_attention._heads_as_they_are(q, k, v, 0.0) == softmax_attention._BIAS_TAKES_GQA
+    monkeypatch.setattr(softmax_attention, "_heads_as_they_are", lambda *a: as_they_are)
     kr, vr = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
     want = F.scaled_dot_product_attention(q, kr, vr, attn_mask=dense, scale=0.3).transpose(1, 2)
     got, weights = softmax_attention.sdpa_attention(Layer(), q, k, v, None, scaling=0.3)

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torch.backends.cuda import SDPAParams, can_use_flash_attention
+from torch.backends.cuda import SDPAParams, can_use_efficient_attention, can_use_flash_attention
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
@@ -77,20 +77,27 @@ def sdpa_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
                                   local_size=local_size, allow_is_causal_skip=allow_is_causal_skip, **kwargs)
 
 
-def _flash_takes_gqa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout: float) -> bool:
-    """Whether SDPA's flash kernel runs these grouped heads as they are (it reads KV heads per group of queries)."""
-    return _BIAS_TAKES_GQA and can_use_flash_attention(SDPAParams(query, key, value, None, float(dropout), False, True))
+def _heads_as_they_are(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout: float) -> bool:
+    """Whether torch's causal bias takes these grouped KV heads as they are: its flash kernel reads them per group
+    of queries and its fallback (a ``[q, kv]`` mask) expands them itself; only its memory-efficient kernel, called
+    directly, needs them repeated (this torch's bias may also predate ``enable_gqa``)."""
+    if not _BIAS_TAKES_GQA:
+        return False
+    if can_use_flash_attention(SDPAParams(query, key, value, None, float(dropout), False, True)):
+        return True
+    repeated = SDPAParams(query[:, :key.shape[1]], key, value, None, float(dropout), False, False)  # as after repeat
+    return not can_use_efficient_attention(repeated)
 
 
 def causal_bottom_right(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout: float = 0.0,
                         scaling: float | None = None) -> torch.Tensor:
     """Causal SDPA of ``query`` ``[B, H, q, D]``, the last ``q`` of the ``kv`` positions of ``key`` / ``value``
-    ``[B, Hk, kv, D]``, without a mask tensor: ``[B, q, H, D]``. Grouped KV heads go to flash as they are where it
-    runs, else repeated (as transformers does where a mask is given)."""
+    ``[B, Hk, kv, D]``, without a mask tensor: ``[B, q, H, D]``. Grouped KV heads stay as they are unless the
+    memory-efficient kernel runs (then repeated, as transformers repeats them where it passes a mask)."""
     groups = query.shape[1] // key.shape[1]
     gqa = {}
     if groups > 1:
-        if _flash_takes_gqa(query, key, value, dropout):
+        if _heads_as_they_are(query, key, value, dropout):
             gqa["enable_gqa"] = True
         else:
             key, value = repeat_kv(key, groups), repeat_kv(value, groups)
