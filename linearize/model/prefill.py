@@ -20,9 +20,9 @@ import torch
 #: Tokens per row in one piece of a chunked prefill (the config's ``prefill_chunk_tokens``; 0: one whole forward).
 #: At the Llama-3-8B shape (hidden 4,096, MLP 14,336, 32 heads, 8 KV heads, bf16) the largest intermediates of a
 #: piece are the MLP's gate and up projections and their product, 3 x 14,336 x 2 B = 86 KB per token: 5.6 GB for
-#: 8,192 x 8 tokens (0.7 GB at batch 1), against 90 GB for a whole 128K x 8 forward. Under SDPA a piece after the first
-#: also gets a boolean causal mask of B x 8,192 x (tokens so far) bytes (8.6 GB at the end of 128K x 8 or of 1M x 1;
-#: transformers builds no mask only where queries and keys have the same length). Each piece re-reads the weights
+#: 8,192 x 8 tokens (0.7 GB at batch 1), against 90 GB for a whole 128K x 8 forward. Pieces after the first attend
+#: without a mask tensor when unpadded (softmax_attention.py); a left-padded batch's pieces get a boolean mask of
+#: B x 8,192 x (tokens so far) bytes (8.6 GB at the end of 128K x 8). Each piece re-reads the weights
 #: (16 GB, ~3.5 ms on an H200) and launches its kernels once more: at 8,192 x 1 tokens (~0.25 s of GEMMs) under 2% of
 #: the piece, and its GEMMs (8,192+ rows) run as fast as the whole sequence's. 16,384 would double both memory terms
 #: for under 1% of speed.
