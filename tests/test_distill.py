@@ -137,9 +137,8 @@ def test_every_shipped_recipe_distills(name, corpus, monkeypatch, tmp_path):
     model.resize_token_embeddings(64)
     hybrid = linearize_model(model, select_layout(2, ratio="1:1"), rec)
     report = D.distill(hybrid, _tokenizer(), rec, progress=False, log=lambda m: None)
-    learnable = any(p.numel() for m in hybrid.linear_modules()
-                    for fm in (m.feature_map_q, m.feature_map_k) if fm.learnable for p in fm.parameters())
-    if learnable or rec["attention"]["window"]:
+    learnable = any(p.numel() for m in hybrid.linear_modules() for p in m.learned_parameters())
+    if learnable:
         assert report["steps"] == 3 and all(h["loss"] == h["loss"] for h in report["history"])
     else:
         assert report == {"skipped": "nothing to train"}
