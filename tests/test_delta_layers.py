@@ -372,7 +372,6 @@ def test_lolcats_turned_gated_delta_names_the_window():
         R.load("lolcats", {"attention.layer_type": "gated_delta"})
 
 
-@pytest.mark.slow
 def test_bad_recipe_value_on_the_command_line(tmp_path):
     res = run_cli("convert", "smollm2-135m", "--recipe", "gdn", "--set", "attention.delta_beta_init=2", "-o",
                   str(tmp_path / "out"))
