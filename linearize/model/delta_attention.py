@@ -29,20 +29,20 @@ one state per KV head as the original keeps one cache). What it is built from:
 
 New parameters and their initial values (``x`` is the layer input, after the decoder layer's norm):
 
-==================  ===============  ==========================================================================
-parameter           shape            initial value and why
-==================  ===============  ==========================================================================
-``beta.weight``     ``[Hk, hidden]``  0: every token writes with the same strength at first; stage 1 learns which
-                                      tokens matter (its gradient is not 0: it is the data-dependent one)
-``beta.bias``       ``[Hk]``          ``logit(delta_beta_init)``: the recipe's write strength
-``decay.weight``    ``[Hk, hidden]``  0 (DecayGate)
-``decay.bias``      ``[Hk]``          the recipe's ``decay_half_life`` (DecayGate): close to no forgetting
-``q_scale``         ``[H]``           ``delta_q_scale``: the read-out's temperature; with unit keys and queries a
-                                      query equal to a stored key reads ``q_scale`` times its value
-``q_map``           ``[H, D, D]``     the identity (``delta_qk_map``): the untrained layer reads the original's
-``k_map``           ``[Hk, D, D]``    cosines between queries and keys
-``gate.weight``     ``[H*D, hidden]`` 0, so ``2 sigmoid(0) = 1``: the untrained gate passes the output unchanged
-==================  ===============  ==========================================================================
+================  =================  ===========================================================================
+parameter         shape              initial value and why
+================  =================  ===========================================================================
+``beta.weight``   ``[Hk, hidden]``   0: every token writes with the same strength at first; stage 1 learns which
+                                     tokens matter (its gradient is not 0: it is the data-dependent one)
+``beta.bias``     ``[Hk]``           ``logit(delta_beta_init)``: the recipe's write strength
+``decay.weight``  ``[Hk, hidden]``   0 (DecayGate)
+``decay.bias``    ``[Hk]``           the recipe's ``decay_half_life`` (DecayGate): close to no forgetting
+``q_scale``       ``[H]``            ``delta_q_scale``: the read-out's temperature; with unit keys and queries a
+                                     query equal to a stored key reads ``q_scale`` times its value
+``q_map``         ``[H, D, D]``      the identity (``delta_qk_map``): the untrained layer reads the original's
+``k_map``         ``[Hk, D, D]``     cosines between queries and keys
+``gate.weight``   ``[H*D, hidden]``  0, so ``2 sigmoid(0) = 1``: the untrained gate passes the output unchanged
+================  =================  ===========================================================================
 
 All of them are kept in fp32 and are what stage 1 trains (:meth:`GatedDeltaAttention.learned_parameters`); the
 adopted projections stay the original's in stage 1 (they also compute the teacher) and get LoRA adapters in
@@ -181,8 +181,8 @@ class GatedDeltaAttention(nn.Module):
     def delta_inputs(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, real: torch.Tensor | None = None):
         """The kernel's inputs from the layer input ``x`` ``[B, T, hidden]`` and the post-rotary ``q`` ``[B, T, H,
         D]``, ``k`` ``[B, T, Hk, D]``: ``(q, k, beta, log_decay)``, ``q`` and ``k`` mapped (with ``delta_qk_map``)
-        and L2-normalised per head (``q`` times ``q_scale``) in ``q``'s dtype, ``beta`` and ``log_decay`` ``[B, T, Hk]`` fp32 (``log_decay`` None
-        without a decay gate). ``real`` ``[B, T]`` bool marks the tokens that are not padding: a padding token gets
+        and L2-normalised per head (``q`` times ``q_scale``) in ``q``'s dtype, ``beta`` and ``log_decay``
+        ``[B, T, Hk]`` fp32 (``log_decay`` None without a decay gate). ``real`` ``[B, T]`` bool marks the tokens that are not padding: a padding token gets
         ``beta = 0`` and ``log_decay = 0``, so the state passes it unchanged."""
         qf, kf = q.float(), k.float()
         if self.q_map is not None:
