@@ -92,12 +92,10 @@ def load_and_shard(spec: str, device: str | None, dtype, prepare=None, log=None)
 
 def _stage1_params(model) -> list[torch.nn.Parameter]:
     params = []
-    for m in model.linear_modules():
-        params += list(m.feature_map_q.parameters()) + list(m.feature_map_k.parameters())
-        if m.window_logit is not None:
-            params.append(m.window_logit)
-        if m.decay is not None:
-            params += list(m.decay.parameters())
+    for m in model.linear_modules():  # a linear layer's feature maps (learnable or not) + what stage 1 trains
+        maps = (m.feature_map_q, m.feature_map_k) if hasattr(m, "feature_map_q") else ()  # gated delta: none
+        params += [p for fm in maps for p in fm.parameters()]
+        params += [p for p in m.learned_parameters() if not any(p is q for q in params)]
     return params
 
 
