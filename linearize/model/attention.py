@@ -137,6 +137,27 @@ class RealTokens:
         return real
 
 
+def adopt_original(layer: nn.Module, original: nn.Module, config, layer_idx: int, arch: ArchSpec) -> None:
+    """Give a converted ``layer`` what the original attention computes with (the teacher): its shape, softmax scale,
+    projections, q/k norms, rotary settings, and its reach and logit cap (a sliding window: Gemma 2 / 3, Mistral;
+    Gemma 2's soft-cap c, scores -> c tanh(scores / c))."""
+    layer.layer_idx = layer_idx
+    layer.num_heads, layer.num_kv_heads, layer.head_dim = attention_shape(config)
+    layer.scaling = float(getattr(original, "scaling", None) or layer.head_dim**-0.5)  # softmax scale of q.k
+    layer.teacher_window = softmax_windows(config)[layer_idx]
+    layer.softcap = getattr(original, "attn_logit_softcapping", None)
+    for name in arch.projections:
+        setattr(layer, name, getattr(original, name))
+    layer.qkv = arch.qkv
+    layer.q_norm = getattr(original, arch.q_norm, None) if arch.q_norm else None
+    layer.k_norm = getattr(original, arch.k_norm, None) if arch.k_norm else None
+    layer.qk_norm_over = arch.qk_norm_over
+    layer.clip_qkv = getattr(config, arch.clip_qkv, None) if arch.clip_qkv else None
+    layer.rope = arch.uses_rope is None or bool(arch.uses_rope(original))
+    layer.qk_norm_after_rope = arch.qk_norm_after_rope
+    layer.rope_interleaved = arch.rope_interleaved
+
+
 class LinearAttention(nn.Module):
     """A linear (optionally sliding-window hybrid) attention layer built from an original module.
 
@@ -153,23 +174,7 @@ class LinearAttention(nn.Module):
     def __init__(self, original: nn.Module, config, layer_idx: int, settings: dict, arch: ArchSpec, *,
                  kernel_options: dict | None = None, masks: RealTokens | None = None):
         super().__init__()
-        self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = attention_shape(config)
-        self.scaling = float(getattr(original, "scaling", None) or self.head_dim**-0.5)  # softmax scale of q.k
-        # the original attention's reach and logit cap (the teacher's): a sliding window (Gemma 2 / 3, Mistral) and
-        # Gemma 2's soft-cap c, scores -> c tanh(scores / c)
-        self.teacher_window = softmax_windows(config)[layer_idx]
-        self.softcap = getattr(original, "attn_logit_softcapping", None)
-        for name in arch.projections:
-            setattr(self, name, getattr(original, name))
-        self.qkv = arch.qkv
-        self.q_norm = getattr(original, arch.q_norm, None) if arch.q_norm else None
-        self.k_norm = getattr(original, arch.k_norm, None) if arch.k_norm else None
-        self.qk_norm_over = arch.qk_norm_over
-        self.clip_qkv = getattr(config, arch.clip_qkv, None) if arch.clip_qkv else None
-        self.rope = arch.uses_rope is None or bool(arch.uses_rope(original))
-        self.qk_norm_after_rope = arch.qk_norm_after_rope
-        self.rope_interleaved = arch.rope_interleaved
+        adopt_original(self, original, config, layer_idx, arch)
         self.window = int(settings.get("window") or 0)
         self.eps = float(settings.get("eps", 1e-6))
         fm_params = {}

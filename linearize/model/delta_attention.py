@@ -59,9 +59,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.delta import gated_delta_rule, gated_delta_rule_step
-from .architectures import ArchSpec, attention_shape
-from .attention import DECAY_KINDS, DecayGate, LinearAttention, RealTokens
-from .cache import HybridCache, softmax_windows
+from .architectures import ArchSpec
+from .attention import DECAY_KINDS, DecayGate, LinearAttention, RealTokens, adopt_original
+from .cache import HybridCache
 
 #: clamp of the q / k norms in the L2 normalisation (an all-zero row stays zero instead of dividing by zero)
 L2_EPS = 1e-6
@@ -121,22 +121,7 @@ class GatedDeltaAttention(nn.Module):
     def __init__(self, original: nn.Module, config, layer_idx: int, settings: dict, arch: ArchSpec, *,
                  kernel_options: dict | None = None, masks: RealTokens | None = None):
         super().__init__()
-        self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = attention_shape(config)
-        # what the original attention computes (the teacher), as LinearAttention reads it
-        self.scaling = float(getattr(original, "scaling", None) or self.head_dim**-0.5)
-        self.teacher_window = softmax_windows(config)[layer_idx]
-        self.softcap = getattr(original, "attn_logit_softcapping", None)
-        for name in arch.projections:
-            setattr(self, name, getattr(original, name))
-        self.qkv = arch.qkv
-        self.q_norm = getattr(original, arch.q_norm, None) if arch.q_norm else None
-        self.k_norm = getattr(original, arch.k_norm, None) if arch.k_norm else None
-        self.qk_norm_over = arch.qk_norm_over
-        self.clip_qkv = getattr(config, arch.clip_qkv, None) if arch.clip_qkv else None
-        self.rope = arch.uses_rope is None or bool(arch.uses_rope(original))
-        self.qk_norm_after_rope = arch.qk_norm_after_rope
-        self.rope_interleaved = arch.rope_interleaved
+        adopt_original(self, original, config, layer_idx, arch)  # what the original computes (the teacher)
         # the new parameters (see the module docstring for their initial values)
         device = getattr(self, arch.projections[0]).weight.device
         self.beta = BetaGate(config.hidden_size, self.num_kv_heads, float(settings.get("delta_beta_init", 0.5)))
