@@ -89,3 +89,29 @@ def test_a_hybrid_cannot_be_planned_again(tmp_path):
 def test_a_missing_model_without_a_shipped_config_still_says_how_to_get_it():
     r = run_cli("info", "qwen2.5-0.5b", "--ratio", "3:1")
     assert r.returncode != 0 and "not found" in r.stderr and "huggingface-cli download" in r.stderr
+
+
+def test_gdn_plan_counts_its_own_parameters_and_state():
+    """A gated delta layer adds its write-strength and decay gates, read-out scales and q/k maps, and keeps one fp32
+    [K, V] state per KV head (no normalizer, no window ring): counted by hand for Llama-3-8B at 3:1."""
+    data = model_info("llama-3-8b", ratio="3:1", recipe="gdn")
+    hidden, heads, kv, d = 4096, 32, 8, 128
+    per_layer = 2 * (kv * hidden + kv) + heads + (heads + kv) * d * d  # beta, decay; q_scale; q and k maps
+    assert data["extra_parameters"] == 24 * per_layer
+    kv_token = 2 * kv * d * 2  # K and V, bf16
+    assert data["cache_bytes"]["4K"]["hybrid"] == 8 * 4096 * kv_token + 24 * kv * d * d * 4
+
+
+@pytest.mark.parametrize("recipe,overrides", [("lolcats", {}), ("lolcats", {"attention.decay": "learned"}),
+                                              ("elu", {}), ("gdn", {})])
+def test_cache_formula_is_what_a_prefill_holds(recipe, overrides):
+    """The closed-form cache size (costs.cache_bytes) is exactly the bytes a prefill leaves in the hybrid's cache,
+    for every kind of converted layer: window rings with and without log decays, a plain (S, z), a delta state."""
+    import torch
+
+    from linearize.bench.model import cache_nbytes
+
+    hybrid = linearize_model(tiny_model("llama"), select_layout(4, softmax_layers="1"), R.load(recipe, overrides))
+    with torch.no_grad():
+        cache = hybrid(torch.randint(0, 128, (2, 37)), use_cache=True).past_key_values
+    assert cache_nbytes(cache) == cache_bytes(hybrid.config, 37, batch=2, dtype_bytes=4)["hybrid"]

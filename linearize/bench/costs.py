@@ -14,7 +14,7 @@ import torch
 from ..model.architectures import attention_shape
 from ..model.cache import softmax_windows
 from ..model.feature_maps import build_feature_map
-from ..model.layout import LINEAR
+from ..model.layout import CONVERTED, GATED_DELTA
 
 
 def kv_layer_bytes(config, tokens: int, batch: int = 1, dtype_bytes: int = 2) -> int:
@@ -25,17 +25,24 @@ def kv_layer_bytes(config, tokens: int, batch: int = 1, dtype_bytes: int = 2) ->
 
 @torch.no_grad()
 def linear_state_bytes(config, linear_attention: dict, batch: int = 1, dtype_bytes: int = 2) -> int:
-    """Bytes of one linear layer's state under the ``linear_attention`` settings (a recipe's ``attention``
-    section): fp32 ``S`` and ``z``, and for a window layer the ring of the last W tokens' keys, key features and
-    values (and which of them are padding). It does not grow with the context."""
+    """Bytes of one converted layer's state under the ``linear_attention`` settings (a recipe's ``attention``
+    section). A linear layer: fp32 ``S`` and ``z``, and for a window layer the ring of the last W tokens' keys, key
+    features and values, which of them are padding, their fp32 log decays (``decay: learned``) and the step
+    counter. A gated delta layer (``layer_type: gated_delta``): fp32 ``S`` ``[Hk, K, V]``. It does not grow with
+    the context."""
     _, kv, d = attention_shape(config)
     la = linear_attention
+    if la.get("layer_type") == GATED_DELTA:
+        return batch * kv * d * d * 4
     fm_params = {"feature_dim": la["feature_dim"]} if la.get("feature_dim") is not None else {}
     f = build_feature_map(la.get("feature_map", "hedgehog"), 1, d, **fm_params).feature_dim
-    window = int(la.get("window") or 0)
     state = batch * kv * (f * d + f) * 4  # fp32 S and z
-    ring = batch * kv * window * (d + f + d) * dtype_bytes + batch * window  # + which slots hold padding (bool)
-    return state + ring
+    window = int(la.get("window") or 0)
+    if not window:
+        return state
+    decays = batch * kv * window * 4 if (la.get("decay") or "none") != "none" else 0  # fp32 log decays
+    ring = batch * kv * window * (d + f + d) * dtype_bytes + batch * window + decays  # + padding flags (bool)
+    return state + ring + 8  # + the int64 step counter
 
 
 def cache_bytes(config, seq_len: int, batch: int = 1, dtype_bytes: int = 2) -> dict[str, int]:
@@ -43,11 +50,11 @@ def cache_bytes(config, seq_len: int, batch: int = 1, dtype_bytes: int = 2) -> d
     model's sliding layers) and the hybrid layout."""
     kv_layers = [kv_layer_bytes(config, min(seq_len, w or seq_len), batch, dtype_bytes)
                  for w in softmax_windows(config)]
-    layer_types = getattr(config, "layer_types", None) if config.model_type == "linearize" else None
+    layer_types = getattr(config, "hybrid_layer_types", None) if config.model_type == "linearize" else None
     if layer_types is None:
         return {"original": sum(kv_layers), "hybrid": sum(kv_layers)}
     state = linear_state_bytes(config, config.linear_attention, batch, dtype_bytes)
-    hybrid = sum(state if t == LINEAR else kv_layer for t, kv_layer in zip(layer_types, kv_layers))
+    hybrid = sum(state if t in CONVERTED else kv_layer for t, kv_layer in zip(layer_types, kv_layers))
     return {"original": sum(kv_layers), "hybrid": hybrid}
 
 

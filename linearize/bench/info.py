@@ -78,7 +78,8 @@ def model_info(spec: str, *, ratio: str | None = None, softmax_layers: str | Non
             model = linearize_model(model, layout, rec)
             config = model.config
     total = sum(p.numel() for p in model.parameters())
-    extra = sum(p.numel() for n, p in model.named_parameters() if "feature_map" in n or "window_logit" in n or ".decay." in n)
+    # what conversion adds: each converted layer's own parameters (feature maps, window mix, gates, delta-rule parts)
+    extra = sum(p.numel() for m in getattr(model, "linear_modules", list)() for p in m.learned_parameters())
     if config.model_type == "linearize":
         layout_line = describe_layout(config.layer_types) + (f" (planned, recipe {rec.name})" if planned else "")
         base_type = config.base_model_type
@@ -117,7 +118,7 @@ def speed_bounds(model, config, extra_parameters: int) -> dict[str, dict[str, fl
     """Per context, batch 1, bf16 weights and KV: the speed-ups a hybrid's layout allows over its original at
     equal efficiency (``bench model``'s bounds): ``prefill`` from FLOPs per token, ``decode`` from the bytes a
     step reads (weights + cache). The original: the same shapes with every layer softmax, without the
-    linear-attention extras."""
+    parameters conversion adds."""
     # start-up time: torch and transformers, only for a hybrid's bounds
     from ..model.cache import softmax_windows
 

@@ -298,8 +298,8 @@ def cache_nbytes(cache) -> int:
     for layer in cache.layers:
         tensors = [getattr(layer, "keys", None), getattr(layer, "values", None)]
         state = getattr(layer, "state", None)
-        if state is not None:
-            tensors.extend(state)
+        if state is not None:  # a tuple or NamedTuple of tensors; one tensor for a gated delta layer
+            tensors.extend([state] if torch.is_tensor(state) else state)
         for t in tensors:
             if torch.is_tensor(t) and t.numel() and id(t) not in seen:
                 seen.add(id(t))

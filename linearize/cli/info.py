@@ -38,7 +38,7 @@ def info(spec: str = typer.Argument(..., help="Model spec or hybrid checkpoint d
     console.print(f"layers: {data['layout']}", highlight=False)
     if data.get("sliding"):
         console.print(f"sliding: {data['sliding']}", highlight=False)
-    console.print(f"parameters: {data['parameters']:,} (linear-attention extras: {data['extra_parameters']:,})")
+    console.print(f"parameters: {data['parameters']:,} (added by conversion: {data['extra_parameters']:,})")
     table = Table(title="per sequence: cache + state bytes (bf16 KV, fp32 state)" + (" and speed bounds" if data.get("bounds") else ""))
     table.add_column("context")
     table.add_column("original", justify="right")
