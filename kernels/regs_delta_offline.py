@@ -13,15 +13,11 @@ emits PTX 9.x, which its bundled ``ptxas`` (CUDA 12.9) refuses; ``ptxas-blackwel
 The device's own Triton (3.6 on the H200 machine) may allocate differently; this is for comparing variants.
 """
 import os
-import re
-import subprocess
 import sys
-import tempfile
 
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
+import regs_offline
 from linearize.kernels import triton_delta as TD
 from linearize.kernels import triton_delta_step as TS
 
@@ -33,27 +29,7 @@ DIV16 = {"T", "H", "HK"}  # as the device specialises them at the benchmark shap
 
 def compile_stats(fn, pointers: dict, ints: set, floats: set, consts: dict, warps: int, stages: int):
     """(registers, spill store bytes, spill load bytes, shared bytes) of ``fn`` compiled for sm_90a."""
-    sig = {}
-    for name in fn.arg_names:
-        sig[name] = ("constexpr" if name in consts else pointers.get(name) or
-                     ("i32" if name in ints else "fp32" if name in floats else None))
-        if sig[name] is None:
-            raise KeyError(name)
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if sig[n].startswith("*") or n in DIV16}
-    kernel = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": warps, "num_stages": stages})
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-        f.write(kernel.asm["ptx"])
-        f.flush()
-        out = subprocess.run([PTXAS, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull], capture_output=True,
-                             text=True)
-    log = out.stderr + out.stdout
-    regs = re.search(r"Used (\d+) registers", log)
-    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    if regs is None:
-        raise RuntimeError(log[-800:])
-    return int(regs.group(1)), int(spill.group(1)), int(spill.group(2)), kernel.metadata.shared
+    return regs_offline.compile_stats(fn, pointers, ints, floats, consts, warps, stages, ptxas=PTXAS, div16=DIV16)
 
 
 def kernels(cfg: dict):

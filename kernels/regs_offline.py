@@ -26,8 +26,10 @@ PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bi
 DIV16 = {"T", "H", "HK", "SEG_CHUNKS"}  # as the device specialises them at the benchmark shapes
 
 
-def compile_stats(fn, pointers: dict, ints: set, floats: set, consts: dict, warps: int, stages: int):
-    """(registers, spill store bytes, spill load bytes, shared bytes) of ``fn`` compiled for sm_90a."""
+def compile_stats(fn, pointers: dict, ints: set, floats: set, consts: dict, warps: int, stages: int, *,
+                  ptxas: str = PTXAS, div16: set = DIV16):
+    """(registers, spill store bytes, spill load bytes, shared bytes) of ``fn`` compiled for sm_90a: ``div16``
+    names the integer arguments the device specialises as multiples of 16, ``ptxas`` the assembler."""
     if "NSEG" in fn.arg_names:
         consts = dict(consts, NSEG=1)  # one segment: the device specialises an argument equal to 1
     sig = {}
@@ -37,13 +39,13 @@ def compile_stats(fn, pointers: dict, ints: set, floats: set, consts: dict, warp
         if sig[name] is None:
             raise KeyError(name)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if sig[n].startswith("*") or n in DIV16}
+             if sig[n].startswith("*") or n in div16}
     kernel = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": warps, "num_stages": stages})
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(kernel.asm["ptx"])
         f.flush()
-        out = subprocess.run([PTXAS, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull],
+        out = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull],
                              capture_output=True, text=True)
     log = out.stderr + out.stdout
     regs = re.search(r"Used (\d+) registers", log)
