@@ -216,3 +216,53 @@ def test_bad_budget_is_one_line(options):
     with pytest.raises(LinearizeError) as e:
         split_tokens(TrainingOptions(**options))
     assert "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------------------------- the training length
+
+
+def test_train_length_keeps_tokens_per_step():
+    """--train-length sets both stages' sequence length and scales the batch and the held-out rows so a step and
+    the held-out report keep the recipe's tokens; a field given with --set keeps its value."""
+    from linearize.convert.plan import train_length_overrides
+
+    rec = R.load("lolcats")  # 16 x 2,048 tokens a step, 8 held-out rows, in both stages
+    got = train_length_overrides(rec, 8192, {"finetune.batch_size": 2})
+    assert got == {"distill.seq_len": 8192, "distill.batch_size": 4, "distill.eval_seqs": 2,
+                   "finetune.seq_len": 8192, "finetune.eval_seqs": 2}
+    short = train_length_overrides(rec, 512, {})
+    assert short["distill.batch_size"] == 64 and short["distill.eval_seqs"] == 32
+    tiny = train_length_overrides(R.load("lolcats-cpu"), 2048, {})  # 2 x 512 rows a LoRA step: at least one row
+    assert tiny["finetune.batch_size"] == 1 and tiny["finetune.eval_seqs"] == 1
+
+
+def test_train_length_reaches_the_recipe_as_run(ws, tmp_path):
+    plan = build_plan(str(ws / "tiny"), overrides={"distill.data": str(ws / "corpus.txt")},
+                      layout=LayoutOptions(ratio="1:1"), training=TrainingOptions(train_length="512", tokens="128K"),
+                      run=RunOptions(out=tmp_path / "OUT"), log=lambda m: None)
+    assert plan.recipe["distill"]["seq_len"] == plan.recipe["finetune"]["seq_len"] == 512
+    assert plan.recipe["distill"]["batch_size"] == 64 and plan.recipe["distill"]["data"] == str(ws / "corpus.txt")
+    assert plan.recipe.overrides["finetune.eval_seqs"] == 32  # recorded in the checkpoint's linearize_recipe.yaml
+
+
+@pytest.mark.parametrize("training,overrides,needle", [
+    (dict(train_length="2K"), {}, "distill.seq_len 2048 is beyond"),  # the tiny model's context is 1,024 tokens
+    (dict(), {}, "distill.seq_len 2048 is beyond"),  # the recipe's own 2K, too
+    (dict(train_length="512", finetune=False), {"finetune.seq_len": 4096}, "both set the training length"),
+    (dict(train_length="1k2"), {}, "bad --train-length"),
+])
+def test_train_length_refusals_are_one_line(ws, tmp_path, training, overrides, needle):
+    with pytest.raises(LinearizeError) as e:
+        build_plan(str(ws / "tiny"), overrides=overrides, layout=LayoutOptions(ratio="1:1"),
+                   training=TrainingOptions(**training), run=RunOptions(out=tmp_path / "OUT"), log=lambda m: None)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "OUT").exists()
+
+
+def test_a_stage_that_does_not_run_is_not_checked(ws, tmp_path):
+    """--no-finetune: only stage 1's length has to fit the context; --no-train: neither."""
+    over = {"distill.seq_len": 256, "finetune.seq_len": 4096}
+    build_plan(str(ws / "tiny"), overrides=over, layout=LayoutOptions(ratio="1:1"),
+               training=TrainingOptions(finetune=False), run=RunOptions(out=tmp_path / "A"), log=lambda m: None)
+    build_plan(str(ws / "tiny"), layout=LayoutOptions(ratio="1:1"), training=TrainingOptions(train=False),
+               run=RunOptions(out=tmp_path / "B"), log=lambda m: None)

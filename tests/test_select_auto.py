@@ -34,7 +34,7 @@ def ws(tmp_path_factory):
 
 def _overrides(ws, **extra):
     over = {"attention.window": 8, "distill.data": str(ws / "corpus.txt"), "distill.seq_len": 64,
-            "distill.batch_size": 2, "distill.eval_seqs": 2, "select.retrieval_length": 400,
+            "distill.batch_size": 2, "distill.eval_seqs": 2, "finetune.seq_len": 64, "select.retrieval_length": 400,
             "select.retrieval_prompts": 2}
     over.update(extra)
     return over
@@ -78,11 +78,11 @@ def test_select_combinations():
 def test_kv_budget_arithmetic():
     """Tiny llama (4 layers, 2 KV heads, head_dim 16), lolcats with window 8, fp32, 1K tokens, by hand:
     KV per softmax layer = 2 (k, v) x 2 heads x 1024 x 16 x 4 B = 262,144; hedgehog features F = 16, so a linear
-    layer holds S, z = 2 x (16 x 16 + 16) x 4 B = 2,176 plus the ring 2 x 8 x (16 + 16 + 16) x 4 B = 3,072 and its
-    8 padding flags (1 B each)."""
+    layer holds S, z = 2 x (16 x 16 + 16) x 4 B = 2,176 plus the ring 2 x 8 x (16 + 16 + 16) x 4 B = 3,072, its
+    8 padding flags (1 B each) and its int64 step counter."""
     cfg = tiny_model("llama", layers=4).config
     att = R.load("lolcats", {"attention.window": 8})["attention"]
-    kv, lin = 262_144, 2_176 + 3_072 + 8
+    kv, lin = 262_144, 2_176 + 3_072 + 8 + 8
     two = 2 * kv + 2 * lin
     count, detail = softmax_count_for_budget(cfg, att, f"{two}B@1K", 4)
     assert count == 2 and detail["bytes_used"] == two

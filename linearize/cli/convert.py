@@ -27,6 +27,7 @@ def convert(
     tokens: Optional[str] = typer.Option(None, "--tokens", help="Training tokens, split evenly across the stages, e.g. 40M (default: the recipe's)."),
     distill_tokens: Optional[str] = typer.Option(None, "--distill-tokens", help="Attention-transfer tokens (overrides the split)."),
     finetune_tokens: Optional[str] = typer.Option(None, "--finetune-tokens", help="LoRA tokens (overrides the split)."),
+    train_length: Optional[str] = typer.Option(None, "--train-length", help="Tokens per training sequence in both stages, e.g. 8K (default: the recipe's, 2K for lolcats); batch and held-out sequences are scaled to keep the tokens per step. Retrieval holds up to about the length trained at."),
     no_finetune: bool = typer.Option(False, "--no-finetune", help="Stop after attention transfer (no LoRA stage)."),
     loss: Optional[str] = typer.Option(None, "--loss", help="LoRA loss: xent (next token) or kl (to the original); default: the recipe's."),
     resume: bool = RESUME,
@@ -44,7 +45,7 @@ def convert(
     layout = LayoutOptions(ratio=ratio, softmax_layers=softmax_layers, select=select, kv_budget=kv_budget)
     training = TrainingOptions(train=not no_train, finetune=not no_finetune, tokens=tokens,
                                distill_tokens=distill_tokens, finetune_tokens=finetune_tokens, loss=loss,
-                               resume=resume)
+                               resume=resume, train_length=train_length)
     where = RunOptions(out=out, overwrite=overwrite, dtype=dtype, device=device, fsdp=fsdp)
     with command_scope("convert"):  # -o: never a model checkpoint; --overwrite: only an earlier convert output
         path = run(spec, recipe=recipe, overrides=overrides(set_), layout=layout, training=training, run=where,

@@ -23,7 +23,7 @@ from ..io import sources
 from ..io.checkpoint import check_output_dir
 from ..settings import DEFAULT_RATIO, DEFAULT_RECIPE
 from ..train import fsdp
-from ..units import parse_tokens
+from ..units import parse_length, parse_tokens
 from .probe import plan_probe_tokens, plan_scoring_tokens, score_weights
 from .selection import (check_select, layout_from_ratio, parse_layer_list, parse_ratio, select_layout,
                         softmax_count_for_budget, softmax_count_from_ratio, softmax_indices)
@@ -52,7 +52,8 @@ class LayoutOptions:
 @dataclass(frozen=True)
 class TrainingOptions:
     """Which stages run (``--no-train``, ``--no-finetune``), their budgets as given (``--tokens``,
-    ``--distill-tokens``, ``--finetune-tokens``), ``--loss`` and ``--resume``."""
+    ``--distill-tokens``, ``--finetune-tokens``), the training sequences' length (``--train-length``), ``--loss``
+    and ``--resume``."""
 
     train: bool = True
     finetune: bool = True
@@ -61,6 +62,7 @@ class TrainingOptions:
     finetune_tokens: str | int | None = None
     loss: str | None = None
     resume: bool = False
+    train_length: str | int | None = None
 
 
 @dataclass(frozen=True)
@@ -160,6 +162,9 @@ def build_plan(spec: str, *, recipe: str = DEFAULT_RECIPE, overrides: dict[str, 
     needs the model's config (the auto count and probe budget, the layer layout), then the output directory.
     """
     rec = recipes.load(recipe, overrides)
+    if training.train_length is not None:
+        length = parse_length(training.train_length, what="--train-length")
+        rec = recipes.load(recipe, {**(overrides or {}), **train_length_overrides(rec, length, overrides or {})})
     train = training.train
     chosen = decide_layout(layout, method=rec["select"]["method"], train=train, fsdp=run.fsdp, log=log)
     if run.fsdp:
@@ -179,6 +184,8 @@ def build_plan(spec: str, *, recipe: str = DEFAULT_RECIPE, overrides: dict[str, 
     from .surgery import load_base_config  # imports transformers' model code (seconds): only after the option checks
 
     base_config = load_base_config(spec, source_dir)  # encoder-only, no attention, ...: one line
+    if train:
+        check_context(rec, base_config, spec, stages=("distill", "finetune") if training.finetune else ("distill",))
     note = sources.vision_language_note(source_dir)
     if note:
         log(note)
@@ -192,6 +199,38 @@ def build_plan(spec: str, *, recipe: str = DEFAULT_RECIPE, overrides: dict[str, 
                        layout=chosen, auto=auto, layer_types=layer_types, train=train, finetune=training.finetune,
                        tokens=tokens, loss=training.loss, resume=training.resume, dtype=run.dtype, device=run.device,
                        fsdp=run.fsdp, out=out, overwrite=run.overwrite)
+
+
+#: the fields ``--train-length`` sets in each stage
+TRAIN_LENGTH_FIELDS = ("seq_len", "batch_size", "eval_seqs")
+
+
+def train_length_overrides(rec: recipes.Recipe, length: int, given: dict[str, Any]) -> dict[str, Any]:
+    """``--train-length LENGTH`` as recipe overrides: both stages train on ``length``-token sequences, with
+    ``batch_size`` and ``eval_seqs`` scaled so that a step's tokens and the held-out tokens stay the recipe's (at
+    least one sequence each). Refused in one line where ``--set`` already gives a stage's ``seq_len``."""
+    out: dict[str, Any] = {}
+    for stage in ("distill", "finetune"):
+        if f"{stage}.seq_len" in given:
+            raise LinearizeError(f"--train-length and --set {stage}.seq_len both set the training length: "
+                                 "give one of them")
+        cfg = rec[stage]
+        old = int(cfg["seq_len"])
+        scaled = {"seq_len": length, "batch_size": max(1, int(cfg["batch_size"]) * old // length),
+                  "eval_seqs": max(1, int(cfg["eval_seqs"]) * old // length)}
+        out.update({f"{stage}.{f}": v for f, v in scaled.items() if f"{stage}.{f}" not in given})
+    return out
+
+
+def check_context(rec: recipes.Recipe, base_config: Any, spec: str, *, stages: tuple[str, ...]) -> None:
+    """Refuse (one line) a training length beyond the model's context (``max_position_embeddings``): positions
+    it never saw in pretraining would be what the conversion learns from."""
+    limit = getattr(base_config, "max_position_embeddings", None)
+    for stage in stages:
+        seq_len = int(rec[stage]["seq_len"])
+        if limit and seq_len > int(limit):
+            raise LinearizeError(f"{stage}.seq_len {seq_len} is beyond {spec}'s context ({int(limit)} tokens, its "
+                                 f"max_position_embeddings): use --train-length {int(limit)} or less")
 
 
 def default_output_name(name: str, layout: Layout, recipe_name: str) -> str:
