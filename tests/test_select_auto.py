@@ -317,7 +317,7 @@ def test_convert_select_auto_cli(ws, tmp_path, monkeypatch):
         assert "Layer scores (`--select auto`)" in text and "| 3 |" in text and "Boundary: layer" in text, doc
 
     # the same inputs again, the count now from a KV budget (fp32 on CPU: 2 softmax layers fit exactly)
-    budget = 2 * 262_144 + 2 * (2_176 + 3_072 + 8)
+    budget = 2 * 262_144 + 2 * (2_176 + 3_072 + 8 + 8)
     res = _convert(ws, tmp_path / "B", "--kv-budget", f"{budget}B@1K", "--tokens", "2560", "--set",
                    "select.swap_rounds=0")
     assert res.returncode == 0, res.stderr[-3000:]

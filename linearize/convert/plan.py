@@ -184,8 +184,6 @@ def build_plan(spec: str, *, recipe: str = DEFAULT_RECIPE, overrides: dict[str, 
     from .surgery import load_base_config  # imports transformers' model code (seconds): only after the option checks
 
     base_config = load_base_config(spec, source_dir)  # encoder-only, no attention, ...: one line
-    if train:
-        check_context(rec, base_config, spec, stages=("distill", "finetune") if training.finetune else ("distill",))
     note = sources.vision_language_note(source_dir)
     if note:
         log(note)
@@ -193,6 +191,8 @@ def build_plan(spec: str, *, recipe: str = DEFAULT_RECIPE, overrides: dict[str, 
                                     train=train, log=log)
     layer_types = None if auto is not None else select_layout(
         base_config.num_hidden_layers, ratio=chosen.ratio, softmax_layers=chosen.softmax_layers)
+    if train:
+        check_context(rec, base_config, spec, stages=("distill", "finetune") if training.finetune else ("distill",))
     out = Path(run.out or default_output_name(source.name, chosen, rec.name))
     check_output_dir(out, run.overwrite)
     return ConvertPlan(spec=spec, source=source, source_dir=source_dir, base_config=base_config, recipe=rec,
