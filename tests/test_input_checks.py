@@ -259,3 +259,23 @@ def test_rich_bar_shows_an_eta_with_slow_steps():
         live.update(t, completed=1)
         live.refresh()
     assert "1/10 steps loss 0.1 eta 0:00:0" in buf.getvalue()  # the bar itself prints it
+
+
+def test_a_rerun_beyond_the_context_is_refused(ws, cli, tmp_path):
+    """`finetune --train-length` past the model's 1,024-token context: one line before the model loads."""
+    out = tmp_path / "out"
+    res, seconds = cli("finetune", str(ws / "hybrid"), "--train-length", "2K", "-o", str(out))
+    _refused(res, seconds, out, "finetune.seq_len 2048 is beyond", "--train-length 1024 or less")
+
+
+def test_a_rerun_at_another_length(ws, tmp_path, monkeypatch):
+    """`distill --train-length 64` reruns stage 1 on 64-token rows, the batch and held-out rows halved to keep the
+    tokens (2 x 32 -> 1 x 64), and records it in the checkpoint's recipe; stage 2's settings stay."""
+    from linearize.convert.pipeline import rerun_stage
+
+    monkeypatch.setenv("LINEARIZE_CACHE", str(ws / "cache"))
+    out = rerun_stage("distill", str(ws / "hybrid"), out=tmp_path / "out", train_length="64", tokens=64 * 3,
+                      overrides={"distill.data": str(ws / "corpus.txt")}, device="cpu", log=lambda m: None)
+    rec = R.load(str(out / "linearize_recipe.yaml"))
+    assert (rec["distill"]["seq_len"], rec["distill"]["batch_size"], rec["distill"]["eval_seqs"]) == (64, 1, 1)
+    assert (rec["finetune"]["seq_len"], rec["finetune"]["batch_size"]) == (32, 2)

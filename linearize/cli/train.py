@@ -15,6 +15,8 @@ from .options import DEVICE, DTYPE, FSDP, RESUME, SET, overrides
 _TOKENS_HELP = "Token budget, e.g. 256K, 20M (default: the recipe's)."
 _OUT_HELP = "Write here (a new folder, outside any model checkpoint) instead of updating PATH in place."
 _PATH_HELP = "A hybrid checkpoint directory (from `linearize convert`)."
+_LENGTH_HELP = ("Tokens per training sequence, e.g. 8K (default: the recipe's); batch and held-out sequences are "
+                "scaled to keep the tokens per step.")
 
 
 @app.command()
@@ -22,6 +24,7 @@ _PATH_HELP = "A hybrid checkpoint directory (from `linearize convert`)."
 def distill(
     path: str = typer.Argument(..., help=_PATH_HELP),
     tokens: Optional[str] = typer.Option(None, "--tokens", help=_TOKENS_HELP),
+    train_length: Optional[str] = typer.Option(None, "--train-length", help=_LENGTH_HELP),
     set_: Optional[List[str]] = SET,
     out: Optional[Path] = typer.Option(None, "-o", "--output", help=_OUT_HELP),
     resume: bool = RESUME,
@@ -34,7 +37,7 @@ def distill(
 
     with command_scope("distill", in_place=path):  # PATH itself is updated in place; -o never a model checkpoint
         p = rerun_stage("distill", path, out=out, overrides=overrides(set_), tokens=tokens, resume=resume,
-                        dtype=dtype, device=device, fsdp=fsdp, log=log)
+                        dtype=dtype, device=device, fsdp=fsdp, train_length=train_length, log=log)
     log(f"wrote {p}")
 
 
@@ -44,6 +47,7 @@ def finetune(
     path: str = typer.Argument(..., help=_PATH_HELP),
     tokens: Optional[str] = typer.Option(None, "--tokens", help=_TOKENS_HELP),
     loss: Optional[str] = typer.Option(None, "--loss", help="xent (next token) or kl (to the original attention)."),
+    train_length: Optional[str] = typer.Option(None, "--train-length", help=_LENGTH_HELP),
     set_: Optional[List[str]] = SET,
     adapter_only: bool = typer.Option(False, "--adapter-only", help="Write only the LoRA adapter (default PATH-adapter)."),
     out: Optional[Path] = typer.Option(None, "-o", "--output", help=_OUT_HELP),
@@ -61,7 +65,7 @@ def finetune(
     with command_scope("finetune", in_place=None if adapter_only else path):
         p = rerun_stage("finetune", path, out=out, overrides=overrides(set_), tokens=tokens, loss=loss,
                         adapter_only=adapter_only, resume=resume, dtype=dtype, device=device,
-                        fsdp=fsdp, log=log)
+                        fsdp=fsdp, train_length=train_length, log=log)
     if adapter_only and is_main():  # the adapter folder peft wrote: its marker and the usual file modes
         finish_output(p, "finetune")
     log(f"wrote {p}")

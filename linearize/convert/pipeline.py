@@ -30,8 +30,9 @@ from ..train.distill import STATE_FILE as DISTILL_STATE
 from ..train.distill import distill
 from ..train.finetune import STATE_FILE, finetune
 from ..train.loop import resume_refusal, saved_settings, stage_settings
-from ..units import parse_tokens
-from .plan import AutoSelect, LayoutOptions, RunOptions, TrainingOptions, build_plan
+from ..units import parse_length, parse_tokens
+from .plan import (AutoSelect, LayoutOptions, RunOptions, TrainingOptions, build_plan, check_context,
+                   train_length_overrides)
 from .probe import apply_feature_maps, run_probe, score_weights, select_report, swap_check
 from .selection import (choose_softmax_layers, describe_layout, layout_from_softmax_layers, rank_layers,
                         selection_boundary, softmax_indices)
@@ -326,10 +327,11 @@ def run_distill(model, tokenizer, rec, out: Path, *, tokens=None, resume: bool =
 def rerun_stage(stage: str, path: str, *, out: Path | None = None, overrides: dict[str, Any] | None = None,
                 tokens=None, loss: str | None = None, adapter_only: bool = False, resume: bool = False,
                 dtype: str | None = None, device: str | None = None, fsdp: bool = False,
-                log: Callable[[str], None] = print) -> Path:
+                train_length: str | int | None = None, log: Callable[[str], None] = print) -> Path:
     """(Re)run ``"distill"`` or ``"finetune"`` on a hybrid checkpoint; write to ``out`` (default: in place).
 
     With ``adapter_only`` (finetune), only the LoRA adapter is written, to ``out`` (default ``PATH-adapter``).
+    ``train_length``: the stage's sequence length (``--train-length``, as for ``convert``).
     """
     resolved = resolve(path)
     src = Path(resolved.path if resolved.kind == "dir" else local_dir(resolved))
@@ -337,6 +339,10 @@ def rerun_stage(stage: str, path: str, *, out: Path | None = None, overrides: di
         raise LinearizeError(f"{path}: not a linearize hybrid checkpoint; use `linearize convert {path}` first")
     verify_checkpoint(src)  # a missing or truncated shard, named first (without the model code local_dir imports)
     rec = recipes.load(str(src / "linearize_recipe.yaml"), overrides)
+    if train_length is not None:
+        length = parse_length(train_length, what="--train-length")
+        rec = recipes.load(str(src / "linearize_recipe.yaml"),
+                           {**(overrides or {}), **train_length_overrides(rec, length, overrides or {}, (stage,))})
     if tokens is not None:
         parse_tokens(tokens)
     if loss is not None and loss not in ("xent", "kl"):
@@ -345,6 +351,8 @@ def rerun_stage(stage: str, path: str, *, out: Path | None = None, overrides: di
     if fsdp:
         sharding.check_options(adapter_only=adapter_only)
     config = json.loads((src / "config.json").read_text())
+    check_context(rec, SimpleNamespace(max_position_embeddings=config.get("max_position_embeddings")), path,
+                  stages=(stage,))
     window = (config.get("linear_attention") or {}).get("window")
     recipes.check_training(rec, {stage: tokens}, window=window)  # the model's window, not the recipe text's
     if adapter_only:

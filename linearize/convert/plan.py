@@ -205,12 +205,13 @@ def build_plan(spec: str, *, recipe: str = DEFAULT_RECIPE, overrides: dict[str, 
 TRAIN_LENGTH_FIELDS = ("seq_len", "batch_size", "eval_seqs")
 
 
-def train_length_overrides(rec: recipes.Recipe, length: int, given: dict[str, Any]) -> dict[str, Any]:
-    """``--train-length LENGTH`` as recipe overrides: both stages train on ``length``-token sequences, with
+def train_length_overrides(rec: recipes.Recipe, length: int, given: dict[str, Any],
+                           stages: tuple[str, ...] = ("distill", "finetune")) -> dict[str, Any]:
+    """``--train-length LENGTH`` as recipe overrides: the ``stages`` train on ``length``-token sequences, with
     ``batch_size`` and ``eval_seqs`` scaled so that a step's tokens and the held-out tokens stay the recipe's (at
     least one sequence each). Refused in one line where ``--set`` already gives a stage's ``seq_len``."""
     out: dict[str, Any] = {}
-    for stage in ("distill", "finetune"):
+    for stage in stages:
         if f"{stage}.seq_len" in given:
             raise LinearizeError(f"--train-length and --set {stage}.seq_len both set the training length: "
                                  "give one of them")
