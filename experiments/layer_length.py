@@ -11,6 +11,7 @@ the fitted window weight and, with a decay gate, each KV head's median half-life
     python experiments/layer_length.py --layers 3 --train-length 8K --rows 12    # the same tokens at 8K
     python experiments/layer_length.py --layers 3 --set decay=learned --set decay_half_life=512
     python experiments/layer_length.py --layers 3 --sinks 4   # + the first 4 tokens in the exact-softmax part
+    python experiments/layer_length.py --layers 3 --mass      # + where the original attention's weight goes
 
 ``--sinks N`` computes the layer in its quadratic form (the sliding window and the first N tokens exact, the
 rest linear, one shared normalizer; equal to the kernels within 6e-6 at N = 0) and is several times slower.
@@ -90,6 +91,26 @@ def quadratic(m: LinearAttention, x, q, k, v, sinks: int, rows: int = 1024) -> t
     return torch.cat(out, 1).transpose(0, 1).unsqueeze(0)
 
 
+@torch.no_grad()
+def attention_mass(m: LinearAttention, q, k, buckets, sinks: int = 4, rows: int = 512) -> str:
+    """Mean share of the original softmax attention's weight on the last ``m.window`` tokens, on the first
+    ``sinks`` tokens (once outside the window) and on the rest, per query-position bucket."""
+    H, Hk = q.shape[2], k.shape[2]
+    qh, kh = q[0].transpose(0, 1), k[0].transpose(0, 1).repeat_interleave(H // Hk, 0)  # [H, T, D]
+    T = qh.shape[1]
+    j = torch.arange(T)
+    win, first = torch.zeros(T), torch.zeros(T)
+    for a in range(0, T, rows):
+        i = torch.arange(a, min(a + rows, T))
+        diff = i[:, None] - j[None, :]
+        p = ((qh[:, i] @ kh.transpose(1, 2)) * m.scaling).masked_fill(diff < 0, float("-inf")).softmax(-1)
+        in_window = (diff >= 0) & (diff < m.window)
+        win[i] = (p * in_window).sum(-1).mean(0)
+        first[i] = (p[..., :sinks] * ~in_window[:, :sinks]).sum(-1).mean(0)
+    return "  ".join(f"{a // 1024}-{z // 1024}K: window {win[a:z].mean():.3f} first-{sinks} {first[a:z].mean():.3f} "
+                     f"rest {1 - win[a:z].mean() - first[a:z].mean():.3f}" for a, z in buckets)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", default="3", help="decoder layers, e.g. 3,11")
@@ -99,6 +120,8 @@ def main() -> None:
     ap.add_argument("--eval-length", default="16K", help="one held-out row of this length")
     ap.add_argument("--set", action="append", default=[], help="a lolcats attention setting, e.g. decay=learned")
     ap.add_argument("--sinks", type=int, default=0)
+    ap.add_argument("--mass", action="store_true",
+                    help="also print where the original attention's weight goes on the held-out row, by position")
     ap.add_argument("--cache", default=None)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     args = ap.parse_args()
@@ -133,6 +156,8 @@ def main() -> None:
                 q, k, v = m.project(x, pe)
                 teacher.append((x, q, k, v, m.softmax_attention(q, k, v)))
         *fit, ev = teacher
+        if args.mass:
+            print(f"layer {L}: original attention weight " + attention_mass(m, *ev[1:3], buckets), flush=True)
 
         def student(x, q, k, v):
             if args.sinks:
