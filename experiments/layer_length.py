@@ -60,8 +60,9 @@ def capture(model, ids: torch.Tensor, layers: list[int]) -> dict:
     return got
 
 
-def quadratic(m: LinearAttention, x, q, k, v, sinks: int, rows: int = 1024) -> torch.Tensor:
-    """The window hybrid with the first ``sinks`` keys also in the exact-softmax part, ``[1, T, H, V]``."""
+def quadratic(m: LinearAttention, x, q, k, v, sinks: int, rows: int = 1024, shares: list | None = None) -> torch.Tensor:
+    """The window hybrid with the first ``sinks`` keys also in the exact-softmax part, ``[1, T, H, V]``; ``shares``
+    (a list) receives the linear part's share of the normalizer per query, ``[T]`` (mean over heads)."""
     T, H, Hk = q.shape[1], q.shape[2], k.shape[2]
     G, W = H // Hk, m.window
     fq = m.features(m.feature_map_q, q)[0].transpose(0, 1)  # [H, T, F]
@@ -88,6 +89,8 @@ def quadratic(m: LinearAttention, x, q, k, v, sinks: int, rows: int = 1024) -> t
         num = wf * (p @ vh) + (1 - wf) * (al @ vh)
         den = wf * p.sum(-1, keepdim=True) + (1 - wf) * al.sum(-1, keepdim=True) + m.eps * torch.exp(-mx)
         out.append(num / den)
+        if shares is not None:
+            shares.append(((1 - wf) * al.sum(-1, keepdim=True) / den).mean(0)[:, 0])
     return torch.cat(out, 1).transpose(0, 1).unsqueeze(0)
 
 
@@ -181,6 +184,12 @@ def main() -> None:
             ref = t.pow(2)[0].sum((1, 2))
             by_bucket = "  ".join(f"{a // 1024}-{z // 1024}K {err[a:z].sum() / ref[a:z].sum():.3f}" for a, z in buckets)
             line = f"layer {L}: normalized error {by_bucket} | window weight {torch.sigmoid(m.window_logit).mean():.2f}"
+            if args.mass:  # the fitted layer's own split, to set beside the original's
+                share: list = []
+                quadratic(m, x, q, k, v, args.sinks, shares=share)
+                share = torch.cat(share)
+                line += " | linear part's share " + "  ".join(f"{a // 1024}-{z // 1024}K {share[a:z].mean():.3f}"
+                                                           for a, z in buckets)
             if m.decay is not None:
                 half = (math.log(2) / (-m.decay(x)).clamp_min(1e-9)).median(dim=1).values[0]
                 line += " | half-life per KV head " + ", ".join(f"{h:,.0f}" for h in half.tolist())
