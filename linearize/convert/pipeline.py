@@ -30,9 +30,9 @@ from ..train.distill import STATE_FILE as DISTILL_STATE
 from ..train.distill import distill
 from ..train.finetune import STATE_FILE, finetune
 from ..train.loop import resume_refusal, saved_settings, stage_settings
-from ..units import parse_length, parse_tokens
+from ..units import parse_tokens
 from .plan import (AutoSelect, LayoutOptions, RunOptions, TrainingOptions, build_plan, check_context,
-                   train_length_overrides)
+                   load_recipe)
 from .probe import apply_feature_maps, run_probe, score_weights, select_report, swap_check
 from .selection import (choose_softmax_layers, describe_layout, layout_from_softmax_layers, rank_layers,
                         selection_boundary, softmax_indices)
@@ -338,11 +338,7 @@ def rerun_stage(stage: str, path: str, *, out: Path | None = None, overrides: di
     if not is_hybrid_dir(src):
         raise LinearizeError(f"{path}: not a linearize hybrid checkpoint; use `linearize convert {path}` first")
     verify_checkpoint(src)  # a missing or truncated shard, named first (without the model code local_dir imports)
-    rec = recipes.load(str(src / "linearize_recipe.yaml"), overrides)
-    if train_length is not None:
-        length = parse_length(train_length, what="--train-length")
-        rec = recipes.load(str(src / "linearize_recipe.yaml"),
-                           {**(overrides or {}), **train_length_overrides(rec, length, overrides or {}, (stage,))})
+    rec = load_recipe(str(src / "linearize_recipe.yaml"), overrides, train_length, (stage,))
     if tokens is not None:
         parse_tokens(tokens)
     if loss is not None and loss not in ("xent", "kl"):
@@ -351,8 +347,7 @@ def rerun_stage(stage: str, path: str, *, out: Path | None = None, overrides: di
     if fsdp:
         sharding.check_options(adapter_only=adapter_only)
     config = json.loads((src / "config.json").read_text())
-    check_context(rec, SimpleNamespace(max_position_embeddings=config.get("max_position_embeddings")), path,
-                  stages=(stage,))
+    check_context(rec, config.get("max_position_embeddings"), path, stages=(stage,))
     window = (config.get("linear_attention") or {}).get("window")
     recipes.check_training(rec, {stage: tokens}, window=window)  # the model's window, not the recipe text's
     if adapter_only:

@@ -161,10 +161,7 @@ def build_plan(spec: str, *, recipe: str = DEFAULT_RECIPE, overrides: dict[str, 
     Each refusal is one line and nothing is written. The option checks come first, then the spec, then what
     needs the model's config (the auto count and probe budget, the layer layout), then the output directory.
     """
-    rec = recipes.load(recipe, overrides)
-    if training.train_length is not None:
-        length = parse_length(training.train_length, what="--train-length")
-        rec = recipes.load(recipe, {**(overrides or {}), **train_length_overrides(rec, length, overrides or {})})
+    rec = load_recipe(recipe, overrides, training.train_length)
     train = training.train
     chosen = decide_layout(layout, method=rec["select"]["method"], train=train, fsdp=run.fsdp, log=log)
     if run.fsdp:
@@ -192,7 +189,8 @@ def build_plan(spec: str, *, recipe: str = DEFAULT_RECIPE, overrides: dict[str, 
     layer_types = None if auto is not None else select_layout(
         base_config.num_hidden_layers, ratio=chosen.ratio, softmax_layers=chosen.softmax_layers)
     if train:
-        check_context(rec, base_config, spec, stages=("distill", "finetune") if training.finetune else ("distill",))
+        check_context(rec, getattr(base_config, "max_position_embeddings", None), spec,
+                      stages=("distill", "finetune") if training.finetune else ("distill",))
     out = Path(run.out or default_output_name(source.name, chosen, rec.name))
     check_output_dir(out, run.overwrite)
     return ConvertPlan(spec=spec, source=source, source_dir=source_dir, base_config=base_config, recipe=rec,
@@ -201,8 +199,14 @@ def build_plan(spec: str, *, recipe: str = DEFAULT_RECIPE, overrides: dict[str, 
                        fsdp=run.fsdp, out=out, overwrite=run.overwrite)
 
 
-#: the fields ``--train-length`` sets in each stage
-TRAIN_LENGTH_FIELDS = ("seq_len", "batch_size", "eval_seqs")
+def load_recipe(source: str, overrides: dict[str, Any] | None, train_length: str | int | None,
+                stages: tuple[str, ...] = ("distill", "finetune")) -> recipes.Recipe:
+    """The recipe with the ``--set`` overrides and, given ``train_length``, ``--train-length``'s for ``stages``."""
+    rec = recipes.load(source, overrides)
+    if train_length is None:
+        return rec
+    length = parse_length(train_length, what="--train-length")
+    return recipes.load(source, {**(overrides or {}), **train_length_overrides(rec, length, overrides or {}, stages)})
 
 
 def train_length_overrides(rec: recipes.Recipe, length: int, given: dict[str, Any],
@@ -223,10 +227,9 @@ def train_length_overrides(rec: recipes.Recipe, length: int, given: dict[str, An
     return out
 
 
-def check_context(rec: recipes.Recipe, base_config: Any, spec: str, *, stages: tuple[str, ...]) -> None:
-    """Refuse (one line) a training length beyond the model's context (``max_position_embeddings``): positions
-    it never saw in pretraining would be what the conversion learns from."""
-    limit = getattr(base_config, "max_position_embeddings", None)
+def check_context(rec: recipes.Recipe, limit: int | None, spec: str, *, stages: tuple[str, ...]) -> None:
+    """Refuse (one line) a training length beyond the model's context ``limit`` (``max_position_embeddings``;
+    None: unknown): positions it never saw in pretraining would be what the conversion learns from."""
     for stage in stages:
         seq_len = int(rec[stage]["seq_len"])
         if limit and seq_len > int(limit):
