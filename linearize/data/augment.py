@@ -1,7 +1,6 @@
 """Copy augmentation of training batches (:func:`copy_augment`, the recipe's ``distill.copy_fraction`` /
-``finetune.copy_fraction``): a span of a row is repeated exactly later in the same row, at a distance drawn evenly
-over every scale from just outside the exact window to the whole row, so the model is trained on exact copying at
-all the distances it will serve. Held-out sequences are never augmented."""
+``finetune.copy_fraction``): a span early in a row is repeated exactly far later in the same row, so the model is
+trained on long-range exact copying. Held-out sequences are never augmented."""
 
 from __future__ import annotations
 
@@ -16,9 +15,8 @@ from .specs import check_positive
 #: copy augmentation: shortest and longest copied span (tokens); the longest is capped to fit the row
 COPY_MIN_SPAN = 32
 COPY_MAX_SPAN = 128
-#: copy augmentation: the fewest tokens between a source's end and its copy's start (the default exact window: a
-#: closer copy is within reach of the window); rows shorter than ``4 * COPY_MIN_GAP`` use a quarter of the row
-COPY_MIN_GAP = 64
+#: copy augmentation: the copy starts at least ``row length // COPY_GAP_DIVISOR`` tokens after its source ends
+COPY_GAP_DIVISOR = 4
 #: tags the copy-augmentation random stream so it never coincides with the document-shuffle stream
 _COPY_STREAM = 0xC0B1
 
@@ -37,13 +35,6 @@ def copy_rng(seed: int, index: int) -> np.random.Generator:
     return np.random.default_rng([int(seed) & 0xFFFFFFFF, int(index), _COPY_STREAM])
 
 
-def log_uniform_int(rng: np.random.Generator, low: int, high: int) -> int:
-    """An integer in ``[low, high]`` (``1 <= low <= high``) whose logarithm is uniform: every doubling of the
-    value is drawn equally often."""
-    value = int(np.exp(rng.uniform(np.log(low), np.log(high + 1))))
-    return min(max(value, low), high)
-
-
 def copy_augment(
     rows: torch.Tensor,
     fraction: float,
@@ -52,27 +43,23 @@ def copy_augment(
     min_span: int = COPY_MIN_SPAN,
     max_span: int = COPY_MAX_SPAN,
 ) -> torch.Tensor:
-    """Return a copy of ``rows`` (``[B, L]`` token ids) in which some rows repeat one of their spans later.
+    """Return a copy of ``rows`` (``[B, L]`` token ids) in which some rows repeat one of their spans far later.
 
     For each row, independently with probability ``fraction``, a source span ``[p, p + n)`` is copied
-    exactly over ``[q, q + n)`` of the same row, ``q = p + n + gap``. The span length ``n`` is uniform in
-    ``[min_span, min(max_span, (L - g0) // 2)]`` with ``g0 = min(COPY_MIN_GAP, L // 4)``; the gap is
-    log-uniform in ``[g0, L - 2n]`` (each doubling of the distance is drawn equally often, so a row of 8K
-    tokens trains copies across 64-128 tokens as often as across 4K-8K); then ``p`` is uniform over the
-    positions that leave room for the gap and the copy. One span per augmented row; the tokens the copy
-    overwrites are lost (the row keeps its length). Rows too short for even a ``min_span`` copy
-    (``L - g0 < 2 * min_span``; with the defaults, rows under 85 tokens) are left unchanged, as are the
-    rows not drawn.
+    exactly over ``[q, q + n)`` of the same row, with ``q >= p + n + L // 4`` (at least a quarter of the
+    row between the end of the source and the start of the copy) and ``q + n <= L``. The span length
+    ``n`` is uniform in ``[min_span, min(max_span, (L - L // 4) // 2)]`` (the longest span is capped so
+    source, gap and copy fit), then ``p`` is uniform over the positions that leave room for the gap and
+    the copy, then ``q`` uniform over the positions after the gap. One span per augmented row; the
+    tokens the copy overwrites are lost (the row keeps its length). Rows too short for even a
+    ``min_span`` copy (``L - L // 4 < 2 * min_span``; with the defaults, rows under 85 tokens) are left
+    unchanged, as are the rows not drawn.
 
-    Why every scale: a hybrid retrieves at the distances its copies were trained at. With gaps of at
-    least a quarter of the row, a hybrid trained on 8K-token rows found pass keys 4K-8K tokens back and
-    missed those 1-2K back (docs/long-context-experiments.md).
-
-    Random draws come from ``rng`` only (one uniform per row for the decision, then the span length, the
-    gap and the start per augmented row), so the result is deterministic given the generator's state;
-    :func:`copy_rng` makes the generator of one training batch. ``rows`` is never modified; a new tensor
-    on the same device is returned (``fraction == 0`` returns an unchanged clone). Raises
-    :class:`DataError` for a fraction outside ``[0, 1]``, bad span bounds or a tensor that is not 2-D.
+    Random draws come from ``rng`` only (one uniform per row for the decision, then three integers per
+    augmented row), so the result is deterministic given the generator's state; :func:`copy_rng` makes
+    the generator of one training batch. ``rows`` is never modified; a new tensor on the same device is
+    returned (``fraction == 0`` returns an unchanged clone). Raises :class:`DataError` for a fraction
+    outside ``[0, 1]``, bad span bounds or a tensor that is not 2-D.
     """
     fraction = check_fraction(fraction)
     min_span = check_positive("copy min_span", min_span)
@@ -86,15 +73,14 @@ def copy_augment(
     if fraction == 0 or n_rows == 0:
         return out
     chosen = rng.random(n_rows) < fraction  # drawn for every row, so a row's decision never depends on others
-    min_gap = max(1, min(COPY_MIN_GAP, length // 4))
-    longest = min(max_span, (length - min_gap) // 2)
+    gap = length // COPY_GAP_DIVISOR
+    longest = min(max_span, (length - gap) // 2)
     if longest < min_span:
         return out
     for b in np.flatnonzero(chosen).tolist():
         n = int(rng.integers(min_span, longest + 1))
-        gap = log_uniform_int(rng, min_gap, length - 2 * n)
         p = int(rng.integers(0, length - 2 * n - gap + 1))
-        q = p + n + gap
+        q = int(rng.integers(p + n + gap, length - n + 1))
         out[b, q: q + n] = rows[b, p: p + n]
     return out
 
