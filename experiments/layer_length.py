@@ -9,6 +9,7 @@ the fitted window weight and, with a decay gate, each KV head's median half-life
 
     python experiments/layer_length.py --layers 3 --train-length 2K              # today's training length
     python experiments/layer_length.py --layers 3 --train-length 8K --rows 12    # the same tokens at 8K
+    python experiments/layer_length.py --layers 3 --train-length 2K,8K --rows 24,6   # half the tokens at each
     python experiments/layer_length.py --layers 3 --set decay=learned --set decay_half_life=512
     python experiments/layer_length.py --layers 3 --sinks 4   # + the first 4 tokens in the exact-softmax part
     python experiments/layer_length.py --layers 3 --mass      # + where the original attention's weight goes
@@ -117,8 +118,9 @@ def attention_mass(m: LinearAttention, q, k, buckets, sinks: int = 4, rows: int 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", default="3", help="decoder layers, e.g. 3,11")
-    ap.add_argument("--train-length", default="2K")
-    ap.add_argument("--rows", type=int, default=48, help="training rows (their inputs are kept in memory)")
+    ap.add_argument("--train-length", default="2K", help="row length; several (2K,8K) mix rows of each length")
+    ap.add_argument("--rows", default="48", help="training rows (their inputs are kept in memory); one count per "
+                                                 "--train-length")
     ap.add_argument("--steps", type=int, default=200, help="optimizer steps of one row each")
     ap.add_argument("--eval-length", default="16K", help="one held-out row of this length")
     ap.add_argument("--set", action="append", default=[], help="a lolcats attention setting, e.g. decay=learned")
@@ -130,25 +132,35 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     layers = [int(x) for x in args.layers.split(",")]
-    train_len, eval_len = parse_length(args.train_length), parse_length(args.eval_length)
+    train_lens = [parse_length(x) for x in args.train_length.split(",")]
+    row_counts = [int(x) for x in args.rows.split(",")]
+    if len(row_counts) != len(train_lens):
+        ap.error("--rows needs one count per --train-length")
+    eval_len = parse_length(args.eval_length)
     settings = dict(LOLCATS)
     for item in args.set:
         key, value = item.split("=", 1)
         settings[key] = type(settings[key])(value) if key in settings else float(value)
     model, tok = load_model("smollm2-135m", device="cpu")
     model.eval()
-    cache = args.cache or os.path.join(tempfile.gettempdir(),
-                                       f"layer_length_{args.layers}_{args.rows}x{train_len}_{eval_len}.pt")
-    if os.path.exists(cache):
-        train, held = torch.load(cache)
-    else:
-        t0 = time.time()
-        rows = torch.cat(list(packed_batches(tok, "wiki", seq_len=train_len, tokens=args.rows * train_len,
-                                             batch_size=1, seed=0, copy_fraction=0.25)))  # [rows, train_len]
-        train = [capture(model, rows[i:i + 1], layers) for i in range(args.rows)]
-        held = capture(model, heldout_sequences(tok, "wiki", seq_len=eval_len, n_seqs=1), layers)
-        torch.save((train, held), cache)
-        print(f"inputs captured in {time.time() - t0:.0f} s ({cache})", flush=True)
+    train, held = [], None
+    for train_len, n_rows in zip(train_lens, row_counts):
+        cache = (f"{args.cache}.{n_rows}x{train_len}" if args.cache else
+                 os.path.join(tempfile.gettempdir(), f"layer_length_{args.layers}_{n_rows}x{train_len}_{eval_len}.pt"))
+        if os.path.exists(cache):
+            part, held = torch.load(cache)
+        else:
+            t0 = time.time()
+            rows = torch.cat(list(packed_batches(tok, "wiki", seq_len=train_len, tokens=n_rows * train_len,
+                                                 batch_size=1, seed=0, copy_fraction=0.25)))  # [rows, train_len]
+            part = [capture(model, rows[i:i + 1], layers) for i in range(n_rows)]
+            held = capture(model, heldout_sequences(tok, "wiki", seq_len=eval_len, n_seqs=1), layers)
+            torch.save((part, held), cache)
+            print(f"inputs captured in {time.time() - t0:.0f} s ({cache})", flush=True)
+        train.append(part)
+    # several lengths: spread each part evenly over the fit order, so every stretch of steps sees each length
+    train = [row for _, _, row in sorted((i / len(part), k, row) for k, part in enumerate(train)
+                                         for i, row in enumerate(part))]
     buckets = [(a, min(max(2 * a, 2048), eval_len)) for a in (0, 2048, 4096, 8192, 16384) if a < eval_len]
     for L in layers:
         torch.manual_seed(0)
