@@ -154,7 +154,8 @@ def main() -> None:
             rows = torch.cat(list(packed_batches(tok, "wiki", seq_len=train_len, tokens=n_rows * train_len,
                                                  batch_size=1, seed=0, copy_fraction=0.25)))  # [rows, train_len]
             part = [capture(model, rows[i:i + 1], layers) for i in range(n_rows)]
-            held = capture(model, heldout_sequences(tok, "wiki", seq_len=eval_len, n_seqs=1), layers)
+            if held is None:  # the same held-out row for every part: captured once
+                held = capture(model, heldout_sequences(tok, "wiki", seq_len=eval_len, n_seqs=1), layers)
             torch.save((part, held), cache)
             print(f"inputs captured in {time.time() - t0:.0f} s ({cache})", flush=True)
         train.append(part)

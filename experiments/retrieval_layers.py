@@ -38,9 +38,7 @@ def main() -> None:
             for depth in [float(x) for x in args.depths.split(",")]:
                 cfg = EvalConfig(lengths=[length], depths=[depth], seeds=list(range(args.seeds)))
                 prompts = passkey.build_prompts(tok, chat, cfg)
-                samples = [(p["ids"], None, probe.key_positions(tok, p["ids"], p["row"]["needle_pos"],
-                                                                 p["row"]["expected"][0])) for p in prompts]
-                weight = probe.retrieval_attention(hybrid, samples)
+                weight = probe.retrieval_attention(hybrid, probe.passkey_triples(tok, prompts))
                 top = sorted(range(len(weight)), key=lambda i: -weight[i])[:args.top]
                 print(f"{length:>6}  {depth:>5}  {prompts[0]['row']['needle_pos']:>9}  "
                       + " ".join(f"{i}:{weight[i]:.2f}" for i in top), flush=True)

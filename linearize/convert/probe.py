@@ -298,9 +298,14 @@ def retrieval_samples(tokenizer, recipe, max_positions: int | None) -> list[tupl
         samples = passkey.build_prompts(tokenizer, chat, cfg)
     except EvalError as e:
         raise SelectionError(f"select.retrieval_length {length}: {e} (raise it, or set select.retrieval_weight=0)") from None
+    return passkey_triples(tokenizer, samples)
+
+
+def passkey_triples(tokenizer, prompts: list[dict]) -> list[tuple[list[int], list[int], list[int]]]:
+    """``(prompt ids, answer ids, key positions)`` of prompts from :func:`passkey.build_prompts`."""
     enc = PieceEncoder(tokenizer)
     return [(s["ids"], enc.encode_one(" " + s["row"]["expected"][0]),
-             key_positions(tokenizer, s["ids"], s["row"]["needle_pos"], s["row"]["expected"][0])) for s in samples]
+             key_positions(tokenizer, s["ids"], s["row"]["needle_pos"], s["row"]["expected"][0])) for s in prompts]
 
 
 #: how far past the needle's start its key digits may sit (the needle is one short sentence pair)
