@@ -38,7 +38,7 @@ BUNDLE = {
     **{f"linearize.kernels.{m}": f"linearize_kernels_{m}" for m in (
         "chunked", "reference", "step", "triton_common", "triton_features", "triton_linear", "triton_rotary",
         "triton_step", "triton_window", "tuning", "delta", "delta_chunked", "delta_reference", "delta_step",
-        "triton_delta", "triton_delta_step")},
+        "triton_delta", "triton_delta_step", "sinks")},
 }
 #: modules whose imported names are written as constants instead of bundling the module
 CONSTANTS = {"linearize.version": ("__version__",)}

@@ -95,6 +95,7 @@ SCHEMA: dict[str, dict[str, Field]] = {
                              lambda v: 1 <= v <= 1024, nullable=True),
         "window": Field(int, 64, "an integer in [0, 4096] (0 = no sliding window)", lambda v: 0 <= v <= 4096),
         "window_init": Field(float, 0.1, "a number in (0, 1)", lambda v: 0.0 < v < 1.0),
+        "sinks": Field(int, 0, "an integer in [0, 256] (0 = none; needs a window)", lambda v: 0 <= v <= 256),
         "eps": Field(float, 1e-6, "a number in (0, 0.1]", lambda v: 0.0 < v <= 0.1),
         "decay": Field(str, "none", "none or learned", lambda v: v in ("none", "learned")),
         "decay_half_life": Field(float, 16384.0, "a number of tokens in [1, 1e9]", lambda v: 1.0 <= v <= 1e9),
@@ -296,9 +297,13 @@ def validate(raw: dict[str, Any], *, source: str = "", lines: dict[str, int] | N
 
 
 def _check_layer_type(values: dict[str, dict[str, Any]], where: Callable[[str], str]) -> None:
-    """Fields that mean nothing to gated delta layers are refused rather than ignored: the sliding window (a
-    gated_delta layer has none) and Hedgehog's attention-weight loss (it has no attention weights)."""
+    """Fields that mean nothing to their layers are refused rather than ignored: sinks without a sliding window; for
+    gated delta layers the sliding window (they have none) and Hedgehog's attention-weight loss (no attention
+    weights)."""
     att = values["attention"]
+    if att["sinks"] and not att["window"]:
+        raise RecipeError(f"{where('attention.sinks')}attention.sinks = {att['sinks']}: sinks join the sliding "
+                          f"window's exact softmax, and attention.window is 0; set a window or attention.sinks=0")
     if att["layer_type"] != GATED_DELTA:
         return
     if att["window"]:

@@ -46,6 +46,7 @@ from linearize.kernels import chunked, triton_common  # noqa: E402
 from linearize.kernels.reference import rotary_reference  # noqa: E402
 from linearize.kernels.testing import check_left_padding  # noqa: E402
 from linearize.kernels.testing import check_linear, check_window, linear_inputs, rel_err, window_inputs  # noqa: E402
+from linearize.kernels.testing import leaves as leaf_copies  # noqa: E402
 from test_kernels_gated import F64 as REF, assert_matches, run_window as run_gated_window, with_decay  # noqa: E402
 
 DEV = "cuda" if ON_GPU else "cpu"
@@ -1025,3 +1026,47 @@ def test_projections_too_large_for_shared_memory_skip_the_compile(monkeypatch):
         o, _ = linear_attention_hedgehog(q, k, v, wq, wk, backend="triton")
         assert rel_err(o, linear_attention(fq, fk, v, backend="torch")[0]) <= 1e-5
     assert not triton_common.TOO_BIG  # skipped by the size rule, not learned from a failed launch
+
+
+@pytest.mark.parametrize("case", ["plain", "two-pass", "gated", "key-mask"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_window_sinks_and_lse_triton(case, dtype, monkeypatch):
+    """Attention sinks on the Triton path (zeroed key features, the kernel's log normaliser, the merge) against the
+    float64 reference: outputs, lse, final state, and every gradient including lse's (its backward adds
+    ``dlse / den`` to each row's weights); a key mask runs forward only."""
+    from linearize.kernels import triton_window
+
+    monkeypatch.setitem(triton_window.CONFIG, "fwd_two_pass", case == "two-pass")
+    B, T, H, Hk, D, K, V, W = 2, 150, 4, 2, 16, 16, 16, 32
+    inp = window_inputs(B, T, H, Hk, D, K, V, dtype=dtype, device=DEV, state=True)
+    if case == "gated":
+        inp = with_decay(inp, B, T, Hk, seed=4)
+    key_mask = None
+    sinks = torch.zeros(B, T, dtype=torch.bool, device=DEV)
+    sinks[:, :5] = True
+    if case == "key-mask":
+        key_mask = torch.ones(B, T, dtype=torch.bool, device=DEV)
+        key_mask[1, :11] = False
+        sinks[1] = False
+        sinks[1, 11:16] = True
+    grads = key_mask is None  # a key mask on the Triton path is an inference forward
+    out = {}
+    for backend, cast in (("reference", torch.float64), ("triton", None)):
+        x = leaf_copies(inp, dtype=cast)
+        with torch.set_grad_enabled(grads):
+            o, st, lse = window_linear_attention(x["q"], x["k"], x["fq"], x["fk"], x["v"], x["window_factor"],
+                                                 window=W, backend=backend, initial_state=x["initial_state"],
+                                                 output_final_state=True, key_mask=key_mask,
+                                                 log_decay=x.get("log_decay"), sink_mask=sinks, return_lse=True)
+        rows = key_mask if key_mask is not None else torch.ones(B, T, dtype=torch.bool, device=DEV)
+        got = {"o": o[rows], "lse": lse[rows], "S": st[0], "z": st[1]}
+        if grads:
+            g = torch.Generator().manual_seed(3)
+            rnd = lambda t: torch.randn(t.shape, generator=g, dtype=torch.float64).to(t.device)  # noqa: E731
+            loss = (o.double() * rnd(o)).sum() + (lse.double() * rnd(lse)).sum() + (st[0].double() * rnd(st[0])).sum()
+            loss.backward()
+            got.update({f"d{a}": t.grad for a, t in x.items() if a != "initial_state" and t.grad is not None})
+        out[backend] = got
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    for name, ref in out["reference"].items():
+        assert rel_err(out["triton"][name], ref, floor=1e-2) <= tol * (3 if name.startswith("d") else 1), name

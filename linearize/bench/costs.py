@@ -27,9 +27,9 @@ def kv_layer_bytes(config, tokens: int, batch: int = 1, dtype_bytes: int = 2) ->
 def linear_state_bytes(config, linear_attention: dict, batch: int = 1, dtype_bytes: int = 2) -> int:
     """Bytes of one converted layer's state under the ``linear_attention`` settings (a recipe's ``attention``
     section). A linear layer: fp32 ``S`` and ``z``, and for a window layer the ring of the last W tokens' keys, key
-    features and values, which of them are padding, their fp32 log decays (``decay: learned``) and the step
-    counter. A gated delta layer (``layer_type: gated_delta``): fp32 ``S`` ``[Hk, K, V]``. It does not grow with
-    the context."""
+    features and values, which of them are padding, their fp32 log decays (``decay: learned``), the attention
+    sinks' keys and values (``sinks``) and the step counter. A gated delta layer (``layer_type: gated_delta``):
+    fp32 ``S`` ``[Hk, K, V]``. It does not grow with the context."""
     _, kv, d = attention_shape(config)
     la = linear_attention
     if la.get("layer_type") == GATED_DELTA:
@@ -42,7 +42,9 @@ def linear_state_bytes(config, linear_attention: dict, batch: int = 1, dtype_byt
         return state
     decays = batch * kv * window * 4 if (la.get("decay") or "none") != "none" else 0  # fp32 log decays
     ring = batch * kv * window * (d + f + d) * dtype_bytes + batch * window + decays  # + padding flags (bool)
-    return state + ring + 8  # + the int64 step counter
+    n = int(la.get("sinks") or 0)  # attention sinks: keys and values, int64 positions, validity flags
+    sinks = batch * kv * n * 2 * d * dtype_bytes + batch * n * 9 if n else 0
+    return state + ring + sinks + 8  # + the int64 step counter
 
 
 def cache_bytes(config, seq_len: int, batch: int = 1, dtype_bytes: int = 2) -> dict[str, int]:

@@ -14,6 +14,8 @@ Layout ``[B, T, H, D]`` (like flash-attn / fla). Public entry points:
 - :func:`rotary_embedding` -- rotary position embedding of queries and keys (one Triton kernel, with backward).
 - :func:`gated_delta_rule`, :func:`gated_delta_rule_step` -- the gated delta rule (Gated DeltaNet), a sequence
   and one decode token (:mod:`linearize.kernels.delta`).
+- attention sinks (``sink_mask=`` on :func:`window_linear_attention`; the pieces a layer with a cache uses are in
+  :mod:`linearize.kernels.sinks`: :class:`Sinks`, :func:`merge_sinks`).
 - :func:`window_state_from_prefill`, :func:`empty_window_state`,
   :func:`empty_linear_state` -- decode-state helpers.
 
@@ -41,6 +43,7 @@ import torch
 
 from .chunked import linear_attention_chunked, window_linear_attention_chunked
 from .delta import gated_delta_rule, gated_delta_rule_step
+from .sinks import Sinks, gather_sinks, merge_sinks, sink_visibility
 from .reference import (
     needs_grad,
     drop_decay,
@@ -75,6 +78,8 @@ __all__ = [
     "rotary_embedding",
     "gated_delta_rule",
     "gated_delta_rule_step",
+    "Sinks",
+    "merge_sinks",
     "linear_attention_step",
     "window_linear_attention_step",
     "window_linear_attention_step_hedgehog",
@@ -205,7 +210,9 @@ def window_linear_attention(
     backend: Optional[str] = None,
     key_mask: Optional[torch.Tensor] = None,  # [B, T] bool, False = a padding token
     log_decay: Optional[torch.Tensor] = None,  # [B, T, Hk], <= 0
-) -> Tuple[torch.Tensor, Optional[State]]:
+    sink_mask: Optional[torch.Tensor] = None,  # [B, T] bool, True = an attention sink
+    return_lse: bool = False,
+):
     """LoLCATs sliding-window hybrid attention.
 
     Query ``i``: softmax weights ``exp(scale q_i.k_j)`` over the window
@@ -232,6 +239,11 @@ def window_linear_attention(
     has already decayed by the window's W steps. The final state is the linear state of tokens ``j <= T-1-W``
     decayed to position ``T-1-W`` (``initial_state`` unchanged if ``T <= W``); to continue, prepend the
     previous ``W`` tokens with their ``log_decay`` as above. Padding tokens do not decay.
+
+    ``sink_mask`` (attention sinks, :mod:`linearize.kernels.sinks`): those keys are in the softmax part of every
+    later query, inside the window or not, and in no linear sum or final state (their ``fk`` is ignored). The
+    kernels run with the sinks' features zeroed and the sinks out of each window are merged after them.
+    ``return_lse``: also return ``lse [B, T, H]`` fp32, the log of each query's normaliser (``(o, state, lse)``).
     """
     _check("window_linear_attention(q,k,v)", q, k, v, None)
     _check("window_linear_attention(fq,fk,v)", fq, fk, v, initial_state)
@@ -250,14 +262,34 @@ def window_linear_attention(
     if log_decay is not None:
         kw["log_decay"] = log_decay
     if be == "reference":
-        return window_linear_attention_reference(q, k, fq, fk, v, window_factor, **kw)
+        return window_linear_attention_reference(q, k, fq, fk, v, window_factor, sink_mask=sink_mask,
+                                                 return_lse=return_lse, **kw)
+    if sink_mask is not None:
+        if tuple(sink_mask.shape) != tuple(k.shape[:2]) or sink_mask.dtype != torch.bool:
+            raise ValueError(f"window_linear_attention: sink_mask must be a bool [B, T]={tuple(k.shape[:2])} "
+                             f"tensor, got {sink_mask.dtype} {tuple(sink_mask.shape)}")
+        if key_mask is not None:
+            sink_mask = sink_mask & key_mask
+        (fk,) = drop_keys(~sink_mask, fk)  # the sinks stay out of every linear sum
+    kw["return_lse"] = return_lse or sink_mask is not None
     if be == "torch":
-        return window_linear_attention_chunked(q, k, fq, fk, v, window_factor, **kw)
-    from .triton_window import window_linear_attention_triton  # triton is optional: imported only on the Triton path
+        out = window_linear_attention_chunked(q, k, fq, fk, v, window_factor, **kw)
+    else:
+        from .triton_window import window_linear_attention_triton  # triton is optional: imported only on the Triton path
 
-    if log_decay is not None and not takes_log_decay(window_linear_attention_triton):
-        return window_linear_attention_chunked(q, k, fq, fk, v, window_factor, **kw)
-    return window_linear_attention_triton(q, k, fq, fk, v, window_factor, **kw)
+        if log_decay is not None and not takes_log_decay(window_linear_attention_triton):
+            out = window_linear_attention_chunked(q, k, fq, fk, v, window_factor, **kw)
+        else:
+            out = window_linear_attention_triton(q, k, fq, fk, v, window_factor, **kw)
+    if sink_mask is None:
+        return out
+    o, state, lse = out
+    n = int(sink_mask.sum(1).max())  # the most sinks of any row
+    if n:
+        found = gather_sinks(sink_mask, n, k, v)
+        seen = sink_visibility(found, torch.arange(q.shape[1], device=q.device), int(window))
+        o, lse = merge_sinks(o, lse, q, found, seen, window_factor, q.shape[-1] ** -0.5 if scale is None else scale)
+    return (o, state, lse) if return_lse else (o, state)
 
 
 def window_linear_attention_hedgehog(
@@ -277,7 +309,8 @@ def window_linear_attention_hedgehog(
     output_final_state: bool = False,
     backend: Optional[str] = None,
     log_decay: Optional[torch.Tensor] = None,  # [B, T, Hk], <= 0
-) -> Tuple[torch.Tensor, Optional[State]]:
+    return_lse: bool = False,
+):
     """:func:`window_linear_attention` with ``fq = hedgehog_features(q, weight_q)`` and
     ``fk = hedgehog_features(k, weight_k)`` (computed in fp32, rounded to ``q``'s dtype, clamped to
     ``>= feature_eps``).
@@ -294,7 +327,7 @@ def window_linear_attention_hedgehog(
     K = _hedgehog_shapes("window_linear_attention_hedgehog", q, k, weight_q, weight_k)
     be = _resolve_backend(backend, q)
     kw = dict(window=int(window), scale=scale, eps=eps, initial_state=initial_state,
-              output_final_state=output_final_state)
+              output_final_state=output_final_state, return_lse=return_lse)
     if log_decay is not None or be != "triton" or \
             needs_grad(q, k, v, window_factor, weight_q, weight_k, fk, *(initial_state or ())) or \
             not _projection_fits(q.shape[-1], K, q.dtype):

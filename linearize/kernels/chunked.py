@@ -21,7 +21,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .reference import decayed_sum, drop_decay, drop_keys
+from .reference import drop_decay, drop_keys, window_final_state
 
 State = Tuple[torch.Tensor, torch.Tensor]
 
@@ -190,8 +190,10 @@ def window_linear_attention_chunked(
     chunk_size: int = CHUNK,
     key_mask: Optional[torch.Tensor] = None,  # [B, T] bool, False = a padding token
     log_decay: Optional[torch.Tensor] = None,  # [B, T, Hk], <= 0
-) -> Tuple[torch.Tensor, Optional[State]]:
-    """Chunked LoLCATs sliding-window hybrid (same contract as the reference).
+    return_lse: bool = False,
+):
+    """Chunked LoLCATs sliding-window hybrid (same contract as the reference; ``return_lse`` adds the log
+    normaliser ``[B, T, H]`` fp32 as a third result).
 
     Queries of chunk ``n`` look at the keys of chunks ``n-P .. n``
     (``P = ceil(W / C)``) through masked quadratic scores: softmax for the
@@ -278,16 +280,8 @@ def window_linear_attention_chunked(
     den = mix.sum(-1, keepdim=True) + lin_w * (fqc @ z_lin.unsqueeze(-1)) + eps * em
     o = _o_unchunk(num / den, G, C, T).to(v.dtype)
 
-    state = None
-    if output_final_state:
-        sdt = torch.float64 if dt == torch.float64 else torch.float32
-        n = max(T - W, 0)
-        if log_decay is not None:  # decayed to position n-1 = T-1-W
-            return o, decayed_sum(log_decay[:, :n], fk[:, :n], v[:, :n], initial_state, sdt)
-        S = torch.einsum("bthk,bthv->bhkv", fk[:, :n].to(sdt), v[:, :n].to(sdt))
-        z = fk[:, :n].to(sdt).sum(1)
-        if initial_state is not None:
-            S = S + initial_state[0].to(sdt)
-            z = z + initial_state[1].to(sdt)
-        state = (S, z)
+    state = window_final_state(fk, v, W, initial_state, log_decay, dt) if output_final_state else None
+    if return_lse:
+        lse = _o_unchunk(den.log() + m, G, C, T)[..., 0]  # [B, T, H]
+        return o, state, lse.to(torch.float64 if dt == torch.float64 else torch.float32)
     return o, state

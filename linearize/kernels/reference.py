@@ -92,6 +92,23 @@ def decayed_sum(log_decay: torch.Tensor, fk: torch.Tensor, v: torch.Tensor, init
     return S, z
 
 
+def window_final_state(fk: torch.Tensor, v: torch.Tensor, window: int, initial_state: Optional[State],
+                       log_decay: Optional[torch.Tensor], dt: torch.dtype) -> State:
+    """A window hybrid's final state: the linear state of the tokens ``j <= T-1-W`` of ``fk`` ``[B, T, Hk, K]``,
+    ``v`` ``[B, T, Hk, V]`` plus ``initial_state`` (decayed to position ``T-1-W`` with ``log_decay``), float32
+    (float64 when ``dt`` is)."""
+    sdt = torch.float64 if dt == torch.float64 else torch.float32
+    n = max(fk.shape[1] - int(window), 0)
+    if log_decay is not None:
+        return decayed_sum(log_decay[:, :n], fk[:, :n], v[:, :n], initial_state, sdt)
+    S = torch.einsum("bthk,bthv->bhkv", fk[:, :n].to(sdt), v[:, :n].to(sdt))
+    z = fk[:, :n].to(sdt).sum(1)
+    if initial_state is not None:
+        S = S + initial_state[0].to(sdt)
+        z = z + initial_state[1].to(sdt)
+    return S, z
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """``[-x2, x1]`` for the two halves ``x1``, ``x2`` of the last dimension."""
     x1, x2 = x.chunk(2, dim=-1)
@@ -186,7 +203,9 @@ def window_linear_attention_reference(
     output_final_state: bool = False,
     key_mask: Optional[torch.Tensor] = None,  # [B, T] bool, False = a padding token
     log_decay: Optional[torch.Tensor] = None,  # [B, T, Hk], <= 0
-) -> Tuple[torch.Tensor, Optional[State]]:
+    sink_mask: Optional[torch.Tensor] = None,  # [B, T] bool, True = an attention sink
+    return_lse: bool = False,
+):
     """LoLCATs sliding-window hybrid, quadratic form.
 
     Query ``i`` attends with exact softmax to ``{j : i-W < j <= i}`` and with
@@ -197,6 +216,9 @@ def window_linear_attention_reference(
     take part in neither sum (the window stays ``W`` positions wide) and do not decay.
     With ``log_decay`` the linear weights are ``(fq_i.fk_j) e^{b_i - b_j}``, the initial state's ``e^{b_i}``
     (``b`` = cumulative sum of ``log_decay``); the softmax part does not decay.
+    Keys where ``sink_mask`` is True (attention sinks) are in the softmax part of every later query, window or
+    not, and in no linear sum or state. ``return_lse``: a third result, ``lse [B, T, H]`` fp32, the log of the
+    shared normaliser (unshifted: ``log(den) + m``), for merging further softmax keys.
     """
     B, T, H, D = q.shape
     Hk = k.shape[2]
@@ -209,6 +231,8 @@ def window_linear_attention_reference(
         k, fk, v = drop_keys(key_mask, k, fk, v)
         if log_decay is not None:
             log_decay = drop_decay(key_mask, log_decay)
+    if sink_mask is not None:  # sinks add nothing to the linear part or the state
+        (fk,) = drop_keys(~sink_mask, fk)
     qf, kf = q.to(dt), _expand_kv(k.to(dt), G)
     fqf, fkf = fq.to(dt), _expand_kv(fk.to(dt), G)
     vf = _expand_kv(v.to(dt), G)
@@ -216,6 +240,8 @@ def window_linear_attention_reference(
     diff = i[:, None] - i[None, :]  # i - j
     win = (diff >= 0) & (diff < W)  # [T, T]
     lin = diff >= W
+    if sink_mask is not None:
+        win = win | (sink_mask.view(B, 1, 1, T) & (diff >= 0))  # [B, 1, T, T]
     if key_mask is not None:
         win = win & key_mask.view(B, 1, 1, T)  # [B, 1, T, T]
     s = torch.einsum("bihd,bjhd->bhij", qf, kf) * scale  # [B, H, T, T]
@@ -243,16 +269,8 @@ def window_linear_attention_reference(
     num = w.unsqueeze(-1) * num_w + (1 - w.unsqueeze(-1)) * num_l
     den = w * den_w + (1 - w) * den_l + eps * em[..., 0]
     o = (num / den.unsqueeze(-1)).transpose(1, 2)  # [B, T, H, V]
-    state = None
-    if output_final_state:
-        sdt = torch.float64 if dt == torch.float64 else torch.float32
-        n = max(T - W, 0)
-        if log_decay is not None:  # decayed to position n-1 = T-1-W
-            return o.to(v.dtype), decayed_sum(log_decay[:, :n], fk[:, :n], v[:, :n], initial_state, sdt)
-        S = torch.einsum("bthk,bthv->bhkv", fk[:, :n].to(sdt), v[:, :n].to(sdt))
-        z = fk[:, :n].to(sdt).sum(1)
-        if initial_state is not None:
-            S = S + initial_state[0].to(sdt)
-            z = z + initial_state[1].to(sdt)
-        state = (S, z)
+    state = window_final_state(fk, v, W, initial_state, log_decay, dt) if output_final_state else None
+    if return_lse:
+        lse = (den.log() + m[..., 0]).transpose(1, 2)  # [B, T, H]
+        return o.to(v.dtype), state, lse.to(torch.float64 if dt == torch.float64 else torch.float32)
     return o.to(v.dtype), state

@@ -557,8 +557,10 @@ def _final_state(fk, v, W, S0, z0):
     return S, z
 
 
-def _bwd(q, k, fq, fk, v, wf, o, ms, den, W, scale, S0, z0, do, dS_f, dz_f, need_state, lg=None):
-    """Gradients ``(dq, dk, dfq, dfk, dv, dwf, dS0, dz0, dlg)`` (``dlg`` None without ``lg``). With ``lg`` the
+def _bwd(q, k, fq, fk, v, wf, o, ms, den, W, scale, S0, z0, do, dS_f, dz_f, need_state, lg=None, dlse=None):
+    """Gradients ``(dq, dk, dfq, dfk, dv, dwf, dS0, dz0, dlg)`` (``dlg`` None without ``lg``). ``dlse`` ``[B, T, H]``
+    (the gradient of the log normaliser ``lse = m + log den``) adds ``dlse / den`` to every weight's gradient,
+    the same for every key of a row, so it joins ``dD = -(do.o) / den``. With ``lg`` the
     chunk states are the gated scans and ``d b_t = sum_group fq_t.dfq_t - fk_t.dfk_t`` (``b_t`` the cumulative log
     decay: a query gains from its own ``b``, a key loses), so ``d log_decay`` is its reverse cumulative sum; the
     final state's gradient is the caller's (its ``lg`` path is PyTorch's)."""
@@ -571,6 +573,8 @@ def _bwd(q, k, fq, fk, v, wf, o, ms, den, W, scale, S0, z0, do, dS_f, dz_f, need
     N = triton.cdiv(T, BT)
     do = do.contiguous()
     invd, dD = row_stats(do, o, den)
+    if dlse is not None:
+        dD = dD + dlse.float() * invd
     cw = (1.0 - wf.to(f32)).view(1, 1, H) * torch.exp(-ms)  # (1-w) e^{-m}  [B,T,H]
     init_f = (S0, z0) if S0 is not None else None
     if lg is None:
@@ -644,32 +648,33 @@ def _bwd(q, k, fq, fk, v, wf, o, ms, den, W, scale, S0, z0, do, dS_f, dz_f, need
 
 class _WindowAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, fq, fk, v, wf, S0, z0, W, scale, eps, output_final_state, lg=None):
+    def forward(ctx, q, k, fq, fk, v, wf, S0, z0, W, scale, eps, output_final_state, lg=None, want_lse=False):
         needs_grad = any(ctx.needs_input_grad[:8]) or (lg is not None and ctx.needs_input_grad[12])
-        o, ms, den = _fwd(q, k, fq, fk, v, wf, W, scale, eps, S0, z0, store_stats=needs_grad, lg=lg)
+        o, ms, den = _fwd(q, k, fq, fk, v, wf, W, scale, eps, S0, z0, store_stats=needs_grad or want_lse, lg=lg)
         S_f = z_f = None
         if output_final_state:  # ungated only: a gated final state is the caller's (PyTorch, with autograd)
             S_f, z_f = _final_state(fk, v, W, S0, z0)
+        lse = ms + den.log() if want_lse else None  # [B, T, H] fp32
         ctx.save_for_backward(q, k, fq, fk, v, wf, o, ms, den, S0, z0, lg)
         ctx.W, ctx.scale = W, scale
         ctx.set_materialize_grads(False)
-        return o, S_f, z_f
+        return o, S_f, z_f, lse
 
     @staticmethod
-    def backward(ctx, do, dS_f, dz_f):
+    def backward(ctx, do, dS_f, dz_f, dlse):
         q, k, fq, fk, v, wf, o, ms, den, S0, z0, lg = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(o)
         need_state = ctx.needs_input_grad[6] or ctx.needs_input_grad[7]
         dq, dk, dfq, dfk, dv, dwf, dS0, dz0, dlg = _bwd(q, k, fq, fk, v, wf, o, ms, den, ctx.W, ctx.scale, S0, z0,
-                                                        do, dS_f, dz_f, need_state, lg=lg)
-        return dq, dk, dfq, dfk, dv, dwf, dS0, dz0, None, None, None, None, dlg
+                                                        do, dS_f, dz_f, need_state, lg=lg, dlse=dlse)
+        return dq, dk, dfq, dfk, dv, dwf, dS0, dz0, None, None, None, None, dlg, None
 
 
 def window_linear_attention_triton(
     q, k, fq, fk, v, window_factor, *, window: int = 64, scale: Optional[float] = None, eps: float = 1e-12,
     initial_state: Optional[Tuple[torch.Tensor, torch.Tensor]] = None, output_final_state: bool = False,
-    key_mask: Optional[torch.Tensor] = None, log_decay: Optional[torch.Tensor] = None,
+    key_mask: Optional[torch.Tensor] = None, log_decay: Optional[torch.Tensor] = None, return_lse: bool = False,
 ):
     """Triton path of :func:`linearize.kernels.window_linear_attention` (``window <= 128``, fp32 ``<= 64``; other
     windows run the chunked PyTorch path). With a ``key_mask`` (an inference forward of a padded batch): the padding
@@ -686,12 +691,12 @@ def window_linear_attention_triton(
 
         return window_linear_attention_chunked(q, k, fq, fk, v, window_factor, window=W, scale=scale, eps=eps,
                                                initial_state=initial_state, output_final_state=output_final_state,
-                                               key_mask=key_mask, log_decay=log_decay)
+                                               key_mask=key_mask, log_decay=log_decay, return_lse=return_lse)
     if scale is None:
         scale = q.shape[-1] ** -0.5
     if log_decay is not None:
         return _gated(q, k, fq, fk, v, window_factor, log_decay, W, float(scale), float(eps), initial_state,
-                      output_final_state)
+                      output_final_state, return_lse)
     if key_mask is not None:
         k, fk, v = drop_keys(key_mask, k, fk, v)
     q, k, fq, fk, v = (x.contiguous() for x in (q, k, fq, fk, v))
@@ -700,14 +705,22 @@ def window_linear_attention_triton(
     if initial_state is not None:
         S0, z0 = initial_state[0].float().contiguous(), initial_state[1].float().contiguous()
     if key_mask is not None:
-        o, _, _ = _fwd(q, k, fq, fk, v, wf, W, float(scale), float(eps), S0, z0, store_stats=False,
-                       keep=key_mask.contiguous())
-        return o, (_final_state(fk, v, W, S0, z0) if output_final_state else None)
-    o, S_f, z_f = _WindowAttention.apply(q, k, fq, fk, v, wf, S0, z0, W, float(scale), float(eps), output_final_state)
-    return o, ((S_f, z_f) if output_final_state else None)
+        o, ms, den = _fwd(q, k, fq, fk, v, wf, W, float(scale), float(eps), S0, z0, store_stats=return_lse,
+                          keep=key_mask.contiguous())
+        return _results(o, _final_state(fk, v, W, S0, z0) if output_final_state else None,
+                        ms + den.log() if return_lse else None)
+    o, S_f, z_f, lse = _WindowAttention.apply(q, k, fq, fk, v, wf, S0, z0, W, float(scale), float(eps),
+                                              output_final_state, None, return_lse)
+    return _results(o, (S_f, z_f) if output_final_state else None, lse)
 
 
-def _gated(q, k, fq, fk, v, window_factor, log_decay, W, scale, eps, initial_state, output_final_state):
+def _results(o, state, lse):
+    """``(o, state)``, and ``lse`` third when it was asked for (not None)."""
+    return (o, state) if lse is None else (o, state, lse)
+
+
+def _gated(q, k, fq, fk, v, window_factor, log_decay, W, scale, eps, initial_state, output_final_state,
+           return_lse=False):
     """:func:`window_linear_attention_triton` with ``log_decay``: the kernels for the output, PyTorch for the final
     state (``sum_{j <= T-1-W} e^{b_{T-1-W} - b_j} fk_j v_j^T + e^{b_{T-1-W}} S_0``, autograd's gradients)."""
     qc, kc, fqc, fkc, vc = (x.contiguous() for x in (q, k, fq, fk, v))
@@ -716,18 +729,18 @@ def _gated(q, k, fq, fk, v, window_factor, log_decay, W, scale, eps, initial_sta
     if initial_state is not None:
         S0, z0 = initial_state[0].float().contiguous(), initial_state[1].float().contiguous()
     lg = log_decay.float().contiguous()
-    o, _, _ = _WindowAttention.apply(qc, kc, fqc, fkc, vc, wf, S0, z0, W, scale, eps, False, lg)
+    o, _, _, lse = _WindowAttention.apply(qc, kc, fqc, fkc, vc, wf, S0, z0, W, scale, eps, False, lg, return_lse)
     state = None
     if output_final_state:
         n = max(q.shape[1] - W, 0)
         state = decayed_sum(log_decay[:, :n], fk[:, :n], v[:, :n], initial_state, torch.float32)
-    return o, state
+    return _results(o, state, lse)
 
 
 def window_linear_attention_hedgehog_triton(
     q, k, v, window_factor, weight_q, weight_k, *, fk=None, window: int = 64, scale: Optional[float] = None,
     eps: float = 1e-12, feature_eps: float = 1e-12, initial_state: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
-    output_final_state: bool = False,
+    output_final_state: bool = False, return_lse: bool = False,
 ):
     """Triton path of :func:`linearize.kernels.window_linear_attention_hedgehog`: forward only (no autograd),
     the query features (and the key features unless ``fk`` is given) computed inside the kernel."""
@@ -747,7 +760,7 @@ def window_linear_attention_hedgehog_triton(
         fq = hedgehog_features_rounded(q, weight_q, feature_eps)
         return window_linear_attention_chunked(q, k, fq, fk if fk is not None else make_fk(), v, window_factor,
                                                window=W, scale=scale, eps=eps, initial_state=initial_state,
-                                               output_final_state=output_final_state)
+                                               output_final_state=output_final_state, return_lse=return_lse)
     if scale is None:
         scale = q.shape[-1] ** -0.5
     q, k, v = (x.contiguous() for x in (q, k, v))
@@ -758,10 +771,10 @@ def window_linear_attention_hedgehog_triton(
     if initial_state is not None:
         S0, z0 = initial_state[0].float().contiguous(), initial_state[1].float().contiguous()
     with torch.no_grad():
-        o, _, _ = _fwd(q, k, None, fk, v, wf, W, float(scale), float(eps), S0, z0, store_stats=False,
-                       wqx=wqx, wkx=wkx, feps=float(feature_eps), make_fk=make_fk)
+        o, ms, den = _fwd(q, k, None, fk, v, wf, W, float(scale), float(eps), S0, z0, store_stats=return_lse,
+                          wqx=wqx, wkx=wkx, feps=float(feature_eps), make_fk=make_fk)
         state = _final_state(fk if fk is not None else make_fk(), v, W, S0, z0) if output_final_state else None
-    return o, state
+    return _results(o, state, ms + den.log() if return_lse else None)
 
 
 register("window", CONFIG)  # tunable per GPU (tuning.py)

@@ -25,6 +25,8 @@ from ..kernels import (BACKENDS, hedgehog_feature_map, linear_attention, linear_
                        linear_attention_step, linear_attention_step_hedgehog, rotary_embedding, window_linear_attention,
                        window_linear_attention_hedgehog, window_linear_attention_step,
                        window_linear_attention_step_hedgehog, window_state_from_prefill)
+from ..kernels.sinks import (first_tokens, gather_sinks, join_sinks, merge_sinks, sink_visibility,
+                             window_state_lse)
 from .architectures import ArchSpec, attention_shape
 from .cache import HybridCache, softmax_windows
 from .feature_maps import HedgehogFeatureMap, build_feature_map
@@ -177,6 +179,9 @@ class LinearAttention(nn.Module):
         adopt_original(self, original, config, layer_idx, arch)
         self.window = int(settings.get("window") or 0)
         self.eps = float(settings.get("eps", 1e-6))
+        self.sinks = int(settings.get("sinks") or 0)  # first tokens kept in the exact-softmax part (kernels/sinks.py)
+        if self.sinks and not self.window:
+            raise ValueError("attention.sinks needs a sliding window (attention.window > 0)")
         fm_params = {}
         if settings.get("feature_dim") is not None:
             fm_params["feature_dim"] = settings["feature_dim"]
@@ -380,12 +385,16 @@ class LinearAttention(nn.Module):
         if state is not None and self.window > 0 and not decode and real is None and not bool(state.keep.all()):
             real = q.new_ones(q.shape[:2], dtype=torch.bool)  # the ring holds padding: mask it in the continuation
         recording = layer_cache is not None and layer_cache.record_past  # crop() may take these tokens back
-        # features inside the kernels (the fused kernels take no decay)
-        fused = real is None and not recording and log_decay is None and self.fused_features(q, k, decode)
+        # features inside the kernels (the fused kernels take no decay, and sinks need the key features zeroed)
+        fused = (real is None and not recording and log_decay is None and not self.sinks
+                 and self.fused_features(q, k, decode))
         fq = None if fused else self.features(self.feature_map_q, q)
         # key features stay in memory without fusion, and for a window layer's prefill into a cache (its ring)
         fk = (None if (fused and (decode or self.window == 0 or (state is None and not want_state)))
               else self.features(self.feature_map_k, k))
+        sinks = None
+        if self.sinks:  # which tokens are sinks: their key features are zeroed (no linear sum holds them)
+            fk, sinks = self.take_sinks(k, fk, v, layer_cache, real, decode)
         if recording:
             if log_decay is not None:
                 raise RuntimeError("taking tokens back (assisted or prompt-lookup decoding) is not supported by gated "
@@ -423,8 +432,13 @@ class LinearAttention(nn.Module):
                 o = window_linear_attention_step(q[:, 0], k[:, 0], fq[:, 0], fk[:, 0], v[:, 0], wf, state,
                                                  scale=self.scaling, eps=self.eps,
                                                  log_decay=None if log_decay is None else log_decay[:, 0])
+            o = o.unsqueeze(1)
+            if sinks is not None:  # the token's stream position is state.seen - 1 now (the step counted it)
+                lse = window_state_lse(q[:, 0], fq[:, 0], wf, state, scale=self.scaling, eps=self.eps).unsqueeze(1)
+                seen = sink_visibility(sinks, (state.seen - 1).view(1), self.window)
+                o, _ = merge_sinks(o, lse, q, sinks, seen, wf, self.scaling)
             layer_cache.set_state(state, 1)
-            return o.unsqueeze(1)
+            return o
         n_prev = 0
         init = None
         if state is not None:  # a multi-token continuation: prepend the window ring in temporal order
@@ -448,9 +462,13 @@ class LinearAttention(nn.Module):
                 scale=self.scaling, eps=self.eps, feature_eps=self.feature_map_q.eps, initial_state=init,
                 output_final_state=want_state)
         else:
-            o, final = window_linear_attention(q, k, fq, fk, v, wf, window=self.window, scale=self.scaling,
-                                               eps=self.eps, initial_state=init, output_final_state=want_state,
-                                               key_mask=real, log_decay=log_decay)
+            o, final, *lse = window_linear_attention(q, k, fq, fk, v, wf, window=self.window, scale=self.scaling,
+                                                     eps=self.eps, initial_state=init, output_final_state=want_state,
+                                                     key_mask=real, log_decay=log_decay, return_lse=bool(self.sinks))
+            if sinks is not None:  # the sinks out of each query's window; stream positions of the rows of q
+                first = (int(state.seen.item()) - n_prev) if state is not None else 0
+                seen = sink_visibility(sinks, torch.arange(first, first + q.shape[1], device=q.device), self.window)
+                o, _ = merge_sinks(o, lse[0], q, sinks, seen, wf, self.scaling)
         if want_state:
             seen_before = int(state.seen.item()) - n_prev if state is not None else 0
             new_state = window_state_from_prefill(k, fk, v, final, self.window, offset=seen_before, key_mask=real,
@@ -458,6 +476,25 @@ class LinearAttention(nn.Module):
             layer_cache.state = None
             layer_cache.set_state(new_state, T)
         return o[:, n_prev:]
+
+    def take_sinks(self, k, fk, v, layer_cache, real, decode: bool):
+        """The attention sinks of this call: ``(fk with the sinks' rows zeroed, every sink so far)``. The first
+        ``self.sinks`` real tokens of a sequence are sinks; a cache keeps them (:class:`~linearize.kernels.sinks.Sinks`)
+        for later calls. Branch-free for a decode step (no read back to the host: CUDA graphs)."""
+        B, T = k.shape[:2]
+        kept = layer_cache.sinks if layer_cache is not None else None
+        before = kept.valid.sum(1) if kept is not None else None  # [B]
+        is_sink, _ = first_tokens(self.sinks, B, T, k.device, key_mask=real, before=before)
+        fk = fk.masked_fill(is_sink.view(B, T, 1, 1), 0.0)
+        start = layer_cache.seen if layer_cache is not None else 0  # the call's first stream position
+        if decode and kept is not None:
+            start = layer_cache.state.seen  # [1] on the device
+        new = gather_sinks(is_sink, self.sinks, k.detach() if layer_cache is not None else k,
+                           v.detach() if layer_cache is not None else v, offset=start)
+        sinks = new if kept is None else join_sinks(kept, new)
+        if layer_cache is not None:
+            layer_cache.sinks = sinks
+        return fk, sinks
 
     # -- forward -------------------------------------------------------------------------------
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,

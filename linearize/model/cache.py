@@ -16,6 +16,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
 from ..kernels import window_state_from_prefill
+from ..kernels.sinks import Sinks
 from .layout import FULL, GATED_DELTA
 
 #: tokens a :meth:`HybridCache.crop` may take back (assisted / speculative decoding drafts are far shorter)
@@ -56,6 +57,7 @@ class LinearStateLayer(CacheLayerMixin):
         self.record_past = False  # keep the recent tokens so that crop() can take them back
         self.keep = CROP_TOKENS  # how many of them (besides the window)
         self.history: tuple[torch.Tensor, ...] | None = None  # (k, fk, v [B, n, Hk, *], keep [B, n]) of the last n
+        self.sinks: Sinks | None = None  # a window layer's attention sinks (attention.sinks > 0)
 
     def lazy_initialization(self, key_states=None, value_states=None) -> None:
         self.is_initialized = True
@@ -86,6 +88,7 @@ class LinearStateLayer(CacheLayerMixin):
         self.state = None
         self.seen = 0
         self.history = None
+        self.sinks = None
         self.is_initialized = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -95,6 +98,8 @@ class LinearStateLayer(CacheLayerMixin):
             )) if hasattr(self.state, "_fields") else tuple(t.index_select(0, beam_idx.to(t.device)) for t in self.state)
         if self.history is not None:
             self.history = tuple(t.index_select(0, beam_idx.to(t.device)) for t in self.history)
+        if self.sinks is not None:
+            self.sinks = Sinks(*(t.index_select(0, beam_idx.to(t.device)) for t in self.sinks))
 
     # -- taking tokens back (assisted / speculative decoding) ------------------------------------
     def activate_past_recording(self, recurrent_states_to_keep: int | None = None) -> None:
@@ -154,6 +159,8 @@ class LinearStateLayer(CacheLayerMixin):
             self.state = window_state_from_prefill(*ring[:3], (S, z), W, offset=lo, key_mask=ring[3])
         self.history = tuple(x[:, : held - r] for x in self.history)
         self.seen = seen
+        if self.sinks is not None:  # sinks among the tokens taken back are gone
+            self.sinks = self.sinks._replace(valid=self.sinks.valid & (self.sinks.pos < seen))
 
     def offload(self):  # states are small; nothing to offload
         pass
@@ -166,7 +173,8 @@ class LinearStateLayer(CacheLayerMixin):
         """Bytes held by this layer's state."""
         if self.state is None:
             return 0
-        return sum(t.numel() * t.element_size() for t in self.state)
+        held = tuple(self.state) + (tuple(self.sinks) if self.sinks is not None else ())
+        return sum(t.numel() * t.element_size() for t in held)
 
 
 class DeltaStateLayer(LinearStateLayer):
