@@ -139,16 +139,22 @@ def sink_hybrid(sinks: int = 3, window: int = 4, **extra):
     return linearize_model(tiny_model("llama", layers=4, seed=0), select_layout(4, ratio="3:1"), rec).eval(), rec
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("prefill", [2, 17], ids=["prefill-shorter-than-the-sinks", "prefill-17"])
 @pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
-def test_decode_equals_forward(prefill, gated):
+def test_decode_equals_forward(prefill, gated, device):
     """Prefill, a multi-token continuation and single steps give one forward's logits, whether the sinks came in
-    the prefill or in later steps; the sinks do change the logits."""
+    the prefill or in later steps (on a GPU: the Triton kernels, decode steps fused again once every row has its
+    sinks); the sinks do change the logits."""
     extra = {"attention.decay": "learned", "attention.decay_half_life": 8.0} if gated else {}
     hybrid, _ = sink_hybrid(**extra)
     plain, _ = sink_hybrid(0, **extra)
+    hybrid, plain = hybrid.to(device), plain.to(device)
     torch.manual_seed(1)
-    ids = torch.randint(0, 128, (2, 30))
+    ids = torch.randint(0, 128, (2, 30), device=device)
     with torch.no_grad():
         full = hybrid(ids).logits
         assert (full - plain(ids).logits).abs().amax() > 1e-3

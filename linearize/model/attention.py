@@ -385,15 +385,19 @@ class LinearAttention(nn.Module):
         if state is not None and self.window > 0 and not decode and real is None and not bool(state.keep.all()):
             real = q.new_ones(q.shape[:2], dtype=torch.bool)  # the ring holds padding: mask it in the continuation
         recording = layer_cache is not None and layer_cache.record_past  # crop() may take these tokens back
-        # features inside the kernels (the fused kernels take no decay, and sinks need the key features zeroed)
-        fused = (real is None and not recording and log_decay is None and not self.sinks
+        # features inside the kernels (the fused kernels take no decay, and sinks need the key features zeroed:
+        # a decode step once every row has its sinks is fused again)
+        sinks_full = decode and layer_cache.sinks_full
+        fused = (real is None and not recording and log_decay is None and (not self.sinks or sinks_full)
                  and self.fused_features(q, k, decode))
         fq = None if fused else self.features(self.feature_map_q, q)
         # key features stay in memory without fusion, and for a window layer's prefill into a cache (its ring)
         fk = (None if (fused and (decode or self.window == 0 or (state is None and not want_state)))
               else self.features(self.feature_map_k, k))
         sinks = None
-        if self.sinks:  # which tokens are sinks: their key features are zeroed (no linear sum holds them)
+        if sinks_full:  # no new sink
+            sinks = layer_cache.sinks
+        elif self.sinks:  # which tokens are sinks: their key features are zeroed (no linear sum holds them)
             fk, sinks = self.take_sinks(k, fk, v, layer_cache, real, decode)
         if recording:
             if log_decay is not None:
@@ -434,6 +438,7 @@ class LinearAttention(nn.Module):
                                                  log_decay=None if log_decay is None else log_decay[:, 0])
             o = o.unsqueeze(1)
             if sinks is not None:  # the token's stream position is state.seen - 1 now (the step counted it)
+                fq = fq if fq is not None else self.features(self.feature_map_q, q)
                 lse = window_state_lse(q[:, 0], fq[:, 0], wf, state, scale=self.scaling, eps=self.eps).unsqueeze(1)
                 seen = sink_visibility(sinks, (state.seen - 1).view(1), self.window)
                 o, _ = merge_sinks(o, lse, q, sinks, seen, wf, self.scaling)
@@ -494,6 +499,8 @@ class LinearAttention(nn.Module):
         sinks = new if kept is None else join_sinks(kept, new)
         if layer_cache is not None:
             layer_cache.sinks = sinks
+            if not decode:  # read once per prefill: later steps skip the bookkeeping once every row has its sinks
+                layer_cache.sinks_full = bool(sinks.valid.all())
         return fk, sinks
 
     # -- forward -------------------------------------------------------------------------------

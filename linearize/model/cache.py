@@ -58,6 +58,7 @@ class LinearStateLayer(CacheLayerMixin):
         self.keep = CROP_TOKENS  # how many of them (besides the window)
         self.history: tuple[torch.Tensor, ...] | None = None  # (k, fk, v [B, n, Hk, *], keep [B, n]) of the last n
         self.sinks: Sinks | None = None  # a window layer's attention sinks (attention.sinks > 0)
+        self.sinks_full = False  # whether every row has all its sinks (decode steps then add none)
 
     def lazy_initialization(self, key_states=None, value_states=None) -> None:
         self.is_initialized = True
@@ -89,6 +90,7 @@ class LinearStateLayer(CacheLayerMixin):
         self.seen = 0
         self.history = None
         self.sinks = None
+        self.sinks_full = False
         self.is_initialized = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -161,6 +163,7 @@ class LinearStateLayer(CacheLayerMixin):
         self.seen = seen
         if self.sinks is not None:  # sinks among the tokens taken back are gone
             self.sinks = self.sinks._replace(valid=self.sinks.valid & (self.sinks.pos < seen))
+            self.sinks_full = bool(self.sinks.valid.all())
 
     def offload(self):  # states are small; nothing to offload
         pass
