@@ -13,10 +13,15 @@ the fitted window weight and, with a decay gate, each KV head's median half-life
     python experiments/layer_length.py --layers 3 --set decay=learned --set decay_half_life=512
     python experiments/layer_length.py --layers 3 --sinks 4   # + the first 4 tokens in the exact-softmax part
     python experiments/layer_length.py --layers 3 --mass      # + where the original attention's weight goes
+    python experiments/layer_length.py --layers 3 --eval-length 2K --eval-data wiki,books,code   # other domains
+    python experiments/layer_length.py --layers 3 --data wiki:0.5,books:0.5 --eval-data wiki,books,code
 
-``--sinks N`` computes the layer in its quadratic form (the sliding window and the first N tokens exact, the
-rest linear, one shared normalizer; equal to the kernels within 6e-6 at N = 0) and is several times slower.
-The captured inputs are cached in ``--cache`` (default: a file per setting under the system's temp folder).
+``--sinks N`` fits the layer with N attention sinks (``attention.sinks``: the first N tokens in the exact-softmax
+part for every query). ``--mass`` computes the fitted layer's split in its quadratic form (the window and the
+sinks exact, the rest linear, one shared normalizer).
+``--data`` is the training text (any ``--data`` spec, mixtures too), ``--eval-data`` one held-out row per named
+corpus, each reported on its own line. The captured inputs are cached in ``--cache`` (default: a file per setting
+under the system's temp folder).
 """
 from __future__ import annotations
 
@@ -123,6 +128,8 @@ def main() -> None:
                                                  "--train-length")
     ap.add_argument("--steps", type=int, default=200, help="optimizer steps of one row each")
     ap.add_argument("--eval-length", default="16K", help="one held-out row of this length")
+    ap.add_argument("--data", default="wiki", help="training text (a --data spec; mixtures too)")
+    ap.add_argument("--eval-data", default="wiki", help="held-out corpora, one row each, e.g. wiki,books,code")
     ap.add_argument("--set", action="append", default=[], help="a lolcats attention setting, e.g. decay=learned")
     ap.add_argument("--sinks", type=int, default=0)
     ap.add_argument("--mass", action="store_true",
@@ -137,28 +144,35 @@ def main() -> None:
     if len(row_counts) != len(train_lens):
         ap.error("--rows needs one count per --train-length")
     eval_len = parse_length(args.eval_length)
-    settings = dict(LOLCATS)
+    settings = dict(LOLCATS, sinks=args.sinks)
     for item in args.set:
         key, value = item.split("=", 1)
         settings[key] = type(settings[key])(value) if key in settings else float(value)
     model, tok = load_model("smollm2-135m", device="cpu")
     model.eval()
-    train, held = [], None
+
+    def cached(name: str, make):
+        path = (f"{args.cache}.{name}" if args.cache else
+                os.path.join(tempfile.gettempdir(), f"layer_length_{args.layers}_{name}.pt".replace(":", "-")))
+        if os.path.exists(path):
+            return torch.load(path)
+        t0 = time.time()
+        got = make()
+        torch.save(got, path)
+        print(f"inputs captured in {time.time() - t0:.0f} s ({path})", flush=True)
+        return got
+
+    train = []
     for train_len, n_rows in zip(train_lens, row_counts):
-        cache = (f"{args.cache}.{n_rows}x{train_len}" if args.cache else
-                 os.path.join(tempfile.gettempdir(), f"layer_length_{args.layers}_{n_rows}x{train_len}_{eval_len}.pt"))
-        if os.path.exists(cache):
-            part, held = torch.load(cache)
-        else:
-            t0 = time.time()
-            rows = torch.cat(list(packed_batches(tok, "wiki", seq_len=train_len, tokens=n_rows * train_len,
-                                                 batch_size=1, seed=0, copy_fraction=0.25)))  # [rows, train_len]
-            part = [capture(model, rows[i:i + 1], layers) for i in range(n_rows)]
-            if held is None:  # the same held-out row for every part: captured once
-                held = capture(model, heldout_sequences(tok, "wiki", seq_len=eval_len, n_seqs=1), layers)
-            torch.save((part, held), cache)
-            print(f"inputs captured in {time.time() - t0:.0f} s ({cache})", flush=True)
-        train.append(part)
+        def rows_of(n=n_rows, length=train_len):
+            rows = torch.cat(list(packed_batches(tok, args.data, seq_len=length, tokens=n * length, batch_size=1,
+                                                 seed=0, copy_fraction=0.25)))  # [rows, length]
+            return [capture(model, rows[i:i + 1], layers) for i in range(n)]
+        name = f"{n_rows}x{train_len}" + ("" if args.data == "wiki" else f"_{args.data.replace(',', '+')}")
+        train.append(cached(name, rows_of))
+    held = {d: cached(f"heldout_{d}_{eval_len}",
+                      lambda d=d: capture(model, heldout_sequences(tok, d, seq_len=eval_len, n_seqs=1), layers))
+            for d in args.eval_data.split(",")}
     # several lengths: spread each part evenly over the fit order, so every stretch of steps sees each length
     train = [row for _, _, row in sorted((i / len(part), k, row) for k, part in enumerate(train)
                                          for i, row in enumerate(part))]
@@ -166,18 +180,21 @@ def main() -> None:
     for L in layers:
         torch.manual_seed(0)
         m = LinearAttention(model.model.layers[L].self_attn, model.config, L, settings, arch_spec("llama"))
-        teacher = []
-        with torch.no_grad():
-            for x, pe in [c[L] for c in train] + [held[L]]:
+        @torch.no_grad()
+        def teacher(rows):  # [(x, q, k, v, the original attention's output)]
+            out = []
+            for x, pe in rows:
                 q, k, v = m.project(x, pe)
-                teacher.append((x, q, k, v, m.softmax_attention(q, k, v)))
-        *fit, ev = teacher
+                out.append((x, q, k, v, m.softmax_attention(q, k, v)))
+            return out
+
+        fit = teacher([c[L] for c in train])
+        evals = {d: teacher([h[L]])[0] for d, h in held.items()}
         if args.mass:
-            print(f"layer {L}: original attention weight " + attention_mass(m, *ev[1:3], buckets), flush=True)
+            for d, ev in evals.items():
+                print(f"layer {L} {d}: original attention weight " + attention_mass(m, *ev[1:3], buckets), flush=True)
 
         def student(x, q, k, v):
-            if args.sinks:
-                return quadratic(m, x, q, k, v, args.sinks)
             return m.linear_attention(q, k, v, log_decay=m.decay(x) if m.decay is not None else None)
 
         opt = torch.optim.AdamW(m.learned_parameters(), lr=1e-2, weight_decay=0.0)
@@ -191,22 +208,25 @@ def main() -> None:
             loss.backward()
             opt.step()
             sched.step()
-        with torch.no_grad():
-            x, q, k, v, t = ev
-            err = (student(x, q, k, v) - t).pow(2)[0].sum((1, 2))  # [T]
-            ref = t.pow(2)[0].sum((1, 2))
-            by_bucket = "  ".join(f"{a // 1024}-{z // 1024}K {err[a:z].sum() / ref[a:z].sum():.3f}" for a, z in buckets)
-            line = f"layer {L}: normalized error {by_bucket} | window weight {torch.sigmoid(m.window_logit).mean():.2f}"
-            if args.mass:  # the fitted layer's own split, to set beside the original's
-                share: list = []
-                quadratic(m, x, q, k, v, args.sinks, shares=share)
-                share = torch.cat(share)
-                line += " | linear part's share " + "  ".join(f"{a // 1024}-{z // 1024}K {share[a:z].mean():.3f}"
-                                                           for a, z in buckets)
-            if m.decay is not None:
-                half = (math.log(2) / (-m.decay(x)).clamp_min(1e-9)).median(dim=1).values[0]
-                line += " | half-life per KV head " + ", ".join(f"{h:,.0f}" for h in half.tolist())
-        print(f"{line} | {args.steps} steps in {time.time() - t0:.0f} s", flush=True)
+        secs = time.time() - t0
+        for d, (x, q, k, v, t) in evals.items():
+            with torch.no_grad():
+                err = (student(x, q, k, v) - t).pow(2)[0].sum((1, 2))  # [T]
+                ref = t.pow(2)[0].sum((1, 2))
+                by_bucket = "  ".join(f"{a // 1024}-{z // 1024}K {err[a:z].sum() / ref[a:z].sum():.3f}"
+                                      for a, z in buckets)
+                line = (f"layer {L}{'' if list(evals) == ['wiki'] else ' ' + d}: normalized error {by_bucket} | "
+                        f"window weight {torch.sigmoid(m.window_logit).mean():.2f}")
+                if args.mass:  # the fitted layer's own split, to set beside the original's
+                    share: list = []
+                    quadratic(m, x, q, k, v, args.sinks, shares=share)
+                    share = torch.cat(share)
+                    line += " | linear part's share " + "  ".join(f"{a // 1024}-{z // 1024}K {share[a:z].mean():.3f}"
+                                                               for a, z in buckets)
+                if m.decay is not None:
+                    half = (math.log(2) / (-m.decay(x)).clamp_min(1e-9)).median(dim=1).values[0]
+                    line += " | half-life per KV head " + ", ".join(f"{h:,.0f}" for h in half.tolist())
+            print(f"{line} | {args.steps} steps in {secs:.0f} s", flush=True)
 
 
 if __name__ == "__main__":
