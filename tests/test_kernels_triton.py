@@ -46,7 +46,7 @@ from linearize.kernels import chunked, triton_common  # noqa: E402
 from linearize.kernels.reference import rotary_reference  # noqa: E402
 from linearize.kernels.testing import check_left_padding  # noqa: E402
 from linearize.kernels.testing import check_linear, check_window, linear_inputs, rel_err, window_inputs  # noqa: E402
-from linearize.kernels.testing import leaves as leaf_copies  # noqa: E402
+from linearize.kernels.testing import check_sink_steps, leaves as leaf_copies  # noqa: E402
 from test_kernels_gated import F64 as REF, assert_matches, run_window as run_gated_window, with_decay  # noqa: E402
 
 DEV = "cuda" if ON_GPU else "cpu"
@@ -1070,3 +1070,11 @@ def test_window_sinks_and_lse_triton(case, dtype, monkeypatch):
     tol = 1e-4 if dtype == torch.float32 else 1e-2
     for name, ref in out["reference"].items():
         assert rel_err(out["triton"][name], ref, floor=1e-2) <= tol * (3 if name.startswith("d") else 1), name
+
+
+@pytest.mark.parametrize("hedgehog", [False, True], ids=["features-given", "hedgehog-in-kernel"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_window_step_with_sinks_triton(hedgehog, dtype):
+    """The Triton window step reads the sinks and adds those out of its window to the softmax part: prefill +
+    steps equal the float64 reference's forward with the same sinks."""
+    check_sink_steps("triton", dtype, device=DEV, hedgehog=hedgehog)

@@ -10,7 +10,7 @@ from linearize.convert.surgery import linearize_model
 from linearize.io.checkpoint import save_checkpoint
 from linearize.kernels import window_linear_attention
 from linearize.kernels.sinks import Sinks, first_tokens, gather_sinks, join_sinks, merge_sinks
-from linearize.kernels.testing import leaves, window_inputs
+from linearize.kernels.testing import check_sink_steps, leaves, window_inputs
 from linearize.model.modeling import LinearizeForCausalLM
 from test_kernels_gated import F64, with_decay
 
@@ -132,6 +132,14 @@ def test_sink_bookkeeping_across_calls():
     both = join_sinks(first, later)
     assert both.k[1, :2, 0, 0].tolist() == [5.0, -1.0] and both.valid[1].tolist() == [True, True, False]
     assert both.pos[1, :2].tolist() == [7, 12] and torch.equal(both.k[0], first.k[0])
+
+
+@pytest.mark.parametrize("prefill", [3, 13])
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+def test_decode_steps_with_sinks_match_the_reference(prefill, gated):
+    """The PyTorch step adds the sinks out of its window to the softmax part: prefill + steps equal the float64
+    reference's forward with the same sinks (fp32 steps, 1e-4), from before and after the sinks left the window."""
+    check_sink_steps("torch", torch.float32, prefill=prefill, gated=gated)
 
 
 def sink_hybrid(sinks: int = 3, window: int = 4, **extra):

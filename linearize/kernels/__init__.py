@@ -402,6 +402,7 @@ def window_linear_attention_step_hedgehog(
     backend: Optional[str] = None,
     signed: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
     log_decay: Optional[torch.Tensor] = None,  # [B, Hk], <= 0
+    sinks: Optional[Sinks] = None,
 ) -> torch.Tensor:
     """:func:`window_linear_attention_step` of ``hedgehog_features(q, weight_q)``, ``hedgehog_features(k,
     weight_k)``. On the Triton path the step kernel computes both from the raw rows (no feature tensors, no
@@ -415,7 +416,7 @@ def window_linear_attention_step_hedgehog(
     def features_first():  # off Triton, gated, or where the projections do not fit the kernel's shared memory
         fq, fk = _features_first(q.unsqueeze(1), k.unsqueeze(1), weight_q, weight_k, feature_eps)
         return window_linear_attention_step(q, k, fq[:, 0], fk[:, 0], v, window_factor, state, scale=scale, eps=eps,
-                                            out=out, backend=backend, log_decay=log_decay)
+                                            out=out, backend=backend, log_decay=log_decay, sinks=sinks)
 
     if log_decay is not None or _resolve_backend(backend, q) != "triton":
         return features_first()
@@ -427,7 +428,7 @@ def window_linear_attention_step_hedgehog(
         ("window_step_hedgehog", tuple(q.shape), tuple(k.shape), tuple(weight_q.shape), v.shape[-1], q.dtype),
         lambda: window_step_triton(q, k, None, None, v, window_factor, WindowState(*state),
                                    scale=q.shape[-1] ** -0.5 if scale is None else scale, eps=eps, out=out,
-                                   wqx=wqx, wkx=wkx, feps=feature_eps), features_first,
+                                   wqx=wqx, wkx=wkx, feps=feature_eps, sinks=sinks), features_first,
         fits=_projection_fits(q.shape[-1], features, q.dtype))
 
 

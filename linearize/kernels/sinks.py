@@ -10,8 +10,9 @@ s_ij`` over the visible sinks (``w`` the head's window factor),
     o_i = sigmoid(L - L_s) o_kernel + sigmoid(L_s - L) softmax_j(s_ij) v_j,
 
 the output of one normaliser over window, sinks and linear part. Everything here is a few small PyTorch ops over
-``[B, T, H, N]`` scores (``N`` sinks, 4-64), differentiable; :func:`window_state_lse` gives a decode step's
-``lse`` from the state it left behind. The quadratic spec is ``window_linear_attention_reference(sink_mask=...)``.
+``[B, T, H, N]`` scores (``N`` sinks, 4-64), differentiable. Decode steps take the :class:`Sinks` themselves (the
+step kernels add the ones out of the window to their softmax part). The quadratic spec is
+``window_linear_attention_reference(sink_mask=...)``.
 """
 
 from __future__ import annotations
@@ -19,8 +20,6 @@ from __future__ import annotations
 from typing import NamedTuple, Optional, Tuple
 
 import torch
-
-from .step import WindowState
 
 
 class Sinks(NamedTuple):
@@ -116,32 +115,3 @@ def sink_visibility(sinks: Sinks, query_pos: torch.Tensor, window: int) -> torch
     positions; a sink at distance ``>= window`` is no longer in the softmax window, so the merge adds it)."""
     qp = query_pos.view(1, -1, 1) if query_pos.dim() == 1 else query_pos.unsqueeze(-1)
     return sinks.valid.unsqueeze(1) & (qp - sinks.pos.unsqueeze(1) >= window)
-
-
-def window_state_lse(
-    q: torch.Tensor,  # [B, H, D] raw query of the step just taken
-    fq: torch.Tensor,  # [B, H, K] its features
-    window_factor: torch.Tensor,  # [H]
-    state: WindowState,  # the state the step left (the token written, seen incremented)
-    *,
-    scale: float,
-    eps: float,
-) -> torch.Tensor:
-    """The log normaliser ``[B, H]`` of the decode step that produced ``state`` (as its kernel computed it: window
-    softmax over the valid ring slots plus the linear part over ``S``, ``z``, ``eps``)."""
-    S, z, kr, _, _, seen, keep, ldr = state
-    B, H, D = q.shape
-    Hk, W = kr.shape[1], kr.shape[2]
-    G = H // Hk
-    dt = S.dtype
-    valid = (torch.arange(W, device=q.device) < seen) & keep.view(B, 1, 1, W)
-    s = (q.to(dt).view(B, Hk, G, D) @ kr.to(dt).transpose(-1, -2)) * scale  # [B, Hk, G, W]
-    s = s.masked_fill(~valid, float("-inf"))
-    m = s.amax(-1, keepdim=True).clamp_min(0.0)
-    w = window_factor.to(dt).view(1, Hk, G, 1)
-    lin = (1 - w) * torch.exp(-m)
-    if state.gated:
-        lin = lin * ldr.sum(-1).exp()[..., None, None]
-    den = w * torch.exp(s - m).sum(-1, keepdim=True) + lin * (fq.to(dt).view(B, Hk, G, -1) @ z.unsqueeze(-1)) \
-        + eps * torch.exp(-m)
-    return (den.log() + m).view(B, H)

@@ -237,7 +237,7 @@ def linear_attention_step(
 # window hybrid step
 
 
-def _window_step_torch(q, k, fq, fk, v, wf, st: WindowState, scale, eps, out, log_decay=None):
+def _window_step_torch(q, k, fq, fk, v, wf, st: WindowState, scale, eps, out, log_decay=None, sinks=None):
     S, z, kr, fkr, vr, seen, keep, ldr = st
     B, H, D = q.shape
     Hk, W = kr.shape[1], kr.shape[2]
@@ -265,6 +265,12 @@ def _window_step_torch(q, k, fq, fk, v, wf, st: WindowState, scale, eps, out, lo
     fqf = fq.to(dt).reshape(B, Hk, G, K)
     s = (qf @ kr.to(dt).transpose(-1, -2)) * scale  # [B, Hk, G, W]
     s = s.masked_fill(~valid, float("-inf"))
+    values = vr.to(dt)  # [B, Hk, W, V]
+    if sinks is not None:  # the sinks out of this token's window join the softmax part
+        ss = (qf @ sinks.k.to(dt).permute(0, 2, 3, 1)) * scale  # [B, Hk, G, N]
+        out_of_window = sinks.valid & (seen - sinks.pos >= W)  # [B, N]
+        s = torch.cat([s, ss.masked_fill(~out_of_window.view(B, 1, 1, -1), float("-inf"))], -1)
+        values = torch.cat([values, sinks.v.to(dt).transpose(1, 2)], 2)
     m = s.amax(-1, keepdim=True).clamp_min(0.0)
     em = torch.exp(-m)
     p = torch.exp(s - m)
@@ -272,7 +278,7 @@ def _window_step_torch(q, k, fq, fk, v, wf, st: WindowState, scale, eps, out, lo
     lin = (1 - w) * em  # [B, Hk, G, 1]
     if log_decay is not None:  # the state decays by the window's log decays (the tokens after its position)
         lin = lin * ldr.sum(-1).exp()[..., None, None]
-    num = w * (p @ vr.to(dt)) + lin * (fqf @ S)
+    num = w * (p @ values) + lin * (fqf @ S)
     den = w * p.sum(-1, keepdim=True) + lin * (fqf @ z.unsqueeze(-1)) + eps * em
     seen.add_(1)
     o = (num / den).reshape(B, H, V)
@@ -296,6 +302,7 @@ def window_linear_attention_step(
     out: Optional[torch.Tensor] = None,  # [B, H, V]
     backend: Optional[str] = None,
     log_decay: Optional[torch.Tensor] = None,  # [B, Hk], <= 0
+    sinks=None,  # linearize.kernels.sinks.Sinks: attention sinks of the sequence
 ) -> torch.Tensor:
     """One decode token of the window hybrid (token index ``t = state.seen``).
 
@@ -305,6 +312,8 @@ def window_linear_attention_step(
     With ``log_decay`` (the new token's): the fold is ``S <- e^{ld_{t-W}} S + fk v^T`` (the leaving token's log
     decay, from ``ld_ring``), the new token's goes to its slot, and the linear part is scaled by
     ``e^{sum of ld_ring}`` (the decay from the state's position to ``t``).
+    ``sinks`` (:class:`~linearize.kernels.sinks.Sinks`): the valid sinks at positions ``<= t - W`` join the softmax
+    part (younger ones are in the ring); the caller keeps their features out of the rings.
     """
     st = WindowState(*state)
     log_decay = check_log_decay("window_linear_attention_step", log_decay, tuple(k.shape[:2]))
@@ -319,8 +328,8 @@ def window_linear_attention_step(
         from .triton_step import window_step_triton  # triton is optional: imported only on the Triton path
 
         if log_decay is None:
-            return window_step_triton(q, k, fq, fk, v, window_factor, st, scale=scale, eps=eps, out=out)
+            return window_step_triton(q, k, fq, fk, v, window_factor, st, scale=scale, eps=eps, out=out, sinks=sinks)
         if takes_log_decay(window_step_triton):
             return window_step_triton(q, k, fq, fk, v, window_factor, st, scale=scale, eps=eps, out=out,
-                                      log_decay=log_decay)
-    return _window_step_torch(q, k, fq, fk, v, window_factor, st, scale, eps, out, log_decay)
+                                      log_decay=log_decay, sinks=sinks)
+    return _window_step_torch(q, k, fq, fk, v, window_factor, st, scale, eps, out, log_decay, sinks)

@@ -238,3 +238,50 @@ def check_left_padding(kind, backend, *, T=40, pad=13, H=4, Hk=2, D=16, K=16, V=
     if kind == "window":
         # the ring held padding iff a padding position was among the last W; a step overwrites the oldest slot
         assert bool(st.keep.all()) == (pad <= T - W or steps >= pad + W - T), "padding left in the ring"
+
+
+def check_sink_steps(backend, dtype, *, device="cpu", T=40, prefill=13, W=8, n_sinks=5, gated=False, hedgehog=False,
+                     tol=None) -> None:
+    """Prefill ``prefill`` tokens, then decode steps with attention sinks (the first ``n_sinks`` tokens; their key
+    features kept out of the rings as the layers keep them) against the float64 reference's forward with
+    ``sink_mask``. The steps get every sink from the start: a sink at a later position is out of reach
+    (``t - pos < W``) until it leaves the window. ``hedgehog``: the Hedgehog steps (features inside the Triton
+    step kernel)."""
+    from . import hedgehog_features_rounded, window_linear_attention_step_hedgehog
+    from .sinks import gather_sinks
+
+    B, H, Hk, D, K, V = 2, 4, 2, 16, 16, 16
+    inp = window_inputs(B, T, H, Hk, D, K if not hedgehog else D, V, dtype=dtype, device=device, seed=7)
+    q, k, v, wf = inp["q"], inp["k"], inp["v"], inp["window_factor"]
+    g = torch.Generator(device="cpu").manual_seed(8)
+    wq = (torch.randn(H, D, K // 2, generator=g) * 0.3).to(device=device, dtype=dtype)
+    wk = (torch.randn(Hk, D, K // 2, generator=g) * 0.3).to(device=device, dtype=dtype)
+    fq, fk = ((hedgehog_features_rounded(q, wq), hedgehog_features_rounded(k, wk)) if hedgehog
+              else (inp["fq"], inp["fk"]))
+    ld = None
+    if gated:
+        ld = (-torch.rand(B, T, Hk, generator=g) * 0.3).to(device=device)
+    sink = torch.zeros(B, T, dtype=torch.bool, device=device)
+    sink[:, :n_sinks] = True
+    d = lambda x: None if x is None else x.double()  # noqa: E731
+    want, _ = window_linear_attention(d(q), d(k), d(fq), d(fk), d(v), d(wf), window=W, backend="reference",
+                                      sink_mask=sink, log_decay=d(ld))
+    fk = fk.masked_fill(sink.view(B, T, 1, 1), 0.0)
+    _, final = window_linear_attention(q[:, :prefill], k[:, :prefill], fq[:, :prefill], fk[:, :prefill],
+                                       v[:, :prefill], wf, window=W, backend="torch", output_final_state=True,
+                                       log_decay=None if ld is None else ld[:, :prefill],
+                                       sink_mask=sink[:, :prefill])
+    state = window_state_from_prefill(k[:, :prefill], fk[:, :prefill], v[:, :prefill], final, W,
+                                      log_decay=None if ld is None else ld[:, :prefill])
+    sinks = gather_sinks(sink, n_sinks, k, v)
+    tol = tol if tol is not None else (1e-4 if dtype == torch.float32 else 1e-2)
+    for t in range(prefill, T):
+        if hedgehog:
+            o = window_linear_attention_step_hedgehog(q[:, t], k[:, t], v[:, t], wf, wq, wk, state, backend=backend,
+                                                      sinks=sinks, feature_eps=1e-12)
+        else:
+            o = window_linear_attention_step(q[:, t], k[:, t], fq[:, t], fk[:, t], v[:, t], wf, state,
+                                             backend=backend, sinks=sinks,
+                                             log_decay=None if ld is None else ld[:, t])
+        err = rel_err(o, want[:, t])
+        assert err <= tol, f"step {t}: relative error {err:.2e} > {tol:.0e}"

@@ -135,10 +135,11 @@ def _window_step_kernel(
     S, Z, KR, FKR, VR, SEEN, KEEP,  # state; rings [B,HK,W,*]; seen int64 [1]; keep bool [B,W] (False: padding)
     O,
     WQX,  # FUSE: Hedgehog map [Wq, -Wq] [H,D,K]; fq is then computed here
-    H, HK, W, scale, eps, feps,
+    SK, SV, SPOS, SVALID,  # SINKS: sink keys [B,NS,HK,D], values [B,NS,HK,V], positions int64 / valid bool [B,NS]
+    H, HK, W, NS, scale, eps, feps,
     D: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr, G: tl.constexpr,
-    FUSE: tl.constexpr, GH: tl.constexpr, OWN: tl.constexpr,
+    FUSE: tl.constexpr, GH: tl.constexpr, OWN: tl.constexpr, SINKS: tl.constexpr, BN: tl.constexpr,
 ):
     """Program (batch x KV head, value block, head group): answers ``GH`` of the KV group's ``G`` query heads for
     its value columns, with the token leaving the window folded into ``S`` and the new value in the ring. With
@@ -176,6 +177,16 @@ def _window_step_kernel(
     vr = tl.where(sel[:, None], v_new.to(VR.dtype.element_ty)[None, :], vr).to(tl.float32)
     kept = tl.load(KEEP + b.to(tl.int64) * W + ow, mask=mw, other=0) != 0
     valid = (ow <= t) & mw & (kept | sel)  # the new token is never padding
+    if SINKS:  # the sinks out of this token's window join the softmax part
+        on = tl.arange(0, BN)
+        mn = on < NS
+        srow = b.to(tl.int64) * NS + on  # [BN]
+        spos = tl.load(SPOS + srow, mask=mn, other=0)
+        sseen = mn & (tl.load(SVALID + srow, mask=mn, other=0) != 0) & (t - spos >= W)
+        sk = tl.load(SK + (srow[:, None] * HK + hk) * D + od[None, :], mask=mn[:, None] & md[None, :],
+                     other=0.0).to(tl.float32)
+        sv = tl.load(SV + (srow[:, None] * HK + hk) * V + ov[None, :], mask=mn[:, None] & mv[None, :],
+                     other=0.0).to(tl.float32)
     for g in tl.static_range(GH):
         # a short last head group answers the group's last head again past the end (the same row, the same value)
         h = hk * G + tl.minimum(pg * GH + g, G - 1)
@@ -188,11 +199,18 @@ def _window_step_kernel(
             fq = tl.load(FQ + qrow * K + ok, mask=mk, other=0.0).to(tl.float32)
         sc = tl.where(valid, tl.sum(kr * q[None, :], 1) * scale, float("-inf"))
         m = tl.maximum(tl.max(sc, 0), 0.0)
+        if SINKS:
+            ss = tl.where(sseen, tl.sum(sk * q[None, :], 1) * scale, float("-inf"))
+            m = tl.maximum(m, tl.max(ss, 0))
         p = tl.where(valid, tl.exp(sc - m), 0.0)
         em = tl.exp(-m)
         c = (1.0 - w) * em
         num = w * tl.sum(p[:, None] * vr, 0) + c * tl.sum(fq[:, None] * s, 0)
         den = w * tl.sum(p, 0) + c * tl.sum(fq * z, 0) + eps * em
+        if SINKS:
+            ps = tl.where(sseen, tl.exp(ss - m), 0.0)
+            num += w * tl.sum(ps[:, None] * sv, 0)
+            den += w * tl.sum(ps, 0)
         tl.store(O + qrow * V + ov, (num / den).to(O.dtype.element_ty), mask=mv)
 
 
@@ -385,10 +403,13 @@ def linear_step_triton(q, k, v, S, z, *, normalize=True, eps=1e-6, out=None, wqx
     return out
 
 
-def window_step_triton(q, k, fq, fk, v, wf, st, *, scale, eps=1e-12, out=None, wqx=None, wkx=None, feps=0.0):
+def window_step_triton(q, k, fq, fk, v, wf, st, *, scale, eps=1e-12, out=None, wqx=None, wkx=None, feps=0.0,
+                       sinks=None):
     """The window step: :func:`_window_step_kernel` over (batch x KV head, value block), then
     :func:`_window_step_commit_kernel` and ``seen += 1``. With ``wqx`` / ``wkx`` (``signed_projections``)
-    ``fq`` / ``fk`` are None and the kernels compute the Hedgehog features of ``q`` and ``k`` themselves."""
+    ``fq`` / ``fk`` are None and the kernels compute the Hedgehog features of ``q`` and ``k`` themselves.
+    ``sinks`` (:class:`~linearize.kernels.sinks.Sinks`): read by the step kernel, the ones out of the window
+    joining its softmax part."""
     ensure_applied(q.device)
     B, H, D = q.shape
     HK, W = st.k_ring.shape[1], st.k_ring.shape[2]
@@ -403,11 +424,15 @@ def window_step_triton(q, k, fq, fk, v, wf, st, *, scale, eps=1e-12, out=None, w
     split = GH < G  # then the grid has several head groups per (batch, KV head), and the commit kernel folds
     fuse = wqx is not None
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    NS = sinks.k.shape[1] if sinks is not None else 0
+    sk, sv, spos, svalid = ((sinks.k.contiguous(), sinks.v.contiguous(), sinks.pos.contiguous(),
+                             sinks.valid.contiguous()) if sinks is not None else (q, q, st.seen, st.keep))
     _window_step_kernel[(B * HK, triton.cdiv(V, BV), triton.cdiv(G, GH))](
         q, q if fuse else fq.contiguous(), k, v, wf.contiguous(), st.S, st.z, st.k_ring, st.fk_ring, st.v_ring,
-        st.seen, st.keep, out, wqx if fuse else q,
-        H, HK, W, float(scale), eps, float(feps), D=D, K=K, V=V, BD=BD, BK=BK, BV=BV, BW=BW, G=G, FUSE=fuse,
-        GH=GH, OWN=not split, num_warps=window_step_warps(BD, BK, BV, BW, fuse),
+        st.seen, st.keep, out, wqx if fuse else q, sk, sv, spos, svalid,
+        H, HK, W, NS, float(scale), eps, float(feps), D=D, K=K, V=V, BD=BD, BK=BK, BV=BV, BW=BW, G=G, FUSE=fuse,
+        GH=GH, OWN=not split, SINKS=NS > 0, BN=pow2(max(NS, 1)),
+        num_warps=window_step_warps(BD, BK, BV, BW, fuse),
     )
     BVC, warps = _commit_launch(BD, BK, V, fuse, split)
     _window_step_commit_kernel[(B * HK,)](

@@ -25,8 +25,7 @@ from ..kernels import (BACKENDS, hedgehog_feature_map, linear_attention, linear_
                        linear_attention_step, linear_attention_step_hedgehog, rotary_embedding, window_linear_attention,
                        window_linear_attention_hedgehog, window_linear_attention_step,
                        window_linear_attention_step_hedgehog, window_state_from_prefill)
-from ..kernels.sinks import (first_tokens, gather_sinks, join_sinks, merge_sinks, sink_visibility,
-                             window_state_lse)
+from ..kernels.sinks import first_tokens, gather_sinks, join_sinks, merge_sinks, sink_visibility
 from .architectures import ArchSpec, attention_shape
 from .cache import HybridCache, softmax_windows
 from .feature_maps import HedgehogFeatureMap, build_feature_map
@@ -426,24 +425,18 @@ class LinearAttention(nn.Module):
                 layer_cache.set_state(new_state, T)
             return o
         wf = self.window_factor
-        if decode:
+        if decode:  # the sinks out of the window join the step's softmax part
             if fused:
                 o = window_linear_attention_step_hedgehog(
                     q[:, 0], k[:, 0], v[:, 0], wf, self.feature_map_q.weight, self.feature_map_k.weight, state,
                     scale=self.scaling, eps=self.eps, feature_eps=self.feature_map_q.eps,
-                    signed=self.signed_feature_weights(q.dtype))
+                    signed=self.signed_feature_weights(q.dtype), sinks=sinks)
             else:
                 o = window_linear_attention_step(q[:, 0], k[:, 0], fq[:, 0], fk[:, 0], v[:, 0], wf, state,
                                                  scale=self.scaling, eps=self.eps,
-                                                 log_decay=None if log_decay is None else log_decay[:, 0])
-            o = o.unsqueeze(1)
-            if sinks is not None:  # the token's stream position is state.seen - 1 now (the step counted it)
-                fq = fq if fq is not None else self.features(self.feature_map_q, q)
-                lse = window_state_lse(q[:, 0], fq[:, 0], wf, state, scale=self.scaling, eps=self.eps).unsqueeze(1)
-                seen = sink_visibility(sinks, (state.seen - 1).view(1), self.window)
-                o, _ = merge_sinks(o, lse, q, sinks, seen, wf, self.scaling)
+                                                 log_decay=None if log_decay is None else log_decay[:, 0], sinks=sinks)
             layer_cache.set_state(state, 1)
-            return o
+            return o.unsqueeze(1)
         n_prev = 0
         init = None
         if state is not None:  # a multi-token continuation: prepend the window ring in temporal order
