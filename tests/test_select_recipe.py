@@ -99,10 +99,12 @@ def test_ratio_that_leaves_no_softmax_layer_is_refused():
 
 
 def test_cpu_recipe_is_lolcats_sized_for_a_cpu():
-    """lolcats-cpu trains the same layers with the same losses as lolcats; only sizes, budgets and the layer choice
-    (interleave: the probe would cost more than the budget trains) differ, and its budgets pass the pre-load checks."""
+    """lolcats-cpu trains the same layers with the same losses as lolcats; only sizes, budgets, the layer choice
+    (interleave: the probe would cost more than the budget trains) and the attention sinks (measured on a CPU, not
+    yet on a GPU) differ, and its budgets pass the pre-load checks."""
     cpu, gpu = R.load("lolcats-cpu"), R.load("lolcats")
-    assert dict(cpu["attention"]) == dict(gpu["attention"])
+    assert {**cpu["attention"], "sinks": 0} == {**gpu["attention"], "sinks": 0}
+    assert (cpu["attention"]["sinks"], gpu["attention"]["sinks"]) == (16, 0)
     sizing = {"tokens", "seq_len", "batch_size", "grad_accum", "lr", "warmup_steps", "eval_seqs", "checkpoint_every"}
     for stage in ("distill", "finetune"):
         changed = {k for k in gpu[stage] if cpu[stage][k] != gpu[stage][k]}
