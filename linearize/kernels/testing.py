@@ -6,8 +6,9 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
-from . import (linear_attention, linear_attention_step, window_linear_attention, window_linear_attention_step,
-               window_state_from_prefill)
+from . import (hedgehog_features_rounded, linear_attention, linear_attention_step, window_linear_attention,
+               window_linear_attention_step, window_linear_attention_step_hedgehog, window_state_from_prefill)
+from .sinks import gather_sinks
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor, floor: float = 0.0) -> float:
@@ -247,9 +248,6 @@ def check_sink_steps(backend, dtype, *, device="cpu", T=40, prefill=13, W=8, n_s
     ``sink_mask``. The steps get every sink from the start: a sink at a later position is out of reach
     (``t - pos < W``) until it leaves the window. ``hedgehog``: the Hedgehog steps (features inside the Triton
     step kernel)."""
-    from . import hedgehog_features_rounded, window_linear_attention_step_hedgehog
-    from .sinks import gather_sinks
-
     B, H, Hk, D, K, V = 2, 4, 2, 16, 16, 16
     inp = window_inputs(B, T, H, Hk, D, K if not hedgehog else D, V, dtype=dtype, device=device, seed=7)
     q, k, v, wf = inp["q"], inp["k"], inp["v"], inp["window_factor"]
