@@ -122,7 +122,7 @@ def test_merge_keeps_a_query_with_no_visible_sink_exactly():
 def test_sink_bookkeeping_across_calls():
     """``first_tokens`` skips padding and continues a count; ``join_sinks`` appends a later call's sinks."""
     mask = torch.tensor([[False, False, True, True, True], [True, True, True, True, True]])
-    is_sink, _ = first_tokens(3, 2, 5, "cpu", key_mask=mask, before=torch.tensor([0, 2]))
+    is_sink = first_tokens(3, 2, 5, "cpu", key_mask=mask, before=torch.tensor([0, 2]))
     assert is_sink.tolist() == [[False, False, True, True, True], [True, False, False, False, False]]
     k = torch.arange(10.0).view(2, 5, 1, 1)
     first = gather_sinks(is_sink, 3, k, k, offset=7)

@@ -33,15 +33,14 @@ class Sinks(NamedTuple):
 
 
 def first_tokens(sinks: int, B: int, T: int, device, key_mask: Optional[torch.Tensor] = None,
-                 before: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Which of a call's ``T`` tokens are sinks: the first ``sinks`` non-padding tokens of each row, after
-    ``before`` ``[B]`` (int64, sinks already taken by earlier calls). Returns ``(is_sink [B, T] bool, slot [B, T]
-    int64)``: the sink slot each token fills (meaningful where ``is_sink``)."""
+                 before: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``[B, T]`` bool: which of a call's ``T`` tokens are sinks, the first ``sinks`` non-padding tokens of each row
+    after ``before`` ``[B]`` (int64, sinks already taken by earlier calls)."""
     real = key_mask if key_mask is not None else torch.ones(B, T, dtype=torch.bool, device=device)
     rank = real.long().cumsum(1) - 1  # [B, T]: index among the row's real tokens of this call
     if before is not None:
         rank = rank + before.view(B, 1)
-    return real & (rank < sinks), rank
+    return real & (rank < sinks)
 
 
 def gather_sinks(is_sink: torch.Tensor, sinks: int, k: torch.Tensor, v: torch.Tensor,

@@ -465,8 +465,8 @@ class LinearAttention(nn.Module):
                                                      key_mask=real, log_decay=log_decay, return_lse=bool(self.sinks))
             if sinks is not None:  # the sinks out of each query's window; stream positions of the rows of q
                 first = (int(state.seen.item()) - n_prev) if state is not None else 0
-                seen = sink_visibility(sinks, torch.arange(first, first + q.shape[1], device=q.device), self.window)
-                o, _ = merge_sinks(o, lse[0], q, sinks, seen, wf, self.scaling)
+                visible = sink_visibility(sinks, torch.arange(first, first + q.shape[1], device=q.device), self.window)
+                o, _ = merge_sinks(o, lse[0], q, sinks, visible, wf, self.scaling)
         if want_state:
             seen_before = int(state.seen.item()) - n_prev if state is not None else 0
             new_state = window_state_from_prefill(k, fk, v, final, self.window, offset=seen_before, key_mask=real,
@@ -482,7 +482,7 @@ class LinearAttention(nn.Module):
         B, T = k.shape[:2]
         kept = layer_cache.sinks if layer_cache is not None else None
         before = kept.valid.sum(1) if kept is not None else None  # [B]
-        is_sink, _ = first_tokens(self.sinks, B, T, k.device, key_mask=real, before=before)
+        is_sink = first_tokens(self.sinks, B, T, k.device, key_mask=real, before=before)
         fk = fk.masked_fill(is_sink.view(B, T, 1, 1), 0.0)
         start = layer_cache.seen if layer_cache is not None else 0  # the call's first stream position
         if decode and kept is not None:
