@@ -309,8 +309,7 @@ def window_linear_attention_hedgehog(
     output_final_state: bool = False,
     backend: Optional[str] = None,
     log_decay: Optional[torch.Tensor] = None,  # [B, T, Hk], <= 0
-    return_lse: bool = False,
-):
+) -> Tuple[torch.Tensor, Optional[State]]:
     """:func:`window_linear_attention` with ``fq = hedgehog_features(q, weight_q)`` and
     ``fk = hedgehog_features(k, weight_k)`` (computed in fp32, rounded to ``q``'s dtype, clamped to
     ``>= feature_eps``).
@@ -327,7 +326,7 @@ def window_linear_attention_hedgehog(
     K = _hedgehog_shapes("window_linear_attention_hedgehog", q, k, weight_q, weight_k)
     be = _resolve_backend(backend, q)
     kw = dict(window=int(window), scale=scale, eps=eps, initial_state=initial_state,
-              output_final_state=output_final_state, return_lse=return_lse)
+              output_final_state=output_final_state)
     if log_decay is not None or be != "triton" or \
             needs_grad(q, k, v, window_factor, weight_q, weight_k, fk, *(initial_state or ())) or \
             not _projection_fits(q.shape[-1], K, q.dtype):

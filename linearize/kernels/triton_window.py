@@ -740,7 +740,7 @@ def _gated(q, k, fq, fk, v, window_factor, log_decay, W, scale, eps, initial_sta
 def window_linear_attention_hedgehog_triton(
     q, k, v, window_factor, weight_q, weight_k, *, fk=None, window: int = 64, scale: Optional[float] = None,
     eps: float = 1e-12, feature_eps: float = 1e-12, initial_state: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
-    output_final_state: bool = False, return_lse: bool = False,
+    output_final_state: bool = False,
 ):
     """Triton path of :func:`linearize.kernels.window_linear_attention_hedgehog`: forward only (no autograd),
     the query features (and the key features unless ``fk`` is given) computed inside the kernel."""
@@ -760,7 +760,7 @@ def window_linear_attention_hedgehog_triton(
         fq = hedgehog_features_rounded(q, weight_q, feature_eps)
         return window_linear_attention_chunked(q, k, fq, fk if fk is not None else make_fk(), v, window_factor,
                                                window=W, scale=scale, eps=eps, initial_state=initial_state,
-                                               output_final_state=output_final_state, return_lse=return_lse)
+                                               output_final_state=output_final_state)
     if scale is None:
         scale = q.shape[-1] ** -0.5
     q, k, v = (x.contiguous() for x in (q, k, v))
@@ -771,10 +771,10 @@ def window_linear_attention_hedgehog_triton(
     if initial_state is not None:
         S0, z0 = initial_state[0].float().contiguous(), initial_state[1].float().contiguous()
     with torch.no_grad():
-        o, ms, den = _fwd(q, k, None, fk, v, wf, W, float(scale), float(eps), S0, z0, store_stats=return_lse,
-                          wqx=wqx, wkx=wkx, feps=float(feature_eps), make_fk=make_fk)
+        o, _, _ = _fwd(q, k, None, fk, v, wf, W, float(scale), float(eps), S0, z0, store_stats=False,
+                       wqx=wqx, wkx=wkx, feps=float(feature_eps), make_fk=make_fk)
         state = _final_state(fk if fk is not None else make_fk(), v, W, S0, z0) if output_final_state else None
-    return _results(o, state, ms + den.log() if return_lse else None)
+    return o, state
 
 
 register("window", CONFIG)  # tunable per GPU (tuning.py)
