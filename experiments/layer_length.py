@@ -32,6 +32,7 @@ import tempfile
 import time
 
 import torch
+import yaml
 
 from linearize.data.packing import heldout_sequences, packed_batches
 from linearize.io.sources import load_model
@@ -147,7 +148,7 @@ def main() -> None:
     settings = dict(LOLCATS, sinks=args.sinks)
     for item in args.set:
         key, value = item.split("=", 1)
-        settings[key] = type(settings[key])(value) if key in settings else float(value)
+        settings[key] = type(settings[key])(value) if key in settings else yaml.safe_load(value)
     model, tok = load_model("smollm2-135m", device="cpu")
     model.eval()
 
