@@ -132,6 +132,8 @@ WIN_SHAPES = [
     (2, 130, 2, 1, 32, 16, 32, 64),
     (1, 150, 4, 2, 16, 16, 16, 16),
     (1, 150, 2, 1, 16, 16, 16, 100),
+    (1, 300, 2, 1, 16, 16, 16, 192),  # wide: three 64-token key blocks back, the state lagging three chunks
+    (1, 200, 4, 2, 16, 32, 16, 150),  # wide, W not a multiple of the chunk: linear pairs in two key blocks
 ]
 
 
@@ -141,22 +143,29 @@ def test_window_triton_vs_reference(shape, dtype):
     check_window("triton", *shape, dtype, state=shape[1] % 2 == 0, device=DEV)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_window_fp32_over_64_runs_the_chunked_path(dtype, monkeypatch):
-    """fp32 windows of 65-128 tokens run the chunked PyTorch path (their 128-token Triton chunks are not
-    built); 16-bit ones launch the window kernel."""
+@pytest.mark.parametrize("W,dtype,kernel", [
+    (100, torch.bfloat16, "_win_fwd_kernel"),  # 128-token chunks
+    (100, torch.float32, "_win_softmax_wide_kernel"),  # fp32 128-token chunks are not built: 64-token key blocks
+    (300, torch.bfloat16, "_win_softmax_wide_kernel"),
+    (600, torch.float32, None),  # wider than MAX_WINDOW: the chunked PyTorch path
+], ids=["bf16-100", "fp32-100", "bf16-300", "fp32-600"])
+def test_window_over_64_kernel_choice(W, dtype, kernel, monkeypatch):
+    """Which kernel a window wider than one 64-token chunk launches (none: the chunked PyTorch path), and that
+    its forward matches the float64 reference."""
     from linearize.kernels import triton_window
+    from linearize.kernels.testing import F64, TOL
 
     launched = []
-    real = triton_window._fwd
-    monkeypatch.setattr(triton_window, "_fwd", lambda *a, **kw: launched.append(1) or real(*a, **kw))
+    real = triton_window.launch
+    monkeypatch.setattr(triton_window, "launch",
+                        lambda fn, *a, **kw: launched.append(fn.__name__) or real(fn, *a, **kw))
     inp = window_inputs(1, 150, 2, 1, 16, 16, 16, dtype=dtype, device=DEV)
-    o, _ = window_linear_attention(inp["q"], inp["k"], inp["fq"], inp["fk"], inp["v"], inp["window_factor"],
-                                   window=100, backend="triton")
-    ro, _ = window_linear_attention(inp["q"], inp["k"], inp["fq"], inp["fk"], inp["v"], inp["window_factor"],
-                                    window=100, backend="reference")
-    assert bool(launched) == (dtype != torch.float32)
-    assert rel_err(o, ro) <= (1e-5 if dtype == torch.float32 else 1e-2)
+    args = [inp[n] for n in ("q", "k", "fq", "fk", "v", "window_factor")]
+    with torch.no_grad():
+        o, _ = window_linear_attention(*args, window=W, backend="triton")
+    ro, _ = window_linear_attention(*(a.to(F64) for a in args), window=W, backend="reference")
+    assert (kernel in launched) if kernel else not launched, launched
+    assert rel_err(o, ro) <= TOL[dtype]
 
 
 @pytest.mark.parametrize("shape", WIN_SHAPES[:4], ids=lambda s: "B{}T{}H{}Hk{}D{}K{}V{}W{}".format(*s))
@@ -340,7 +349,7 @@ def test_window_step_triton(prefill, W, bv, heads, H, dtype, monkeypatch):
 
 @pytest.mark.parametrize("kind", ["linear", "window"])
 @pytest.mark.parametrize("T,pad,W,dtype", [(40, 13, 8, torch.float32), (12, 7, 8, torch.float32),
-                                           (20, 9, 16, torch.bfloat16)])
+                                           (20, 9, 16, torch.bfloat16), (200, 21, 130, torch.float32)])
 def test_left_padding_triton(kind, T, pad, W, dtype):
     """Left padding on the Triton backend (a window key mask runs the chunked path) and the Triton decode steps,
     whose window kernels leave ring slots that hold padding out: each row as its unpadded sequence."""
@@ -348,7 +357,8 @@ def test_left_padding_triton(kind, T, pad, W, dtype):
 
 
 @pytest.mark.parametrize("T,W,dtype,state", [(150, 8, torch.float32, True), (130, 64, torch.bfloat16, False),
-                                              (1, 64, torch.float32, False), (70, 16, torch.bfloat16, True)])
+                                              (1, 64, torch.float32, False), (70, 16, torch.bfloat16, True),
+                                              (260, 150, torch.bfloat16, True)])
 def test_window_key_mask_triton_forward(T, W, dtype, state):
     """Any padding pattern, no gradient: the Triton two-pass forward with the mask in its window kernel matches
     the float64 reference (outputs and final state); with a gradient the chunked path answers (same check)."""
@@ -406,6 +416,7 @@ HH_SHAPES = [
     (1, 65, 2, 1, 16, 8, 16, 64),  # GQA, T just past one chunk
     (2, 130, 4, 2, 32, 16, 32, 16),  # W < chunk: the linear part also inside the chunk
     (1, 100, 2, 2, 16, 12, 16, 100),  # f = 12: 24 features padded to a 32-wide tile; 128-token chunks
+    (1, 230, 2, 1, 16, 8, 16, 192),  # wide: the two-pass forward whatever CONFIG says
 ]
 
 
@@ -572,7 +583,7 @@ def test_window_hedgehog_fused_forward_vs_reference(shape, dtype, two_pass, monk
     given, with and without a state."""
     from linearize.kernels import triton_window
 
-    W = shape[-1]  # the two-pass forward covers W <= 64
+    W = shape[-1]  # the two-pass forward covers W <= 64 and the wide windows
     monkeypatch.setitem(triton_window.CONFIG, "fwd_two_pass", two_pass)
     launched = []
     real = triton_window._fwd_two_pass
@@ -589,7 +600,7 @@ def test_window_hedgehog_fused_forward_vs_reference(shape, dtype, two_pass, monk
         assert rel_err(o, ro) <= tol, (state, give_fk, rel_err(o, ro))
         if shape[1] > W or state:
             assert rel_err(S, rS) <= tol and rel_err(z, rz) <= tol
-    assert bool(launched) == two_pass
+    assert bool(launched) == (two_pass or triton_window.wide(W, dtype))
 
 
 def test_window_hedgehog_fused_forward_segmented(monkeypatch):
@@ -1028,7 +1039,7 @@ def test_projections_too_large_for_shared_memory_skip_the_compile(monkeypatch):
     assert not triton_common.TOO_BIG  # skipped by the size rule, not learned from a failed launch
 
 
-@pytest.mark.parametrize("case", ["plain", "two-pass", "gated", "key-mask"])
+@pytest.mark.parametrize("case", ["plain", "two-pass", "gated", "key-mask", "wide", "wide-key-mask"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_window_sinks_and_lse_triton(case, dtype, monkeypatch):
     """Attention sinks on the Triton path (zeroed key features, the kernel's log normaliser, the merge) against the
@@ -1038,13 +1049,15 @@ def test_window_sinks_and_lse_triton(case, dtype, monkeypatch):
 
     monkeypatch.setitem(triton_window.CONFIG, "fwd_two_pass", case == "two-pass")
     B, T, H, Hk, D, K, V, W = 2, 150, 4, 2, 16, 16, 16, 32
+    if case.startswith("wide"):  # several key blocks per chunk (an odd W: linear pairs in two of them)
+        T, W = 230, 150
     inp = window_inputs(B, T, H, Hk, D, K, V, dtype=dtype, device=DEV, state=True)
     if case == "gated":
         inp = with_decay(inp, B, T, Hk, seed=4)
     key_mask = None
     sinks = torch.zeros(B, T, dtype=torch.bool, device=DEV)
     sinks[:, :5] = True
-    if case == "key-mask":
+    if case.endswith("key-mask"):
         key_mask = torch.ones(B, T, dtype=torch.bool, device=DEV)
         key_mask[1, :11] = False
         sinks[1] = False

@@ -4,7 +4,10 @@ Chunks of ``BT >= W`` tokens (64, or 128 for 64 < W <= 128 with 16-bit inputs). 
 ``n`` sees its window inside chunks ``n-1`` and ``n``; everything older than the
 window in chunk ``n-1`` (and in chunk ``n`` when ``W < BT``) is handled through
 masked feature-map scores, and all tokens before chunk ``n-1`` through the
-carried linear state ``(S, z)``, which therefore lags one chunk behind. The
+carried linear state ``(S, z)``, which therefore lags one chunk behind. Wider windows
+(up to ``MAX_WINDOW``, 64-token chunks, ungated) reach ``NB = cdiv(W, 64)`` chunks back: the
+two-pass forward with a window kernel that walks those key blocks (online softmax), and a backward
+whose state lags ``NB`` chunks. The
 forward is one fused sequential pass (softmax part, linear part and the shared
 normaliser together), split into segments when the grid would not fill the
 GPU. The backward recomputes scores from the saved row shift ``m`` and
@@ -244,6 +247,147 @@ def _win_softmax_kernel(
 
 
 @triton.jit
+def _win_softmax_wide_kernel(
+    Q, Kr, Vp, WF, OL, DL, O, MS, DEN, KEEP,  # as _win_softmax_kernel
+    T, H, HK, scale, eps,
+    W: tl.constexpr, NB: tl.constexpr,  # window; chunks before the query's own that it reaches (cdiv(W, BT))
+    D: tl.constexpr, V: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+    STORE_STATS: tl.constexpr, PREC: tl.constexpr, HAS_KEEP: tl.constexpr,
+):
+    """:func:`_win_softmax_kernel` for windows wider than a chunk (``BT < W <= NB * BT``): the window spans this
+    chunk and the ``NB`` before it, walked as key blocks with an online softmax (running row maximum from 0, the
+    normaliser's floor, as the narrow kernel's clamp)."""
+    i = tl.program_id(0)
+    pbh = tl.program_id(1)
+    pv = tl.program_id(2)
+    b = pbh // H
+    h = pbh % H
+    hk = h // (H // HK)
+    od = tl.arange(0, BD)
+    ov = pv * BV + tl.arange(0, BV)
+    md, mv = od < D, ov < V
+    w = tl.load(WF + h).to(tl.float32)
+    ar = tl.arange(0, BT)
+    ot = i * BT + ar
+    mt = ot < T
+    qrow = (b.to(tl.int64) * T + ot) * H + h
+    q = tl.load(Q + qrow[:, None] * D + od[None, :], mask=mt[:, None] & md[None, :], other=0.0)
+    m = tl.zeros([BT], dtype=tl.float32)
+    acc = tl.zeros([BT, BV], dtype=tl.float32)
+    lsum = tl.zeros([BT], dtype=tl.float32)
+    for jc in tl.static_range(NB + 1):  # key block i - jc
+        oj = ot - jc * BT
+        mj = (oj >= 0) & (oj < T)
+        krow = (b.to(tl.int64) * T + oj) * HK + hk
+        kj = tl.load(Kr + krow[:, None] * D + od[None, :], mask=mj[:, None] & md[None, :], other=0.0)
+        vj = tl.load(Vp + krow[:, None] * V + ov[None, :], mask=mj[:, None] & mv[None, :], other=0.0)
+        diff = jc * BT + ar[:, None] - ar[None, :]
+        win = (diff >= 0) & (diff < W) & mj[None, :]
+        if HAS_KEEP:
+            win = win & (tl.load(KEEP + b.to(tl.int64) * T + oj, mask=mj, other=0) != 0)[None, :]
+        s = mm(q, tl.trans(kj), PREC) * scale
+        m_new = tl.maximum(m, tl.max(tl.where(win, s, NEG_INF), 1))
+        alpha = tl.exp(m - m_new)
+        P = tl.where(win, w * tl.exp(s - m_new[:, None]), 0.0).to(vj.dtype)  # rounded once: num and den agree
+        acc = acc * alpha[:, None] + mm(P, vj, PREC)
+        lsum = lsum * alpha + tl.sum(P.to(tl.float32), 1)
+        m = m_new
+    em = tl.exp(-m)
+    c = (1.0 - w) * em
+    dl = tl.load(DL + qrow, mask=mt, other=0.0)
+    ol = tl.load(OL + qrow[:, None] * V + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.0).to(tl.float32)
+    num = acc + (c * dl)[:, None] * ol
+    den = lsum + c * dl + eps * em
+    o = num / den[:, None]
+    tl.store(O + qrow[:, None] * V + ov[None, :], o.to(O.dtype.element_ty), mask=mt[:, None] & mv[None, :])
+    if STORE_STATS:
+        if pv == 0:
+            tl.store(MS + qrow, m, mask=mt)
+            tl.store(DEN + qrow, den, mask=mt)
+
+
+@triton.jit
+def _win_bwd_q_wide_kernel(
+    Q, Kr, FQ, FK, Vp, WF, DO, MS, INVD, DDEN,
+    ST_S, ST_Z,  # forward exclusive per-chunk states of (fk, v) [B,HK,N,K,V], [B,HK,N,K]
+    DQ, DFQ, DW,
+    T, H, HK, scale,
+    W: tl.constexpr, NB: tl.constexpr,
+    D: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NV_BLK: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """Query side of the backward for windows wider than a chunk (ungated): :func:`_win_bwd_q_kernel` with the
+    key blocks ``i - NB .. i`` walked one by one and the state lagging ``NB`` chunks."""
+    i = tl.program_id(0)
+    pbh = tl.program_id(1)
+    b = pbh // H
+    h = pbh % H
+    hk = h // (H // HK)
+    N = tl.cdiv(T, BT)
+    od = tl.arange(0, BD)
+    ok = tl.arange(0, BK)
+    md, mk = od < D, ok < K
+    w = tl.load(WF + h).to(tl.float32)
+    ar = tl.arange(0, BT)
+    ot = i * BT + ar
+    mt = ot < T
+    qrow = (b.to(tl.int64) * T + ot) * H + h
+    q = tl.load(Q + qrow[:, None] * D + od[None, :], mask=mt[:, None] & md[None, :], other=0.0)
+    fq = tl.load(FQ + qrow[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+    m = tl.load(MS + qrow, mask=mt, other=0.0)
+    invd = tl.load(INVD + qrow, mask=mt, other=0.0)
+    dD = tl.load(DDEN + qrow, mask=mt, other=0.0)
+    em = tl.exp(-m)
+    c = (1.0 - w) * em
+    # the state part: u = (dN S^T) + dD z, with the state before chunk i - NB (all of whose tokens are linear)
+    st = (b * HK + hk).to(tl.int64) * N + tl.maximum(i - NB, 0)
+    u = tl.zeros([BT, BK], dtype=tl.float32)
+    for vb in tl.static_range(NV_BLK):
+        ov = vb * BV + tl.arange(0, BV)
+        mv = ov < V
+        do = tl.load(DO + qrow[:, None] * V + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
+        S = tl.load(ST_S + st * K * V + ok[:, None] * V + ov[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
+        St = tl.trans(S)
+        S_hi = St.to(do.dtype)
+        u += mm(do, S_hi, PREC)
+        if PREC != "ieee":
+            u += mm(do, (St - S_hi.to(tl.float32)).to(do.dtype), PREC)
+    z = tl.load(ST_Z + st * K + ok, mask=mk, other=0.0)
+    u = u * invd[:, None] + dD[:, None] * z[None, :]
+    dq = tl.zeros([BT, BD], dtype=tl.float32)
+    dw = tl.zeros([BT], dtype=tl.float32)
+    for jc in tl.static_range(NB + 1):  # key block i - jc
+        oj = ot - jc * BT
+        mj = (oj >= 0) & (oj < T)
+        krow = (b.to(tl.int64) * T + oj) * HK + hk
+        kj = tl.load(Kr + krow[:, None] * D + od[None, :], mask=mj[:, None] & md[None, :], other=0.0)
+        diff = jc * BT + ar[:, None] - ar[None, :]
+        win = (diff >= 0) & (diff < W) & mj[None, :]
+        p = tl.where(win, tl.exp(mm(q, tl.trans(kj), PREC) * scale - m[:, None]), 0.0)
+        g = tl.zeros([BT, BT], dtype=tl.float32)  # g[t, j] = dN_t . v_j + dD_t  (dN = do / D)
+        for vb in tl.static_range(NV_BLK):
+            ov = vb * BV + tl.arange(0, BV)
+            mv = ov < V
+            do = tl.load(DO + qrow[:, None] * V + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
+            vj = tl.load(Vp + krow[:, None] * V + ov[None, :], mask=mj[:, None] & mv[None, :], other=0.0)
+            g += mm(do, tl.trans(vj), PREC)
+        g = g * invd[:, None] + dD[:, None]
+        dq += mm((w * p * g).to(kj.dtype), kj, PREC)
+        dw += tl.sum(p * g, 1)
+        if jc * BT + BT - 1 >= W:  # this block holds pairs older than the window (linear)
+            fkj = tl.load(FK + krow[:, None] * K + ok[None, :], mask=mj[:, None] & mk[None, :], other=0.0)
+            u += mm(tl.where((diff >= W) & mj[None, :], g, 0.0).to(fkj.dtype), fkj, PREC)
+    fqu = tl.sum(fq.to(tl.float32) * u, 1)
+    dw = dw - em * fqu
+    tl.store(DQ + qrow[:, None] * D + od[None, :], (dq * scale).to(DQ.dtype.element_ty),
+             mask=mt[:, None] & md[None, :])
+    tl.store(DFQ + qrow[:, None] * K + ok[None, :], (c[:, None] * u).to(DFQ.dtype.element_ty),
+             mask=mt[:, None] & mk[None, :])
+    tl.store(DW + qrow, dw, mask=mt)
+
+
+@triton.jit
 def _win_bwd_q_kernel(
     Q, Kr, FQ, FK, Vp, WF, DO, MS, INVD, DDEN,
     ST_S, ST_Z,  # forward exclusive per-chunk states of (fk, v) [B,HK,N,K,V], [B,HK,N,K]
@@ -352,8 +496,10 @@ def _win_bwd_kv_kernel(
     T, H, HK, W, scale,
     D: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NV_BLK: tl.constexpr,
-    G: tl.constexpr, PREC: tl.constexpr, GATED: tl.constexpr,
+    G: tl.constexpr, PREC: tl.constexpr, GATED: tl.constexpr, NB: tl.constexpr = 1,
 ):
+    """Key side of the backward: chunk ``n``'s keys meet the queries of chunks ``n .. n + NB`` directly (``NB``
+    = cdiv(W, BT); more than 1 only ungated) and all later ones through the reverse state."""
     n = tl.program_id(0)
     pbh = tl.program_id(1)
     b = pbh // HK
@@ -382,7 +528,7 @@ def _win_bwd_kv_kernel(
     for g in tl.static_range(G):
         h = hk * G + g
         w = tl.load(WF + h).to(tl.float32)
-        for qq in tl.static_range(2):
+        for qq in tl.static_range(NB + 1):
             ot = (n + qq) * BT + ar
             mt = ot < T
             qrow = (b.to(tl.int64) * T + ot) * H + h
@@ -414,9 +560,9 @@ def _win_bwd_kv_kernel(
                 Pm = (w * p + c[:, None] * a) * invd[:, None]
                 dv += mm(tl.trans(Pm).to(do.dtype), do, PREC)
                 dfk += mm(tl.trans(tl.where(lin, c[:, None] * gg, 0.0)).to(fq.dtype), fq, PREC)
-    # queries in chunks >= n+2 see chunk n only through the linear state
-    if n + 1 < N:
-        st = pbh.to(tl.int64) * N + n + 1
+    # queries in chunks >= n + NB + 1 see chunk n only through the linear state
+    if n + NB < N:
+        st = pbh.to(tl.int64) * N + n + NB
         R = tl.load(RS + st * K * V + ok[:, None] * V + ovf[None, :], mask=mk[:, None] & mvf[None, :], other=0.0)
         r = tl.load(RZ + st * K + ok, mask=mk, other=0.0)
         if GATED:  # the reverse state sits at the next chunk's end: e^{b_end - b_j}
@@ -461,20 +607,38 @@ CONFIG = {  # picked by linearize.bench.tune_kernels on an H200 (triton 3.6); me
 }
 
 
+#: widest window the Triton kernels run (wider ones: the chunked PyTorch path); a window of ``W`` tokens walks
+#: cdiv(W, 64) + 1 key blocks per query chunk, unrolled in the kernels
+MAX_WINDOW = 512
+
+
 def _chunk_for(window: int, dtype: torch.dtype) -> Optional[int]:
-    """The chunk for window ``W``: 64 when ``W`` fits it, 128 up to 128 (16-bit inputs only), else None (the
-    chunked PyTorch path). fp32 128-token chunks are not built: with exact fp32 products their kernels spill
+    """The chunk for window ``W``: 64 when ``W`` fits it, 128 up to 128 (16-bit inputs only), 64 again for wider
+    windows up to :data:`MAX_WINDOW` (fp32 from 65: the wide kernels walk several 64-token key blocks), else None
+    (the chunked PyTorch path). fp32 128-token chunks are not built: with exact fp32 products their kernels spill
     50-120 KB per thread, ptxas (triton 3.6) ran past 150 s on each, and the key-side backward needs 320 KB of
     shared memory (sm_90a, compiled offline, 2026-12-01)."""
     if window <= 64:
         return 64
     if window <= 128 and dtype != torch.float32:
         return 128
+    if window <= MAX_WINDOW:
+        return 64
     return None
+
+
+def _blocks_back(window: int, dtype: torch.dtype) -> int:
+    """Chunks before a query's own that its window reaches: 1, or cdiv(W, 64) for the wide kernels."""
+    return triton.cdiv(window, _chunk_for(window, dtype))
 
 
 def supported(window: int, dtype: torch.dtype) -> bool:
     return _chunk_for(window, dtype) is not None
+
+
+def wide(window: int, dtype: torch.dtype) -> bool:
+    """Whether window ``W`` runs the wide kernels (several key blocks per query chunk; no log decay there)."""
+    return supported(window, dtype) and _blocks_back(window, dtype) > 1
 
 
 def _fwd(q, k, fq, fk, v, wf, W, scale, eps, S0, z0, store_stats, wqx=None, wkx=None, feps=0.0, make_fk=None,
@@ -498,7 +662,8 @@ def _fwd(q, k, fq, fk, v, wf, W, scale, eps, S0, z0, store_stats, wqx=None, wkx=
     o = new_empty((B, T, H, V), dtype=v.dtype, device=dev)
     ms = new_empty((B, T, H), dtype=f32, device=dev) if store_stats else None
     den = new_empty((B, T, H), dtype=f32, device=dev) if store_stats else None
-    if keep is not None or (lg is None and CONFIG["fwd_two_pass"] and BT == 64 and (nseg == 1 or W == BT)):
+    if wide(W, q.dtype) or keep is not None or (lg is None and CONFIG["fwd_two_pass"] and BT == 64
+                                                and (nseg == 1 or W == BT)):
         _fwd_two_pass(q, k, fq, fk, v, wf, W, scale, eps, S0, z0, o, ms, den, wqx, wkx, feps, make_fk, keep)
         return o, ms, den
     # the carried linear state lags one chunk: each segment starts from the chunks before its first one's predecessor
@@ -538,6 +703,15 @@ def _fwd_two_pass(q, k, fq, fk, v, wf, W, scale, eps, S0, z0, o, ms, den, wqx=No
                                           make_fk=make_fk, shift=W)
     BV = min(128 if q.dtype != torch.float32 else 64, pow2(V))
     dummy = o
+    if wide(W, q.dtype):
+        launch(
+            _win_softmax_wide_kernel, (triton.cdiv(T, 64), B * H, triton.cdiv(V, BV)),
+            q, k, v, wf, o_lin, den_lin, o, ms if ms is not None else dummy, den if den is not None else dummy,
+            keep if keep is not None else dummy, T, H, HK, scale, eps, W=W, NB=_blocks_back(W, q.dtype),
+            D=D, V=V, BD=pow2(D), BV=BV, BT=64, STORE_STATS=ms is not None, PREC=prec(q.dtype),
+            HAS_KEEP=keep is not None, num_warps=CONFIG["softmax_warps"],
+        )
+        return
     launch(
         _win_softmax_kernel, (triton.cdiv(T, 64), B * H, triton.cdiv(V, BV)),
         q, k, v, wf, o_lin, den_lin, o, ms if ms is not None else dummy, den if den is not None else dummy,
@@ -608,19 +782,27 @@ def _bwd(q, k, fq, fk, v, wf, o, ms, den, W, scale, S0, z0, do, dS_f, dz_f, need
     dw_rows = new_empty((B, T, H), dtype=f32, device=dev)
     pr = prec(q.dtype)
     gated = lg is not None
-    launch(
-        _win_bwd_q_kernel, (N, B * H),
-        q, k, fq, fk, v, wf, do, ms, invd, dD, st, stz, dq, dfq, dw_rows,
-        lg if gated else dw_rows, dbq if gated else dw_rows,
-        T, H, HK, W, scale, D=D, K=K, V=V, BD=BD, BK=BK, BV=BV, BT=BT, NV_BLK=NVB,
-        HAS_LIN_CUR=W < BT, PREC=pr, GATED=gated, num_warps=CONFIG["bwd_warps"],
-    )
+    NB = _blocks_back(W, q.dtype)
+    if NB > 1:
+        launch(
+            _win_bwd_q_wide_kernel, (N, B * H),
+            q, k, fq, fk, v, wf, do, ms, invd, dD, st, stz, dq, dfq, dw_rows, T, H, HK, scale, W=W, NB=NB,
+            D=D, K=K, V=V, BD=BD, BK=BK, BV=BV, BT=BT, NV_BLK=NVB, PREC=pr, num_warps=CONFIG["bwd_warps"],
+        )
+    else:
+        launch(
+            _win_bwd_q_kernel, (N, B * H),
+            q, k, fq, fk, v, wf, do, ms, invd, dD, st, stz, dq, dfq, dw_rows,
+            lg if gated else dw_rows, dbq if gated else dw_rows,
+            T, H, HK, W, scale, D=D, K=K, V=V, BD=BD, BK=BK, BV=BV, BT=BT, NV_BLK=NVB,
+            HAS_LIN_CUR=W < BT, PREC=pr, GATED=gated, num_warps=CONFIG["bwd_warps"],
+        )
     launch(
         _win_bwd_kv_kernel, (N, B * HK),
         q, k, fq, fk, v, wf, do, ms, invd, dD, rs, rz, dk, dfk, dv,
         lg if gated else dv, dbk if gated else dv,
         T, H, HK, W, scale, D=D, K=K, V=V, BD=BD, BK=BK, BV=BV, BT=BT, NV_BLK=NVB, G=G,
-        PREC=pr, GATED=gated, num_warps=CONFIG["bwd_warps"],
+        PREC=pr, GATED=gated, NB=NB, num_warps=CONFIG["bwd_warps"],
     )
     dwf = dw_rows.sum((0, 1))
     dlg = None
@@ -676,19 +858,19 @@ def window_linear_attention_triton(
     initial_state: Optional[Tuple[torch.Tensor, torch.Tensor]] = None, output_final_state: bool = False,
     key_mask: Optional[torch.Tensor] = None, log_decay: Optional[torch.Tensor] = None, return_lse: bool = False,
 ):
-    """Triton path of :func:`linearize.kernels.window_linear_attention` (``window <= 128``, fp32 ``<= 64``; other
-    windows run the chunked PyTorch path). With a ``key_mask`` (an inference forward of a padded batch): the padding
-    rows of ``k``, ``fk``, ``v`` zeroed, then the two-pass forward whose window kernel reads the mask (``window <=
-    64``, no gradient; otherwise the chunked PyTorch path). ``log_decay`` (``[B, T, Hk]``): the single-pass forward
-    and the backward with decays, unsegmented (one program walks a whole sequence per value block and head); the
-    final state by PyTorch (:func:`reference.decayed_sum`); with a ``key_mask`` the chunked PyTorch path."""
+    """Triton path of :func:`linearize.kernels.window_linear_attention` (``window <= 512`` but fp32 windows of
+    65-127 tokens; windows over 128 walk several 64-token key blocks per chunk; other windows run the chunked PyTorch
+    path). With a ``key_mask`` (an inference forward of a padded batch): the padding rows of ``k``, ``fk``, ``v``
+    zeroed, then the two-pass forward whose window kernel reads the mask (64-token chunks, no gradient; otherwise
+    the chunked PyTorch path). ``log_decay`` (``[B, T, Hk]``, windows up to 128): the single-pass forward and the
+    backward with decays, unsegmented (one program walks a whole sequence per value block and head); the final state
+    by PyTorch (:func:`reference.decayed_sum`); with a ``key_mask`` the chunked PyTorch path."""
 
     ensure_applied(q.device)  # this GPU's saved launch configuration (bench kernels --tune), once
     W = int(window)
-    if not supported(W, q.dtype) or (key_mask is not None and (log_decay is not None or _chunk_for(W, q.dtype) != 64
-                                                               or needs_grad(q, k, fq, fk, v, window_factor,
-                                                                              *(initial_state or ())))):
-
+    masked_chunked = key_mask is not None and (log_decay is not None or _chunk_for(W, q.dtype) != 64 or needs_grad(
+        q, k, fq, fk, v, window_factor, *(initial_state or ())))
+    if not supported(W, q.dtype) or (log_decay is not None and wide(W, q.dtype)) or masked_chunked:
         return window_linear_attention_chunked(q, k, fq, fk, v, window_factor, window=W, scale=scale, eps=eps,
                                                initial_state=initial_state, output_final_state=output_final_state,
                                                key_mask=key_mask, log_decay=log_decay, return_lse=return_lse)
