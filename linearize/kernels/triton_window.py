@@ -858,13 +858,13 @@ def window_linear_attention_triton(
     initial_state: Optional[Tuple[torch.Tensor, torch.Tensor]] = None, output_final_state: bool = False,
     key_mask: Optional[torch.Tensor] = None, log_decay: Optional[torch.Tensor] = None, return_lse: bool = False,
 ):
-    """Triton path of :func:`linearize.kernels.window_linear_attention` (``window <= 512`` but fp32 windows of
-    65-127 tokens; windows over 128 walk several 64-token key blocks per chunk; other windows run the chunked PyTorch
-    path). With a ``key_mask`` (an inference forward of a padded batch): the padding rows of ``k``, ``fk``, ``v``
-    zeroed, then the two-pass forward whose window kernel reads the mask (64-token chunks, no gradient; otherwise
-    the chunked PyTorch path). ``log_decay`` (``[B, T, Hk]``, windows up to 128): the single-pass forward and the
-    backward with decays, unsegmented (one program walks a whole sequence per value block and head); the final state
-    by PyTorch (:func:`reference.decayed_sum`); with a ``key_mask`` the chunked PyTorch path."""
+    """Triton path of :func:`linearize.kernels.window_linear_attention` (``window <= 512``; windows over 128, and
+    fp32 ones over 64, walk several 64-token key blocks per chunk; wider windows run the chunked PyTorch path).
+    With a ``key_mask`` (an inference forward of a padded batch): the padding rows of ``k``, ``fk``, ``v`` zeroed,
+    then the two-pass forward whose window kernel reads the mask (64-token chunks, no gradient; otherwise the
+    chunked PyTorch path). ``log_decay`` (``[B, T, Hk]``, windows up to 128): the single-pass forward and the
+    backward with decays, unsegmented (one program walks a whole sequence per value block and head); the final
+    state by PyTorch (:func:`reference.decayed_sum`); with a ``key_mask`` the chunked PyTorch path."""
 
     ensure_applied(q.device)  # this GPU's saved launch configuration (bench kernels --tune), once
     W = int(window)
