@@ -189,6 +189,10 @@ def test_window_forward_passes(shape, dtype, two_pass, monkeypatch):
         n = len(launched)
         check_window("triton", 1, 300, 2, 1, 16, 32, 16, 64, dtype, state=True, device=DEV)
         assert len(launched) == n + two_pass
+        # a wide window (always two-pass): the shifted forward's segment sums lag W / 64 chunks
+        check_window("triton", 1, 400, 2, 1, 16, 32, 16, 128 if dtype == torch.float32 else 192, dtype, state=True,
+                     device=DEV)
+        assert len(launched) == n + two_pass + 1
         monkeypatch.setitem(triton_window.CONFIG, "force_segments", None)
         monkeypatch.setitem(triton_linear.CONFIG, "force_segments", None)
     if not two_pass:
