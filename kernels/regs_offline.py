@@ -1,6 +1,7 @@
 """Registers, spills and shared memory of the forward kernels as the H200 machine compiles them, without a GPU.
 
-Compiles ``_la_fwd_kernel`` and ``_win_fwd_kernel`` for sm_90a at the benchmark shape (bf16, K = V = D = 128,
+Compiles ``_la_fwd_kernel`` and ``_win_fwd_kernel`` (and the wide window kernels at W = 256 / 512, the window decode
+step at W = 64 / 256 / 512) for sm_90a at the benchmark shape (bf16, K = V = D = 128,
 BT = 64, the CONFIG's launch shape, pointers and T/H/HK 16-divisible, one segment) and runs the ``ptxas`` that
 ships with the Triton wheel with ``-v``. With triton 3.6.0 (the GPU machine's) this reproduces what the device
 reported on 2026-12-01 (linear: 228 registers unnormalised, 255 normalised; window: 255 with ~450 bytes spilled;
@@ -70,14 +71,72 @@ def window():
     cfg = TW.CONFIG
     f32 = {"WF", "MS", "DEN", "SEG_S", "SEG_Z"}
     ptrs = {n: "*fp32" if n in f32 else "*bf16" for n in ("Q", "Kr", "FQ", "FK", "Vp", "O", *f32, "WQX", "WKX")}
+    ptrs["LG"] = "*fp32"
     consts = dict(D=128, K=128, V=128, BD=128, BK=128, BV=cfg["fwd_bv"], BT=64, HAS_LIN_CUR=False, HAS_SEG=False,
-                  STORE_STATS=False, PREC="tf32", FUSE_Q=False, FUSE_K=False)
+                  STORE_STATS=False, PREC="tf32", FUSE_Q=False, FUSE_K=False, GATED=False)
     return compile_stats(TW._win_fwd_kernel, ptrs, {"T", "H", "HK", "SEG_CHUNKS", "W"}, {"scale", "eps", "feps"},
                          consts, cfg["fwd_warps"], cfg["fwd_stages"])
 
 
+def _wide_pointers(names, f32):
+    return {n: ("*fp32" if n in f32 else "*i8" if n == "KEEP" else "*bf16") for n in names}
+
+
+def wide_window(W: int):
+    """The wide window kernels at window ``W`` (64-token key blocks): the forward's window kernel, the query-side
+    and the key-side backward, as ``_fwd_two_pass`` and ``_bwd`` launch them at K = V = D = 128, bf16."""
+    cfg, NB = TW.CONFIG, -(-W // 64)
+    fwd = compile_stats(
+        TW._win_softmax_wide_kernel,
+        _wide_pointers(("Q", "Kr", "Vp", "WF", "OL", "DL", "O", "MS", "DEN", "KEEP"), {"WF", "DL", "MS", "DEN"}),
+        {"T", "H", "HK"}, {"scale", "eps"},
+        dict(W=W, NB=NB, D=128, V=128, BD=128, BV=128, BT=64, STORE_STATS=True, PREC="tf32", HAS_KEEP=False),
+        cfg["softmax_warps"], 1)
+    f32 = {"WF", "MS", "INVD", "DDEN", "ST_S", "ST_Z", "DW", "RS", "RZ", "LG", "DBQ", "DBK"}
+    bq = compile_stats(
+        TW._win_bwd_q_wide_kernel,
+        _wide_pointers(("Q", "Kr", "FQ", "FK", "Vp", "WF", "DO", "MS", "INVD", "DDEN", "ST_S", "ST_Z", "DQ", "DFQ",
+                        "DW"), f32),
+        {"T", "H", "HK"}, {"scale"},
+        dict(W=W, NB=NB, D=128, K=128, V=128, BD=128, BK=128, BV=64, BT=64, NV_BLK=2, PREC="tf32"),
+        cfg["wide_bwd_warps"], 1)
+    bkv = compile_stats(
+        TW._win_bwd_kv_kernel,
+        _wide_pointers(("Q", "Kr", "FQ", "FK", "Vp", "WF", "DO", "MS", "INVD", "DDEN", "RS", "RZ", "DK", "DFK", "DV",
+                        "LG", "DBK"), f32),
+        {"T", "H", "HK", "W"}, {"scale"},
+        dict(D=128, K=128, V=128, BD=128, BK=128, BV=64, BT=64, NV_BLK=2, G=4, PREC="tf32", GATED=False, NB=NB),
+        cfg["wide_bwd_warps"], 1)
+    return fwd, bq, bkv
+
+
+def window_step(W: int):
+    """The window decode step at window ``W`` (the ring tile is pow2(W) rows), the Llama-3-8B shape (G = 4), bf16,
+    with the launch shape ``window_step_triton`` picks for 8 x 8 KV heads."""
+    import torch
+
+    from linearize.kernels import triton_step as TS
+    GH, BV = TS.window_step_tiles(64, 4, 128, torch.device("cpu"))
+    BW = 1 << (W - 1).bit_length()
+    warps = TS.window_step_warps(128, 128, BV, BW, False)
+    ptrs = {n: "*bf16" for n in ("Q", "FQ", "Kr", "Vp", "KR", "FKR", "VR", "O", "WQX", "SK", "SV")}
+    ptrs.update(WF="*fp32", S="*fp32", Z="*fp32", SEEN="*i64", KEEP="*i8", SPOS="*i64", SVALID="*i8")
+    consts = dict(D=128, K=128, V=128, BD=128, BK=128, BV=BV, BW=BW, G=4, FUSE=False, GH=GH, OWN=True, SINKS=False,
+                  BN=1)
+    return compile_stats(TS._window_step_kernel, ptrs, {"H", "HK", "W", "NS"}, {"scale", "eps", "feps"}, consts,
+                         warps, 1), warps
+
+
 if __name__ == "__main__":
     print(f"triton {triton.__version__}; registers, spill stores / loads (bytes), shared memory (bytes)")
-    for name, stats in (("linear fwd, unnormalised", linear(False)), ("linear fwd, normalised", linear(True)),
-                        ("window fwd (W=64)", window())):
-        print(f"{name:26s} {stats[0]:4d} regs  spills {stats[1]:5d} / {stats[2]:5d}  shared {stats[3]:7d}")
+    rows = [("linear fwd, unnormalised", linear(False)), ("linear fwd, normalised", linear(True)),
+            ("window fwd (W=64)", window())]
+    for W in (256, 512):
+        fwd, bq, bkv = wide_window(W)
+        rows += [(f"wide window fwd (W={W})", fwd), (f"wide window bwd q (W={W})", bq),
+                 (f"wide window bwd kv (W={W})", bkv)]
+    for W in (64, 256, 512):
+        stats, warps = window_step(W)
+        rows.append((f"window step (W={W}, {warps} warps)", stats))
+    for name, stats in rows:
+        print(f"{name:32s} {stats[0]:4d} regs  spills {stats[1]:5d} / {stats[2]:5d}  shared {stats[3]:7d}")

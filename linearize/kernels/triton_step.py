@@ -360,9 +360,12 @@ def _warps(nbytes: int) -> int:
 
 
 def window_step_warps(BD: int, BK: int, BV: int, BW: int, fuse: bool) -> int:
-    """Warps of :func:`_window_step_kernel`: ``step_warps`` at value blocks <= 64, else from the tiles it holds."""
+    """Warps of :func:`_window_step_kernel`: ``step_warps`` at value blocks <= 64 (twice that for rings of 65-256
+    rows, four times beyond: at 4 warps a 128-row ring spills 0.8 KB per thread, a 256-row one 12 KB; with 8 warps
+    nothing, 16 B; a 512-row one 2.6 KB at 16 warps, sm_90a offline, K = V = D = 128, triton 3.6), else from the
+    tiles it holds."""
     if BV <= 64 and CONFIG["step_warps"]:
-        return int(CONFIG["step_warps"])
+        return int(CONFIG["step_warps"]) * (1 if BW <= 64 else 2 if BW <= 256 else 4)
     return _warps(4 * (BK * BV + BW * (BD + BV) + (BD * BK if fuse else 0)))  # fp32 values live at once
 
 

@@ -275,7 +275,7 @@ def _win_softmax_wide_kernel(
     m = tl.zeros([BT], dtype=tl.float32)
     acc = tl.zeros([BT, BV], dtype=tl.float32)
     lsum = tl.zeros([BT], dtype=tl.float32)
-    for jc in tl.static_range(NB + 1):  # key block i - jc
+    for jc in range(NB + 1):  # key block i - jc
         oj = ot - jc * BT
         mj = (oj >= 0) & (oj < T)
         krow = (b.to(tl.int64) * T + oj) * HK + hk
@@ -357,7 +357,7 @@ def _win_bwd_q_wide_kernel(
     u = u * invd[:, None] + dD[:, None] * z[None, :]
     dq = tl.zeros([BT, BD], dtype=tl.float32)
     dw = tl.zeros([BT], dtype=tl.float32)
-    for jc in tl.static_range(NB + 1):  # key block i - jc
+    for jc in range(NB + 1):  # key block i - jc (a loop, not unrolled: fewer spills)
         oj = ot - jc * BT
         mj = (oj >= 0) & (oj < T)
         krow = (b.to(tl.int64) * T + oj) * HK + hk
@@ -488,6 +488,47 @@ def _win_bwd_q_kernel(
 
 
 @triton.jit
+def _win_kv_pairs(Q, FQ, DO, MS, INVD, DDEN, k, fk, v, c0, c1, dk, dfk, dv, b, h, n, qq, T, H, W, scale, w,
+                  od, ok, ovf, md, mk, mvf, ar, D: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                  BT: tl.constexpr, PREC: tl.constexpr, GATED: tl.constexpr):
+    """One (query head ``h``, query chunk ``n + qq``) block of :func:`_win_bwd_kv_kernel`: the window and in-reach
+    linear pairs' gradients added to the key chunk's ``dk``, ``dfk``, ``dv`` (returned). ``c0`` / ``c1``: the
+    gated cumulative log decays (``qq`` 0 or 1 only)."""
+    ot = (n + qq) * BT + ar
+    mt = ot < T
+    qrow = (b.to(tl.int64) * T + ot) * H + h
+    q = tl.load(Q + qrow[:, None] * D + od[None, :], mask=mt[:, None] & md[None, :], other=0.0)
+    fq = tl.load(FQ + qrow[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+    do = tl.load(DO + qrow[:, None] * V + ovf[None, :], mask=mt[:, None] & mvf[None, :], other=0.0)
+    m = tl.load(MS + qrow, mask=mt, other=0.0)
+    invd = tl.load(INVD + qrow, mask=mt, other=0.0)
+    dD = tl.load(DDEN + qrow, mask=mt, other=0.0)
+    diff = qq * BT + ar[:, None] - ar[None, :]  # [t, j]
+    win = (diff >= 0) & (diff < W) & mt[:, None]
+    lin = (diff >= W) & mt[:, None]
+    p = tl.where(win, tl.exp(mm(q, tl.trans(k), PREC) * scale - m[:, None]), 0.0)
+    a = tl.where(lin, mm(fq, tl.trans(fk), PREC), 0.0)
+    gg = mm(do, tl.trans(v), PREC) * invd[:, None] + dD[:, None]
+    c = (1.0 - w) * tl.exp(-m)
+    ds = w * p * gg
+    dk += mm(tl.trans(ds).to(q.dtype), q, PREC)
+    if GATED:  # the linear pairs weigh e^{b_t - b_j}
+        if qq == 0:
+            dec = tl.exp(tl.where(lin, c0[:, None] - c0[None, :], NEG_INF))
+        else:
+            dec = tl.exp(tl.where(lin, c1[:, None] - c0[None, :], NEG_INF))
+        cl = c[:, None] * dec  # [t, j]
+        Pm = (w * p + cl * a) * invd[:, None]
+        dv += mm(tl.trans(Pm).to(do.dtype), do, PREC)
+        dfk += mm(tl.trans(cl * gg).to(fq.dtype), fq, PREC)
+    else:
+        Pm = (w * p + c[:, None] * a) * invd[:, None]
+        dv += mm(tl.trans(Pm).to(do.dtype), do, PREC)
+        dfk += mm(tl.trans(tl.where(lin, c[:, None] * gg, 0.0)).to(fq.dtype), fq, PREC)
+    return dk, dfk, dv
+
+
+@triton.jit
 def _win_bwd_kv_kernel(
     Q, Kr, FQ, FK, Vp, WF, DO, MS, INVD, DDEN,
     RS, RZ,  # reverse exclusive states of (c/D fq, do) [B,HK,N,K,V], [B,HK,N,K]
@@ -525,41 +566,20 @@ def _win_bwd_kv_kernel(
         lg1 = tl.load(LG + (b.to(tl.int64) * T + on) * HK + hk, mask=on < T, other=0.0)
         c0 = tl.cumsum(lg0, 0)
         c1 = _last(c0, ar, BT) + tl.cumsum(lg1, 0)
+    else:  # not read
+        c0 = tl.zeros([BT], dtype=tl.float32)
+        c1 = c0
     for g in tl.static_range(G):
         h = hk * G + g
         w = tl.load(WF + h).to(tl.float32)
-        for qq in tl.static_range(NB + 1):
-            ot = (n + qq) * BT + ar
-            mt = ot < T
-            qrow = (b.to(tl.int64) * T + ot) * H + h
-            q = tl.load(Q + qrow[:, None] * D + od[None, :], mask=mt[:, None] & md[None, :], other=0.0)
-            fq = tl.load(FQ + qrow[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
-            do = tl.load(DO + qrow[:, None] * V + ovf[None, :], mask=mt[:, None] & mvf[None, :], other=0.0)
-            m = tl.load(MS + qrow, mask=mt, other=0.0)
-            invd = tl.load(INVD + qrow, mask=mt, other=0.0)
-            dD = tl.load(DDEN + qrow, mask=mt, other=0.0)
-            diff = qq * BT + ar[:, None] - ar[None, :]  # [t, j]
-            win = (diff >= 0) & (diff < W) & mt[:, None]
-            lin = (diff >= W) & mt[:, None]
-            p = tl.where(win, tl.exp(mm(q, tl.trans(k), PREC) * scale - m[:, None]), 0.0)
-            a = tl.where(lin, mm(fq, tl.trans(fk), PREC), 0.0)
-            gg = mm(do, tl.trans(v), PREC) * invd[:, None] + dD[:, None]
-            c = (1.0 - w) * tl.exp(-m)
-            ds = w * p * gg
-            dk += mm(tl.trans(ds).to(q.dtype), q, PREC)
-            if GATED:  # the linear pairs weigh e^{b_t - b_j}
-                if qq == 0:
-                    dec = tl.exp(tl.where(lin, c0[:, None] - c0[None, :], NEG_INF))
-                else:
-                    dec = tl.exp(tl.where(lin, c1[:, None] - c0[None, :], NEG_INF))
-                cl = c[:, None] * dec  # [t, j]
-                Pm = (w * p + cl * a) * invd[:, None]
-                dv += mm(tl.trans(Pm).to(do.dtype), do, PREC)
-                dfk += mm(tl.trans(cl * gg).to(fq.dtype), fq, PREC)
-            else:
-                Pm = (w * p + c[:, None] * a) * invd[:, None]
-                dv += mm(tl.trans(Pm).to(do.dtype), do, PREC)
-                dfk += mm(tl.trans(tl.where(lin, c[:, None] * gg, 0.0)).to(fq.dtype), fq, PREC)
+        if NB == 1:
+            for qq in tl.static_range(2):
+                dk, dfk, dv = _win_kv_pairs(Q, FQ, DO, MS, INVD, DDEN, k, fk, v, c0, c1, dk, dfk, dv, b, h, n, qq, T,
+                                            H, W, scale, w, od, ok, ovf, md, mk, mvf, ar, D, K, V, BT, PREC, GATED)
+        else:  # wide windows (ungated): a loop, not unrolled (NB + 1 unrolled blocks spill 14 KB per thread)
+            for qq in range(NB + 1):
+                dk, dfk, dv = _win_kv_pairs(Q, FQ, DO, MS, INVD, DDEN, k, fk, v, c0, c1, dk, dfk, dv, b, h, n, qq, T,
+                                            H, W, scale, w, od, ok, ovf, md, mk, mvf, ar, D, K, V, BT, PREC, False)
     # queries in chunks >= n + NB + 1 see chunk n only through the linear state
     if n + NB < N:
         st = pbh.to(tl.int64) * N + n + NB
@@ -604,6 +624,10 @@ CONFIG = {  # picked by linearize.bench.tune_kernels on an H200 (triton 3.6); me
     # spills, and faster than the single pass with 4 softmax warps (slower with 8)
     "fwd_two_pass": True,
     "softmax_warps": 4,
+    # the backward's two kernels for windows over 128 (their key blocks a loop, not unrolled): 16 / 284 bytes spilled
+    # per thread at 8 warps against 804 / 2,436 at 4 (query / key side, W = 256, K = V = D = 128, bf16, sm_90a
+    # offline, triton 3.6; kernels/regs_offline.py); not yet timed on a GPU
+    "wide_bwd_warps": 8,
 }
 
 
@@ -787,7 +811,7 @@ def _bwd(q, k, fq, fk, v, wf, o, ms, den, W, scale, S0, z0, do, dS_f, dz_f, need
         launch(
             _win_bwd_q_wide_kernel, (N, B * H),
             q, k, fq, fk, v, wf, do, ms, invd, dD, st, stz, dq, dfq, dw_rows, T, H, HK, scale, W=W, NB=NB,
-            D=D, K=K, V=V, BD=BD, BK=BK, BV=BV, BT=BT, NV_BLK=NVB, PREC=pr, num_warps=CONFIG["bwd_warps"],
+            D=D, K=K, V=V, BD=BD, BK=BK, BV=BV, BT=BT, NV_BLK=NVB, PREC=pr, num_warps=CONFIG["wide_bwd_warps"],
         )
     else:
         launch(
@@ -802,7 +826,7 @@ def _bwd(q, k, fq, fk, v, wf, o, ms, den, W, scale, S0, z0, do, dS_f, dz_f, need
         q, k, fq, fk, v, wf, do, ms, invd, dD, rs, rz, dk, dfk, dv,
         lg if gated else dv, dbk if gated else dv,
         T, H, HK, W, scale, D=D, K=K, V=V, BD=BD, BK=BK, BV=BV, BT=BT, NV_BLK=NVB, G=G,
-        PREC=pr, GATED=gated, NB=NB, num_warps=CONFIG["bwd_warps"],
+        PREC=pr, GATED=gated, NB=NB, num_warps=CONFIG["bwd_warps" if NB == 1 else "wide_bwd_warps"],
     )
     dwf = dw_rows.sum((0, 1))
     dlg = None
