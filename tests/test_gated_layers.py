@@ -90,12 +90,31 @@ def test_generate_and_checkpoint_round_trip(tmp_path):
     assert want.shape == (1, 18)
 
 
-def test_taking_tokens_back_is_refused_in_one_line():
-    hybrid = gated_hybrid(4)
-    cache = hybrid(torch.randint(0, 128, (1, 8)), use_cache=True).past_key_values
-    cache.activate_past_recording()
-    with pytest.raises(RuntimeError, match="not supported by gated linear layers"):
-        hybrid(torch.randint(0, 128, (1, 3)), past_key_values=cache, use_cache=True)
+@pytest.mark.parametrize("window", [0, 4])
+def test_take_back_after_steps_and_a_long_prompt(window):
+    """A gated state taken back over a long recorded prompt and over single steps (the snapshot moved on step by
+    step) continues as a cache that never saw those tokens; the strong decay (half-life 4) shows a wrong replay."""
+    from linearize.model.cache import CROP_TOKENS
+
+    hybrid = gated_hybrid(window, half_life=4.0).double()
+    torch.manual_seed(2)
+    n = CROP_TOKENS + 30
+    ids = torch.randint(0, 128, (1, n + 12))
+    with torch.no_grad():
+        cache = hybrid.new_cache()
+        cache.activate_past_recording()
+        hybrid(ids[:, :n], cache=cache, use_cache=True)
+        for t in range(n, n + 8):
+            hybrid(ids[:, t:t + 1], cache=cache, use_cache=True)
+        cache.crop(-40)  # 8 steps and 32 tokens of the prompt
+        kept = n + 8 - 40
+        ref = hybrid.new_cache()
+        hybrid(ids[:, :kept], cache=ref, use_cache=True)
+        new = ids[:, n + 8:]
+        pos = torch.arange(kept, kept + 4)[None]
+        a = hybrid(new, cache=cache, position_ids=pos, use_cache=True).logits
+        b = hybrid(new, cache=ref, position_ids=pos, use_cache=True).logits
+    assert (a - b).abs().max().item() <= 1e-6  # float64 model, float32 log decays (the gate's contract)
 
 
 def test_stage1_trains_the_gate(corpus, monkeypatch, tmp_path):

@@ -12,6 +12,7 @@ import torch
 from linearize.kernels import (
     empty_linear_state,
     empty_window_state,
+    fold_tokens,
     linear_attention,
     linear_attention_hedgehog,
     linear_attention_step,
@@ -312,6 +313,27 @@ def test_linear_step_matches_forward(normalize, prefill):
                                   out=out if t % 2 else None).clone() for t in range(prefill, T)]
     assert rel_err(torch.stack(outs, 1), o_full[:, prefill:]) < 1e-5
     assert rel_err(state[0], st_full[0]) < 1e-5 and rel_err(state[1], st_full[1]) < 1e-5
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_fold_tokens_is_the_state_recurrence(gated):
+    """``fold_tokens`` moves a state by n tokens as the reference's final state over prefix + tokens does; padding
+    tokens add nothing and do not decay."""
+    B, T, H, Hk, K, V, n = 2, 40, 2, 2, 8, 8, 13
+    inp = with_decay(linear_inputs(B, T, H, Hk, K, V, dtype=F64), B, T, Hk, seed=3, low=-2.0)
+    k, v, ld = inp["k"], inp["v"], inp["log_decay"] if gated else None
+    _, (S, z) = linear_attention(k[:, :T - n], k[:, :T - n], v[:, :T - n], output_final_state=True,
+                                 backend="reference", log_decay=None if ld is None else ld[:, :T - n])
+    _, want = linear_attention(k, k, v, output_final_state=True, backend="reference", log_decay=ld)
+    got = fold_tokens(S, z, k[:, T - n:], v[:, T - n:], None if ld is None else ld[:, T - n:])
+    assert rel_err(got[0], want[0]) < 1e-12 and rel_err(got[1], want[1]) < 1e-12
+    mask = torch.ones(B, n, dtype=torch.bool)
+    mask[1, 4:9] = False  # tokens of row 1 that are padding
+    padded = fold_tokens(S, z, k[:, T - n:], v[:, T - n:], None if ld is None else ld[:, T - n:], mask)
+    keep = torch.cat([torch.ones(B, T - n, dtype=torch.bool), mask], 1)
+    _, want = linear_attention(k, k, v, output_final_state=True, backend="reference", key_mask=keep,
+                               log_decay=None if ld is None else ld.masked_fill(~keep[..., None], 0.0))
+    assert rel_err(padded[0], want[0]) < 1e-12 and rel_err(padded[1], want[1]) < 1e-12
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

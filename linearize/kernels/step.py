@@ -184,6 +184,34 @@ def _linear_step_torch(q, k, v, S, z, normalize, eps, out, log_decay=None):
     return out
 
 
+def fold_tokens(
+    S: torch.Tensor,  # [B, Hk, K, V] state of a prefix of the stream
+    z: torch.Tensor,  # [B, Hk, K]
+    fk: torch.Tensor,  # [B, n, Hk, K] key features of the next n tokens
+    v: torch.Tensor,  # [B, n, Hk, V]
+    log_decay: Optional[torch.Tensor] = None,  # [B, n, Hk], <= 0
+    key_mask: Optional[torch.Tensor] = None,  # [B, n] bool, False = a padding token
+) -> State:
+    """The state after ``n`` more tokens, as new tensors in ``S``'s dtype: ``S <- e^{ld_t} S + fk_t v_t^T`` (and
+    ``z``) for each token in order, in closed form (one product per token's suffix decay). Padding tokens add
+    nothing and do not decay. Used to rebuild a state from a snapshot when a cache takes tokens back."""
+    dt = S.dtype
+    if key_mask is not None:
+        fk, v = drop_keys(key_mask, fk, v)
+        if log_decay is not None:
+            log_decay = drop_decay(key_mask, log_decay)
+    fk, v = fk.to(dt), v.to(dt)
+    if log_decay is None:
+        return S + torch.einsum("bnhk,bnhv->bhkv", fk, v), z + fk.sum(1)
+    ld = log_decay.to(dt)
+    after = ld.flip(1).cumsum(1).flip(1) - ld  # [B, n, Hk]: the decay of each token by the ones after it
+    w = after.exp()
+    total = ld.sum(1).exp()  # [B, Hk]
+    S = total[..., None, None] * S + torch.einsum("bnh,bnhk,bnhv->bhkv", w, fk, v)
+    z = total[..., None] * z + torch.einsum("bnh,bnhk->bhk", w, fk)
+    return S, z
+
+
 def check_linear_state(name: str, state: State) -> State:
     """``(S, z)``, which a step updates in place: both must be contiguous."""
     S, z = state

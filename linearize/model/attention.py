@@ -399,10 +399,7 @@ class LinearAttention(nn.Module):
         elif self.sinks:  # which tokens are sinks: their key features are zeroed (no linear sum holds them)
             fk, sinks = self.take_sinks(k, fk, v, layer_cache, real, decode)
         if recording:
-            if log_decay is not None:
-                raise RuntimeError("taking tokens back (assisted or prompt-lookup decoding) is not supported by gated "
-                                   "linear layers (attention.decay: learned); generate without it")
-            layer_cache.record(k, fk, v, real, self.window)
+            layer_cache.record(k, fk, v, real, self.window, log_decay)
         if self.window == 0:
             if decode:
                 if fused:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
-from ..kernels import window_state_from_prefill
+from ..kernels import fold_tokens, window_state_from_prefill
 from ..kernels.sinks import Sinks
 from .layout import FULL, GATED_DELTA
 
@@ -56,7 +56,10 @@ class LinearStateLayer(CacheLayerMixin):
         self.seen = 0
         self.record_past = False  # keep the recent tokens so that crop() can take them back
         self.keep = CROP_TOKENS  # how many of them (besides the window)
-        self.history: tuple[torch.Tensor, ...] | None = None  # (k, fk, v [B, n, Hk, *], keep [B, n]) of the last n
+        # (k, fk, v [B, n, Hk, *], keep [B, n], log decay [B, n, Hk] fp32) of the last n tokens, and
+        # (position a, S, z): the linear state of the first a tokens, from which crop() replays the rest
+        self.history: tuple[torch.Tensor, ...] | None = None
+        self.snapshot: tuple[int, torch.Tensor, torch.Tensor] | None = None
         self.sinks: Sinks | None = None  # a window layer's attention sinks (attention.sinks > 0)
         self.sinks_full = False  # whether every row has all its sinks (decode steps then add none)
 
@@ -89,6 +92,8 @@ class LinearStateLayer(CacheLayerMixin):
         self.state = None
         self.seen = 0
         self.history = None
+        self.snapshot = None
+        self.gated = False
         self.sinks = None
         self.sinks_full = False
         self.is_initialized = False
@@ -100,6 +105,9 @@ class LinearStateLayer(CacheLayerMixin):
             )) if hasattr(self.state, "_fields") else tuple(t.index_select(0, beam_idx.to(t.device)) for t in self.state)
         if self.history is not None:
             self.history = tuple(t.index_select(0, beam_idx.to(t.device)) for t in self.history)
+        if self.snapshot is not None:
+            a, S, z = self.snapshot
+            self.snapshot = (a, S.index_select(0, beam_idx.to(S.device)), z.index_select(0, beam_idx.to(z.device)))
         if self.sinks is not None:
             self.sinks = Sinks(*(t.index_select(0, beam_idx.to(t.device)) for t in self.sinks))
 
@@ -119,46 +127,84 @@ class LinearStateLayer(CacheLayerMixin):
     def is_croppable(self) -> bool:
         return self.record_past
 
-    def record(self, k: torch.Tensor, fk: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None, window: int):
-        """Append a forward's tokens (``k [B, T, Hk, D]``, ``fk``, ``v`` alike, ``keep [B, T]`` or None) to the
-        history, which holds the last ``window + self.keep``."""
+    def record(self, k: torch.Tensor, fk: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None, window: int,
+               log_decay: torch.Tensor | None = None) -> None:
+        """Before a forward updates the state: append its tokens (``k [B, T, Hk, D]``, ``fk`` (sinks zeroed), ``v``,
+        ``keep [B, T]`` or None, ``log_decay [B, T, Hk]`` or None) to the history, which holds the last
+        ``window + self.keep``, and move the snapshot to the state of the tokens that no crop can take back: the
+        first ``prefix(seen - self.keep)``, where ``prefix(p)`` is how many tokens the state ``S`` holds at stream
+        position ``p`` (``p`` itself, or ``p - window`` for a window layer)."""
+        B, T, Hk = k.shape[:3]
+        W = int(window)
+        ld_dtype = torch.float64 if k.dtype == torch.float64 else torch.float32
+        ld = (log_decay.detach().to(ld_dtype) if log_decay is not None
+              else torch.zeros(B, T, Hk, dtype=ld_dtype, device=k.device))
         new = [k.detach(), fk.detach(), v.detach(),
-               keep if keep is not None else torch.ones(k.shape[:2], dtype=torch.bool, device=k.device)]
-        if self.history is not None:
+               keep if keep is not None else torch.ones(B, T, dtype=torch.bool, device=k.device), ld]
+        before = self.seen
+        if self.history is not None:  # tokens [first, before + T) in order
+            first = before - self.history[3].shape[1]
             new = [torch.cat([h, x], dim=1) for h, x in zip(self.history, new)]
-        cap = int(window) + self.keep  # copies: a view would keep a long prompt's whole k, fk, v alive
+        elif hasattr(self.state, "_fields"):  # recording began after a forward: the window ring has its tokens
+            n = min(before, W)
+            order = torch.arange(before - n, before, device=k.device) % W
+            st = self.state
+            ring = [st.k_ring[:, :, order].transpose(1, 2), st.fk_ring[:, :, order].transpose(1, 2),
+                    st.v_ring[:, :, order].transpose(1, 2), st.keep[:, order],
+                    (st.ld_ring[:, :, order].transpose(1, 2) if st.gated
+                     else torch.zeros(B, n, Hk, dtype=ld_dtype, device=k.device))]
+            first = before - n
+            new = [torch.cat([r.to(x.dtype), x], dim=1) for r, x in zip(ring, new)]
+        else:
+            first = before
+        self.gated = self.gated or log_decay is not None
+        prefix = lambda p: max(p - W, 0)  # noqa: E731
+        target = prefix(before + T - self.keep)
+        if self.state is not None:  # the state before this forward holds the first prefix(before) tokens
+            S, z = (self.state.S, self.state.z) if hasattr(self.state, "_fields") else self.state
+        else:
+            dt = torch.float64 if k.dtype == torch.float64 else torch.float32
+            S = torch.zeros(B, Hk, fk.shape[-1], v.shape[-1], dtype=dt, device=k.device)
+            z = torch.zeros(B, Hk, fk.shape[-1], dtype=dt, device=k.device)
+        base = (prefix(before), S, z)
+        if base[0] > target and self.snapshot is not None and first <= self.snapshot[0] <= target:
+            base = self.snapshot  # a short forward: move the last snapshot on instead
+        a, S, z = base
+        target = max(target, a)  # recording began after a longer forward: crops reach back to its end only
+        self.snapshot = (target, *self.fold(S, z, new, a - first, target - first))
+        cap = W + self.keep  # copies: a view would keep a long prompt's whole k, fk, v alive
         self.history = tuple(x[:, -cap:].clone() for x in new)
 
+    def fold(self, S, z, tokens, lo: int, hi: int):
+        """``(S, z)`` moved on by ``tokens[lo:hi]`` (history-layout tuple), as new tensors."""
+        _, fk, v, keep, ld = (x[:, lo:hi] for x in tokens)
+        return fold_tokens(S, z, fk, v, ld if self.gated else None, keep)
+
+    gated = False  # whether recorded tokens carried log decays
+
     def crop(self, tokens_to_remove: int) -> None:
-        """Take back the last ``-tokens_to_remove`` tokens: their terms leave ``S, z`` (subtracted, so equal to
-        the state that never saw them up to fp32 rounding) and the window ring is rebuilt from the history."""
+        """Take back the last ``-tokens_to_remove`` tokens: the state is rebuilt from the snapshot and the history
+        (equal to the state that never saw them, gated or not), and so is a window layer's ring."""
         r = -int(tokens_to_remove)
         if r <= 0 or self.state is None:
             return
         windowed = hasattr(self.state, "_fields")
         W = self.state.window if windowed else 0
         held = 0 if self.history is None else self.history[3].shape[1]
-        if not self.record_past or r > self.seen or held < min(self.seen, r + W):
+        seen = self.seen - r
+        lo = max(seen - W, 0)  # the state S holds the first lo tokens after the crop
+        first = self.seen - held  # absolute position of the history's first token
+        if not self.record_past or r > self.seen or self.snapshot is None or not first <= self.snapshot[0] <= lo:
             raise RuntimeError(f"a linear-attention state can take back at most its last {self.keep} tokens, and "
                                f"only after activate_past_recording() (asked for {r}, {held} recorded)")
-        fk, v = self.history[1:3]
-        first = self.seen - held  # absolute position of the history's first token
-        seen = self.seen - r
-
-        def drop(lo: int, hi: int, S: torch.Tensor, z: torch.Tensor):  # remove positions [lo, hi) from S, z
-            if hi > lo:
-                f, vv = fk[:, lo - first:hi - first].to(S.dtype), v[:, lo - first:hi - first].to(S.dtype)
-                S = S - torch.einsum("bthk,bthv->bhkv", f, vv)
-                z = z - f.sum(1)
-            return S, z
-
+        a, S, z = self.snapshot
+        S, z = self.fold(S, z, self.history, a - first, lo - first)
         if not windowed:
-            self.state = drop(seen, self.seen, *self.state)
-        else:  # S holds the tokens older than the window: positions < seen - W after the crop
-            S, z = drop(max(seen - W, 0), max(self.seen - W, 0), self.state.S, self.state.z)
-            lo = max(seen - W, 0)
-            ring = [x[:, lo - first:seen - first] for x in self.history]  # k, fk, v, keep of the new window
-            self.state = window_state_from_prefill(*ring[:3], (S, z), W, offset=lo, key_mask=ring[3])
+            self.state = (S.contiguous(), z.contiguous())
+        else:  # the new window's tokens go back into the ring
+            k, fk, v, keep, ld = (x[:, lo - first:seen - first] for x in self.history)
+            self.state = window_state_from_prefill(k, fk, v, (S, z), W, offset=lo, key_mask=keep,
+                                                   log_decay=ld if self.state.gated else None)
         self.history = tuple(x[:, : held - r] for x in self.history)
         self.seen = seen
         if self.sinks is not None:  # sinks among the tokens taken back are gone
