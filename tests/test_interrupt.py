@@ -21,15 +21,15 @@ def workspace(tmp_path_factory):
     return tiny_workspace(tmp_path_factory.mktemp("ws"), char_tokenizer(), layers=2)
 
 
-#: optimizer steps of the run: enough that, with a checkpoint every 5, the signal lands mid-run even when the
-#: machine is loaded and the test polls late (150 steps once finished before its SIGINT on a busy 2-core machine)
+#: optimizer steps of the run, each writing its resumable state: slow enough that the signal lands mid-run even when
+#: the machine is loaded and the test polls late (a state every 5 steps once let the run finish first)
 STEPS = 600
 
 
 def _args(ws, out, *extra):
     return [sys.executable, "-m", "linearize.cli", "convert", str(ws / "tiny"), "--ratio", "1:0",
             "--set", "attention.window=8", "--set", f"distill.data={ws / 'corpus.txt'}", "--set", "distill.seq_len=32",
-            "--set", "distill.batch_size=2", "--set", "distill.eval_seqs=2", "--set", "distill.checkpoint_every=5",
+            "--set", "distill.batch_size=2", "--set", "distill.eval_seqs=2", "--set", "distill.checkpoint_every=1",
             "--tokens", str(32 * 2 * STEPS), "--no-finetune", "-o", str(out), *extra]
 
 
