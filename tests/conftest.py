@@ -141,19 +141,24 @@ def tiny_workspace(root: Path, tokenizer, layers: int) -> Path:
 
 @contextlib.contextmanager
 def recorded_crops():
-    """While active, yield a list that records how many tokens each take-back of a linear layer's state removes
-    (``LinearStateLayer.crop``, what assisted and prompt-lookup decoding call for rejected drafts)."""
-    from linearize.model.cache import LinearStateLayer
+    """While active, yield a list that records how many tokens each take-back of a recurrent layer's state removes
+    (``LinearStateLayer.crop`` and ``DeltaStateLayer.crop``, what assisted and prompt-lookup decoding call for
+    rejected drafts)."""
+    from linearize.model.cache import DeltaStateLayer, LinearStateLayer
 
     taken_back: list[int] = []
-    crop = LinearStateLayer.crop
+    real = {cls: cls.crop for cls in (LinearStateLayer, DeltaStateLayer)}
 
-    def spy(self, tokens_to_remove):
-        taken_back.append(-tokens_to_remove)
-        return crop(self, tokens_to_remove)
+    def spy(crop):
+        def recorded(self, tokens_to_remove):
+            taken_back.append(-tokens_to_remove)
+            return crop(self, tokens_to_remove)
+        return recorded
 
-    LinearStateLayer.crop = spy
+    for cls, crop in real.items():
+        cls.crop = spy(crop)
     try:
         yield taken_back
     finally:
-        LinearStateLayer.crop = crop
+        for cls, crop in real.items():
+            cls.crop = crop

@@ -213,14 +213,27 @@ def test_left_padded_batch_generates_what_each_prompt_generates_alone():
                 assert torch.equal(batched[i], a), (beams, i)
 
 
-def test_taking_tokens_back_is_refused_in_one_line():
-    hybrid = gdn_hybrid()
-    cache = hybrid(torch.randint(0, 128, (1, 8)), use_cache=True).past_key_values
-    with pytest.raises(RuntimeError, match="cannot take tokens back"):
-        cache.layers[0].crop(-2)
-    cache.activate_past_recording()
-    with pytest.raises(RuntimeError, match="not supported by gated delta layers"):
-        hybrid(torch.randint(0, 128, (1, 3)), past_key_values=cache, use_cache=True)
+def test_taking_tokens_back_replays_from_a_snapshot():
+    """A gated delta state takes tokens back only while recording (as generate() asks for speculative decoding);
+    then a crop over single steps and part of the prompt continues as a cache that never saw those tokens (a
+    lolcats layer, two gated delta layers, a softmax layer)."""
+    hybrid = mixed_hybrid()
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        cache = hybrid(ids[:, :8], use_cache=True).past_key_values
+        with pytest.raises(RuntimeError, match="activate_past_recording"):
+            cache.layers[0].crop(-2)
+        cache = hybrid.new_cache()
+        cache.activate_past_recording()
+        hybrid(ids[:, :30], cache=cache, use_cache=True)
+        for t in range(30, 34):
+            hybrid(ids[:, t:t + 1], cache=cache, use_cache=True)
+        cache.crop(-9)  # the 4 steps and 5 prompt tokens
+        ref = hybrid.new_cache()
+        hybrid(ids[:, :25], cache=ref, use_cache=True)
+        pos = torch.arange(25, 31)[None]
+        _close(hybrid(ids[:, 34:], cache=cache, position_ids=pos, use_cache=True).logits,
+               hybrid(ids[:, 34:], cache=ref, position_ids=pos, use_cache=True).logits, tol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
-from ..kernels import fold_tokens, window_state_from_prefill
+from ..kernels import fold_tokens, gated_delta_rule, window_state_from_prefill
 from ..kernels.sinks import Sinks
 from .layout import FULL, GATED_DELTA
 
@@ -158,22 +158,30 @@ class LinearStateLayer(CacheLayerMixin):
         else:
             first = before
         self.gated = self.gated or log_decay is not None
-        prefix = lambda p: max(p - W, 0)  # noqa: E731
-        target = prefix(before + T - self.keep)
         if self.state is not None:  # the state before this forward holds the first prefix(before) tokens
-            S, z = (self.state.S, self.state.z) if hasattr(self.state, "_fields") else self.state
+            pre = (self.state.S, self.state.z) if hasattr(self.state, "_fields") else tuple(self.state)
         else:
             dt = torch.float64 if k.dtype == torch.float64 else torch.float32
-            S = torch.zeros(B, Hk, fk.shape[-1], v.shape[-1], dtype=dt, device=k.device)
-            z = torch.zeros(B, Hk, fk.shape[-1], dtype=dt, device=k.device)
-        base = (prefix(before), S, z)
+            pre = (torch.zeros(B, Hk, fk.shape[-1], v.shape[-1], dtype=dt, device=k.device),
+                   torch.zeros(B, Hk, fk.shape[-1], dtype=dt, device=k.device))
+        self.remember(new, first, T, W, pre)
+
+    def remember(self, tokens: list, first: int, T: int, W: int, pre: tuple) -> None:
+        """Move the snapshot on and keep the history, for a forward of ``T`` tokens about to update the state:
+        ``tokens`` (history layout) hold stream positions ``[first, seen + T)``, ``pre`` the state before the
+        forward, which holds the first ``prefix(seen)`` tokens (``prefix(p) = max(p - W, 0)``). The snapshot moves
+        to ``prefix(seen + T - keep)``, from ``pre`` or, after a short forward, from the last snapshot."""
+        prefix = lambda p: max(p - W, 0)  # noqa: E731
+        before = self.seen
+        target = prefix(before + T - self.keep)
+        base = (prefix(before), *pre)
         if base[0] > target and self.snapshot is not None and first <= self.snapshot[0] <= target:
             base = self.snapshot  # a short forward: move the last snapshot on instead
-        a, S, z = base
+        a, *state = base
         target = max(target, a)  # recording began after a longer forward: crops reach back to its end only
-        self.snapshot = (target, *self.fold(S, z, new, a - first, target - first))
+        self.snapshot = (target, *self.fold(*state, tokens, a - first, target - first))
         cap = W + self.keep  # copies: a view would keep a long prompt's whole k, fk, v alive
-        self.history = tuple(x[:, -cap:].clone() for x in new)
+        self.history = tuple(x[:, -cap:].clone() for x in tokens)
 
     def fold(self, S, z, tokens, lo: int, hi: int):
         """``(S, z)`` moved on by ``tokens[lo:hi]`` (history-layout tuple), as new tensors."""
@@ -190,26 +198,35 @@ class LinearStateLayer(CacheLayerMixin):
             return
         windowed = hasattr(self.state, "_fields")
         W = self.state.window if windowed else 0
-        held = 0 if self.history is None else self.history[3].shape[1]
         seen = self.seen - r
         lo = max(seen - W, 0)  # the state S holds the first lo tokens after the crop
-        first = self.seen - held  # absolute position of the history's first token
-        if not self.record_past or r > self.seen or self.snapshot is None or not first <= self.snapshot[0] <= lo:
-            raise RuntimeError(f"a linear-attention state can take back at most its last {self.keep} tokens, and "
-                               f"only after activate_past_recording() (asked for {r}, {held} recorded)")
-        a, S, z = self.snapshot
-        S, z = self.fold(S, z, self.history, a - first, lo - first)
+        first, (S, z) = self.replay(r, lo)
         if not windowed:
             self.state = (S.contiguous(), z.contiguous())
         else:  # the new window's tokens go back into the ring
             k, fk, v, keep, ld = (x[:, lo - first:seen - first] for x in self.history)
             self.state = window_state_from_prefill(k, fk, v, (S, z), W, offset=lo, key_mask=keep,
                                                    log_decay=ld if self.state.gated else None)
-        self.history = tuple(x[:, : held - r] for x in self.history)
-        self.seen = seen
+        self.forget(r)
         if self.sinks is not None:  # sinks among the tokens taken back are gone
             self.sinks = self.sinks._replace(valid=self.sinks.valid & (self.sinks.pos < seen))
             self.sinks_full = bool(self.sinks.valid.all())
+
+    def replay(self, r: int, lo: int) -> tuple[int, tuple]:
+        """For a crop of ``r`` tokens: ``(first, state)``, the history's first stream position and the state of the
+        first ``lo`` tokens, replayed from the snapshot (refused when the snapshot or history does not reach)."""
+        held = 0 if self.history is None else self.history[0].shape[1]
+        first = self.seen - held
+        if not self.record_past or r > self.seen or self.snapshot is None or not first <= self.snapshot[0] <= lo:
+            raise RuntimeError(f"a recurrent state can take back at most its last {self.keep} tokens, and only "
+                               f"after activate_past_recording() (asked for {r}, {held} recorded)")
+        a, *state = self.snapshot
+        return first, self.fold(*state, self.history, a - first, lo - first)
+
+    def forget(self, r: int) -> None:
+        """Drop the last ``r`` tokens from the history and the count."""
+        self.history = tuple(x[:, : x.shape[1] - r] for x in self.history)
+        self.seen -= r
 
     def offload(self):  # states are small; nothing to offload
         pass
@@ -228,8 +245,8 @@ class LinearStateLayer(CacheLayerMixin):
 
 class DeltaStateLayer(LinearStateLayer):
     """Cache of one gated delta layer: its state ``S`` ``[B, Hk, K, V]`` fp32 (a decode step updates it in place)
-    and a token counter. The delta rule's state cannot give tokens back (each write rescales what came before it),
-    so :meth:`crop` is refused."""
+    and a token counter. Each write rescales what came before it, so taking tokens back replays the kept tokens
+    from a snapshot (as for the other linear layers; there is no window)."""
 
     def set_state(self, state: torch.Tensor, new_tokens: int) -> None:
         """Record the layer's state after processing ``new_tokens`` more tokens."""
@@ -241,11 +258,46 @@ class DeltaStateLayer(LinearStateLayer):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.state is not None:
             self.state = self.state.index_select(0, beam_idx.to(self.state.device))
+        if self.history is not None:
+            self.history = tuple(t.index_select(0, beam_idx.to(t.device)) for t in self.history)
+        if self.snapshot is not None:
+            a, S = self.snapshot
+            self.snapshot = (a, S.index_select(0, beam_idx.to(S.device)))
+
+    def record(self, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
+               log_decay: torch.Tensor | None = None) -> None:
+        """Before a forward updates the state: keep its kernel inputs (``k`` L2-normalised ``[B, T, Hk, K]``,
+        ``v``, ``beta [B, T, Hk]``, ``log_decay`` or None; padding already has ``beta = 0`` and no decay) and move
+        the snapshot on (:meth:`LinearStateLayer.remember`, no window)."""
+        B, T, Hk = k.shape[:3]
+        ld = log_decay.detach() if log_decay is not None else torch.zeros_like(beta)
+        new = [k.detach(), v.detach(), beta.detach(), ld]
+        first = self.seen
+        if self.history is not None:
+            first -= self.history[0].shape[1]
+            new = [torch.cat([h, x], dim=1) for h, x in zip(self.history, new)]
+        self.gated = self.gated or log_decay is not None
+        pre = (self.state if self.state is not None
+               else torch.zeros(B, Hk, k.shape[-1], v.shape[-1], dtype=torch.float32, device=k.device),)
+        self.remember(new, first, T, 0, pre)
+
+    def fold(self, S, tokens, lo: int, hi: int):
+        """``(S,)`` moved on by ``tokens[lo:hi]`` (the delta rule's kernel from ``S``), as a new tensor."""
+        if hi <= lo:
+            return (S.clone(),)
+        k, v, beta, ld = (x[:, lo:hi] for x in tokens)
+        _, final = gated_delta_rule(k, k, v, beta, ld if self.gated else None, scale=1.0, initial_state=S,
+                                    output_final_state=True)
+        return (final,)
 
     def crop(self, tokens_to_remove: int) -> None:
-        if -int(tokens_to_remove) > 0 and self.state is not None:
-            raise RuntimeError("a gated delta layer's state cannot take tokens back (assisted or prompt-lookup "
-                               "decoding); generate without it")
+        """Take back the last ``-tokens_to_remove`` tokens (replayed from the snapshot)."""
+        r = -int(tokens_to_remove)
+        if r <= 0 or self.state is None:
+            return
+        _, (S,) = self.replay(r, self.seen - r)
+        self.state = S.contiguous()
+        self.forget(r)
 
     @property
     def nbytes(self) -> int:

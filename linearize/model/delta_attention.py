@@ -187,10 +187,9 @@ class GatedDeltaAttention(nn.Module):
         ``layer_cache`` (a :class:`~linearize.model.cache.DeltaStateLayer`) if given: one token with a state is a
         decode step (the state updated in place), anything else the chunked kernel from the state it holds."""
         B, T = q.shape[:2]
-        if layer_cache is not None and layer_cache.record_past:
-            raise RuntimeError("taking tokens back (assisted or prompt-lookup decoding) is not supported by gated "
-                               "delta layers; generate without it")
         qn, kn, beta, log_decay = self.delta_inputs(x, q, k, real)
+        if layer_cache is not None and layer_cache.record_past:  # crop() may take these tokens back
+            layer_cache.record(kn, v, beta, log_decay)
         state = layer_cache.state if layer_cache is not None else None
         if state is not None and T == 1:
             o = gated_delta_rule_step(qn[:, 0], kn[:, 0], v[:, 0], beta[:, 0],
