@@ -56,10 +56,12 @@ class LinearStateLayer(CacheLayerMixin):
         self.seen = 0
         self.record_past = False  # keep the recent tokens so that crop() can take them back
         self.keep = CROP_TOKENS  # how many of them (besides the window)
-        # (k, fk, v [B, n, Hk, *], keep [B, n], log decay [B, n, Hk] fp32) of the last n tokens, and
-        # (position a, S, z): the linear state of the first a tokens, from which crop() replays the rest
+        # while recording: (k, fk, v [B, n, Hk, *], keep [B, n], log decay [B, n, Hk]) of the last n tokens (a
+        # delta layer: its kernel inputs), and (position a, *state): the state of the first a tokens, from which
+        # crop() replays the rest
         self.history: tuple[torch.Tensor, ...] | None = None
-        self.snapshot: tuple[int, torch.Tensor, torch.Tensor] | None = None
+        self.snapshot: tuple[int, torch.Tensor, ...] | None = None
+        self.gated = False  # whether recorded tokens carried log decays
         self.sinks: Sinks | None = None  # a window layer's attention sinks (attention.sinks > 0)
         self.sinks_full = False  # whether every row has all its sinks (decode steps then add none)
 
@@ -103,15 +105,21 @@ class LinearStateLayer(CacheLayerMixin):
             self.state = type(self.state)(*(
                 t if t.dim() == 1 else t.index_select(0, beam_idx.to(t.device)) for t in self.state
             )) if hasattr(self.state, "_fields") else tuple(t.index_select(0, beam_idx.to(t.device)) for t in self.state)
-        if self.history is not None:
-            self.history = tuple(t.index_select(0, beam_idx.to(t.device)) for t in self.history)
-        if self.snapshot is not None:
-            a, S, z = self.snapshot
-            self.snapshot = (a, S.index_select(0, beam_idx.to(S.device)), z.index_select(0, beam_idx.to(z.device)))
+        self.reorder_recording(beam_idx)
         if self.sinks is not None:
             self.sinks = Sinks(*(t.index_select(0, beam_idx.to(t.device)) for t in self.sinks))
 
     # -- taking tokens back (assisted / speculative decoding) ------------------------------------
+    def reorder_recording(self, beam_idx: torch.LongTensor) -> None:
+        """The history and the snapshot follow a beam reordering."""
+        def pick(t):
+            return t.index_select(0, beam_idx.to(t.device))
+        if self.history is not None:
+            self.history = tuple(map(pick, self.history))
+        if self.snapshot is not None:
+            a, *state = self.snapshot
+            self.snapshot = (a, *map(pick, state))
+
     def activate_past_recording(self, recurrent_states_to_keep: int | None = None) -> None:
         """Keep the last ``window + max(CROP_TOKENS, recurrent_states_to_keep)`` tokens' keys, key features and values
         from now on (transformers 5.25 passes the longest draft it may take back; older releases pass nothing)."""
@@ -188,8 +196,6 @@ class LinearStateLayer(CacheLayerMixin):
         _, fk, v, keep, ld = (x[:, lo:hi] for x in tokens)
         return fold_tokens(S, z, fk, v, ld if self.gated else None, keep)
 
-    gated = False  # whether recorded tokens carried log decays
-
     def crop(self, tokens_to_remove: int) -> None:
         """Take back the last ``-tokens_to_remove`` tokens: the state is rebuilt from the snapshot and the history
         (equal to the state that never saw them, gated or not), and so is a window layer's ring."""
@@ -258,11 +264,7 @@ class DeltaStateLayer(LinearStateLayer):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.state is not None:
             self.state = self.state.index_select(0, beam_idx.to(self.state.device))
-        if self.history is not None:
-            self.history = tuple(t.index_select(0, beam_idx.to(t.device)) for t in self.history)
-        if self.snapshot is not None:
-            a, S = self.snapshot
-            self.snapshot = (a, S.index_select(0, beam_idx.to(S.device)))
+        self.reorder_recording(beam_idx)
 
     def record(self, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
                log_decay: torch.Tensor | None = None) -> None:
