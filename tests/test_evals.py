@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import re
@@ -429,6 +430,45 @@ def test_run_eval_side_by_side(tmp_path, tiny, tok):
     con = Console(record=True, width=120)
     con.print(report.summary_table(on_disk))
     assert "niah" in con.export_text()
+
+
+def test_against_an_earlier_report_takes_its_original(tmp_path, tiny, tiny2, tok):
+    """``against=REPORT``: the original's rows, summaries and table come from an earlier report of the same grid
+    (its ``against`` role, or its ``model`` role when it evaluated the original alone), no original is loaded, and
+    the result equals a run against the model itself; another grid, dtype, a task it lacks or a speed task is one
+    line and leaves nothing behind."""
+    grid = EvalOptions(lengths="256,512", depths=2, seeds=1, max_new_tokens=6)
+    loader = _loader({"tiny": (tiny, tok), "orig": (tiny2, tok)})
+    direct = run_eval("tiny", "passkey,ppl:512", ReportOptions(tmp_path / "direct", progress=False), against="orig",
+                      options=grid, load=LoadOptions(loader=loader))
+    alone = tmp_path / "orig-alone"
+    run_eval("orig", "passkey,ppl:512", ReportOptions(alone, progress=False), options=grid,
+             load=LoadOptions(loader=loader))
+    for earlier in (alone, tmp_path / "direct"):  # the original alone, or the against side of a comparison
+        loader.calls.clear()
+        got = run_eval("tiny", "passkey,ppl:512", ReportOptions(tmp_path / f"re-{earlier.name}", progress=False),
+                       against=str(earlier), options=grid, load=LoadOptions(loader=loader))
+        assert [c[0] for c in loader.calls] == ["tiny"]
+        assert got["against"]["model"] == "orig" and got["against"]["from_report"] == str(earlier)
+        assert got["prompts_identical"] is True
+        assert got["against"]["tasks"]["passkey"]["score"] == direct["against"]["tasks"]["passkey"]["score"]
+        assert got["difference"] == direct["difference"]
+        rows = [json.loads(x) for x in (tmp_path / f"re-{earlier.name}" / "results.jsonl").read_text().splitlines()]
+        assert {r["task"] for r in rows if r["model"] == "against"} == {"passkey", "ppl"}
+        assert "from the earlier report" in (tmp_path / f"re-{earlier.name}" / "report.md").read_text()
+    before = sorted(p.name for p in tmp_path.iterdir())
+    refusals = [("passkey", EvalOptions(lengths="256", depths=2, seeds=1, max_new_tokens=6), {}, "lengths"),
+                ("passkey,copy", grid, {}, "no 'copy'"),
+                ("passkey,speed:4", grid, {}, "cannot stand for the original in 'speed:4'"),
+                ("passkey", grid, {"dtype": "float64"}, "ran in float32")]
+    for tasks, options, load, needle in refusals:
+        def typed(spec, *, dtype=None, device=None):
+            model, t = loader(spec, dtype=dtype, device=device)
+            return (copy.deepcopy(model).double() if dtype == "float64" else model), t
+        with pytest.raises(EvalError, match=needle):
+            run_eval("tiny", tasks, ReportOptions(tmp_path / "refused", progress=False), against=str(alone),
+                     options=options, load=LoadOptions(loader=typed, **load))
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
 def test_run_eval_refusals(tmp_path, tiny, tok):

@@ -17,7 +17,7 @@ from .options import DEVICE, DTYPE, MAX_MEMORY_HELP, OFFLOAD_DIR_HELP
 def eval_cmd(
     spec: str = typer.Argument(..., help="Model spec or hybrid checkpoint directory to evaluate."),
     task: str = typer.Option(..., "--task", help="niah,passkey,copy,ppl,recall,agreement,speed,swapback,lm-eval:TASKS (comma-separated)."),
-    against: Optional[str] = typer.Option(None, "--against", help="The original model, evaluated on identical prompts."),
+    against: Optional[str] = typer.Option(None, "--against", help="The original model, evaluated on identical prompts; or an earlier eval report (its original's results, taken when it ran the same grid)."),
     out: Optional[Path] = typer.Option(None, "-o", "--output", help="Report directory (default: a new eval-MODEL-TASKS-DATE-TIME per run)."),
     lengths: str = typer.Option("1K,2K,4K", "--lengths", help="Context lengths in the model's tokens, e.g. 1K,2K,4K,8K."),
     depths: str = typer.Option("5", "--depths", help="Needle depths: a count (11 = 0%,10%,...,100%) or fractions 0,0.5,1."),

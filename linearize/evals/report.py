@@ -258,7 +258,9 @@ def render_markdown(summary: dict, images: dict[str, dict[str, str]]) -> str:
     has_a = ag is not None
     L: list[str] = [f"# linearize eval: `{summary['model']}`", ""]
     if has_a:
-        L.append(f"Compared against the original `{ag['model']}`. Difference = model − original.")
+        L.append(f"Compared against the original `{ag['model']}`"
+                 + (f" (its results from the earlier report `{ag['from_report']}`)" if ag.get("from_report") else "")
+                 + ". Difference = model − original.")
         L.append("")
     meta = [
         ("created", summary.get("created", "")),

@@ -27,6 +27,7 @@ from . import agreement, copyspan, lm_eval, niah, passkey, ppl, recall, speed, s
 from .common import (EvalConfig, EvalError, ModelHandle, Progress, parse_batch_sizes, parse_depths, parse_lengths,
                      parse_seeds)
 from .corpus import check_data
+from .earlier import is_report, load_earlier
 from .report import summary_table, task_difference, write_report
 
 TASKS: dict[str, ModuleType] = {
@@ -281,7 +282,9 @@ def run_eval(spec: str, tasks: str | Sequence[str], report: ReportOptions, *, ag
     ``spec`` is the model to evaluate: an alias (``smollm2-135m``), checkpoint dir, .gguf or hub id; ``tasks``
     ``"niah,passkey,copy,ppl,recall,agreement,speed,lm-eval:TASKS"`` (string or list), task arguments after
     ``:``, e.g. ``niah:single-filler+multikey``, ``recall:8+16+32``; ``against`` the original model to compare
-    with, evaluated first on the same prompts. ``report``, ``options`` and ``load``: see their classes.
+    with, evaluated first on the same prompts, or an earlier eval report whose original (or model) results are
+    taken when its grid is this run's (:mod:`linearize.evals.earlier`). ``report``, ``options`` and ``load``: see
+    their classes.
     """
     t_start = time.time()
     specs = parse_tasks(tasks)
@@ -295,6 +298,8 @@ def run_eval(spec: str, tasks: str | Sequence[str], report: ReportOptions, *, ag
     if against is None and any(s.name == "agreement" for s in specs):
         raise EvalError("task 'agreement' needs against= (--against SPEC): the original generates the text it is scored on")
     check_data(cfg.data)  # a bad --data spec or a missing corpus: one line, before any model loads
+    # --against an earlier eval report: the original's rows come from it (same grid), no original is loaded
+    earlier = load_earlier(against, [s.label for s in specs], cfg) if is_report(against) else None
     out_dir, overwrite = Path(report.out_dir), report.overwrite
 
     # a model checkpoint, a folder inside one, another command's output, a read-only or file parent: one line here,
@@ -311,13 +316,21 @@ def run_eval(spec: str, tasks: str | Sequence[str], report: ReportOptions, *, ag
     if console is None and report.progress:
         console = make_console(stderr=True)
     ui = _RichProgress(console) if report.progress else _Quiet()
-    roles = ([("against", against)] if against else []) + [("model", spec)]
+    roles = ([("against", against)] if against and not earlier else []) + [("model", spec)]
     results: dict[str, dict] = {}
     rows_by_role: dict[str, list[dict]] = {}
     shared: dict = {}
     meta: dict = {"chat_template": {}, "device": None, "dtype": None}
     with atomic_write(out_dir, directory=True) as tmp:  # renamed to out_dir at the end; removed on any error
         with ui, open(tmp / "results.jsonl", "w", encoding="utf-8") as fout:
+            if earlier:
+                for r in earlier.rows:
+                    fout.write(json.dumps({"model": "against", "spec": earlier.spec, **r}, ensure_ascii=False) + "\n")
+                rows_by_role["against"] = earlier.rows
+                results["against"] = {"model": earlier.spec, "chat_template": earlier.chat_template,
+                                      "tasks": earlier.tasks, "from_report": str(earlier.path)}
+                meta["chat_template"]["against"] = earlier.chat_template
+                ui.note(f"original: {earlier.spec}, from the report {earlier.path}")
             for role, s in roles:
                 model, tokenizer = loader(s, dtype=load.dtype, device=load.device, **placement)
                 model.eval()
@@ -329,6 +342,9 @@ def run_eval(spec: str, tasks: str | Sequence[str], report: ReportOptions, *, ag
                 if placement:
                     ui.note(f"{ROLE_NAME[role]} ({s}): {meta['device']}")
                 meta["dtype"] = str(next(model.parameters()).dtype).replace("torch.", "")
+                if earlier and earlier.dtype and earlier.dtype != meta["dtype"]:
+                    raise EvalError(f"--against {earlier.path}: that report ran in {earlier.dtype}, this model loads "
+                                    f"in {meta['dtype']}: pass --dtype {earlier.dtype} or evaluate the original again")
                 per_task: dict[str, dict] = {}
                 rows_by_role[role] = []
                 for ts in specs:
@@ -374,6 +390,9 @@ def run_eval(spec: str, tasks: str | Sequence[str], report: ReportOptions, *, ag
             "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "versions": _versions(),
         }
+        if earlier and summary["prompts_identical"] is False:
+            raise EvalError(f"--against {earlier.path}: that report's prompts differ from this run's (another "
+                            f"tokenizer or chat template): evaluate the original again")
         summary["elapsed_s"] = round(time.time() - t_start, 1)
         write_report(tmp, summary)
         (tmp / "summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
