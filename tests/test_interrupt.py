@@ -33,6 +33,12 @@ def _args(ws, out, *extra):
             "--tokens", str(32 * 2 * STEPS), "--no-finetune", "-o", str(out), *extra]
 
 
+def _interruptible():
+    """In the child before it starts: Ctrl-C back to its default. A shell without job control starts background
+    commands with SIGINT ignored, and the child would inherit that (and rightly keep ignoring it)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _env(ws):
     return {**os.environ, "LINEARIZE_CACHE": str(ws / "cache"), "OMP_NUM_THREADS": "1"}
 
@@ -54,7 +60,7 @@ def test_interrupt_then_resume_matches(workspace, uninterrupted, sig):
     out = workspace / f"run-{sig.name}"
     state = workspace / f".{out.name}.state" / "distill-state.pt"
     proc = subprocess.Popen(_args(workspace, out), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_env(workspace))
+                            env=_env(workspace), preexec_fn=_interruptible)
     deadline = time.time() + 300
     while not state.exists() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.05)
@@ -82,7 +88,7 @@ def test_resume_refuses_other_settings(workspace, uninterrupted):
     out = workspace / "mismatch"
     state = workspace / f".{out.name}.state" / "distill-state.pt"
     proc = subprocess.Popen(_args(workspace, out), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_env(workspace))
+                            env=_env(workspace), preexec_fn=_interruptible)
     while not state.exists() and proc.poll() is None:
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
