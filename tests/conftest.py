@@ -139,6 +139,17 @@ def tiny_workspace(root: Path, tokenizer, layers: int) -> Path:
     return root
 
 
+def stir_decay_gates(hybrid, seed: int):
+    """Give every decay gate of ``hybrid``'s linear layers random input weights (``0.3 N(0, 1)``, from ``seed``):
+    each token then gets its own decay, so a decay applied to the wrong token shows. Returns ``hybrid``."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in hybrid.linear_modules():
+            if m.decay is not None:
+                m.decay.weight.copy_(torch.randn(m.decay.weight.shape, generator=g) * 0.3)
+    return hybrid
+
+
 @contextlib.contextmanager
 def recorded_crops():
     """While active, yield a list that records how many tokens each take-back of a recurrent layer's state removes

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from conftest import char_tokenizer, tiny_model
+from conftest import char_tokenizer, stir_decay_gates, tiny_model
 from test_distill import corpus  # noqa: F401 - the fixture is used by name
 from linearize import recipe as R
 from linearize.model.attention import DecayGate
@@ -20,10 +20,7 @@ def gated_hybrid(window: int, ratio: str = "3:1", half_life: float = 64.0, seed:
     rec = R.load("lolcats", {"attention.window": window, "attention.decay": "learned",
                              "attention.decay_half_life": half_life})
     hybrid = linearize_model(tiny_model("llama", layers=4, seed=seed), select_layout(4, ratio=ratio), rec)
-    g = torch.Generator().manual_seed(seed + 1)
-    for m in hybrid.linear_modules():
-        m.decay.weight.data = torch.randn(m.decay.weight.shape, generator=g) * 0.3
-    return hybrid.eval()
+    return stir_decay_gates(hybrid, seed + 1).eval()
 
 
 def test_untrained_gate_forgets_with_the_recipe_half_life():

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from conftest import FAMILIES, char_tokenizer, recorded_crops, run_cli, tiny_model
+from conftest import FAMILIES, char_tokenizer, recorded_crops, run_cli, stir_decay_gates, tiny_model
 from test_distill import corpus  # noqa: F401 - the fixture is used by name
 from linearize import recipe as R
 from linearize.io.checkpoint import save_checkpoint, verify_checkpoint
@@ -26,13 +26,7 @@ CROP_CASES = {name: (name, over) for name, over in RECIPES.items()} | {
 
 def _crop_case(case: str, model, ratio: str):
     """``model`` converted per ``CROP_CASES[case]``; a gate gets input-dependent weights (each token its own decay)."""
-    hybrid = linearize_model(model, select_layout(4, ratio=ratio), R.load(*CROP_CASES[case]))
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for m in hybrid.linear_modules():
-            if m.decay is not None:
-                m.decay.weight.copy_(torch.randn(m.decay.weight.shape, generator=g) * 0.3)
-    return hybrid
+    return stir_decay_gates(linearize_model(model, select_layout(4, ratio=ratio), R.load(*CROP_CASES[case])), 7)
 
 
 def _cache(out):

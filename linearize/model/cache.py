@@ -144,45 +144,40 @@ class LinearStateLayer(CacheLayerMixin):
         position ``p`` (``p`` itself, or ``p - window`` for a window layer)."""
         B, T, Hk = k.shape[:3]
         W = int(window)
-        ld_dtype = torch.float64 if k.dtype == torch.float64 else torch.float32
-        ld = (log_decay.detach().to(ld_dtype) if log_decay is not None
-              else torch.zeros(B, T, Hk, dtype=ld_dtype, device=k.device))
+        dt = torch.float64 if k.dtype == torch.float64 else torch.float32  # the state's dtype, and the decays'
+        ld = log_decay.detach().to(dt) if log_decay is not None else torch.zeros(B, T, Hk, dtype=dt, device=k.device)
         new = [k.detach(), fk.detach(), v.detach(),
                keep if keep is not None else torch.ones(B, T, dtype=torch.bool, device=k.device), ld]
-        before = self.seen
-        if self.history is not None:  # tokens [first, before + T) in order
-            first = before - self.history[3].shape[1]
-            new = [torch.cat([h, x], dim=1) for h, x in zip(self.history, new)]
-        elif hasattr(self.state, "_fields"):  # recording began after a forward: the window ring has its tokens
-            n = min(before, W)
-            order = torch.arange(before - n, before, device=k.device) % W
+        ring = None
+        if self.history is None and hasattr(self.state, "_fields"):  # recording began after a forward: the ring
+            n = min(self.seen, W)  # holds the tokens before it
+            order = torch.arange(self.seen - n, self.seen, device=k.device) % W
             st = self.state
             ring = [st.k_ring[:, :, order].transpose(1, 2), st.fk_ring[:, :, order].transpose(1, 2),
                     st.v_ring[:, :, order].transpose(1, 2), st.keep[:, order],
                     (st.ld_ring[:, :, order].transpose(1, 2) if st.gated
-                     else torch.zeros(B, n, Hk, dtype=ld_dtype, device=k.device))]
-            first = before - n
-            new = [torch.cat([r.to(x.dtype), x], dim=1) for r, x in zip(ring, new)]
-        else:
-            first = before
+                     else torch.zeros(B, n, Hk, dtype=dt, device=k.device))]
         self.gated = self.gated or log_decay is not None
-        if self.state is not None:  # the state before this forward holds the first prefix(before) tokens
+        if self.state is not None:  # the state before this forward holds the first prefix(seen) tokens
             pre = (self.state.S, self.state.z) if hasattr(self.state, "_fields") else tuple(self.state)
         else:
-            dt = torch.float64 if k.dtype == torch.float64 else torch.float32
             pre = (torch.zeros(B, Hk, fk.shape[-1], v.shape[-1], dtype=dt, device=k.device),
                    torch.zeros(B, Hk, fk.shape[-1], dtype=dt, device=k.device))
-        self.remember(new, first, T, W, pre)
+        self.remember(new, W, pre, before=ring)
 
-    def remember(self, tokens: list, first: int, T: int, W: int, pre: tuple) -> None:
-        """Move the snapshot on and keep the history, for a forward of ``T`` tokens about to update the state:
-        ``tokens`` (history layout) hold stream positions ``[first, seen + T)``, ``pre`` the state before the
-        forward, which holds the first ``prefix(seen)`` tokens (``prefix(p) = max(p - W, 0)``). The snapshot moves
-        to ``prefix(seen + T - keep)``, from ``pre`` or, after a short forward, from the last snapshot."""
+    def remember(self, new: list, W: int, pre: tuple, before: list | None = None) -> None:
+        """Keep a forward's tokens ``new`` (history layout, ``T`` of them) before it updates the state, and move the
+        snapshot on: ``pre`` is the state before the forward, which holds the first ``prefix(seen)`` tokens
+        (``prefix(p) = max(p - W, 0)``); ``before``, without a history yet, the tokens just before ``new`` that
+        the state does not hold (a window ring). The snapshot moves to ``prefix(seen + T - keep)``, from ``pre``
+        or, after a short forward, from the last snapshot."""
+        T = new[0].shape[1]
+        old = self.history if self.history is not None else before
+        first = self.seen - (old[0].shape[1] if old is not None else 0)  # stream position of tokens[0]
+        tokens = [torch.cat([h.to(x.dtype), x], dim=1) for h, x in zip(old, new)] if old is not None else new
         prefix = lambda p: max(p - W, 0)  # noqa: E731
-        before = self.seen
-        target = prefix(before + T - self.keep)
-        base = (prefix(before), *pre)
+        target = prefix(self.seen + T - self.keep)
+        base = (prefix(self.seen), *pre)
         if base[0] > target and self.snapshot is not None and first <= self.snapshot[0] <= target:
             base = self.snapshot  # a short forward: move the last snapshot on instead
         a, *state = base
@@ -273,15 +268,10 @@ class DeltaStateLayer(LinearStateLayer):
         the snapshot on (:meth:`LinearStateLayer.remember`, no window)."""
         B, T, Hk = k.shape[:3]
         ld = log_decay.detach() if log_decay is not None else torch.zeros_like(beta)
-        new = [k.detach(), v.detach(), beta.detach(), ld]
-        first = self.seen
-        if self.history is not None:
-            first -= self.history[0].shape[1]
-            new = [torch.cat([h, x], dim=1) for h, x in zip(self.history, new)]
         self.gated = self.gated or log_decay is not None
         pre = (self.state if self.state is not None
                else torch.zeros(B, Hk, k.shape[-1], v.shape[-1], dtype=torch.float32, device=k.device),)
-        self.remember(new, first, T, 0, pre)
+        self.remember([k.detach(), v.detach(), beta.detach(), ld], 0, pre)
 
     def fold(self, S, tokens, lo: int, hi: int):
         """``(S,)`` moved on by ``tokens[lo:hi]`` (the delta rule's kernel from ``S``), as a new tensor."""
