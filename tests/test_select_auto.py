@@ -13,8 +13,8 @@ from linearize.convert import probe as P
 from linearize import recipe as R
 from linearize.errors import LinearizeError, SelectionError
 from linearize.convert.plan import LayoutOptions, RunOptions, TrainingOptions
-from linearize.convert.selection import (FULL, check_select, choose_softmax_layers, parse_kv_budget, selection_boundary,
-                                         softmax_count_for_budget, softmax_count_from_ratio)
+from linearize.convert.selection import (FULL, check_select, choose_softmax_layers, parse_kv_budget, retrieval_seats,
+                                         selection_boundary, softmax_count_for_budget, softmax_count_from_ratio)
 
 
 @pytest.fixture(autouse=True)
@@ -110,6 +110,19 @@ def test_combine_scores_and_choice():
     edge = selection_boundary([0.30, 0.29, 0.1], 1)  # 3.3% apart
     assert (edge["kept"], edge["dropped"], edge["close_call"]) == (0, 1, True)
     assert selection_boundary([0.3, 0.2], 0) is None and selection_boundary([0.3, 0.2], 2) is None
+    # retrieval seats: ceil(share x count) layers by the original's attention onto the key, kept whatever their score
+    att = [0.0, 0.05, 0.6, 0.2, 0.2, 0.01]
+    assert retrieval_seats(att, 4, 0.5) == [2, 3] and retrieval_seats(att, 3, 0.5) == [2, 3]  # ties: lower index
+    assert retrieval_seats(att, 1, 0.5) == [2] and retrieval_seats(att, 7, 1.0) == [1, 2, 3, 4, 5]  # only > 0
+    assert retrieval_seats(att, 4, 0.0) == [] and retrieval_seats(None, 4, 0.5) == []
+    scores = [0.5, 0.1, 0.05, 0.3, 0.02, 0.03]
+    assert choose_softmax_layers(scores, 3, [2, 4]) == [0, 2, 4]  # the one free seat: the best score
+    edge = selection_boundary(scores, 3, [2, 4])  # free seats are judged among the other layers: 0 vs 3
+    assert (edge["kept"], edge["dropped"]) == (0, 3) and selection_boundary(scores, 2, [2, 4]) is None
+    with pytest.raises(SelectionError, match="do not fit"):
+        choose_softmax_layers(scores, 1, [2, 4])
+    with pytest.raises(LinearizeError, match="select.retrieval_seats"):
+        R.load("lolcats", {"select.retrieval_seats": 1.5})
     with pytest.raises(SelectionError, match="all 0"):
         P.score_weights(R.load("lolcats", {"select.mse_weight": 0, "select.loss_weight": 0,
                                            "select.retrieval_weight": 0, "select.attention_weight": 0}))
@@ -299,22 +312,32 @@ def test_convert_select_auto_cli(ws, tmp_path, monkeypatch):
     assert sel["method"] == "auto" and sel["softmax_layers"] == ",".join(map(str, kept))
     assert [r["layer"] for r in sel["scores"]] == [0, 1, 2, 3]
     assert [r["layer"] for r in sel["scores"] if r["softmax"]] == kept
-    assert {r["rank"] for r in sel["scores"] if r["softmax"]} == {1, 2}
+    # ceil(0.5 x 2) = 1 retrieval seat: the layer the original attends most with onto the key; the other softmax
+    # layer is the best score among the rest
+    att = [r["retrieval_attention"] for r in sel["scores"]]
+    seat = [int(i) for i in sel["retrieval_seats"].split(",")]
+    assert len(seat) == 1 and att[seat[0]] == max(att) and seat[0] in kept
+    assert [r["seat"] for r in sel["scores"]] == [i in seat for i in range(4)]
+    (free,) = [i for i in kept if i not in seat]
+    assert {r["layer"]: r["rank"] for r in sel["scores"]}[free] == min(r["rank"] for r in sel["scores"]
+                                                                       if r["layer"] not in seat)
     # the probe's 128 tokens (10% of the 1,280-token stage 1, whole steps of 32 x 2) come out of stage 1
     assert sel["probe_tokens"] == 128 and report["distill"]["tokens"] == 1280 - 128
     assert sel["total_tokens"] == 128 + report["distill"]["tokens"] + report["finetune"]["tokens"] == 2560
     assert sel["probe_share_of_total_tokens"] == 0.05 and sel["probe_initialized_layers"] == 2
-    edge = sel["boundary"]  # the lowest kept layer against the highest dropped one
+    edge = sel["boundary"]  # the lowest layer kept on its score against the highest dropped one
     scores = {r["layer"]: r["score"] for r in sel["scores"]}
-    assert edge["kept"] in kept and edge["dropped"] not in kept and edge["kept_score"] == min(scores[i] for i in kept)
+    assert edge["kept"] == free and edge["dropped"] not in kept and edge["kept_score"] == scores[free]
     assert edge["dropped_score"] == max(v for i, v in scores.items() if i not in kept)
     assert ("select: close call" in res.stdout) == edge["close_call"]
     info = run_cli("info", str(tmp_path / "A"))
     flat = " ".join(info.stdout.split())  # rich wraps long lines
     assert info.returncode == 0 and f"boundary: layer {edge['kept']} kept" in flat, info.stdout[-2000:]
+    assert f"retrieval seats: {seat[0]};" in flat
     for doc in ("README.md", "report.md"):
         text = (tmp_path / "A" / doc).read_text()
         assert "Layer scores (`--select auto`)" in text and "| 3 |" in text and "Boundary: layer" in text, doc
+        assert f"| {seat[0]} | softmax (seat) |" in text and "Retrieval seats (kept whatever their score" in text
 
     # the same inputs again, the count now from a KV budget (fp32 on CPU: 2 softmax layers fit exactly)
     budget = 2 * 262_144 + 2 * (2_176 + 3_072 + 8 + 8)
@@ -363,8 +386,15 @@ def test_retrieval_attention_term_is_the_originals_attention_on_the_key(ws, tmp_
     report = P.select_report(res, rec, [1], count_from="test")
     assert [r["retrieval_attention"] for r in report["scores"]] == got
     assert "attention" in report["scoring"]["formula"] and report["scoring"]["weights"]["attention"] == 1.0
-    off = R.load("lolcats", _overrides(ws, **{"select.attention_weight": 0.0}))  # weight 0: not measured
-    monkeypatch.setattr(P, "retrieval_attention", lambda *a, **k: pytest.fail("measured with weight 0"))
+    top = max(range(4), key=lambda i: (got[i], -i))  # one softmax layer, half of it a retrieval seat: ceil(0.5)
+    assert report["retrieval_seats"] == str(top) and [r["seat"] for r in report["scores"]] == [i == top for i in range(4)]
+    # weight 0: no score term, still measured for the seats (the measurement is the same cache entry)
+    seats_only = R.load("lolcats", _overrides(ws, **{"select.attention_weight": 0.0}))
+    monkeypatch.setattr(P, "retrieval_attention", lambda *a, **k: pytest.fail("measured twice or with no use"))
+    res = P.run_probe(model, tok, seats_only, probe_tokens=256, progress=False, log=lambda m: None)
+    assert res.cached and res.measurements["attention"] == got
+    assert P.select_report(res, seats_only, [1], count_from="test")["scoring"]["weights"]["attention"] == 0.0
+    off = R.load("lolcats", _overrides(ws, **{"select.attention_weight": 0.0, "select.retrieval_seats": 0}))
     assert P.run_probe(model, tok, off, probe_tokens=256, progress=False,
                        log=lambda m: None).measurements["attention"] is None
 
@@ -407,6 +437,11 @@ def test_swap_check_keeps_the_swap_the_joint_loss_prefers(ws, monkeypatch):
     assert first["gain"] == pytest.approx(0.25) and not second["kept"]  # {0, 3} -> nothing beats 3.0 by > 1%
     assert rep["layouts_evaluated"] == len(set(modes)) and len(modes) == 2 * rep["layouts_evaluated"]
     assert any("layer 3 for 1 lowers the joint loss" in m for m in logs) and any("no swap" in m for m in logs)
+    # a retrieval seat is never swapped out: with layer 1 reserved the best swap left is 0 for 3
+    chosen, rep = P.swap_check(model, tok, rec, res, [0, 1], scores, reserved=[1], log=logs.append)
+    assert chosen == [1, 3] and all(r["drop"] != 1 for r in rep["rounds"]) and rep["rounds"][0]["tried"] == 2
+    chosen, rep = P.swap_check(model, tok, rec, res, [0, 1], scores, reserved=[0, 1], log=logs.append)
+    assert chosen == [0, 1] and rep["rounds"] == []  # nothing free to swap
     ids = torch.randint(0, 60, (1, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():  # the base model has its own attention back
         assert all(type(layer.self_attn).__name__ == "LlamaAttention" for layer in model.model.layers)
@@ -426,8 +461,11 @@ def test_convert_with_swap_check_reports_it(ws, tmp_path, monkeypatch):
     sw = sel["swap_check"]
     kept = [i for i, t in enumerate(cfg["layer_types"]) if t == FULL]
     assert sw["final_layers"] == sel["softmax_layers"] == ",".join(map(str, kept)) and len(kept) == 2
-    assert len(sw["rounds"]) == 1 and sw["rounds"][0]["tried"] == 4 and sw["layouts_evaluated"] == 5
-    assert "Swap check (5 layouts" in (tmp_path / "S" / "report.md").read_text()
+    # the pool of 2 kept layers less the one retrieval seat, against the 2 best dropped ones: 2 swaps + the start
+    seat = sel["retrieval_seats"]
+    assert len(sw["rounds"]) == 1 and sw["rounds"][0]["tried"] == 2 and sw["layouts_evaluated"] == 3
+    assert str(sw["rounds"][0]["drop"]) != seat and seat in sw["final_layers"].split(",")
+    assert "Swap check (3 layouts" in (tmp_path / "S" / "report.md").read_text()
     info = " ".join(run_cli("info", str(tmp_path / "S")).stdout.split())  # rich wraps long lines
     kept_swaps = [r for r in sw["rounds"] if r["kept"]]
     assert ("swap check: layer" in info) == bool(kept_swaps) and "boundary: layer" in info

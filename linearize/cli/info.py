@@ -69,11 +69,13 @@ def info(spec: str = typer.Argument(..., help="Model spec or hybrid checkpoint d
         console.print(f"recall check (copy, {c['length']} tokens, {c['samples']} samples): hybrid {100 * c['hybrid']:.1f}%, "
                       f"teacher {100 * c['teacher']:.1f}%", highlight=False)
     if "select" in q:
-        b = q["select"]["boundary"]
-        console.print(f"softmax layers chosen by --select auto: {q['select']['softmax_layers']}; boundary: layer "
-                      f"{b['kept']} kept ({b['kept_score']:.4f}), layer {b['dropped']} not ({b['dropped_score']:.4f}), "
-                      f"{100 * b['relative_margin']:.1f}% apart" + (" (a close call)" if b["close_call"] else "")
-                      + "".join(f"; swap check: {describe_swap(r)}" for r in q["select"]["swaps"]), highlight=False)
+        sel, b = q["select"], q["select"]["boundary"]
+        console.print(f"softmax layers chosen by --select auto: {sel['softmax_layers']}"
+                      + (f"; retrieval seats: {sel['retrieval_seats']}" if sel.get("retrieval_seats") else "")
+                      + (f"; boundary: layer {b['kept']} kept ({b['kept_score']:.4f}), layer {b['dropped']} not "
+                         f"({b['dropped_score']:.4f}), {100 * b['relative_margin']:.1f}% apart"
+                         + (" (a close call)" if b["close_call"] else "") if b else "")
+                      + "".join(f"; swap check: {describe_swap(r)}" for r in sel["swaps"]), highlight=False)
     if retrieval is not None:
         from ..evals.common import parse_lengths  # start-up time: the evals package imports torch
 

@@ -33,7 +33,7 @@ from ..train.loop import resume_refusal, saved_settings, stage_settings
 from ..units import parse_tokens
 from .plan import (AutoSelect, LayoutOptions, RunOptions, TrainingOptions, build_plan, check_context,
                    load_recipe)
-from .probe import apply_feature_maps, run_probe, score_weights, select_report, swap_check
+from .probe import apply_feature_maps, run_probe, score_weights, seats_for, select_report, swap_check
 from .selection import (choose_softmax_layers, describe_layout, layout_from_softmax_layers, rank_layers,
                         selection_boundary, softmax_indices)
 
@@ -188,11 +188,16 @@ def run_auto_select(model, tokenizer, rec, auto: AutoSelect, *, log: Callable[[s
         return layout_from_softmax_layers(list(range(count)), n), None, None
     probe = run_probe(model, tokenizer, rec, probe_tokens=auto.probe_tokens, log=log)
     scores = probe.scores(score_weights(rec))
-    softmax = choose_softmax_layers(scores, count)
+    seats = seats_for(probe, rec, count)
+    if seats:
+        att = probe.measurements["attention"]
+        log(f"select: retrieval seats for the layers the original retrieves with: "
+            + ", ".join(f"L{i} {att[i]:.3f}" for i in seats) + " (attention onto the key)")
+    softmax = choose_softmax_layers(scores, count, seats)
     top = rank_layers(scores)[: min(n, count + 3)]
     log(f"select: keeps softmax layers {','.join(map(str, softmax))} (interleave would keep "
         f"{','.join(map(str, auto.interleave))}); top scores " + ", ".join(f"L{i} {scores[i]:.3f}" for i in top))
-    edge = selection_boundary(scores, count)
+    edge = selection_boundary(scores, count, seats)
     if edge and edge["close_call"]:
         log(f"select: close call: layer {edge['kept']} kept ({edge['kept_score']:.4f}), layer {edge['dropped']} not "
             f"({edge['dropped_score']:.4f}), {100 * edge['relative_margin']:.1f}% apart; recall can hinge on such a "
@@ -200,7 +205,7 @@ def run_auto_select(model, tokenizer, rec, auto: AutoSelect, *, log: Callable[[s
             + ("" if rec["select"]["swap_rounds"] else ", or check swaps jointly with --set select.swap_rounds=2"))
     swaps = None
     if rec["select"]["swap_rounds"] > 0:
-        softmax, swaps = swap_check(model, tokenizer, rec, probe, softmax, scores, log=log)
+        softmax, swaps = swap_check(model, tokenizer, rec, probe, softmax, scores, reserved=seats, log=log)
         if swaps["final_layers"] != swaps["start_layers"]:
             log(f"select: after the swap check keeps softmax layers {','.join(map(str, softmax))}")
     return layout_from_softmax_layers(softmax, n), probe, swaps

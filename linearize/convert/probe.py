@@ -32,7 +32,10 @@
    with weight 0 is not measured; negative values, i.e. noise, count as 0; a term that is 0 for every
    layer drops out of both sums). Every term is scale-free and the scores sum to 1 over layers.
    The caller keeps as softmax the N layers with the highest scores
-   (:func:`linearize.convert.selection.choose_softmax_layers`).
+   (:func:`linearize.convert.selection.choose_softmax_layers`), after the retrieval seats: the
+   ``ceil(select.retrieval_seats * N)`` layers with the largest ``attention_i`` are kept whatever their score and
+   never swapped out (:func:`linearize.convert.selection.retrieval_seats`; measured for them even when
+   ``attention_weight`` is 0).
 
 The trained feature maps (and window mixing logits) of the probe are returned too, so the real
 conversion's linear layers start from them: the probe's tokens count as part of stage 1.
@@ -73,7 +76,7 @@ from ..io.sources import cache_root, local_dir
 from ..model.architectures import arch_spec
 from ..train.distill import distill, evaluate_layers
 from ..version import __version__
-from .selection import LINEAR, rank_layers, selection_boundary
+from .selection import LINEAR, rank_layers, retrieval_seats, selection_boundary
 
 #: bump when a measurement changes meaning (invalidates cached probes)
 PROBE_VERSION = 2  # 2: retrieval prompts use seeds disjoint from `linearize eval`'s
@@ -114,6 +117,13 @@ def score_weights(recipe) -> dict[str, float]:
         raise SelectionError("recipe select: mse_weight, loss_weight, retrieval_weight and attention_weight are "
                              "all 0; set at least one > 0")
     return w
+
+
+def measures_attention(recipe) -> bool:
+    """Whether the probe measures the original's attention onto the key: for its score term or for the retrieval
+    seats (:func:`linearize.convert.selection.retrieval_seats`)."""
+    sel = recipe["select"]
+    return sel["attention_weight"] > 0 or sel["retrieval_seats"] > 0
 
 
 def combine_scores(measurements: dict[str, list[float] | None], weights: dict[str, float]) -> list[float]:
@@ -206,8 +216,9 @@ def cache_key(model, tokenizer, recipe, probe_tokens: int) -> tuple[str | None, 
         "attention": dict(recipe["attention"]),
         "distill": {k: v for k, v in recipe["distill"].items() if k not in ("tokens", "seed", "checkpoint_every",
                                                                             "max_loss_ratio")},
-        "select": {k: v for k, v in sel.items() if not k.endswith("_weight") and k != "probe_fraction"},
-        "measured": [t for t in TERMS if weights[t] > 0 or t == "mse"],
+        "select": {k: v for k, v in sel.items() if not k.endswith("_weight")
+                   and k not in ("probe_fraction", "retrieval_seats")},
+        "measured": [t for t in TERMS if weights[t] > 0 or t == "mse" or t == "attention" and measures_attention(recipe)],
         "probe_tokens": probe_tokens,
         "data": {"spec": data, **(source_fingerprint(src) if src.cacheable else {})},
         "tokenizer": tokenizer_fingerprint(tokenizer),
@@ -343,7 +354,8 @@ def retrieval_attention(hybrid, samples) -> list[float]:
         for prompt, _, positions in samples:
             if not positions:
                 raise SelectionError("probe: a retrieval prompt's needle holds no key digits the tokenizer "
-                                     "keeps apart; set select.attention_weight=0")
+                                     "keeps apart; set select.attention_weight=0 and "
+                                     "select.retrieval_seats=0")
             current["positions"] = positions
             hybrid(input_ids=torch.tensor([prompt], device=hybrid.device), use_cache=False, logits_to_keep=1)
     finally:
@@ -420,9 +432,9 @@ def _measure(model, tokenizer, recipe, probe_tokens: int, *, progress: bool, log
                                                        "attention": None}
         baseline: dict[str, float | None] = {"heldout_loss": None, "retrieval_loss": None}
         samples = []
-        if weights["retrieval"] > 0 or weights["attention"] > 0:
+        if weights["retrieval"] > 0 or measures_attention(recipe):
             samples = retrieval_samples(tokenizer, recipe, getattr(model.config, "max_position_embeddings", None))
-        if weights["attention"] > 0:
+        if measures_attention(recipe):
             log(f"probe: the original's attention onto the pass key ({len(samples)} prompts)")
             measurements["attention"] = retrieval_attention(hybrid, samples)
             eval_tokens += sum(len(p) for p, _, _ in samples)
@@ -453,7 +465,7 @@ MIN_SWAP_GAIN = 0.01
 
 
 def swap_check(model, tokenizer, recipe, result: ProbeResult, softmax: list[int], scores: list[float], *,
-               log: Callable[[str], None] = print) -> tuple[list[int], dict[str, Any]]:
+               reserved: list[int] = (), log: Callable[[str], None] = print) -> tuple[list[int], dict[str, Any]]:
     """Check the choice jointly on the probe's hybrid; ``(softmax layers, report)``.
 
     The scores rate layers one at a time; whether two layers are needed together only shows when they run
@@ -462,6 +474,7 @@ def swap_check(model, tokenizer, recipe, result: ProbeResult, softmax: list[int]
     (nats/token each). Each of ``select.swap_rounds`` rounds tries every swap of one of the ``select.swap_pool``
     lowest-scoring kept layers for one of the ``swap_pool`` highest-scoring dropped ones and keeps the best if
     it lowers the joint loss by more than :data:`MIN_SWAP_GAIN`; a round without such a swap ends the check.
+    ``reserved`` layers (retrieval seats) are never swapped out.
     """
     sel, d = recipe["select"], recipe["distill"]
     heldout = heldout_sequences(tokenizer, d["data"], seq_len=d["seq_len"], n_seqs=d["eval_seqs"])
@@ -485,8 +498,12 @@ def swap_check(model, tokenizer, recipe, result: ProbeResult, softmax: list[int]
         start = best = joint(current)
         rounds = []
         for _ in range(sel["swap_rounds"]):
-            kept = sorted(current, key=lambda i: (scores[i], i))[: sel["swap_pool"]]
+            kept = sorted((i for i in current if i not in reserved), key=lambda i: (scores[i], i))[: sel["swap_pool"]]
+            if not kept:
+                break
             dropped = [i for i in rank_layers(scores) if i not in current][: sel["swap_pool"]]
+            if not dropped:
+                break
             trials = sorted((joint(set(current) - {k} | {a}), k, a) for k in kept for a in dropped)
             loss, k, a = trials[0]
             gain = (best - loss) / best if best > 0 else 0.0
@@ -531,6 +548,11 @@ def run_probe(model, tokenizer, recipe, *, probe_tokens: int, use_cache: bool = 
     return result
 
 
+def seats_for(result: ProbeResult, recipe, count: int) -> list[int]:
+    """The retrieval seats of a ``count``-layer choice (:func:`linearize.convert.selection.retrieval_seats`)."""
+    return retrieval_seats(result.measurements.get("attention"), count, recipe["select"]["retrieval_seats"])
+
+
 def select_report(result: ProbeResult, recipe, softmax: list[int], *, count_from: str,
                   interleave: list[int] | None = None, total_tokens: int | None = None,
                   kv_budget: dict | None = None, initialized: list[int] | None = None,
@@ -538,11 +560,12 @@ def select_report(result: ProbeResult, recipe, softmax: list[int], *, count_from
     """The ``select`` stage report: scores, chosen layout and the probe's cost."""
     weights = score_weights(recipe)
     scores = result.scores(weights)
+    seats = seats_for(result, recipe, len(softmax))
     rank = {i: r + 1 for r, i in enumerate(rank_layers(scores))}
     rows = []
     for i in range(result.num_layers):
         m = {t: (result.measurements[t][i] if result.measurements.get(t) is not None else None) for t in TERMS}
-        rows.append({"layer": i, "softmax": i in softmax, "mse": m["mse"], "loss_delta": m["loss"],
+        rows.append({"layer": i, "softmax": i in softmax, "seat": i in seats, "mse": m["mse"], "loss_delta": m["loss"],
                      "retrieval_delta": m["retrieval"], "retrieval_attention": m["attention"], "score": scores[i],
                      "rank": rank[i]})
     report = {
@@ -557,7 +580,8 @@ def select_report(result: ProbeResult, recipe, softmax: list[int], *, count_from
         "baseline_heldout_loss": result.baseline.get("heldout_loss"),
         "baseline_retrieval_loss": result.baseline.get("retrieval_loss"),
         "scoring": {"formula": SCORE_FORMULA, "weights": weights}, "scores": rows,
-        "boundary": selection_boundary(scores, len(softmax)),
+        "retrieval_seats": ",".join(map(str, seats)),
+        "boundary": selection_boundary(scores, len(softmax), seats),
     }
     if kv_budget is not None:
         report["kv_budget"] = kv_budget

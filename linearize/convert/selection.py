@@ -11,6 +11,7 @@ most that fit a cache budget) but chooses *which* layers from measured scores: s
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from ..errors import SelectionError
@@ -188,28 +189,52 @@ def rank_layers(scores: list[float]) -> list[int]:
     return sorted(range(len(scores)), key=lambda i: (-scores[i], i))
 
 
-def choose_softmax_layers(scores: list[float], count: int) -> list[int]:
-    """The ``count`` layers with the highest scores (ties: the lower index), sorted."""
+def retrieval_seats(attention: list[float] | None, count: int, share: float) -> list[int]:
+    """The layers that keep a softmax seat whatever their score: the ``ceil(share * count)`` layers on which the
+    original attends most from the answer position onto a hidden key (``attention``, the probe's term; ties: the
+    lower index; only layers with weight > 0), sorted. None measured or ``share`` 0: none.
+
+    Why a seat: on the embedded model the original retrieves through layers 20-23 at every length up to 8K. Trained
+    at 8K, a 3:1 hybrid that kept all four scored 80 / 60 / 95 / 80% passkey at 1K / 2K / 4K / 8K; two with 16
+    sinks and wider windows kept three (layer 20 scored 2.5% below the line) and two (the swap check traded 20 and
+    21 for layers that lowered the probe's 2K-token losses) and scored 75 / 25 / 15 / 5% and 30 / 0 / 15 / 0%
+    (docs/long-context-experiments.md). The attention term measures the original directly; the scores mix it
+    with the probe's losses, which a wide window or short retrieval prompts can hide it in."""
+    if not attention or share <= 0 or count <= 0:
+        return []
+    n = min(count, math.ceil(share * count - 1e-9))
+    ranked = [i for i in sorted(range(len(attention)), key=lambda i: (-attention[i], i)) if attention[i] > 0]
+    return sorted(ranked[:n])
+
+
+def choose_softmax_layers(scores: list[float], count: int, reserved: list[int] = ()) -> list[int]:
+    """The ``reserved`` layers (:func:`retrieval_seats`) and then the highest scores (ties: the lower index) up to
+    ``count`` layers, sorted."""
     if not 0 <= count <= len(scores):
         raise SelectionError(f"cannot keep {count} softmax layers of {len(scores)}")
-    return sorted(rank_layers(scores)[:count])
+    if len(reserved) > count:
+        raise SelectionError(f"{len(reserved)} reserved layers do not fit {count} softmax layers")
+    free = [i for i in rank_layers(scores) if i not in reserved]
+    return sorted([*reserved, *free[: count - len(reserved)]])
 
 
 #: a kept and a dropped layer whose scores are closer than this (relative to the kept one) are a close call
 CLOSE_CALL = 0.1
 
 
-def selection_boundary(scores: list[float], count: int) -> dict | None:
-    """The lowest-scoring kept layer against the highest-scoring dropped one: ``{"kept", "dropped", "kept_score",
-    "dropped_score", "relative_margin", "close_call"}``; None when nothing is dropped or nothing kept.
+def selection_boundary(scores: list[float], count: int, reserved: list[int] = ()) -> dict | None:
+    """The lowest-scoring layer kept on its score (not a reserved seat) against the highest-scoring dropped one:
+    ``{"kept", "dropped", "kept_score", "dropped_score", "relative_margin", "close_call"}``; None when nothing is
+    dropped or no seat is free.
 
     On the embedded model a probe kept layer 17 over layer 8 by 3%: passkey 95% / 100% at 1K / 2K after
     training, against 85% / 50% with 8 kept instead (same tokens and seed; README), so a close call is worth a
     warning."""
-    if not 0 < count < len(scores):
+    if not 0 < count < len(scores) or len(reserved) >= count:
         return None
-    order = rank_layers(scores)
-    kept, dropped = order[count - 1], order[count]
+    order = [i for i in rank_layers(scores) if i not in reserved]
+    free = count - len(reserved)
+    kept, dropped = order[free - 1], order[free]
     margin = (scores[kept] - scores[dropped]) / scores[kept] if scores[kept] > 0 else 0.0
     return {"kept": kept, "dropped": dropped, "kept_score": scores[kept], "dropped_score": scores[dropped],
             "relative_margin": round(margin, 4), "close_call": margin < CLOSE_CALL}
@@ -235,9 +260,13 @@ def scores_markdown(report: dict) -> list[str]:
         return "-" if x is None else f"{x:.4g}"
 
     for r in rows:
-        lines.append(f"| {r['layer']} | {'softmax' if r['softmax'] else 'linear'} | {f(r['mse'])} | "
+        kept = ("softmax (seat)" if r.get("seat") else "softmax") if r["softmax"] else "linear"
+        lines.append(f"| {r['layer']} | {kept} | {f(r['mse'])} | "
                      f"{f(r['loss_delta'])} | {f(r.get('retrieval_delta'))} | {f(r.get('retrieval_attention'))} | "
                      f"{f(r['score'])} | {r['rank']} |")
+    if report.get("retrieval_seats"):
+        lines += ["", f"Retrieval seats (kept whatever their score, never swapped out: the layers where the original "
+                      f"attends most onto the key): {report['retrieval_seats']}."]
     b = report.get("boundary")
     if b:
         lines += ["", f"Boundary: layer {b['kept']} kept ({b['kept_score']:.4g}), layer {b['dropped']} not "
