@@ -134,6 +134,13 @@ def test_plan_probe_tokens():
     rec = R.load("lolcats", {"distill.seq_len": 64, "distill.batch_size": 2, "distill.grad_accum": 2})
     assert P.plan_probe_tokens(rec, 10_000) == 768  # 10% = 1000 -> whole steps of 256
     assert P.plan_probe_tokens(rec, 100) == 256  # at least one step
+    # scoring's forward tokens count the original's attention onto the key while the seats need it (weight 0 too)
+    base = {"distill.seq_len": 64, "distill.eval_seqs": 2, "select.retrieval_length": 400,
+            "select.retrieval_prompts": 2, "select.swap_rounds": 0, "select.loss_weight": 0,
+            "select.retrieval_weight": 0, "select.attention_weight": 0}
+    seats = P.plan_scoring_tokens(R.load("lolcats", base), 4, None)
+    none = P.plan_scoring_tokens(R.load("lolcats", {**base, "select.retrieval_seats": 0}), 4, None)
+    assert (seats, none) == (128 + 800, 128)
 
 
 # ------------------------------------------------------------------------------------------- library errors

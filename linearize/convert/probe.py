@@ -169,8 +169,9 @@ def plan_scoring_tokens(recipe, num_layers: int, max_positions: int | None) -> i
     weights = score_weights(recipe)
     heldout = d["eval_seqs"] * d["seq_len"]
     length = min(sel["retrieval_length"], max_positions - 16) if max_positions else sel["retrieval_length"]
-    retrieval = sel["retrieval_prompts"] * length if weights["retrieval"] > 0 or weights["attention"] > 0 else 0
-    tokens = heldout + (retrieval if weights["attention"] > 0 else 0)
+    attention = measures_attention(recipe)
+    retrieval = sel["retrieval_prompts"] * length if weights["retrieval"] > 0 or attention else 0
+    tokens = heldout + (retrieval if attention else 0)
     tokens += (num_layers + 1) * ((heldout if weights["loss"] > 0 else 0)
                                   + (retrieval if weights["retrieval"] > 0 else 0))
     if sel["swap_rounds"] > 0:
