@@ -367,10 +367,16 @@ def grid_summary(rows: list[dict], cfg: "EvalConfig", *, with_grid: bool = True)
 def tail_logits(handle: ModelHandle, ids: Sequence[int] | torch.Tensor, k: int) -> torch.Tensor:
     """Logits of the last ``k`` positions of one sequence, as float32 ``[k, V]`` on the model's
     device (``logits_to_keep`` keeps the vocabulary projection to those positions)."""
-    x = torch.as_tensor(ids, dtype=torch.long, device=handle.device).reshape(1, -1)
+    return tail_logits_rows(handle, torch.as_tensor(ids, dtype=torch.long).reshape(1, -1), k)[0]
+
+
+def tail_logits_rows(handle: ModelHandle, rows: torch.Tensor, k: int) -> torch.Tensor:
+    """:func:`tail_logits` of ``rows`` ``[B, T]`` (sequences of one length, no padding) in one forward:
+    float32 ``[B, k, V]``."""
+    x = rows.to(device=handle.device, dtype=torch.long)
     k = min(int(k), x.shape[1])
     try:
         out = handle.model(input_ids=x, logits_to_keep=k, use_cache=False)
     except TypeError:  # a model without logits_to_keep
         out = handle.model(input_ids=x, use_cache=False)
-    return out.logits[0, -k:].float()
+    return out.logits[:, -k:].float()
