@@ -322,11 +322,10 @@ def test_ppl_matches_direct_computation(tiny, tok):
     rows = ppl.run(h, _cfg(lengths=[64, 128]), {"tokens": 512}, Progress(), {})
     assert [r["length"] for r in rows] == [64, 128] and all(r["tokens"] == 511 for r in rows)
     assert all(1 < r["ppl"] < 10 * len(tok) for r in rows)
-    # on an accelerator windows of one shape run batched (on a CPU one per forward): the same numbers
-    assert max(len(g) for g in ppl.window_batches(ppl.windows(512, 64), len(tok))) > 1
-    assert all(len(g) == 1 for g in ppl.window_batches(ppl.windows(512, 64), len(tok), tokens=0))
+    # on an accelerator windows of one shape run batched, up to the longest length's tokens: the same numbers
+    assert max(len(g) for g in ppl.window_batches(ppl.windows(512, 64), 128)) == 2
     batched, grouped = pytest.MonkeyPatch(), ppl.window_batches
-    batched.setattr(ppl, "window_batches", lambda wins, vocab, tokens=None: grouped(wins, vocab))  # as on a GPU
+    batched.setattr(ppl, "window_batches", lambda wins, budget: grouped(wins, 128))  # as on a GPU
     try:
         together = ppl.run(h, _cfg(lengths=[64, 128]), {"tokens": 512}, Progress(), {})
     finally:
@@ -334,16 +333,15 @@ def test_ppl_matches_direct_computation(tiny, tok):
     assert [r["nll"] for r in together] == pytest.approx([r["nll"] for r in rows], rel=1e-5)
 
 
-def test_ppl_window_batches_keep_order_shape_and_caps():
+def test_ppl_window_batches_keep_order_shape_and_budget():
     wins = ppl.windows(1000, 64)  # the first window scores 63 tokens, the middle ones 32, the last one fewer
-    groups = ppl.window_batches(wins, vocab=100)
-    assert [w for g in groups for w in g] == wins
-    assert all(len({(e - b, k) for b, e, k in g}) == 1 for g in groups)
-    assert [len(g) for g in groups][:2] == [1, min(ppl.BATCH_TOKENS // 64, len(wins) - 2)]
-    # the logits cap: 4 bytes x (k + 1) x vocab per window
-    assert all(len(g) == 1 for g in ppl.window_batches(wins, vocab=ppl.BATCH_LOGIT_BYTES // (4 * 33)))
-    assert max(len(g) for g in ppl.window_batches(wins, vocab=ppl.BATCH_LOGIT_BYTES // (4 * 33 * 3))) == 3
-
+    for budget in (0, 64, 100, 256, 10_000):
+        groups = ppl.window_batches(wins, budget)
+        assert [w for g in groups for w in g] == wins
+        assert all(len({(e - b, k) for b, e, k in g}) == 1 for g in groups)
+        assert all(len(g) == 1 or len(g) * 64 <= budget for g in groups)
+    assert [len(g) for g in ppl.window_batches(wins, 256)][:3] == [1, 4, 4]
+    assert len(ppl.window_batches(wins, 10_000)) == 3  # the first, the middle ones, the last
 
 def test_recall_and_agreement_same_model(tiny, tok):
     h = _handle(tiny, tok)
