@@ -176,8 +176,6 @@ def retrieval_layers(spec: str, lengths: list[int], *, prompts: int = 5, dtype: 
     retrieve."""
     # start-up time: torch and transformers, only for --retrieval
     from .. import recipe as recipes
-
-    # start-up time: torch and transformers, only for --retrieval
     from ..convert import probe
 
     config_type = model_info(spec)["layer_types"]
