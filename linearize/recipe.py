@@ -144,7 +144,7 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "loss_weight": Field(float, 1.0, "a number in [0, 1000]", lambda v: 0.0 <= v <= 1000.0),
         "retrieval_weight": Field(float, 1.0, "a number in [0, 1000] (0 = no retrieval probe)",
                                   lambda v: 0.0 <= v <= 1000.0),
-        "attention_weight": Field(float, 2.0, "a number in [0, 1000] (0 = not measured)",
+        "attention_weight": Field(float, 2.0, "a number in [0, 1000] (0 = not a score term)",
                                   lambda v: 0.0 <= v <= 1000.0),
         # softmax seats kept for the layers the original retrieves with (probe.retrieval_attention), whatever their
         # score and never swapped out: ceil(share x softmax layers)

@@ -318,7 +318,7 @@ def test_ppl_matches_direct_computation(tiny, tok):
     with torch.no_grad():
         logits = tiny(stream[None]).logits[0, :-1].float()
     direct = float(torch.nn.functional.cross_entropy(logits, stream[1:], reduction="sum"))
-    assert ppl.nll_of_window(h, stream, 199) == pytest.approx(direct, rel=1e-5)
+    assert ppl.nll_of_windows(h, stream[None], 199) == pytest.approx(direct, rel=1e-5)
     rows = ppl.run(h, _cfg(lengths=[64, 128]), {"tokens": 512}, Progress(), {})
     assert [r["length"] for r in rows] == [64, 128] and all(r["tokens"] == 511 for r in rows)
     assert all(1 < r["ppl"] < 10 * len(tok) for r in rows)

@@ -29,7 +29,7 @@
 
    with ``w_t`` = ``select.mse_weight``, ``select.loss_weight``, ``select.retrieval_weight``,
    ``select.attention_weight`` (a term
-   with weight 0 is not measured; negative values, i.e. noise, count as 0; a term that is 0 for every
+   with weight 0 is not measured (``attention`` still is for the retrieval seats); negative values, i.e. noise, count as 0; a term that is 0 for every
    layer drops out of both sums). Every term is scale-free and the scores sum to 1 over layers.
    The caller keeps as softmax the N layers with the highest scores
    (:func:`linearize.convert.selection.choose_softmax_layers`), after the retrieval seats: the
@@ -433,9 +433,10 @@ def _measure(model, tokenizer, recipe, probe_tokens: int, *, progress: bool, log
                                                        "attention": None}
         baseline: dict[str, float | None] = {"heldout_loss": None, "retrieval_loss": None}
         samples = []
-        if weights["retrieval"] > 0 or measures_attention(recipe):
+        attention = measures_attention(recipe)
+        if weights["retrieval"] > 0 or attention:
             samples = retrieval_samples(tokenizer, recipe, getattr(model.config, "max_position_embeddings", None))
-        if measures_attention(recipe):
+        if attention:
             log(f"probe: the original's attention onto the pass key ({len(samples)} prompts)")
             measurements["attention"] = retrieval_attention(hybrid, samples)
             eval_tokens += sum(len(p) for p, _, _ in samples)
@@ -503,8 +504,6 @@ def swap_check(model, tokenizer, recipe, result: ProbeResult, softmax: list[int]
             if not kept:
                 break
             dropped = [i for i in rank_layers(scores) if i not in current][: sel["swap_pool"]]
-            if not dropped:
-                break
             trials = sorted((joint(set(current) - {k} | {a}), k, a) for k in kept for a in dropped)
             loss, k, a = trials[0]
             gain = (best - loss) / best if best > 0 else 0.0

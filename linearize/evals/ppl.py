@@ -82,11 +82,6 @@ def nll_of_windows(handle: ModelHandle, rows: torch.Tensor, n_scored: int) -> fl
     return total
 
 
-def nll_of_window(handle: ModelHandle, ids: torch.Tensor, n_scored: int) -> float:
-    """Sum of negative log-likelihoods of the last ``n_scored`` tokens of ``ids`` (1-D)."""
-    return nll_of_windows(handle, ids.reshape(1, -1), n_scored)
-
-
 def window_batches(wins: list[tuple[int, int, int]], budget: int) -> list[list[tuple[int, int, int]]]:
     """Consecutive windows of one shape (length and scored tokens) in groups of at most ``budget`` tokens (at least
     one window each), so a group's forward needs no more memory than one window of ``budget`` tokens."""
