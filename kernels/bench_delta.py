@@ -10,7 +10,8 @@ ours are). Needs a GPU:
 ``LENGTHS=2K,8K,32K`` (the default), ``DECODE_BATCH=8``. ``CONFIG="walk_warps=8 bwd_bv=32"`` overrides
 ``triton_delta.CONFIG`` entries (ints; booleans as 0 / 1); ``VARIANTS="fwd_states_fp32=1;walk_bv=128"`` adds a row of
 ours per ``;``-separated set of overrides (on top of the shipped, saved or ``CONFIG`` configuration), in the same
-process. ``HK=8`` runs GQA (fla's rows then repeat the KV heads, as its kernel has no GQA). Ends with fla's time /
+process. ``PHASES=1`` adds the forward's time per launch (UT transform, state walk, output) at 2K x 16 and
+32K x 1. ``HK=8`` runs GQA (fla's rows then repeat the KV heads, as its kernel has no GQA). Ends with fla's time /
 ours per length and variant.
 """
 import dataclasses
@@ -58,6 +59,23 @@ def variant(spec: bk.RowSpec, label: str) -> bk.RowSpec:
     return dataclasses.replace(spec, impl=f"ours {label}", what=f"{spec.what} {label}", build=build)
 
 
+def forward_phases() -> None:
+    """Each forward launch timed alone (bf16, H = 32, K = V = 128): where the forward's time goes."""
+    from triton.testing import do_bench
+
+    from linearize.kernels.delta_testing import NAMES, delta_inputs
+    for B, T in ((16, 2048), (1, 32768)):
+        inp = delta_inputs(B, T, 32, 32, 128, 128, dtype=torch.bfloat16, device="cuda", seed=1, state=False)
+        q, k, v, beta, lg = (inp[n] for n in NAMES)
+        lg = lg.float()
+        w, u, _ = TD._prep(k, v, beta, lg, store_t=False)
+        prep = do_bench(lambda: TD._prep(k, v, beta, lg, store_t=False))
+        walk = do_bench(lambda: TD._walk(k, w, u, lg, None, state_dtype=torch.bfloat16, want_final=False))
+        whole = do_bench(lambda: TD._fwd(q, k, v, beta, lg, None, 128 ** -0.5, False))
+        print(f"forward at T={bk.format_length(T)} x {B}: prep {prep:.3f} ms, walk {walk:.3f} ms, "
+              f"output {whole - prep - walk:.3f} ms, whole {whole:.3f} ms", flush=True)
+
+
 def main() -> None:
     tuning.ensure_applied(torch.device("cuda"))  # a saved tuning first, so that CONFIG's overrides stay on top
     TD.CONFIG.update(overrides(os.environ.get("CONFIG", "")))
@@ -80,6 +98,8 @@ def main() -> None:
                 a, b = ms.get((impl, T, p)), ms.get(("fla", T, p))
                 cells.append(f"{p} {a:.3f} ms" + (f" = {b / a:.2f}x" if a and b else "") if a else f"{p} -")
             print(f"  T={bk.format_length(T):<5} {impl:<32} " + ", ".join(cells))
+    if os.environ.get("PHASES") == "1":
+        forward_phases()
 
 
 if __name__ == "__main__":
