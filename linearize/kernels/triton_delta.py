@@ -5,7 +5,8 @@ fp32 pair, the chunk total its last element), ``gamma = e^c``, ``M = e^{c_i - c_
 before ``exp``), so no factor exceeds 1. The forward is three launches:
 
 1. ``_prep_kernel`` (chunk-parallel, per KV head): ``A = strict_lower(diag(beta) (K K^T) * M)``, the UT transform
-   ``T = (I + A)^{-1}`` by forward substitution in registers, ``w = T diag(beta gamma) K``, ``u = T diag(beta) V``;
+   ``T = (I + A)^{-1}`` by blocked forward substitution (16-row blocks, tensor-core products),
+   ``w = T diag(beta gamma) K``, ``u = T diag(beta) V``;
 2. ``_walk_kernel`` (one program per (value block, batch x KV head) walking the chunks): the state before each
    chunk ``S`` (stored), the chunk's new values ``U = u - w S`` (written over ``u``), ``S <- e^{c_last} S +
    (e^{c_last - c} K)^T U``;
@@ -85,15 +86,27 @@ def _chunk_decays(LG, row, mt, BT: tl.constexpr):
 
 
 @triton.jit
-def _unit_lower_inverse(A, BT: tl.constexpr):
-    """``(I + A)^{-1}`` of a strictly lower triangular ``A [BT, BT]`` (fp32) by forward substitution: row ``t`` is
-    ``e_t - sum_{j<t} A_tj row_j``, the rows before it already final."""
+def _unit_lower_inverse(A, BT: tl.constexpr, PREC: tl.constexpr):
+    """``(I + A)^{-1}`` of a strictly lower triangular ``A [BT, BT]`` (fp32) by blocked forward substitution, every
+    step a tensor-core product: the diagonal ``[SB, SB]`` blocks first (row ``t`` of each block is ``e_t - A_t.
+    Tm``, the block's earlier rows already final; all blocks at once), then each block row ``r`` below the first
+    as ``D_r^{-1} (E_r - A_r,<r T_<r)`` with ``D^{-1}`` the block-diagonal inverse. ``SB`` = 16 (the smallest
+    ``tl.dot`` side): 15 + 2 x (BT / 16 - 1) products instead of ``BT`` steps that each reduce a whole tile
+    across threads."""
+    SB: tl.constexpr = 16 if BT > 16 else BT
     ar = tl.arange(0, BT)
-    Tm = tl.zeros([BT, BT], dtype=tl.float32)
-    for t in range(BT):
-        a = tl.sum(tl.where(ar[:, None] == t, A, 0.0), 0)  # [BT]: row t of A (zero from column t on)
-        r = tl.where(ar == t, 1.0, -tl.sum(a[:, None] * Tm, 0))
-        Tm = tl.where(ar[:, None] == t, r[None, :], Tm)
+    blk = ar // SB
+    same = blk[:, None] == blk[None, :]
+    Ad = tl.where(same, A, 0.0)  # the diagonal blocks (strictly lower)
+    Dinv = tl.where(ar[:, None] == ar[None, :], 1.0, 0.0)
+    for t in range(1, SB):
+        sel = (ar % SB) == t  # row t of every block
+        Dinv = tl.where(sel[:, None], Dinv - dot32(tl.where(sel[:, None], Ad, 0.0), Dinv, PREC), Dinv)
+    Ao = tl.where(same, 0.0, A)  # below the diagonal blocks
+    Tm = Dinv
+    for r in range(1, BT // SB):
+        X = dot32(tl.where((blk == r)[:, None], Ao, 0.0), Tm, PREC)  # rows of block r: A_r,<r T_<r (else 0)
+        Tm = Tm - dot32(Dinv, X, PREC)
     return Tm
 
 
@@ -120,7 +133,7 @@ def _prep_kernel(
     beta = tl.load(BETA + row, mask=mt, other=0.0).to(tl.float32)
     gam, _, _, M = _chunk_decays(LG, row, mt, BT)
     A = tl.where(ar[:, None] > ar[None, :], mm(k, tl.trans(k), PREC) * M, 0.0) * beta[:, None]
-    Tm = _unit_lower_inverse(A, BT)
+    Tm = _unit_lower_inverse(A, BT, PREC)
     if STORE_T:
         N = tl.cdiv(T, BT)
         tl.store(TM + ((pbh.to(tl.int64) * N + i) * BT + ar[:, None]) * BT + ar[None, :], Tm)
