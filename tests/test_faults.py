@@ -331,6 +331,9 @@ def test_is_oom_recognises_each_kind():
     assert guards.is_oom(torch.OutOfMemoryError("CUDA out of memory"))
     assert guards.is_oom(MemoryError())
     assert guards.is_oom(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes"))
+    assert guards.is_oom(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"))
+    assert guards.memory_kind(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED")) == "GPU"
+    assert not guards.is_oom(RuntimeError("CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasSgemm`"))
     assert not guards.is_oom(RuntimeError("shape mismatch"))
     assert guards.memory_kind(MemoryError()) == "host" and guards.memory_kind(torch.OutOfMemoryError()) == "GPU"
 

@@ -49,13 +49,15 @@ SMALL_LAYER_SHARE = 0.01
 
 
 def is_oom(exc: BaseException) -> bool:
-    """True for an out-of-memory error: CUDA (``torch.OutOfMemoryError``), Python's ``MemoryError`` or
-    the CPU allocator's ``RuntimeError`` ("can't allocate memory")."""
+    """True for an out-of-memory error: CUDA (``torch.OutOfMemoryError``), Python's ``MemoryError``, the CPU
+    allocator's ``RuntimeError`` ("can't allocate memory") or cuBLAS failing to allocate its workspace
+    (``CUBLAS_STATUS_ALLOC_FAILED``, raised as a plain ``RuntimeError``)."""
     if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
         return True
     if isinstance(exc, RuntimeError):
         text = str(exc)
-        return "can't allocate memory" in text or "out of memory" in text.lower()
+        return ("can't allocate memory" in text or "out of memory" in text.lower()
+                or "CUBLAS_STATUS_ALLOC_FAILED" in text)
     return False
 
 
