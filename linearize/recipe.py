@@ -112,6 +112,10 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "mse_weight": Field(float, 1.0, "a number in [0, 1000]", lambda v: 0.0 <= v <= 1000.0),
         "xent_weight": Field(float, 0.0, "a number in [0, 1000] (0 = off)", lambda v: 0.0 <= v <= 1000.0),
         "xent_rows": Field(int, 64, "an integer in [1, 4096]", lambda v: 1 <= v <= 4096),
+        # sliding windows to train at, one drawn per optimizer step (linearize.train.distill.step_window); [] =
+        # attention.window throughout
+        "windows": Field(list, [], "a list of window widths, each an integer in [1, 4096] ([] = attention.window)",
+                         lambda v: all(type(w) is int and 1 <= w <= 4096 for w in v)),
         **_run_fields(),
     },
     "finetune": {
@@ -305,6 +309,9 @@ def _check_layer_type(values: dict[str, dict[str, Any]], where: Callable[[str], 
     gated delta layers the sliding window (they have none) and Hedgehog's attention-weight loss (no attention
     weights)."""
     att = values["attention"]
+    if values["distill"]["windows"] and not att["window"]:
+        raise RecipeError(f"{where('distill.windows')}distill.windows = {values['distill']['windows']}: the layers "
+                          f"have no sliding window to vary (attention.window is 0); set distill.windows=[]")
     if att["sinks"] and not att["window"]:
         raise RecipeError(f"{where('attention.sinks')}attention.sinks = {att['sinks']}: sinks join the sliding "
                           f"window's exact softmax, and attention.window is 0; set a window or attention.sinks=0")
@@ -357,6 +364,10 @@ def check_training(recipe: Recipe, stages: dict[str, Any], *, window: int | None
             raise RecipeError(f"attention.window = {win} is not shorter than {stage}.seq_len = {seq}: the window "
                               f"would cover every training sequence, so the linear part would never see a token; "
                               f"use --set {stage}.seq_len={max(2 * win, 64)} or a smaller window")
+        wide = [w for w in (cfg.get("windows") or []) if w >= seq]
+        if win and wide:
+            raise RecipeError(f"{stage}.windows holds {wide[0]}, not shorter than {stage}.seq_len = {seq}: at that "
+                              f"width the linear part would never see a token; use smaller windows")
         budget = parse_tokens(tokens if tokens is not None else cfg["tokens"])
         accum = cfg["grad_accum"] if stage == "finetune" else 1  # distill runs at least one (partial) step
         need = cfg["batch_size"] * seq * accum

@@ -57,6 +57,21 @@ def _recipe(corpus, **kw):
     return R.load("lolcats", over)
 
 
+def _uninterrupted_and_resumed(rec, monkeypatch, tmp_path):
+    """``(a, c, report)``: one hybrid distilled without a break, one interrupted after step 4 and resumed (a fresh
+    process would rebuild the model from the same surgery), and the resumed run's report."""
+    tok = _tokenizer()
+    a = _hybrid()
+    D.distill(a, tok, rec, state_dir=tmp_path / "a", progress=False, log=lambda m: None)
+    real_save = interrupt_after_save(monkeypatch, L, step=4)
+    with pytest.raises((KeyboardInterrupt, TrainingInterrupted)):
+        D.distill(_hybrid(), tok, rec, state_dir=tmp_path / "b", progress=False, log=lambda m: None)
+    monkeypatch.setattr(L, "_save_state", real_save)
+    c = _hybrid()
+    rep = D.distill(c, tok, rec, state_dir=tmp_path / "b", resume=True, progress=False, log=lambda m: None)
+    return a, c, rep
+
+
 def test_distill_lowers_heldout_mse(corpus, monkeypatch, tmp_path):
     monkeypatch.setenv("LINEARIZE_CACHE", str(tmp_path / "cache"))
     hybrid = _hybrid()
@@ -72,16 +87,7 @@ def test_resume_matches_uninterrupted(corpus, monkeypatch, tmp_path):
     monkeypatch.setenv("LINEARIZE_CACHE", str(tmp_path / "cache"))
     tok = _tokenizer()
     rec = _recipe(corpus, checkpoint_every=2)
-    a = _hybrid()
-    D.distill(a, tok, rec, state_dir=tmp_path / "a", progress=False, log=lambda m: None)
-
-    b = _hybrid()
-    real_save = interrupt_after_save(monkeypatch, L, step=4)
-    with pytest.raises((KeyboardInterrupt, TrainingInterrupted)):
-        D.distill(b, tok, rec, state_dir=tmp_path / "b", progress=False, log=lambda m: None)
-    monkeypatch.setattr(L, "_save_state", real_save)
-    c = _hybrid()  # a fresh process would rebuild the model from the same surgery
-    rep = D.distill(c, tok, rec, state_dir=tmp_path / "b", resume=True, progress=False, log=lambda m: None)
+    a, c, rep = _uninterrupted_and_resumed(rec, monkeypatch, tmp_path)
     assert rep["steps"] == 8
     for pa, pc in zip(a.state_dict().values(), c.state_dict().values()):
         assert torch.allclose(pa, pc, atol=1e-6)
@@ -200,3 +206,55 @@ def test_ctrl_c_during_the_optimizer_step_saves_a_whole_step(corpus, monkeypatch
     assert rep["steps"] == 8
     for pa, pc in zip(a.state_dict().values(), c.state_dict().values()):
         assert torch.allclose(pa, pc, atol=1e-6)
+
+
+def test_windows_are_drawn_per_step_and_the_layers_keep_their_own(corpus, monkeypatch, tmp_path):
+    """``distill.windows``: every step trains at the window its seed and index draw, the report lists them, and
+    the layers end at the recipe's window."""
+    monkeypatch.setenv("LINEARIZE_CACHE", str(tmp_path / "cache"))
+    rec = _recipe(corpus, windows=[2, 4, 8])
+    draws = [D.step_window(rec["distill"], s) for s in range(8)]
+    assert len(set(draws)) > 1 and set(draws) <= {2, 4, 8}
+    assert draws == [D.step_window(rec["distill"], s) for s in range(8)]  # the same again: seed and step alone
+    assert D.step_window(_recipe(corpus)["distill"], 0) is None
+    hybrid = _hybrid()
+    seen = []
+    for m in hybrid.linear_modules():
+        m.register_forward_pre_hook(lambda mod, *a: seen.append(mod.window) if mod.training else None)
+    report = D.distill(hybrid, _tokenizer(), rec, progress=False, log=lambda m: None)
+    per_step = len(hybrid.linear_modules())  # one training forward per step here (batch 2, one piece)
+    trained = seen[-8 * per_step:]  # the memory plan's measuring passes come first
+    assert trained == [w for w in draws for _ in range(per_step)]
+    assert report["windows"] == [2, 4, 8]
+    assert {m.window for m in hybrid.linear_modules()} == {8}
+
+
+def test_windows_resume_draws_the_same(corpus, monkeypatch, tmp_path):
+    monkeypatch.setenv("LINEARIZE_CACHE", str(tmp_path / "cache"))
+    tok = _tokenizer()
+    a, c, _ = _uninterrupted_and_resumed(_recipe(corpus, checkpoint_every=2, windows=[2, 8]), monkeypatch, tmp_path)
+    for pa, pc in zip(a.state_dict().values(), c.state_dict().values()):
+        assert torch.allclose(pa, pc, atol=1e-6)
+    # without the draws the same run ends elsewhere: the windows are what the steps trained at
+    d = _hybrid()
+    D.distill(d, tok, _recipe(corpus, checkpoint_every=2), state_dir=tmp_path / "d", progress=False,
+              log=lambda m: None)
+    assert any(not torch.allclose(pa, pd, atol=1e-6) for pa, pd in zip(a.state_dict().values(),
+                                                                       d.state_dict().values()))
+
+
+@pytest.mark.parametrize("value", [[0], [1.5], ["a"], [True], "64"])
+def test_windows_refuses_what_is_not_a_list_of_widths(value):
+    with pytest.raises(R.RecipeError, match="distill.windows"):
+        R.load("lolcats", {"distill.windows": value})
+
+
+def test_windows_need_a_window_and_a_longer_sequence(corpus):
+    with pytest.raises(R.RecipeError, match="no sliding window to vary"):
+        R.load("lolcats", {"attention.window": 0, "distill.windows": [64]})
+    with pytest.raises(R.RecipeError, match="distill.windows"):
+        R.load("gdn", {"distill.windows": [64]})
+    rec = _recipe(corpus, windows=[8, 64])
+    with pytest.raises(R.RecipeError, match="distill.windows holds 64, not shorter than distill.seq_len = 64"):
+        R.check_training(rec, {"distill": None})
+    R.check_training(_recipe(corpus, windows=[8, 32]), {"distill": None})

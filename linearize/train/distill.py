@@ -6,13 +6,17 @@ and its linear output from the same q, k, v. The loss is the mean over layers of
 normalized MSE ``|o_lin - o_soft|² / |o_soft|²`` on per-head outputs before ``o_proj``, so layers
 with large outputs do not dominate. Only feature maps and window mixing logits train. Each layer's loss is
 back-propagated as soon as that layer has run (:func:`backward_per_layer`), so a step holds one layer's
-graph. Optimizer, schedule, memory plan, checkpoints, resume and guards are the stage loop's
+graph. With ``distill.windows`` the sliding window's width is drawn per optimizer step from that list (the same
+draw for a given seed and step, so a resume repeats it), so the feature maps are fitted on every share of attention
+that lies beyond a window, not only the recipe's; the layers keep their own window after the stage.
+Optimizer, schedule, memory plan, checkpoints, resume and guards are the stage loop's
 (:mod:`linearize.train.loop`); its state here is ``distill-state.pt`` (step, trained parameters, optimizer, schedule).
 """
 
 from __future__ import annotations
 
 import contextlib
+import random
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -99,6 +103,28 @@ def evaluate_layers(model, ids: torch.Tensor, batch_size: int = 4) -> dict[str, 
     return {"mse": (raw / n).tolist(), "normalized_mse": (norm / n).tolist()}
 
 
+def step_window(cfg: dict[str, Any], step: int) -> int | None:
+    """The sliding window optimizer step ``step`` trains at: drawn from ``distill.windows`` by the seed and the
+    step alone (a resumed run draws the same), or None (the layers' own) when the list is empty."""
+    windows = cfg.get("windows") or []
+    return random.Random(f"{cfg['seed']}:{step}").choice(windows) if windows else None
+
+
+@contextlib.contextmanager
+def training_window(model, window: int | None) -> Iterator[None]:
+    """Every windowed linear layer of ``model`` at ``window`` tokens for the block (``None``: unchanged), then
+    back at its own."""
+    mods = [m for m in model.linear_modules() if window and getattr(m, "window", 0) > 0]
+    own = [m.window for m in mods]
+    for m in mods:
+        m.window = window
+    try:
+        yield
+    finally:
+        for m, w in zip(mods, own):
+            m.window = w
+
+
 class AttentionTransfer(Stage):
     """Stage 1 for the loop: the feature maps and window logits train (in fp32), each layer's loss is
     back-propagated during the forward, and the per-layer losses are checked and reported per layer. No DDP
@@ -106,19 +132,22 @@ class AttentionTransfer(Stage):
 
     name = "distill"
 
-    def __init__(self, model, cfg: dict[str, Any], params: list[torch.nn.Parameter]):
+    def __init__(self, model, cfg: dict[str, Any], params: list[torch.nn.Parameter],
+                 step: Callable[[], int] = lambda: 0):
         super().__init__(cfg, params, model, layers=[m.layer_idx for m in model.linear_modules()],
                          average_gradients=dist.world_size() > 1)
         self.model = model
         self.reduce = dist.all_reduce_mean if dist.world_size() > 1 else None
         self.autocast = model.device.type == "cuda"
+        self.step = step  # the optimizer step under way (the window draw's index)
 
     def micro(self, ids: torch.Tensor, parts: int) -> tuple[torch.Tensor, None]:
         """One distill-mode forward of ``ids`` [b, T], each layer's loss / (layers x ``parts``) back-propagated as
         it comes; returns this rank's per-layer losses [n_layers] (normalized by the global batch)."""
         cfg = self.cfg
         scale = 1.0 / (len(self.model.linear_modules()) * parts)
-        with backward_per_layer(self.model, scale, cfg["mse_weight"], cfg["xent_weight"], self.reduce) as losses:
+        with training_window(self.model, step_window(cfg, self.step())), \
+                backward_per_layer(self.model, scale, cfg["mse_weight"], cfg["xent_weight"], self.reduce) as losses:
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
                 # the losses are taken in the layers; logits_to_keep=1 skips the vocabulary projection
                 self.model(input_ids=ids, use_cache=False, logits_to_keep=1)
@@ -167,7 +196,8 @@ def distill(model, tokenizer, recipe, *, state_dir: Path | None = None, resume: 
     t_start = time.time()
     before = evaluate_layers(model, heldout)
     total_steps = max(1, num_batches(budget, seq_len, bsz) // accum)
-    stage = AttentionTransfer(model, cfg, params)
+    loop = None
+    stage = AttentionTransfer(model, cfg, params, step=lambda: loop.step if loop is not None else 0)
     loop = StageLoop(stage, state, total_steps, log=log)
     batches = packed_batches(tokenizer, cfg["data"], seq_len=seq_len, tokens=budget, batch_size=bsz,
                              seed=cfg["seed"], copy_fraction=cfg["copy_fraction"])
@@ -200,6 +230,7 @@ def _report(cfg: dict[str, Any], loop: StageLoop, before: dict[str, list[float]]
         "grad_accum": cfg["grad_accum"],
         "passes_per_micro_batch": max(1, loop.pieces),  # > 1: split to fit memory (linearize.train.memory)
         "copy_fraction": cfg["copy_fraction"],  # share of training rows with a long-range copy (0 = off)
+        "windows": list(cfg.get("windows") or []),  # sliding windows drawn per step ([]: the layers' own)
         "world_size": dist.world_size(),  # torchrun processes sharing each step's global batch
         "train_seconds": round(loop.train_seconds, 1), "total_seconds": round(seconds, 1),
         "tokens_per_second": round(loop.tokens_this_run / max(loop.train_seconds, 1e-9), 1),
