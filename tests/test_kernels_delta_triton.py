@@ -129,6 +129,13 @@ def test_forward_backward(T, heads, dims, dtype):
 
 
 @gpu
+@pytest.mark.parametrize("T", [130, 1024])
+def test_16bit_intermediates(T, monkeypatch):
+    monkeypatch.setitem(triton_delta.CONFIG, "fwd_inter_16bit", True)
+    check("triton", 2, T, 4, 2, 128, 128, torch.bfloat16, state=True, device=DEV)
+
+
+@gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_head_dim_256(dtype):
     """Gemma's head size: the walks' state tiles are [256, BV] (the backward walk's pipeline does not fit shared
@@ -257,6 +264,13 @@ def test_interp_decays(decay, small_chunks):
 
 
 @interp
+def test_interp_16bit_intermediates(small_chunks, monkeypatch):
+    """``fwd_inter_16bit``: the forward's w, u, U in bf16 stay within the bf16 tolerance (gradients: fp32 recompute)."""
+    monkeypatch.setitem(triton_delta.CONFIG, "fwd_inter_16bit", True)
+    check("triton", 2, 37, 4, 2, 16, 32, torch.bfloat16)
+
+
+@interp
 @pytest.mark.parametrize("bt", [32, 64])
 def test_interp_chunks_of(bt, monkeypatch):
     """Chunks of two and four 16-row blocks: the blocked inverse's off-diagonal steps."""
@@ -298,4 +312,4 @@ def test_delta_kernels_under_interpreter():
     assert res.returncode == 0, tail
     last = res.stdout.strip().splitlines()[-1]
     assert " passed" in last and "failed" not in last and "error" not in last, tail
-    assert int(last.split(" passed")[0].split()[-1]) == 19, tail  # every interp test ran
+    assert int(last.split(" passed")[0].split()[-1]) == 20, tail  # every interp test ran

@@ -53,6 +53,10 @@ CONFIG = {  # launch configuration: untuned; registers and spills from an offlin
     # the forward's chunk states in fp32 instead of the inputs' dtype: twice the bytes of its largest intermediate,
     # bf16 outputs 3.9e-3 instead of 5.8e-3 off float64 under the interpreter (its bf16 output alone: 3.3e-3)
     "fwd_states_fp32": False,
+    # the forward's w, u and U in the inputs' 16-bit dtype instead of fp32 (as fla keeps them): half the bytes the
+    # walk and output kernels read and write, most of the forward's traffic; the state moves by the unrounded U, so
+    # only this chunk's outputs see the rounding; the backward recomputes them in fp32 either way. Off until timed
+    "fwd_inter_16bit": False,
 }
 
 
@@ -113,7 +117,7 @@ def _unit_lower_inverse(A, BT: tl.constexpr, PREC: tl.constexpr):
 @triton.jit
 def _prep_kernel(
     Kp, Vp, BETA, LG,  # k [B,T,HK,K], v [B,T,HK,V], beta [B,T,HK], log decays [B,T,HK] fp32
-    W, U, TM,  # w [B,T,HK,K] fp32, u [B,T,HK,V] fp32, STORE_T: T [B,HK,N,BT,BT] fp32
+    W, U, TM,  # w [B,T,HK,K], u [B,T,HK,V] (fp32; 16-bit under fwd_inter_16bit), STORE_T: T [B,HK,N,BT,BT] fp32
     T, HK,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NV_BLK: tl.constexpr,
     STORE_T: tl.constexpr, PREC: tl.constexpr,
@@ -138,18 +142,20 @@ def _prep_kernel(
         N = tl.cdiv(T, BT)
         tl.store(TM + ((pbh.to(tl.int64) * N + i) * BT + ar[:, None]) * BT + ar[None, :], Tm)
     kb = k.to(tl.float32) * (beta * gam)[:, None]
-    tl.store(W + row[:, None] * K + ok[None, :], dot32(Tm, kb, PREC), mask=mt[:, None] & mk[None, :])
+    tl.store(W + row[:, None] * K + ok[None, :], dot32(Tm, kb, PREC).to(W.dtype.element_ty),
+             mask=mt[:, None] & mk[None, :])
     for vb in tl.static_range(NV_BLK):
         ov = vb * BV + tl.arange(0, BV)
         mv = ov < V
         v = tl.load(Vp + row[:, None] * V + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
-        tl.store(U + row[:, None] * V + ov[None, :], dot32(Tm, v.to(tl.float32) * beta[:, None], PREC),
+        tl.store(U + row[:, None] * V + ov[None, :],
+                 dot32(Tm, v.to(tl.float32) * beta[:, None], PREC).to(U.dtype.element_ty),
                  mask=mt[:, None] & mv[None, :])
 
 
 @triton.jit
 def _walk_kernel(
-    Kp, W, U, LG,  # k [B,T,HK,K], w [B,T,HK,K] fp32, u [B,T,HK,V] fp32 (overwritten with U = u - w S), log decays
+    Kp, W, U, LG,  # k [B,T,HK,K], w [B,T,HK,K], u [B,T,HK,V] (becomes U = u - w S; fp32 or 16-bit), log decays
     INIT, HS, FIN,  # initial state [B,HK,K,V] fp32; states before each chunk [B,HK,N,K,V]; final state fp32
     T, HK,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
@@ -180,10 +186,10 @@ def _walk_kernel(
         mt = ot < T
         row = (b.to(tl.int64) * T + ot) * HK + hk
         _, wk, keep, _ = _chunk_decays(LG, row, mt, BT)
-        w = tl.load(W + row[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+        w = tl.load(W + row[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0).to(tl.float32)
         up = U + row[:, None] * V + ov[None, :]
-        new = tl.load(up, mask=mt[:, None] & mv[None, :], other=0.0) - dot32(w, S, PREC)
-        tl.store(up, new, mask=mt[:, None] & mv[None, :])
+        new = tl.load(up, mask=mt[:, None] & mv[None, :], other=0.0).to(tl.float32) - dot32(w, S, PREC)
+        tl.store(up, new.to(U.dtype.element_ty), mask=mt[:, None] & mv[None, :])  # the state moves by fp32 U
         k = tl.load(Kp + row[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
         kd = k.to(tl.float32) * wk[:, None]  # keys decayed to the chunk's end
         S = S * keep + dot32(tl.trans(kd), new, PREC)
@@ -193,7 +199,7 @@ def _walk_kernel(
 
 @triton.jit
 def _out_kernel(
-    Q, Kp, U, HS, LG, O,  # q [B,T,H,K], k, U [B,T,HK,V] fp32, states [B,HK,N,K,V], log decays, o [B,T,H,V]
+    Q, Kp, U, HS, LG, O,  # q [B,T,H,K], k, U [B,T,HK,V] (fp32 or 16-bit), states [B,HK,N,K,V], log decays, o [B,T,H,V]
     T, H, HK, scale,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr,
     S32: tl.constexpr,
@@ -222,7 +228,7 @@ def _out_kernel(
     k = tl.load(Kp + krow[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
     S = tl.load(HS + ((b * HK + hk).to(tl.int64) * N + i) * K * V + ok[:, None] * V + ov[None, :],
                 mask=mk[:, None] & mv[None, :], other=0.0)
-    new = tl.load(U + krow[:, None] * V + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
+    new = tl.load(U + krow[:, None] * V + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.0).to(tl.float32)
     if S32:
         o = dot32(q.to(tl.float32), S, PREC)
     else:
@@ -475,15 +481,16 @@ def _blocks(key: str, V: int) -> int:
     return pow2(min(int(CONFIG[key]), pow2(V)))
 
 
-def _prep(k, v, beta, lg, *, store_t):
-    """``w``, ``u`` (fp32) and, with ``store_t``, the UT transforms ``[B, HK, N, BT, BT]``."""
+def _prep(k, v, beta, lg, *, store_t, dtype=torch.float32):
+    """``w``, ``u`` (in ``dtype``: fp32, or the inputs' 16-bit dtype for the forward under ``fwd_inter_16bit``) and,
+    with ``store_t``, the UT transforms ``[B, HK, N, BT, BT]``."""
     B, T, HK, K = k.shape
     V = v.shape[-1]
     BT = CONFIG["bt"]
     N = triton.cdiv(T, BT)
     dev = k.device
-    w = new_empty((B, T, HK, K), dtype=torch.float32, device=dev)
-    u = new_empty((B, T, HK, V), dtype=torch.float32, device=dev)
+    w = new_empty((B, T, HK, K), dtype=dtype, device=dev)
+    u = new_empty((B, T, HK, V), dtype=dtype, device=dev)
     Tm = new_empty((B, HK, N, BT, BT), dtype=torch.float32, device=dev) if store_t else None
     BV = min(pow2(V), 64)
     launch(_prep_kernel, (N, B * HK), k, v, beta, lg, w, u, Tm if store_t else w, T, HK,
@@ -512,7 +519,8 @@ def _fwd(q, k, v, beta, lg, S0, scale, want_final):
     B, T, H, K = q.shape
     V = v.shape[-1]
     BT = CONFIG["bt"]
-    w, u, _ = _prep(k, v, beta, lg, store_t=False)
+    low = bool(CONFIG["fwd_inter_16bit"]) and k.dtype in (torch.bfloat16, torch.float16)
+    w, u, _ = _prep(k, v, beta, lg, store_t=False, dtype=k.dtype if low else torch.float32)
     s32 = bool(CONFIG["fwd_states_fp32"]) or k.dtype == torch.float32
     hs, fin = _walk(k, w, u, lg, S0, state_dtype=torch.float32 if s32 else k.dtype, want_final=want_final)
     o = new_empty((B, T, H, V), dtype=v.dtype, device=q.device)
