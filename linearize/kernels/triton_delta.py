@@ -92,8 +92,9 @@ def _chunk_decays(LG, row, mt, BT: tl.constexpr):
 @triton.jit
 def _unit_lower_inverse(A, BT: tl.constexpr, PREC: tl.constexpr):
     """``(I + A)^{-1}`` of a strictly lower triangular ``A [BT, BT]`` (fp32) by blocked forward substitution, each
-    step a ``tl.dot`` (tensor cores for 16-bit inputs): the diagonal ``[SB, SB]`` blocks first (row ``t`` of each block is ``e_t - A_t.
-    Tm``, the block's earlier rows already final; all blocks at once), then each block row ``r`` below the first
+    step a ``tl.dot`` (tensor cores for 16-bit inputs): the diagonal ``[SB, SB]`` blocks first (row ``t`` of each
+    block is ``e_t - A_t. Tm``, the block's earlier rows already final; all blocks at once), then each block row
+    ``r`` below the first
     as ``D_r^{-1} (E_r - A_r,<r T_<r)`` with ``D^{-1}`` the block-diagonal inverse. ``SB`` = 16 (the smallest
     ``tl.dot`` side): 15 + 2 x (BT / 16 - 1) products instead of ``BT`` steps that each reduce a whole tile
     across threads."""
