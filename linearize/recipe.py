@@ -56,6 +56,10 @@ def _training_fields(lr: float) -> dict[str, Field]:
                       "hf:NAME[:CONFIG][:SPLIT], or a mixture SPEC:WEIGHT,SPEC:WEIGHT (or a list of {data, weight})"),
         "tokens": Field((str, int), "2M", "a token budget > 0 such as 256K, 20M, 1B", _positive_tokens),
         "seq_len": Field(int, 512, "an integer in [16, 65536]", lambda v: 16 <= v <= 65536),
+        # row lengths to train at, one drawn per optimizer step (linearize.train.loop.step_length): each step's
+        # seq_len rows are cut into rows of that length, the same tokens; [] = seq_len throughout
+        "lengths": Field(list, [], "a list of row lengths, each an integer in [16, 65536] that divides seq_len "
+                         "([] = seq_len)", lambda v: all(type(n) is int and 16 <= n <= 65536 for n in v)),
         "batch_size": Field(int, 4, "an integer in [1, 4096]", lambda v: 1 <= v <= 4096),
         "grad_accum": Field(int, 1, "an integer in [1, 1024]", lambda v: 1 <= v <= 1024),
         # share of training rows given a long-range exact copy (linearize.data.augment.copy_augment); held-out
@@ -364,6 +368,15 @@ def check_training(recipe: Recipe, stages: dict[str, Any], *, window: int | None
             raise RecipeError(f"attention.window = {win} is not shorter than {stage}.seq_len = {seq}: the window "
                               f"would cover every training sequence, so the linear part would never see a token; "
                               f"use --set {stage}.seq_len={max(2 * win, 64)} or a smaller window")
+        lengths = list(cfg.get("lengths") or [])
+        odd = [n for n in lengths if seq % n]
+        if odd:
+            raise RecipeError(f"{stage}.lengths holds {odd[0]}, which does not divide {stage}.seq_len = {seq}: each "
+                              f"step cuts its rows into rows of a drawn length; use divisors of {seq}")
+        short = [n for n in lengths if win and win >= n]
+        if short:
+            raise RecipeError(f"{stage}.lengths holds {short[0]}, not longer than attention.window = {win}: rows that "
+                              f"short would never reach the linear part; use longer rows or a smaller window")
         wide = [w for w in (cfg.get("windows") or []) if w >= seq]
         if win and wide:
             raise RecipeError(f"{stage}.windows holds {wide[0]}, not shorter than {stage}.seq_len = {seq}: at that "

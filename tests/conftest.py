@@ -173,3 +173,17 @@ def recorded_crops():
     finally:
         for cls, crop in real.items():
             cls.crop = crop
+
+
+def spy_micro_shapes(monkeypatch, stage_cls) -> list:
+    """The shapes of the ``ids`` every ``stage_cls.micro`` pass gets (a training stage of linearize.train), in
+    order, as a list filled while the stage runs."""
+    shapes = []
+    real = stage_cls.micro
+
+    def spy(self, ids, parts):
+        shapes.append(tuple(ids.shape))
+        return real(self, ids, parts)
+
+    monkeypatch.setattr(stage_cls, "micro", spy)
+    return shapes

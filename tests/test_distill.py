@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import char_tokenizer, tiny_model
+from conftest import char_tokenizer, spy_micro_shapes, tiny_model
 from linearize import recipe as R
 from linearize.errors import TrainingError, TrainingInterrupted
 from linearize.convert.selection import select_layout
@@ -258,3 +258,27 @@ def test_windows_need_a_window_and_a_longer_sequence(corpus):
     with pytest.raises(R.RecipeError, match="distill.windows holds 64, not shorter than distill.seq_len = 64"):
         R.check_training(rec, {"distill": None})
     R.check_training(_recipe(corpus, windows=[8, 32]), {"distill": None})
+
+
+def test_lengths_cut_each_steps_rows_to_the_drawn_length(corpus, monkeypatch, tmp_path):
+    """``distill.lengths``: every step's rows are cut to the length its seed and index draw (the same tokens)."""
+    monkeypatch.setenv("LINEARIZE_CACHE", str(tmp_path / "cache"))
+    rec = _recipe(corpus, lengths=[16, 32, 64])
+    draws = [L.step_length(rec["distill"], s) for s in range(8)]
+    assert len(set(draws)) > 1 and draws == [L.step_length(rec["distill"], s) for s in range(8)]
+    assert L.step_length(_recipe(corpus)["distill"], 0) is None
+    shapes = spy_micro_shapes(monkeypatch, D.AttentionTransfer)
+    report = D.distill(_hybrid(), _tokenizer(), rec, progress=False, log=lambda m: None)
+    assert shapes[-8:] == [(2 * 64 // n, n) for n in draws]  # after the memory plan's measuring passes
+    assert report["lengths"] == [16, 32, 64] and report["tokens"] == 8 * 2 * 64
+
+
+def test_lengths_must_divide_the_row_and_pass_the_window(corpus):
+    with pytest.raises(R.RecipeError, match="distill.lengths"):
+        R.load("lolcats", {"distill.lengths": [8]})  # below 16
+    with pytest.raises(R.RecipeError, match="distill.lengths holds 48, which does not divide distill.seq_len = 64"):
+        R.check_training(_recipe(corpus, lengths=[48, 64]), {"distill": None})
+    with pytest.raises(R.RecipeError, match="not longer than attention.window = 16"):
+        R.check_training(R.load("lolcats", {"attention.window": 16, "distill.data": corpus, "distill.seq_len": 64,
+                                            "distill.lengths": [16, 64]}), {"distill": None})
+    R.check_training(_recipe(corpus, lengths=[16, 64]), {"distill": None})

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import spy_micro_shapes, tiny_model
 from linearize import recipe as R
 from linearize.errors import TrainingError, TrainingInterrupted
 from linearize.model.modeling import LinearizeForCausalLM
@@ -328,3 +328,18 @@ def test_all_softmax_model_is_skipped(corpus):
     assert not hybrid.config.linear_layers
     out, rep = FT.finetune(hybrid, _tokenizer(), _recipe(corpus), **QUIET)
     assert "skipped" in rep and out is hybrid
+
+
+@pytest.mark.parametrize("loss", ["xent", "kl"])
+def test_lengths_train_each_step_at_its_drawn_row_length(corpus, monkeypatch, loss):
+    """``finetune.lengths``: both losses take the cut rows (the same tokens), and the run still learns."""
+    from linearize.train import loop as L
+
+    rec = _recipe(corpus, steps=12, lengths=[16, 64], loss=loss, lr=3e-3)
+    shapes = spy_micro_shapes(monkeypatch, FT.LoRA)
+    out, rep = FT.finetune(_hybrid(sharp=True), _tokenizer(), rec, loss=loss, **QUIET)
+    draws = [L.step_length(rec["finetune"], s) for s in range(12)]
+    assert len(set(draws)) == 2 and shapes[-12:] == [(2 * 64 // n, n) for n in draws]
+    assert rep["lengths"] == [16, 64] and rep["tokens"] == 12 * 2 * 64
+    key = "heldout_ppl" if loss == "xent" else "heldout_kl"
+    assert rep[f"{key}_end"] < rep[f"{key}_start"]

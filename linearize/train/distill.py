@@ -16,7 +16,6 @@ Optimizer, schedule, memory plan, checkpoints, resume and guards are the stage l
 from __future__ import annotations
 
 import contextlib
-import random
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -26,7 +25,7 @@ import torch
 from .. import distributed as dist
 from ..data.packing import heldout_sequences, num_batches, packed_batches
 from ..units import parse_tokens
-from .loop import Stage, StageLoop, open_state
+from .loop import Stage, StageLoop, open_state, step_choice
 
 STATE_FILE = "distill-state.pt"
 
@@ -106,8 +105,7 @@ def evaluate_layers(model, ids: torch.Tensor, batch_size: int = 4) -> dict[str, 
 def step_window(cfg: dict[str, Any], step: int) -> int | None:
     """The sliding window optimizer step ``step`` trains at: drawn from ``distill.windows`` by the seed and the
     step alone (a resumed run draws the same), or None (the layers' own) when the list is empty."""
-    windows = cfg.get("windows") or []
-    return random.Random(f"{cfg['seed']}:{step}").choice(windows) if windows else None
+    return step_choice(list(cfg.get("windows") or []), cfg["seed"], step, "window")
 
 
 @contextlib.contextmanager
@@ -231,6 +229,7 @@ def _report(cfg: dict[str, Any], loop: StageLoop, before: dict[str, list[float]]
         "passes_per_micro_batch": max(1, loop.pieces),  # > 1: split to fit memory (linearize.train.memory)
         "copy_fraction": cfg["copy_fraction"],  # share of training rows with a long-range copy (0 = off)
         "windows": list(cfg.get("windows") or []),  # sliding windows drawn per step ([]: the layers' own)
+        "lengths": list(cfg.get("lengths") or []),  # row lengths drawn per step ([]: seq_len)
         "world_size": dist.world_size(),  # torchrun processes sharing each step's global batch
         "train_seconds": round(loop.train_seconds, 1), "total_seconds": round(seconds, 1),
         "tokens_per_second": round(loop.tokens_this_run / max(loop.train_seconds, 1e-9), 1),

@@ -14,7 +14,9 @@ and its part of the resumable state. :class:`StageLoop` does the rest the same w
 - the guards (:mod:`.guards`): a non-finite or exploding loss and a non-finite gradient stop the run before the
   update; Ctrl-C and out of memory save the state as of the last completed step; an optimizer step is never cut
   in half;
-- a resumable state every ``checkpoint_every`` steps and at the end, and a progress line per step.
+- a resumable state every ``checkpoint_every`` steps and at the end, and a progress line per step;
+- with the stage's ``lengths``, each step's rows cut into rows of a length drawn by the seed and the step
+  (:func:`step_length`): the same tokens, trained at several context lengths.
 
 The state file (``distill-state.pt`` / ``finetune-state.pt`` in a folder beside the output) records the settings
 fingerprint (:func:`fingerprint`): ``resume=True`` continues from it only when the model, the recipe's math, the
@@ -29,6 +31,7 @@ import hashlib
 import itertools
 import json
 import math
+import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,9 +51,24 @@ from .memory import plan_pieces
 NOT_FINGERPRINTED = ("checkpoint_every", "activation_checkpointing", "max_loss_ratio")
 #: fields added after states were first written: fingerprinted only when set to something else than this value
 #: (what every run did before they existed), so those states still resume
-ADDED_LATER = {"copy_fraction": 0, "layers": "linear", "windows": []}
+ADDED_LATER = {"copy_fraction": 0, "layers": "linear", "windows": [], "lengths": []}
 #: history entries a run keeps (the report's ``history``)
 HISTORY = 200
+
+
+# ----------------------------------------------------------------------------------------- per-step draws
+
+
+def step_choice(values: list, seed: int, step: int, what: str):
+    """One of ``values`` for optimizer step ``step``, drawn by the seed, the step and ``what`` alone (so a resumed
+    run draws the same), or None when ``values`` is empty."""
+    return random.Random(f"{seed}:{what}:{step}").choice(values) if values else None
+
+
+def step_length(cfg: dict[str, Any], step: int) -> int | None:
+    """The row length step ``step`` trains at: drawn from the stage's ``lengths`` (each divides ``seq_len``), or
+    None (``seq_len``) when the list is empty."""
+    return step_choice(list(cfg.get("lengths") or []), cfg["seed"], step, "length")
 
 
 # ----------------------------------------------------------------------------------------- settings
@@ -322,8 +340,11 @@ class StageLoop:
             self.opt.zero_grad(set_to_none=True)
             self._t_train += time.time() - t_plan  # measuring is not training time
         out = []
+        length = step_length(stage.cfg, self.step)
         for j, piece in enumerate(rows.chunk(self.pieces)):
             sync = last and j == self.pieces - 1  # DDP averages the gradients over ranks after the step's last pass
+            if length and length != piece.shape[1]:
+                piece = piece.reshape(-1, length)  # [b, T] -> [b T / length, length]: the same tokens
             with stage.no_sync() if not sync else contextlib.nullcontext():
                 local, pending = stage.micro(piece, accum * self.pieces)
                 loss = dist.all_reduce_mean(local)  # the global batch's
