@@ -368,16 +368,15 @@ def check_training(recipe: Recipe, stages: dict[str, Any], *, window: int | None
             raise RecipeError(f"attention.window = {win} is not shorter than {stage}.seq_len = {seq}: the window "
                               f"would cover every training sequence, so the linear part would never see a token; "
                               f"use --set {stage}.seq_len={max(2 * win, 64)} or a smaller window")
-        lengths = list(cfg.get("lengths") or [])
-        odd = [n for n in lengths if seq % n]
+        odd = [n for n in cfg["lengths"] if seq % n]
         if odd:
             raise RecipeError(f"{stage}.lengths holds {odd[0]}, which does not divide {stage}.seq_len = {seq}: each "
                               f"step cuts its rows into rows of a drawn length; use divisors of {seq}")
-        short = [n for n in lengths if win and win >= n]
+        short = [n for n in cfg["lengths"] if win and win >= n]
         if short:
             raise RecipeError(f"{stage}.lengths holds {short[0]}, not longer than attention.window = {win}: rows that "
                               f"short would never reach the linear part; use longer rows or a smaller window")
-        wide = [w for w in (cfg.get("windows") or []) if w >= seq]
+        wide = [w for w in cfg.get("windows", ()) if w >= seq]  # distill only
         if win and wide:
             raise RecipeError(f"{stage}.windows holds {wide[0]}, not shorter than {stage}.seq_len = {seq}: at that "
                               f"width the linear part would never see a token; use smaller windows")

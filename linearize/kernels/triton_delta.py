@@ -94,10 +94,9 @@ def _unit_lower_inverse(A, BT: tl.constexpr, PREC: tl.constexpr):
     """``(I + A)^{-1}`` of a strictly lower triangular ``A [BT, BT]`` (fp32) by blocked forward substitution, each
     step a ``tl.dot`` (tensor cores for 16-bit inputs): the diagonal ``[SB, SB]`` blocks first (row ``t`` of each
     block is ``e_t - A_t. Tm``, the block's earlier rows already final; all blocks at once), then each block row
-    ``r`` below the first
-    as ``D_r^{-1} (E_r - A_r,<r T_<r)`` with ``D^{-1}`` the block-diagonal inverse. ``SB`` = 16 (the smallest
-    ``tl.dot`` side): 15 + 2 x (BT / 16 - 1) products instead of ``BT`` steps that each reduce a whole tile
-    across threads."""
+    ``r`` below the first as ``D_r^{-1} (E_r - A_r,<r T_<r)`` with ``D^{-1}`` the block-diagonal inverse. ``SB`` =
+    16 (the smallest ``tl.dot`` side): 15 + 2 x (BT / 16 - 1) products instead of ``BT`` steps that each reduce a
+    whole tile across threads."""
     SB: tl.constexpr = 16 if BT > 16 else BT
     ar = tl.arange(0, BT)
     blk = ar // SB

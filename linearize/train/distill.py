@@ -105,7 +105,7 @@ def evaluate_layers(model, ids: torch.Tensor, batch_size: int = 4) -> dict[str, 
 def step_window(cfg: dict[str, Any], step: int) -> int | None:
     """The sliding window optimizer step ``step`` trains at: drawn from ``distill.windows`` by the seed and the
     step alone (a resumed run draws the same), or None (the layers' own) when the list is empty."""
-    return step_choice(list(cfg.get("windows") or []), cfg["seed"], step, "window")
+    return step_choice(cfg["windows"], cfg["seed"], step, "window")
 
 
 @contextlib.contextmanager
@@ -130,21 +130,19 @@ class AttentionTransfer(Stage):
 
     name = "distill"
 
-    def __init__(self, model, cfg: dict[str, Any], params: list[torch.nn.Parameter],
-                 step: Callable[[], int] = lambda: 0):
+    def __init__(self, model, cfg: dict[str, Any], params: list[torch.nn.Parameter]):
         super().__init__(cfg, params, model, layers=[m.layer_idx for m in model.linear_modules()],
                          average_gradients=dist.world_size() > 1)
         self.model = model
         self.reduce = dist.all_reduce_mean if dist.world_size() > 1 else None
         self.autocast = model.device.type == "cuda"
-        self.step = step  # the optimizer step under way (the window draw's index)
 
     def micro(self, ids: torch.Tensor, parts: int) -> tuple[torch.Tensor, None]:
         """One distill-mode forward of ``ids`` [b, T], each layer's loss / (layers x ``parts``) back-propagated as
         it comes; returns this rank's per-layer losses [n_layers] (normalized by the global batch)."""
         cfg = self.cfg
         scale = 1.0 / (len(self.model.linear_modules()) * parts)
-        with training_window(self.model, step_window(cfg, self.step())), \
+        with training_window(self.model, step_window(cfg, self.step)), \
                 backward_per_layer(self.model, scale, cfg["mse_weight"], cfg["xent_weight"], self.reduce) as losses:
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
                 # the losses are taken in the layers; logits_to_keep=1 skips the vocabulary projection
@@ -194,8 +192,7 @@ def distill(model, tokenizer, recipe, *, state_dir: Path | None = None, resume: 
     t_start = time.time()
     before = evaluate_layers(model, heldout)
     total_steps = max(1, num_batches(budget, seq_len, bsz) // accum)
-    loop = None
-    stage = AttentionTransfer(model, cfg, params, step=lambda: loop.step if loop is not None else 0)
+    stage = AttentionTransfer(model, cfg, params)
     loop = StageLoop(stage, state, total_steps, log=log)
     batches = packed_batches(tokenizer, cfg["data"], seq_len=seq_len, tokens=budget, batch_size=bsz,
                              seed=cfg["seed"], copy_fraction=cfg["copy_fraction"])
@@ -228,8 +225,8 @@ def _report(cfg: dict[str, Any], loop: StageLoop, before: dict[str, list[float]]
         "grad_accum": cfg["grad_accum"],
         "passes_per_micro_batch": max(1, loop.pieces),  # > 1: split to fit memory (linearize.train.memory)
         "copy_fraction": cfg["copy_fraction"],  # share of training rows with a long-range copy (0 = off)
-        "windows": list(cfg.get("windows") or []),  # sliding windows drawn per step ([]: the layers' own)
-        "lengths": list(cfg.get("lengths") or []),  # row lengths drawn per step ([]: seq_len)
+        "windows": list(cfg["windows"]),  # sliding windows drawn per step ([]: the layers' own)
+        "lengths": list(cfg["lengths"]),  # row lengths drawn per step ([]: seq_len)
         "world_size": dist.world_size(),  # torchrun processes sharing each step's global batch
         "train_seconds": round(loop.train_seconds, 1), "total_seconds": round(seconds, 1),
         "tokens_per_second": round(loop.tokens_this_run / max(loop.train_seconds, 1e-9), 1),

@@ -428,7 +428,7 @@ def finetune(model, tokenizer, recipe, *, state_dir: Path | None = None, resume:
         "passes_per_micro_batch": max(1, loop.pieces),  # > 1: split to fit memory (linearize.train.memory)
         "activation_checkpointing": checkpointed,  # the recipe's true, or auto when one row did not fit
         "copy_fraction": cfg["copy_fraction"],  # share of training rows with a long-range copy (0 = off)
-        "lengths": list(cfg.get("lengths") or []),  # row lengths drawn per step ([]: seq_len)
+        "lengths": list(cfg["lengths"]),  # row lengths drawn per step ([]: seq_len)
         "lora": {"r": cfg["lora_r"], "alpha": cfg["lora_alpha"], "dropout": cfg["lora_dropout"],
                  "targets": list(cfg["targets"]), "layers": layers, "target_modules": target_regex,
                  "trainable_params": n_trainable},

@@ -68,7 +68,7 @@ def step_choice(values: list, seed: int, step: int, what: str):
 def step_length(cfg: dict[str, Any], step: int) -> int | None:
     """The row length step ``step`` trains at: drawn from the stage's ``lengths`` (each divides ``seq_len``), or
     None (``seq_len``) when the list is empty."""
-    return step_choice(list(cfg.get("lengths") or []), cfg["seed"], step, "length")
+    return step_choice(cfg["lengths"], cfg["seed"], step, "length")
 
 
 # ----------------------------------------------------------------------------------------- settings
@@ -233,6 +233,7 @@ class Stage(abc.ABC):
         layers: the layer index of each loss :meth:`micro` returns, or None for one loss.
         lean: ``(what, switch_on)``, a leaner mode the memory plan turns on when one row does not fit, or None.
         average_gradients: average the gradients over torchrun ranks once per step (no DDP wrapper does it).
+        step: the optimizer step under way (0-based), set by the loop before each pass (a per-step draw's index).
     """
 
     name: str
@@ -243,6 +244,7 @@ class Stage(abc.ABC):
         self.cfg, self.params = cfg, params
         self.device, self.dtype = model.device, next(model.parameters()).dtype
         self.layers, self.lean, self.average_gradients = layers, lean, average_gradients
+        self.step = 0
 
     @abc.abstractmethod
     def micro(self, ids: torch.Tensor, parts: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -340,6 +342,7 @@ class StageLoop:
             self.opt.zero_grad(set_to_none=True)
             self._t_train += time.time() - t_plan  # measuring is not training time
         out = []
+        stage.step = self.step
         length = step_length(stage.cfg, self.step)
         for j, piece in enumerate(rows.chunk(self.pieces)):
             sync = last and j == self.pieces - 1  # DDP averages the gradients over ranks after the step's last pass
