@@ -13,7 +13,7 @@ from linearize.convert import probe as P
 from linearize import recipe as R
 from linearize.errors import LinearizeError, SelectionError
 from linearize.convert.plan import LayoutOptions, RunOptions, TrainingOptions
-from linearize.convert.selection import (FULL, check_select, choose_softmax_layers, parse_kv_budget, retrieval_seats,
+from linearize.convert.selection import (FULL, ablation_seats, check_select, choose_softmax_layers, parse_kv_budget, retrieval_seats,
                                          selection_boundary, softmax_count_for_budget, softmax_count_from_ratio)
 
 
@@ -115,6 +115,14 @@ def test_combine_scores_and_choice():
     assert retrieval_seats(att, 4, 0.5) == [2, 3] and retrieval_seats(att, 3, 0.5) == [2, 3]  # ties: lower index
     assert retrieval_seats(att, 1, 0.5) == [2] and retrieval_seats(att, 7, 1.0) == [1, 2, 3, 4, 5]  # only > 0
     assert retrieval_seats(att, 4, 0.0) == [] and retrieval_seats(None, 4, 0.5) == []
+    # ablation seats: ceil(share x count) more by the single-layer passkey loss rise, after the retrieval seats
+    rise = [0.3, 0.01, 0.5, -0.2, float("nan"), 0.3]
+    assert ablation_seats(rise, 4, 0.25) == [2] and ablation_seats(rise, 4, 0.5) == [0, 2]
+    assert ablation_seats(rise, 4, 0.5, [2, 3]) == [0, 5]  # the next ones besides the taken seats; ties: lower index
+    assert ablation_seats(rise, 3, 1.0, [2]) == [0, 5]  # never more than the seats left
+    assert ablation_seats(rise, 8, 1.0) == [0, 1, 2, 5]  # only a rise > 0 (not noise, not a failed measurement)
+    assert ablation_seats(rise, 2, 0.5, [0, 2]) == [] and ablation_seats(rise, 4, 0.0) == []
+    assert ablation_seats(None, 4, 0.5) == []
     scores = [0.5, 0.1, 0.05, 0.3, 0.02, 0.03]
     assert choose_softmax_layers(scores, 3, [2, 4]) == [0, 2, 4]  # the one free seat: the best score
     edge = selection_boundary(scores, 3, [2, 4])  # free seats are judged among the other layers: 0 vs 3
@@ -123,6 +131,8 @@ def test_combine_scores_and_choice():
         choose_softmax_layers(scores, 1, [2, 4])
     with pytest.raises(LinearizeError, match="select.retrieval_seats"):
         R.load("lolcats", {"select.retrieval_seats": 1.5})
+    with pytest.raises(LinearizeError, match="select.ablation_seats"):
+        R.load("lolcats", {"select.ablation_seats": -0.1})
     with pytest.raises(SelectionError, match="all 0"):
         P.score_weights(R.load("lolcats", {"select.mse_weight": 0, "select.loss_weight": 0,
                                            "select.retrieval_weight": 0, "select.attention_weight": 0}))
@@ -138,9 +148,15 @@ def test_plan_probe_tokens():
     base = {"distill.seq_len": 64, "distill.eval_seqs": 2, "select.retrieval_length": 400,
             "select.retrieval_prompts": 2, "select.swap_rounds": 0, "select.loss_weight": 0,
             "select.retrieval_weight": 0, "select.attention_weight": 0}
+    base["select.ablation_seats"] = 0
     seats = P.plan_scoring_tokens(R.load("lolcats", base), 4, None)
     none = P.plan_scoring_tokens(R.load("lolcats", {**base, "select.retrieval_seats": 0}), 4, None)
     assert (seats, none) == (128 + 800, 128)
+    # the ablation seats need the single-layer passkey losses: the original's and each of 4 layers' (5 x 800 tokens)
+    ablation = P.plan_scoring_tokens(R.load("lolcats", {**base, "select.ablation_seats": 0.25}), 4, None)
+    assert ablation == seats + 5 * 800
+    assert P.measures_retrieval(R.load("lolcats", {**base, "select.ablation_seats": 0.25}))
+    assert not P.measures_retrieval(R.load("lolcats", base))
 
 
 # ------------------------------------------------------------------------------------------- library errors
@@ -308,9 +324,12 @@ def test_convert_takes_select_from_the_recipe(ws, tmp_path, monkeypatch):
 def test_convert_select_auto_cli(ws, tmp_path, monkeypatch):
     monkeypatch.setenv("LINEARIZE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    res = _convert(ws, tmp_path / "A", "--ratio", "1:1", "--tokens", "2560", "--set", "select.swap_rounds=0")
+    # no ablation seat here: 2 layers, one retrieval seat, one chosen by its score (the ablation seats: run C)
+    no_swap = ("--set", "select.swap_rounds=0", "--set", "select.ablation_seats=0")
+    res = _convert(ws, tmp_path / "A", "--ratio", "1:1", "--tokens", "2560", *no_swap)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "select: keeps softmax layers" in res.stdout and "probe: cached" not in res.stdout
+    assert "ablation seats" not in res.stdout
     cfg = json.loads((tmp_path / "A" / "config.json").read_text())
     assert cfg["layer_types"].count(FULL) == 2
     report = json.loads((tmp_path / "A" / "report.json").read_text())["stages"]
@@ -348,8 +367,7 @@ def test_convert_select_auto_cli(ws, tmp_path, monkeypatch):
 
     # the same inputs again, the count now from a KV budget (fp32 on CPU: 2 softmax layers fit exactly)
     budget = 2 * 262_144 + 2 * (2_176 + 3_072 + 8 + 8)
-    res = _convert(ws, tmp_path / "B", "--kv-budget", f"{budget}B@1K", "--tokens", "2560", "--set",
-                   "select.swap_rounds=0")
+    res = _convert(ws, tmp_path / "B", "--kv-budget", f"{budget}B@1K", "--tokens", "2560", *no_swap)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "probe: cached" in res.stdout and "attention transfer on" not in res.stdout
     assert json.loads((tmp_path / "B" / "config.json").read_text())["layer_types"] == cfg["layer_types"]
@@ -359,6 +377,23 @@ def test_convert_select_auto_cli(ws, tmp_path, monkeypatch):
 
     wa, wb = (load_file(str(tmp_path / d / "model-00001-of-00001.safetensors")) for d in ("A", "B"))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)  # cached = fresh, bit for bit
+
+    # the recipe's ablation seats (0.25: ceil(0.5) = 1): the other seat goes to the layer whose linearization alone
+    # raises the passkey answer loss most, besides the retrieval seat; the same probe (the cache key ignores seats)
+    res = _convert(ws, tmp_path / "C", "--ratio", "1:1", "--tokens", "2560", "--set", "select.swap_rounds=0")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "probe: cached" in res.stdout and "select: ablation seats for the layers the lookup needs most: L" in res.stdout
+    sel_c = json.loads((tmp_path / "C" / "report.json").read_text())["stages"]["select"]
+    rise = [r["retrieval_delta"] for r in sel_c["scores"]]
+    (abl,) = [int(i) for i in sel_c["ablation_seats"].split(",")]
+    assert sel_c["retrieval_seats"] == sel["retrieval_seats"] and abl != seat[0]
+    assert rise[abl] == max(v for i, v in enumerate(rise) if i != seat[0]) and rise[abl] > 0
+    assert sel_c["softmax_layers"] == ",".join(map(str, sorted([seat[0], abl])))
+    assert [r["seat"] for r in sel_c["scores"]] == [i in (seat[0], abl) for i in range(4)]
+    assert sel_c["boundary"] is None  # no seat left to a score
+    assert "Ablation seats (kept the same way" in (tmp_path / "C" / "report.md").read_text()
+    flat = " ".join(run_cli("info", str(tmp_path / "C")).stdout.split())
+    assert f"ablation seats: {abl}" in flat
 
 
 @pytest.mark.slow
@@ -406,6 +441,26 @@ def test_retrieval_attention_term_is_the_originals_attention_on_the_key(ws, tmp_
                        log=lambda m: None).measurements["attention"] is None
 
 
+def test_ablation_seats_measure_the_retrieval_term_without_its_weight(ws, tmp_path, monkeypatch):
+    """select.ablation_seats > 0 with retrieval_weight 0: the single-layer passkey losses are measured for the seats
+    and stay out of the scores; with both 0 they are not measured."""
+    monkeypatch.setenv("LINEARIZE_CACHE", str(tmp_path / "cache"))
+    model, tok = _load(ws)
+    seats_only = R.load("lolcats", _overrides(ws, **{"select.retrieval_weight": 0.0, "select.ablation_seats": 0.5,
+                                                     "select.retrieval_seats": 0}))
+    res = P.run_probe(model, tok, seats_only, probe_tokens=256, progress=False, log=lambda m: None)
+    rise = res.measurements["retrieval"]
+    assert rise is not None and len(rise) == 4 and res.baseline["retrieval_loss"] is not None
+    w = P.score_weights(seats_only)
+    assert res.scores(w) == P.combine_scores({**res.measurements, "retrieval": None}, w)
+    report = P.select_report(res, seats_only, [0, 1], count_from="test")
+    top = max(range(4), key=lambda i: (rise[i], -i))
+    assert report["retrieval_seats"] == "" and report["ablation_seats"] == str(top)
+    off = R.load("lolcats", _overrides(ws, **{"select.retrieval_weight": 0.0, "select.ablation_seats": 0}))
+    res = P.run_probe(model, tok, off, probe_tokens=256, progress=False, log=lambda m: None)
+    assert res.measurements["retrieval"] is None and res.baseline["retrieval_loss"] is None
+
+
 def _passkey_rows(tok, rec):
     from linearize.evals import passkey
     from linearize.evals.common import EvalConfig, parse_depths
@@ -442,6 +497,8 @@ def test_swap_check_keeps_the_swap_the_joint_loss_prefers(ws, monkeypatch):
     first, second = rep["rounds"]
     assert (first["drop"], first["add"], first["kept"], first["tried"]) == (1, 3, True, 4)
     assert first["gain"] == pytest.approx(0.25) and not second["kept"]  # {0, 3} -> nothing beats 3.0 by > 1%
+    assert (first["heldout_loss"], first["retrieval_loss"]) == (1.5, 1.5)  # the joint loss's two parts
+    assert (rep["start_heldout_loss"], rep["start_retrieval_loss"]) == (2.0, 2.0)
     assert rep["layouts_evaluated"] == len(set(modes)) and len(modes) == 2 * rep["layouts_evaluated"]
     assert any("layer 3 for 1 lowers the joint loss" in m for m in logs) and any("no swap" in m for m in logs)
     # a retrieval seat is never swapped out: with layer 1 reserved the best swap left is 0 for 3
@@ -460,7 +517,7 @@ def test_convert_with_swap_check_reports_it(ws, tmp_path, monkeypatch):
     monkeypatch.setenv("LINEARIZE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     res = _convert(ws, tmp_path / "S", "--ratio", "1:1", "--tokens", "2560", "--set", "select.swap_rounds=1",
-                   "--set", "select.swap_pool=2")
+                   "--set", "select.swap_pool=2", "--set", "select.ablation_seats=0")
     assert res.returncode == 0, res.stderr[-3000:]
     assert "select: swap check:" in res.stdout
     cfg = json.loads((tmp_path / "S" / "config.json").read_text())

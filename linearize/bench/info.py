@@ -161,9 +161,10 @@ def conversion_quality(path) -> dict[str, Any]:
     if "hybrid" in rc:
         out["copy"] = {k: rc[k] for k in ("hybrid", "teacher", "length", "samples")}
     sel = stages.get("select") or {}
-    if sel.get("boundary") or sel.get("retrieval_seats"):  # --select auto: how clear the choice was
+    if sel.get("boundary") or sel.get("retrieval_seats") or sel.get("ablation_seats"):  # --select auto: how clear the choice was
         out["select"] = {"softmax_layers": sel["softmax_layers"], "boundary": sel.get("boundary"),
                          "retrieval_seats": sel.get("retrieval_seats") or "",
+                         "ablation_seats": sel.get("ablation_seats") or "",
                          "swaps": [r for r in (sel.get("swap_check") or {}).get("rounds", []) if r["kept"]]}
     return out
 

@@ -72,6 +72,7 @@ def info(spec: str = typer.Argument(..., help="Model spec or hybrid checkpoint d
         sel, b = q["select"], q["select"]["boundary"]
         console.print(f"softmax layers chosen by --select auto: {sel['softmax_layers']}"
                       + (f"; retrieval seats: {sel['retrieval_seats']}" if sel.get("retrieval_seats") else "")
+                      + (f"; ablation seats: {sel['ablation_seats']}" if sel.get("ablation_seats") else "")
                       + (f"; boundary: layer {b['kept']} kept ({b['kept_score']:.4f}), layer {b['dropped']} not "
                          f"({b['dropped_score']:.4f}), {100 * b['relative_margin']:.1f}% apart"
                          + (" (a close call)" if b["close_call"] else "") if b else "")

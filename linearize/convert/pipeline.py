@@ -188,11 +188,16 @@ def run_auto_select(model, tokenizer, rec, auto: AutoSelect, *, log: Callable[[s
         return layout_from_softmax_layers(list(range(count)), n), None, None
     probe = run_probe(model, tokenizer, rec, probe_tokens=auto.probe_tokens, log=log)
     scores = probe.scores(score_weights(rec))
-    seats = seats_for(probe, rec, count)
-    if seats:
+    readers, ablation = seats_for(probe, rec, count)
+    if readers:
         att = probe.measurements["attention"]
         log(f"select: retrieval seats for the layers the original retrieves with: "
-            + ", ".join(f"L{i} {att[i]:.3f}" for i in seats) + " (attention onto the key)")
+            + ", ".join(f"L{i} {att[i]:.3f}" for i in readers) + " (attention onto the key)")
+    if ablation:
+        rise = probe.measurements["retrieval"]
+        log(f"select: ablation seats for the layers the lookup needs most: "
+            + ", ".join(f"L{i} {rise[i]:+.3f}" for i in ablation) + " (passkey answer loss with only that layer linear)")
+    seats = sorted(readers + ablation)
     softmax = choose_softmax_layers(scores, count, seats)
     top = rank_layers(scores)[: min(n, count + 3)]
     log(f"select: keeps softmax layers {','.join(map(str, softmax))} (interleave would keep "

@@ -28,14 +28,15 @@
        score_i = sum_t w_t * x_t(i) / sum_j x_t(j)  /  sum_t w_t      t in {mse, loss, retrieval, attention}
 
    with ``w_t`` = ``select.mse_weight``, ``select.loss_weight``, ``select.retrieval_weight``,
-   ``select.attention_weight`` (a term
-   with weight 0 is not measured (``attention`` still is for the retrieval seats); negative values, i.e. noise, count as 0; a term that is 0 for every
-   layer drops out of both sums). Every term is scale-free and the scores sum to 1 over layers.
+   ``select.attention_weight`` (a term with weight 0 is not measured, but for the seats' terms below; negative
+   values, i.e. noise, count as 0; a term that is 0 for every layer drops out of both sums). Every term is scale-free and the scores sum to 1 over layers.
    The caller keeps as softmax the N layers with the highest scores
-   (:func:`linearize.convert.selection.choose_softmax_layers`), after the retrieval seats: the
+   (:func:`linearize.convert.selection.choose_softmax_layers`), after the seats: the
    ``ceil(select.retrieval_seats * N)`` layers with the largest ``attention_i`` are kept whatever their score and
    never swapped out (:func:`linearize.convert.selection.retrieval_seats`; measured for them even when
-   ``attention_weight`` is 0).
+   ``attention_weight`` is 0), and then the ``ceil(select.ablation_seats * N)`` others with the largest
+   ``retrieval_i`` the same way (:func:`linearize.convert.selection.ablation_seats`; measured for them even when
+   ``retrieval_weight`` is 0).
 
 The trained feature maps (and window mixing logits) of the probe are returned too, so the real
 conversion's linear layers start from them: the probe's tokens count as part of stage 1.
@@ -76,7 +77,7 @@ from ..io.sources import cache_root, local_dir
 from ..model.architectures import arch_spec
 from ..train.distill import distill, evaluate_layers
 from ..version import __version__
-from .selection import LINEAR, rank_layers, retrieval_seats, selection_boundary
+from .selection import LINEAR, ablation_seats, rank_layers, retrieval_seats, selection_boundary
 
 #: bump when a measurement changes meaning (invalidates cached probes)
 PROBE_VERSION = 2  # 2: retrieval prompts use seeds disjoint from `linearize eval`'s
@@ -117,6 +118,13 @@ def score_weights(recipe) -> dict[str, float]:
         raise SelectionError("recipe select: mse_weight, loss_weight, retrieval_weight and attention_weight are "
                              "all 0; set at least one > 0")
     return w
+
+
+def measures_retrieval(recipe) -> bool:
+    """Whether the probe measures each layer's single-layer passkey loss rise: for its score term or for the
+    ablation seats (:func:`linearize.convert.selection.ablation_seats`)."""
+    sel = recipe["select"]
+    return sel["retrieval_weight"] > 0 or sel["ablation_seats"] > 0
 
 
 def measures_attention(recipe) -> bool:
@@ -169,11 +177,10 @@ def plan_scoring_tokens(recipe, num_layers: int, max_positions: int | None) -> i
     weights = score_weights(recipe)
     heldout = d["eval_seqs"] * d["seq_len"]
     length = min(sel["retrieval_length"], max_positions - 16) if max_positions else sel["retrieval_length"]
-    attention = measures_attention(recipe)
-    retrieval = sel["retrieval_prompts"] * length if weights["retrieval"] > 0 or attention else 0
+    attention, ablation = measures_attention(recipe), measures_retrieval(recipe)
+    retrieval = sel["retrieval_prompts"] * length if ablation or attention else 0
     tokens = heldout + (retrieval if attention else 0)
-    tokens += (num_layers + 1) * ((heldout if weights["loss"] > 0 else 0)
-                                  + (retrieval if weights["retrieval"] > 0 else 0))
+    tokens += (num_layers + 1) * ((heldout if weights["loss"] > 0 else 0) + (retrieval if ablation else 0))
     if sel["swap_rounds"] > 0:
         tokens += (1 + sel["swap_rounds"] * sel["swap_pool"] ** 2) * (heldout + sel["retrieval_prompts"] * length)
     return int(tokens)
@@ -218,8 +225,9 @@ def cache_key(model, tokenizer, recipe, probe_tokens: int) -> tuple[str | None, 
         "distill": {k: v for k, v in recipe["distill"].items() if k not in ("tokens", "seed", "checkpoint_every",
                                                                             "max_loss_ratio")},
         "select": {k: v for k, v in sel.items() if not k.endswith("_weight")
-                   and k not in ("probe_fraction", "retrieval_seats")},
-        "measured": [t for t in TERMS if weights[t] > 0 or t == "mse" or t == "attention" and measures_attention(recipe)],
+                   and k not in ("probe_fraction", "retrieval_seats", "ablation_seats")},
+        "measured": [t for t in TERMS if weights[t] > 0 or t == "mse" or t == "attention" and measures_attention(recipe)
+                     or t == "retrieval" and measures_retrieval(recipe)],
         "probe_tokens": probe_tokens,
         "data": {"spec": data, **(source_fingerprint(src) if src.cacheable else {})},
         "tokenizer": tokenizer_fingerprint(tokenizer),
@@ -433,8 +441,8 @@ def _measure(model, tokenizer, recipe, probe_tokens: int, *, progress: bool, log
                                                        "attention": None}
         baseline: dict[str, float | None] = {"heldout_loss": None, "retrieval_loss": None}
         samples = []
-        attention = measures_attention(recipe)
-        if weights["retrieval"] > 0 or attention:
+        attention, ablation = measures_attention(recipe), measures_retrieval(recipe)
+        if ablation or attention:
             samples = retrieval_samples(tokenizer, recipe, getattr(model.config, "max_position_embeddings", None))
         if attention:
             log(f"probe: the original's attention onto the pass key ({len(samples)} prompts)")
@@ -444,7 +452,7 @@ def _measure(model, tokenizer, recipe, probe_tokens: int, *, progress: bool, log
                   ("retrieval", "retrieval_loss", lambda: _retrieval_loss(hybrid, samples),
                    sum(len(p) + len(a) for p, a, _ in samples))]
         for term, base_name, fn, tokens in passes:
-            if weights[term] <= 0:
+            if not (weights[term] > 0 or term == "retrieval" and ablation):
                 continue
             log(f"probe: {term} with one linear layer at a time ({n + 1} passes of {tokens:,} tokens)")
             hybrid.set_attention_mode("softmax")
@@ -476,7 +484,7 @@ def swap_check(model, tokenizer, recipe, result: ProbeResult, softmax: list[int]
     (nats/token each). Each of ``select.swap_rounds`` rounds tries every swap of one of the ``select.swap_pool``
     lowest-scoring kept layers for one of the ``swap_pool`` highest-scoring dropped ones and keeps the best if
     it lowers the joint loss by more than :data:`MIN_SWAP_GAIN`; a round without such a swap ends the check.
-    ``reserved`` layers (retrieval seats) are never swapped out.
+    ``reserved`` layers (retrieval and ablation seats) are never swapped out.
     """
     sel, d = recipe["select"], recipe["distill"]
     heldout = heldout_sequences(tokenizer, d["data"], seq_len=d["seq_len"], n_seqs=d["eval_seqs"])
@@ -498,6 +506,7 @@ def swap_check(model, tokenizer, recipe, result: ProbeResult, softmax: list[int]
         current = sorted(softmax)
         start_layers = ",".join(map(str, current))
         start = best = joint(current)
+        start_parts = seen[frozenset(current)]
         rounds = []
         for _ in range(sel["swap_rounds"]):
             kept = sorted((i for i in current if i not in reserved), key=lambda i: (scores[i], i))[: sel["swap_pool"]]
@@ -508,7 +517,8 @@ def swap_check(model, tokenizer, recipe, result: ProbeResult, softmax: list[int]
             loss, k, a = trials[0]
             gain = (best - loss) / best if best > 0 else 0.0
             rounds.append({"drop": k, "add": a, "joint_loss": loss, "previous": best, "gain": gain,
-                           "kept": gain > MIN_SWAP_GAIN, "tried": len(trials)})
+                           "kept": gain > MIN_SWAP_GAIN, "tried": len(trials),
+                           **seen[frozenset(set(current) - {k} | {a})]})
             if gain <= MIN_SWAP_GAIN:
                 log(f"select: swap check: no swap lowers the joint loss {best:.4f} by more than "
                     f"{100 * MIN_SWAP_GAIN:.0f}% (best: layer {a} for {k}, {loss:.4f})")
@@ -519,6 +529,7 @@ def swap_check(model, tokenizer, recipe, result: ProbeResult, softmax: list[int]
         hybrid.set_attention_mode("linear")
     report = {"rounds": rounds, "start_layers": start_layers,
               "final_layers": ",".join(map(str, current)), "start_joint_loss": start, "final_joint_loss": best,
+              "start_heldout_loss": start_parts["heldout_loss"], "start_retrieval_loss": start_parts["retrieval_loss"],
               "layouts_evaluated": len(seen), "seconds": round(time.time() - t0, 1), "min_gain": MIN_SWAP_GAIN}
     return current, report
 
@@ -548,9 +559,12 @@ def run_probe(model, tokenizer, recipe, *, probe_tokens: int, use_cache: bool = 
     return result
 
 
-def seats_for(result: ProbeResult, recipe, count: int) -> list[int]:
-    """The retrieval seats of a ``count``-layer choice (:func:`linearize.convert.selection.retrieval_seats`)."""
-    return retrieval_seats(result.measurements.get("attention"), count, recipe["select"]["retrieval_seats"])
+def seats_for(result: ProbeResult, recipe, count: int) -> tuple[list[int], list[int]]:
+    """The seats of a ``count``-layer choice, ``(retrieval seats, ablation seats)``
+    (:func:`linearize.convert.selection.retrieval_seats`, :func:`linearize.convert.selection.ablation_seats`)."""
+    sel = recipe["select"]
+    readers = retrieval_seats(result.measurements.get("attention"), count, sel["retrieval_seats"])
+    return readers, ablation_seats(result.measurements.get("retrieval"), count, sel["ablation_seats"], readers)
 
 
 def select_report(result: ProbeResult, recipe, softmax: list[int], *, count_from: str,
@@ -560,7 +574,8 @@ def select_report(result: ProbeResult, recipe, softmax: list[int], *, count_from
     """The ``select`` stage report: scores, chosen layout and the probe's cost."""
     weights = score_weights(recipe)
     scores = result.scores(weights)
-    seats = seats_for(result, recipe, len(softmax))
+    readers, ablation = seats_for(result, recipe, len(softmax))
+    seats = sorted(readers + ablation)
     rank = {i: r + 1 for r, i in enumerate(rank_layers(scores))}
     rows = []
     for i in range(result.num_layers):
@@ -580,7 +595,7 @@ def select_report(result: ProbeResult, recipe, softmax: list[int], *, count_from
         "baseline_heldout_loss": result.baseline.get("heldout_loss"),
         "baseline_retrieval_loss": result.baseline.get("retrieval_loss"),
         "scoring": {"formula": SCORE_FORMULA, "weights": weights}, "scores": rows,
-        "retrieval_seats": ",".join(map(str, seats)),
+        "retrieval_seats": ",".join(map(str, readers)), "ablation_seats": ",".join(map(str, ablation)),
         "boundary": selection_boundary(scores, len(softmax), seats),
     }
     if kv_budget is not None:

@@ -207,8 +207,29 @@ def retrieval_seats(attention: list[float] | None, count: int, share: float) -> 
     return sorted(ranked[:n])
 
 
+def ablation_seats(retrieval: list[float] | None, count: int, share: float, taken: list[int] = ()) -> list[int]:
+    """The layers, besides the ``taken`` seats, that keep a softmax seat because running any one of them alone as
+    linear attention raises the passkey answer loss most (``retrieval``, the probe's single-layer term; only
+    layers with a rise > 0; ties: the lower index): ``ceil(share * count)`` of them, at most the seats left, sorted.
+    None measured or ``share`` 0: none.
+
+    Why a second kind of seat: the layers that read the key (:func:`retrieval_seats`) are not the whole lookup.
+    On the embedded model layers 18 and 7 raise the answer loss most when linearized alone (0.59 and 0.30 nats,
+    the same on every probe) while attending little onto the key. Six 3:1 hybrids trained at 8K kept 20-23 and 18;
+    the three that also kept 7 scored 75-85% passkey at 1K and 95-100% on the needle at 1K / 2K, the three where the
+    swap check had traded 7 away (for 3, 8 or 13) 10-60% and 60-100% / 65-80% (docs/long-context-experiments.md).
+    The swap check cannot see it: on the probe's hybrid, every layout's passkey loss is that of a model that does
+    not retrieve."""
+    if not retrieval or share <= 0 or count <= len(taken):
+        return []
+    n = min(count - len(taken), math.ceil(share * count - 1e-9))
+    ranked = [i for i in sorted(range(len(retrieval)), key=lambda i: (-retrieval[i], i))
+              if retrieval[i] > 0 and math.isfinite(retrieval[i]) and i not in taken]
+    return sorted(ranked[:n])
+
+
 def choose_softmax_layers(scores: list[float], count: int, reserved: list[int] = ()) -> list[int]:
-    """The ``reserved`` layers (:func:`retrieval_seats`) and then the highest scores (ties: the lower index) up to
+    """The ``reserved`` layers (:func:`retrieval_seats`, :func:`ablation_seats`) and then the highest scores (ties: the lower index) up to
     ``count`` layers, sorted."""
     if not 0 <= count <= len(scores):
         raise SelectionError(f"cannot keep {count} softmax layers of {len(scores)}")
@@ -267,6 +288,9 @@ def scores_markdown(report: dict) -> list[str]:
     if report.get("retrieval_seats"):
         lines += ["", f"Retrieval seats (kept whatever their score, never swapped out: the layers where the original "
                       f"attends most onto the key): {report['retrieval_seats']}."]
+    if report.get("ablation_seats"):
+        lines += ["", f"Ablation seats (kept the same way: the layers whose linearization alone raises the passkey "
+                      f"answer loss most): {report['ablation_seats']}."]
     b = report.get("boundary")
     if b:
         lines += ["", f"Boundary: layer {b['kept']} kept ({b['kept_score']:.4g}), layer {b['dropped']} not "
