@@ -1,7 +1,8 @@
 """(CPU) Registers, spills and shared memory of the gated-delta-rule kernels compiled for sm_90a, without a GPU.
 
 Compiles every kernel of ``triton_delta.py`` and ``triton_delta_step.py`` at the benchmark shape (bf16,
-K = V = 128, 64-token chunks, no GQA; the step with groups of 4) with the launch configuration of ``CONFIG``, and
+K = V = 128, 64-token chunks, no GQA; the step with groups of 4; the forward's prep, walk and output kernels as the
+forward launches them) with the launch configuration of ``CONFIG``, and
 runs ``ptxas -v`` on the PTX, as ``kernels/regs_offline.py`` does for the linear and window forwards. Triton 3.9
 emits PTX 9.x, which its bundled ``ptxas`` (CUDA 12.9) refuses; ``ptxas-blackwell`` (CUDA 13) takes it:
 
@@ -40,12 +41,15 @@ def kernels(cfg: dict):
     base = dict(K=K, V=V, BK=K, BT=BT, PREC="tf32")
     wbv = cfg["walk_bv"]
     wwarps = cfg["walk_warps"] if K * wbv >= 128 * 64 else cfg["walk_warps_narrow"]
+    wu = bf if cfg["fwd_inter_16bit"] else f32  # the forward's w, u, U
     return [
-        ("prep", TD._prep_kernel, dict(Kp=bf, Vp=bf, BETA=bf, LG=f32, W=f32, U=f32, TM=f32), {"T", "HK"}, set(),
-         dict(base, BV=64, NV_BLK=V // 64, STORE_T=True), cfg["prep_warps"], 1),
-        ("walk", TD._walk_kernel, dict(Kp=bf, W=f32, U=f32, LG=f32, INIT=f32, HS=bf, FIN=f32), {"T", "HK"}, set(),
-         dict(base, BV=wbv, HAS_INIT=True, STORE_FINAL=True), wwarps, cfg["walk_stages"]),
-        ("out", TD._out_kernel, dict(Q=bf, Kp=bf, U=f32, HS=bf, LG=f32, O=bf), {"T", "H", "HK"}, {"scale"},
+        ("prep", TD._prep_kernel, dict(Kp=bf, Vp=bf, BETA=bf, LG=f32, W=wu, U=wu, TM=f32), {"T", "HK"}, set(),
+         dict(base, BV=64, NV_BLK=V // 64, STORE_T=False, DIAG_ROWS=bool(cfg["prep_diag_rows"])), cfg["prep_warps"],
+         1),
+        ("walk", TD._walk_kernel, dict(Kp=bf, W=wu, U=wu, LG=f32, INIT=f32, HS=bf, FIN=f32), {"T", "HK"}, set(),
+         dict(base, BV=wbv, HAS_INIT=True, STORE_FINAL=True, LOW16=bool(cfg["walk_16bit"])), wwarps,
+         cfg["walk_stages"]),
+        ("out", TD._out_kernel, dict(Q=bf, Kp=bf, U=wu, HS=bf, LG=f32, O=bf), {"T", "H", "HK"}, {"scale"},
          dict(base, BV=cfg["out_bv"], S32=cfg["fwd_states_fp32"]), cfg["out_warps"], 2),
         ("dvl", TD._dvl_kernel, dict(Q=bf, Kp=bf, DO=bf, LG=f32, DVL=f32), {"T", "H", "HK"}, {"scale"},
          dict(base, BV=cfg["out_bv"], G=1), cfg["out_warps"], 2),

@@ -136,6 +136,18 @@ def test_fp32_intermediates(T, monkeypatch):
     check("triton", 2, T, 4, 2, 128, 128, torch.bfloat16, state=True, device=DEV)
 
 
+#: launch settings that change the arithmetic, each on and off the default (kernels/README.md times them)
+ARITHMETIC = [("prep_diag_rows", 1), ("walk_16bit", 1)]
+
+
+@gpu
+@pytest.mark.parametrize("setting,value", ARITHMETIC, ids=[k for k, _ in ARITHMETIC])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_arithmetic_settings(setting, value, dtype, monkeypatch):
+    monkeypatch.setitem(triton_delta.CONFIG, setting, value)
+    check("triton", 2, 1024, 4, 2, 128, 128, dtype, state=True, device=DEV)
+
+
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_head_dim_256(dtype):
@@ -270,6 +282,25 @@ def test_interp_fp32_intermediates(small_chunks, monkeypatch):
     intermediates, within the same bf16 tolerance; gradients: fp32 recompute either way)."""
     monkeypatch.setitem(triton_delta.CONFIG, "fwd_inter_16bit", False)
     check("triton", 2, 37, 4, 2, 16, 32, torch.bfloat16)
+
+
+@interp
+@pytest.mark.parametrize("bt", [16, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_interp_diagonal_blocks_by_rows(bt, dtype, monkeypatch):
+    """``prep_diag_rows``: the UT inverse's diagonal blocks on [16, 16] tiles (one block at BT = 16, four at 64)."""
+    monkeypatch.setitem(triton_delta.CONFIG, "bt", bt)
+    monkeypatch.setitem(triton_delta.CONFIG, "prep_diag_rows", 1)
+    check("triton", 1, bt + 13, 2, 1, 32, 32, dtype)
+
+
+@interp
+def test_interp_walk_16bit(small_chunks, monkeypatch):
+    """``walk_16bit``: the forward walk's products on bf16 operands stay within the bf16 tolerance; fp32 inputs
+    keep fp32 operands (the setting does not apply)."""
+    monkeypatch.setitem(triton_delta.CONFIG, "walk_16bit", 1)
+    check("triton", 2, 37, 4, 2, 16, 32, torch.bfloat16)
+    check("triton", 1, 37, 2, 1, 16, 32, torch.float32)
 
 
 @interp

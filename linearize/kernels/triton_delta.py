@@ -36,6 +36,9 @@ _INTERP = tl.constexpr(interpreting())
 CONFIG = {  # launch configuration: untuned; registers and spills from an offline sm_90a compile (kernels/README.md)
     "bt": 64,  # chunk of every kernel (they share the per-chunk states)
     "prep_warps": 4,  # 226 registers, no spills
+    # the UT inverse's 16-row diagonal blocks on [16, 16] tiles (15 row steps of two small reductions) instead of 15
+    # masked [BT, BT] tensor-core products (_unit_lower_inverse); not yet timed on a GPU
+    "prep_diag_rows": 0,
     # value block of the forward and backward walks (the [K, BV] fp32 state lives in registers), halved to 32 while
     # the grid has fewer than walk_waves programs per SM (long T, small batch: the walk is serial); walk_warps for
     # state tiles of 128 x 64 or more (at 4 warps: ~90 bytes spilled at K = 128, 656 at 256 x 32), 4 below (none)
@@ -44,6 +47,9 @@ CONFIG = {  # launch configuration: untuned; registers and spills from an offlin
     "walk_warps": 8,
     "walk_warps_narrow": 4,
     "walk_stages": 2,
+    # the forward walk's two products on 16-bit operands (16-bit inputs; as fla's walk) instead of tf32 ones; the
+    # state accumulates in fp32 either way and the backward recomputes the walk in fp32. Not yet timed on a GPU
+    "walk_16bit": 0,
     "out_bv": 64,  # value block of the output kernel and of the backward's dvl kernel (136 / 154 registers)
     "out_warps": 4,
     # value block the chunk-parallel backward kernels loop over: at 64 the UT backward spilled ~350 bytes, at 32
@@ -91,22 +97,45 @@ def _chunk_decays(LG, row, mt, BT: tl.constexpr):
 
 
 @triton.jit
-def _unit_lower_inverse(A, BT: tl.constexpr, PREC: tl.constexpr):
+def _diagonal_block_inverse(A, BT: tl.constexpr, SB: tl.constexpr):
+    """The block-diagonal ``D^{-1} [BT, BT]`` of ``I + A`` (``A`` strictly lower, fp32) from ``[BT / SB, SB, SB]``
+    tiles: the diagonal blocks are taken out of a ``[NB, SB, NB, SB]`` view, each row ``t`` is ``e_t - A_t. D^{-1}``
+    as two reductions over ``SB`` (all blocks at once, exact fp32), and the blocks go back on the diagonal. ``SB - 1``
+    steps on ``BT * SB`` elements each, where the tile-wide form multiplies ``[BT, BT]`` tiles."""
+    NB: tl.constexpr = BT // SB
+    bb = tl.arange(0, NB)
+    on = bb[:, None, None, None] == bb[None, None, :, None]  # [NB, 1, NB, 1]: block b's own columns
+    Ad = tl.sum(tl.where(on, tl.reshape(A, [NB, SB, NB, SB]), 0.0), axis=2)  # [NB, SB, SB]
+    s = tl.arange(0, SB)
+    D = tl.zeros([NB, SB, SB], dtype=tl.float32) + tl.where(s[:, None] == s[None, :], 1.0, 0.0)[None, :, :]
+    for t in range(1, SB):
+        row = (s == t)[None, :, None]
+        a = tl.sum(tl.where(row, Ad, 0.0), axis=1)  # [NB, SB]: row t of each block's A
+        D = tl.where(row, D - tl.sum(a[:, :, None] * D, axis=1)[:, None, :], D)
+    return tl.reshape(tl.where(on, D[:, :, None, :], 0.0), [BT, BT])
+
+
+@triton.jit
+def _unit_lower_inverse(A, BT: tl.constexpr, PREC: tl.constexpr, DIAG_ROWS: tl.constexpr = False):
     """``(I + A)^{-1}`` of a strictly lower triangular ``A [BT, BT]`` (fp32) by blocked forward substitution, each
     step a ``tl.dot`` (tensor cores for 16-bit inputs): the diagonal ``[SB, SB]`` blocks first (row ``t`` of each
     block is ``e_t - A_t. Tm``, the block's earlier rows already final; all blocks at once), then each block row
     ``r`` below the first as ``D_r^{-1} (E_r - A_r,<r T_<r)`` with ``D^{-1}`` the block-diagonal inverse. ``SB`` =
     16 (the smallest ``tl.dot`` side): 15 + 2 x (BT / 16 - 1) products instead of ``BT`` steps that each reduce a
-    whole tile across threads."""
+    whole tile across threads. ``DIAG_ROWS``: the diagonal blocks on ``[SB, SB]`` tiles instead
+    (:func:`_diagonal_block_inverse`, ``CONFIG["prep_diag_rows"]``)."""
     SB: tl.constexpr = 16 if BT > 16 else BT
     ar = tl.arange(0, BT)
     blk = ar // SB
     same = blk[:, None] == blk[None, :]
-    Ad = tl.where(same, A, 0.0)  # the diagonal blocks (strictly lower)
-    Dinv = tl.where(ar[:, None] == ar[None, :], 1.0, 0.0)
-    for t in range(1, SB):
-        sel = (ar % SB) == t  # row t of every block
-        Dinv = tl.where(sel[:, None], Dinv - dot32(tl.where(sel[:, None], Ad, 0.0), Dinv, PREC), Dinv)
+    if DIAG_ROWS:
+        Dinv = _diagonal_block_inverse(A, BT, SB)
+    else:
+        Ad = tl.where(same, A, 0.0)  # the diagonal blocks (strictly lower)
+        Dinv = tl.where(ar[:, None] == ar[None, :], 1.0, 0.0)
+        for t in range(1, SB):
+            sel = (ar % SB) == t  # row t of every block
+            Dinv = tl.where(sel[:, None], Dinv - dot32(tl.where(sel[:, None], Ad, 0.0), Dinv, PREC), Dinv)
     Ao = tl.where(same, 0.0, A)  # below the diagonal blocks
     Tm = Dinv
     for r in range(1, BT // SB):
@@ -121,7 +150,7 @@ def _prep_kernel(
     W, U, TM,  # w [B,T,HK,K], u [B,T,HK,V] (fp32; 16-bit under fwd_inter_16bit), STORE_T: T [B,HK,N,BT,BT] fp32
     T, HK,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NV_BLK: tl.constexpr,
-    STORE_T: tl.constexpr, PREC: tl.constexpr,
+    STORE_T: tl.constexpr, PREC: tl.constexpr, DIAG_ROWS: tl.constexpr,
 ):
     """Program (chunk, batch x KV head): the UT transform of the chunk and ``w``, ``u``."""
     i = tl.program_id(0)
@@ -138,7 +167,7 @@ def _prep_kernel(
     beta = tl.load(BETA + row, mask=mt, other=0.0).to(tl.float32)
     gam, _, _, M = _chunk_decays(LG, row, mt, BT)
     A = tl.where(ar[:, None] > ar[None, :], mm(k, tl.trans(k), PREC) * M, 0.0) * beta[:, None]
-    Tm = _unit_lower_inverse(A, BT, PREC)
+    Tm = _unit_lower_inverse(A, BT, PREC, DIAG_ROWS)
     if STORE_T:
         N = tl.cdiv(T, BT)
         tl.store(TM + ((pbh.to(tl.int64) * N + i) * BT + ar[:, None]) * BT + ar[None, :], Tm)
@@ -160,12 +189,14 @@ def _walk_kernel(
     INIT, HS, FIN,  # initial state [B,HK,K,V] fp32; states before each chunk [B,HK,N,K,V]; final state fp32
     T, HK,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-    HAS_INIT: tl.constexpr, STORE_FINAL: tl.constexpr, PREC: tl.constexpr,
+    HAS_INIT: tl.constexpr, STORE_FINAL: tl.constexpr, PREC: tl.constexpr, LOW16: tl.constexpr,
 ):
     """Program (value block, batch x KV head): walks the chunks in order with the ``[K, BV]`` state in fp32
     registers, stores it before each chunk, turns ``u`` into ``U = u - w S`` in place and moves the state to the
     chunk's end. A value block's columns depend only on themselves, so the blocks run independently. The
-    products that feed the state take fp32 operands (``dot32``): this path accumulates over the whole sequence."""
+    products that feed the state take fp32 operands (``dot32``): this path accumulates over the whole sequence.
+    ``LOW16`` (the forward under ``CONFIG["walk_16bit"]``, 16-bit inputs): their operands in the keys' dtype
+    instead, as fla's walk; the state still accumulates in fp32."""
     pv = tl.program_id(0)
     pbh = tl.program_id(1)
     b = pbh // HK
@@ -187,13 +218,20 @@ def _walk_kernel(
         mt = ot < T
         row = (b.to(tl.int64) * T + ot) * HK + hk
         _, wk, keep, _ = _chunk_decays(LG, row, mt, BT)
-        w = tl.load(W + row[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0).to(tl.float32)
+        w = tl.load(W + row[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
         up = U + row[:, None] * V + ov[None, :]
-        new = tl.load(up, mask=mt[:, None] & mv[None, :], other=0.0).to(tl.float32) - dot32(w, S, PREC)
+        u = tl.load(up, mask=mt[:, None] & mv[None, :], other=0.0).to(tl.float32)
+        if LOW16:
+            new = u - mm(w.to(Kp.dtype.element_ty), S.to(Kp.dtype.element_ty), PREC)
+        else:
+            new = u - dot32(w.to(tl.float32), S, PREC)
         tl.store(up, new.to(U.dtype.element_ty), mask=mt[:, None] & mv[None, :])  # the state moves by fp32 U
         k = tl.load(Kp + row[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
         kd = k.to(tl.float32) * wk[:, None]  # keys decayed to the chunk's end
-        S = S * keep + dot32(tl.trans(kd), new, PREC)
+        if LOW16:
+            S = S * keep + mm(tl.trans(kd.to(Kp.dtype.element_ty)), new.to(Kp.dtype.element_ty), PREC)
+        else:
+            S = S * keep + dot32(tl.trans(kd), new, PREC)
     if STORE_FINAL:
         tl.store(FIN + pbh.to(tl.int64) * K * V + kv, S, mask=m2)
 
@@ -496,12 +534,13 @@ def _prep(k, v, beta, lg, *, store_t, dtype=torch.float32):
     BV = min(pow2(V), 64)
     launch(_prep_kernel, (N, B * HK), k, v, beta, lg, w, u, Tm if store_t else w, T, HK,
            K=K, V=V, BK=pow2(K), BV=BV, BT=BT, NV_BLK=triton.cdiv(V, BV), STORE_T=store_t, PREC=prec(k.dtype),
-           num_warps=CONFIG["prep_warps"])
+           DIAG_ROWS=bool(CONFIG["prep_diag_rows"]), num_warps=CONFIG["prep_warps"])
     return w, u, Tm
 
 
-def _walk(k, w, u, lg, S0, *, state_dtype, want_final):
-    """The chunk states ``[B, HK, N, K, V]`` in ``state_dtype`` (``u`` becomes ``U``) and the final state."""
+def _walk(k, w, u, lg, S0, *, state_dtype, want_final, low16=False):
+    """The chunk states ``[B, HK, N, K, V]`` in ``state_dtype`` (``u`` becomes ``U``) and the final state;
+    ``low16``: the products on 16-bit operands (the forward under ``walk_16bit``; 16-bit keys only)."""
     B, T, HK, K = k.shape
     V = u.shape[-1]
     BT = CONFIG["bt"]
@@ -512,7 +551,8 @@ def _walk(k, w, u, lg, S0, *, state_dtype, want_final):
     BV, warps = _walk_launch(B * HK, K, V, dev)
     launch(_walk_kernel, (triton.cdiv(V, BV), B * HK), k, w, u, lg, S0 if S0 is not None else hs, hs,
            fin if want_final else hs, T, HK, K=K, V=V, BK=pow2(K), BV=BV, BT=BT, HAS_INIT=S0 is not None,
-           STORE_FINAL=want_final, PREC=prec(k.dtype), num_warps=warps, num_stages=CONFIG["walk_stages"])
+           STORE_FINAL=want_final, PREC=prec(k.dtype), LOW16=low16 and k.dtype in (torch.bfloat16, torch.float16),
+           num_warps=warps, num_stages=CONFIG["walk_stages"])
     return hs, fin
 
 
@@ -523,7 +563,8 @@ def _fwd(q, k, v, beta, lg, S0, scale, want_final):
     low = bool(CONFIG["fwd_inter_16bit"]) and k.dtype in (torch.bfloat16, torch.float16)
     w, u, _ = _prep(k, v, beta, lg, store_t=False, dtype=k.dtype if low else torch.float32)
     s32 = bool(CONFIG["fwd_states_fp32"]) or k.dtype == torch.float32
-    hs, fin = _walk(k, w, u, lg, S0, state_dtype=torch.float32 if s32 else k.dtype, want_final=want_final)
+    hs, fin = _walk(k, w, u, lg, S0, state_dtype=torch.float32 if s32 else k.dtype, want_final=want_final,
+                    low16=bool(CONFIG["walk_16bit"]))
     o = new_empty((B, T, H, V), dtype=v.dtype, device=q.device)
     BV = _blocks("out_bv", V)
     launch(_out_kernel, (triton.cdiv(V, BV), triton.cdiv(T, BT), B * H), q, k, u, hs, lg, o, T, H, k.shape[2],
