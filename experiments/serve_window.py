@@ -8,7 +8,8 @@ beyond it; the window mix and maps stay as trained); the original (``--against``
         --data wiki,books --dtype float32 --against E_ORIG -o E_OUT_W512
 
 The question it answers: does a hybrid trained with a narrow window (which retrieves) keep its recall and gain
-the wide window's quality on other text when served wide, without retraining?
+the wide window's quality on other text when served wide, without retraining? ``--layers 0-19`` serves only
+those layers at ``--window`` (the others keep their trained width): which layers cost the recall when widened.
 """
 from __future__ import annotations
 
@@ -19,22 +20,36 @@ from linearize.cli.app import run_app
 from linearize.evals import runner
 
 
+def parse_layers(text: str) -> set[int]:
+    """``"0-6,8,24-29"`` -> the layer indices it names."""
+    out: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
 def main() -> None:
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", help="a window hybrid (a directory `linearize convert` wrote)")
     ap.add_argument("--window", type=int, required=True, help="the sliding window to serve it at (tokens)")
+    ap.add_argument("--layers", default=None,
+                    help="only these decoder layers, e.g. 0-19 or 0-6,8,24-29 (default: every window layer)")
     args = ap.parse_args(argv[:cut])
+    chosen = parse_layers(args.layers) if args.layers else None
     loader = runner._default_loader()
 
     def at_window(spec, **kw):
         model, tok = loader(spec, **kw)
-        mods = [m for m in getattr(model, "linear_modules", lambda: [])() if getattr(m, "window", 0) > 0]
+        mods = [m for m in getattr(model, "linear_modules", lambda: [])() if getattr(m, "window", 0) > 0
+                and (chosen is None or m.layer_idx in chosen)]
         for m in mods:
             m.window = args.window
         if mods:
-            print(f"serving {len(mods)} window layers of {spec} at {args.window} tokens", file=sys.stderr)
+            print(f"serving {len(mods)} window layers of {spec} at {args.window} tokens: "
+                  f"{','.join(str(m.layer_idx) for m in mods)}", file=sys.stderr)
         return model, tok
 
     runner._default_loader = lambda: at_window
