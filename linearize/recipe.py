@@ -19,7 +19,7 @@ import yaml
 from .data.checks import check_text_files
 from .data.mixture import mixture_text
 from .errors import DataError, RecipeError
-from .model.layout import CONVERTED, GATED_DELTA, LINEAR
+from .model.layout import CONVERTED, GATED_DELTA, LINEAR, parse_layer_windows, widest_window
 from .settings import DEFAULT_RECIPE
 from .units import parse_tokens
 
@@ -72,6 +72,14 @@ def _training_fields(lr: float) -> dict[str, Field]:
     }
 
 
+def _valid_layer_windows(v: dict) -> bool:
+    try:
+        parse_layer_windows(v)
+    except ValueError:
+        return False
+    return True
+
+
 #: the default ``max_loss_ratio`` of both training stages (the exploding-loss check's factor)
 MAX_LOSS_RATIO = 100.0
 
@@ -98,6 +106,10 @@ SCHEMA: dict[str, dict[str, Field]] = {
         "feature_dim": Field(int, None, "an integer in [1, 1024] or null (the map's default)",
                              lambda v: 1 <= v <= 1024, nullable=True),
         "window": Field(int, 64, "an integer in [0, 4096] (0 = no sliding window)", lambda v: 0 <= v <= 4096),
+        # other widths for some layers: {"0-19": 512, 24: 64} (a layer or an inclusive range -> tokens); the rest
+        # keep window (model.layout.layer_window)
+        "layer_windows": Field(dict, {}, "a mapping of layers (24, or a range like 0-19) to window widths in "
+                               "[1, 4096]", _valid_layer_windows),
         "window_init": Field(float, 0.1, "a number in (0, 1)", lambda v: 0.0 < v < 1.0),
         "sinks": Field(int, 0, "an integer in [0, 256] (0 = none; needs a window)", lambda v: 0 <= v <= 256),
         "eps": Field(float, 1e-6, "a number in (0, 0.1]", lambda v: 0.0 < v <= 0.1),
@@ -317,9 +329,19 @@ def _check_layer_type(values: dict[str, dict[str, Any]], where: Callable[[str], 
     gated delta layers the sliding window (they have none) and Hedgehog's attention-weight loss (no attention
     weights)."""
     att = values["attention"]
+    # string keys, as config.json will hold them (YAML reads 24 as an int, 0-19 as a string)
+    att["layer_windows"] = {str(k).strip(): w for k, w in att["layer_windows"].items()}
     if values["distill"]["windows"] and not att["window"]:
         raise RecipeError(f"{where('distill.windows')}distill.windows = {values['distill']['windows']}: the layers "
                           f"have no sliding window to vary (attention.window is 0); set distill.windows=[]")
+    if att["layer_windows"] and not att["window"]:
+        raise RecipeError(f"{where('attention.layer_windows')}attention.layer_windows = {att['layer_windows']}: "
+                          f"attention.window is 0, so the layers have no window to widen or narrow; set a window "
+                          f"or attention.layer_windows={{}}")
+    if att["layer_windows"] and values["distill"]["windows"]:
+        raise RecipeError(f"{where('distill.windows')}distill.windows = {values['distill']['windows']} draws one "
+                          f"width for every layer, and attention.layer_windows gives layers their own; set one of "
+                          f"them to [] / {{}}")
     if att["sinks"] and not att["window"]:
         raise RecipeError(f"{where('attention.sinks')}attention.sinks = {att['sinks']}: sinks join the sliding "
                           f"window's exact softmax, and attention.window is 0; set a window or attention.sinks=0")
@@ -364,7 +386,7 @@ def check_training(recipe: Recipe, stages: dict[str, Any], *, window: int | None
     token), a budget smaller than one batch (distill) or one optimizer step (finetune), and a data
     spec that does not resolve or holds no text (:func:`linearize.data.checks.check_text_files`).
     """
-    win = recipe["attention"]["window"] if window is None else window
+    win = widest_window(recipe["attention"]) if window is None else window
     for stage, tokens in stages.items():
         cfg = recipe[stage]
         seq = cfg["seq_len"]

@@ -14,7 +14,7 @@ import torch
 from ..model.architectures import attention_shape
 from ..model.cache import softmax_windows
 from ..model.feature_maps import build_feature_map
-from ..model.layout import CONVERTED, GATED_DELTA
+from ..model.layout import CONVERTED, GATED_DELTA, layer_window
 
 
 def kv_layer_bytes(config, tokens: int, batch: int = 1, dtype_bytes: int = 2) -> int:
@@ -55,8 +55,9 @@ def cache_bytes(config, seq_len: int, batch: int = 1, dtype_bytes: int = 2) -> d
     layer_types = getattr(config, "hybrid_layer_types", None) if config.model_type == "linearize" else None
     if layer_types is None:
         return {"original": sum(kv_layers), "hybrid": sum(kv_layers)}
-    state = linear_state_bytes(config, config.linear_attention, batch, dtype_bytes)
-    hybrid = sum(state if t in CONVERTED else kv_layer for t, kv_layer in zip(layer_types, kv_layers))
+    la = config.linear_attention
+    hybrid = sum(linear_state_bytes(config, {**la, "window": layer_window(la, i)}, batch, dtype_bytes)
+                 if t in CONVERTED else kv_layer for i, (t, kv_layer) in enumerate(zip(layer_types, kv_layers)))
     return {"original": sum(kv_layers), "hybrid": hybrid}
 
 

@@ -24,6 +24,7 @@ from ..evals.corpus import heldout_stream
 from ..io.checkpoint import check_output_dir, save_checkpoint, verify_checkpoint
 from ..io.outputs import is_hybrid_dir
 from ..io.sources import check_device, load_model, local_dir, resolve
+from ..model.layout import widest_window
 from ..settings import DEFAULT_MODEL, DEFAULT_RECIPE
 from ..train import fsdp as sharding  # the module (a rerun's `fsdp` is its flag)
 from ..train.distill import STATE_FILE as DISTILL_STATE
@@ -358,8 +359,8 @@ def rerun_stage(stage: str, path: str, *, out: Path | None = None, overrides: di
         sharding.check_options(adapter_only=adapter_only)
     config = json.loads((src / "config.json").read_text())
     check_context(rec, config.get("max_position_embeddings"), path, stages=(stage,))
-    window = (config.get("linear_attention") or {}).get("window")
-    recipes.check_training(rec, {stage: tokens}, window=window)  # the model's window, not the recipe text's
+    window = widest_window(config.get("linear_attention") or {})
+    recipes.check_training(rec, {stage: tokens}, window=window)  # the model's windows, not the recipe text's
     if adapter_only:
         out = Path(out) if out is not None else src.with_name(src.name + "-adapter")
     else:

@@ -19,6 +19,7 @@ from ..settings import DEFAULT_RATIO
 from ..units import UnitError, parse_bytes, parse_length
 
 from ..model.layout import FULL, LINEAR  # noqa: F401 - re-exported for callers
+from ..model.layout import widest_window
 
 #: ``--select`` values
 SELECT_MODES = ("interleave", "auto")
@@ -169,7 +170,8 @@ def softmax_count_for_budget(base_config: Any, attention: dict, budget: str, dty
     n_bytes, length = parse_kv_budget(budget)
     n = base_config.num_hidden_layers
     kv = kv_layer_bytes(base_config, length, 1, dtype_bytes)  # a softmax layer keeps all LENGTH tokens
-    state = linear_state_bytes(base_config, attention, 1, dtype_bytes)
+    # per linear layer at its widest window (layer_windows: an upper bound, so the count never overshoots)
+    state = linear_state_bytes(base_config, {**attention, "window": widest_window(attention)}, 1, dtype_bytes)
     need = [k * kv + (n - k) * state for k in range(n + 1)]  # bytes depend on how many softmax layers, not where
     fits = [k for k in range(n + 1) if need[k] <= n_bytes]
     if not fits:

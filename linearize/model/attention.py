@@ -29,6 +29,7 @@ from ..kernels.sinks import first_tokens, gather_sinks, join_sinks, merge_sinks,
 from .architectures import ArchSpec, attention_shape
 from .cache import HybridCache, softmax_windows
 from .feature_maps import HedgehogFeatureMap, build_feature_map
+from .layout import layer_window
 
 #: Where GPU inference of Hedgehog layers computes the features in Triton kernels instead of the PyTorch map (the
 #: ``fused_feature_maps`` kernel option), in increasing order: ``none``; ``decode`` inside the decode-step kernels
@@ -176,7 +177,7 @@ class LinearAttention(nn.Module):
                  kernel_options: dict | None = None, masks: RealTokens | None = None):
         super().__init__()
         adopt_original(self, original, config, layer_idx, arch)
-        self.window = int(settings.get("window") or 0)
+        self.window = layer_window(settings, layer_idx)
         self.eps = float(settings.get("eps", 1e-6))
         self.sinks = int(settings.get("sinks") or 0)  # first tokens kept in the exact-softmax part (kernels/sinks.py)
         if self.sinks and not self.window:

@@ -15,3 +15,36 @@ def transformers_layer_types(layer_types: list[str]) -> list[str]:
     caches are built from: every converted layer is ``linear_attention`` (transformers' name for recurrent layers,
     the gated delta rule's included: Qwen3-Next's configs say so), a softmax layer ``full_attention``."""
     return [LINEAR if t in CONVERTED else t for t in layer_types]
+
+
+def parse_layer_windows(mapping: dict | None) -> dict[int, int]:
+    """``attention.layer_windows`` as ``{layer: width}``: each key a decoder layer (``24``) or an inclusive range
+    (``"0-19"``), each value that layer's sliding window in tokens (1-4096). ValueError naming the bad entry; a
+    layer named twice is refused."""
+    out: dict[int, int] = {}
+    for key, width in (mapping or {}).items():
+        lo, sep, hi = str(key).strip().partition("-")
+        try:
+            first, last = int(lo), int(hi if sep else lo)
+        except ValueError:
+            raise ValueError(f"layer_windows key {key!r}: expected a layer (24) or a range (0-19)") from None
+        if not 0 <= first <= last:
+            raise ValueError(f"layer_windows key {key!r}: expected layers >= 0, the first no later than the last")
+        if type(width) is not int or not 1 <= width <= 4096:
+            raise ValueError(f"layer_windows[{key!r}] = {width!r}: expected a window width in [1, 4096] tokens")
+        for i in range(first, last + 1):
+            if i in out:
+                raise ValueError(f"layer_windows names layer {i} twice")
+            out[i] = width
+    return out
+
+
+def layer_window(settings: dict, layer_idx: int) -> int:
+    """The sliding window of converted layer ``layer_idx`` (0: none): its ``layer_windows`` entry, else the
+    layers' ``window``."""
+    return parse_layer_windows(settings.get("layer_windows")).get(layer_idx, int(settings.get("window") or 0))
+
+
+def widest_window(settings: dict) -> int:
+    """The widest sliding window of any converted layer (``window`` or a ``layer_windows`` entry; 0: none)."""
+    return max([int(settings.get("window") or 0), *parse_layer_windows(settings.get("layer_windows")).values()])
