@@ -187,3 +187,22 @@ def spy_micro_shapes(monkeypatch, stage_cls) -> list:
 
     monkeypatch.setattr(stage_cls, "micro", spy)
     return shapes
+
+
+def check_checkpoint_round_trip(hybrid, recipe, out: Path, layer_check) -> None:
+    """``hybrid`` saved to ``out`` loads with the package's class and with the bundled code (``trust_remote_code``);
+    each loaded model's converted layers pass ``layer_check`` and it gives ``hybrid``'s logits and greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from linearize.io.checkpoint import save_checkpoint
+    from linearize.model.modeling import LinearizeForCausalLM
+
+    save_checkpoint(hybrid, char_tokenizer(), out, base="tiny", recipe=recipe)
+    ids = torch.randint(0, 128, (1, 14))
+    with torch.no_grad():
+        want = hybrid.generate(ids, max_new_tokens=6, do_sample=False)
+        for loaded in (LinearizeForCausalLM.from_pretrained(out).eval(),
+                       AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()):
+            assert layer_check(loaded.linear_modules())
+            torch.testing.assert_close(loaded(ids).logits, hybrid(ids).logits)
+            assert torch.equal(loaded.generate(ids, max_new_tokens=6, do_sample=False), want)

@@ -5,12 +5,10 @@ import math
 import pytest
 import torch
 
-from conftest import char_tokenizer, stir_decay_gates, tiny_model
+from conftest import char_tokenizer, check_checkpoint_round_trip, stir_decay_gates, tiny_model
 from test_distill import corpus  # noqa: F401 - the fixture is used by name
 from linearize import recipe as R
 from linearize.model.attention import DecayGate
-from linearize.io.checkpoint import save_checkpoint
-from linearize.model.modeling import LinearizeForCausalLM
 from linearize.convert.selection import select_layout
 from linearize.convert.surgery import linearize_model
 
@@ -70,21 +68,9 @@ def test_decode_equals_forward(window):
 def test_generate_and_checkpoint_round_trip(tmp_path):
     """The gate's weights and settings survive a checkpoint; the bundled code (trust_remote_code) and the package's
     class load it and generate the same tokens."""
-    from transformers import AutoModelForCausalLM
-
     hybrid = gated_hybrid(4)
     rec = R.load("lolcats", {"attention.window": 4, "attention.decay": "learned", "attention.decay_half_life": 64})
-    out = tmp_path / "gated"
-    save_checkpoint(hybrid, char_tokenizer(), out, base="tiny", recipe=rec)
-    ids = torch.randint(0, 128, (1, 12))
-    with torch.no_grad():
-        want = hybrid.generate(ids, max_new_tokens=6, do_sample=False)
-        for loaded in (LinearizeForCausalLM.from_pretrained(out).eval(),
-                       AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()):
-            assert all(m.decay is not None for m in loaded.linear_modules())
-            torch.testing.assert_close(loaded(ids).logits, hybrid(ids).logits)
-            assert torch.equal(loaded.generate(ids, max_new_tokens=6, do_sample=False), want)
-    assert want.shape == (1, 18)
+    check_checkpoint_round_trip(hybrid, rec, tmp_path / "gated", lambda layers: all(m.decay is not None for m in layers))
 
 
 @pytest.mark.parametrize("window", [0, 4])

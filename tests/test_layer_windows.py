@@ -4,14 +4,12 @@ the cost model."""
 import pytest
 import torch
 
-from conftest import char_tokenizer, tiny_model
+from conftest import check_checkpoint_round_trip, tiny_model
 from linearize import recipe as R
 from linearize.bench.costs import cache_bytes, linear_state_bytes
 from linearize.convert.selection import select_layout
 from linearize.convert.surgery import linearize_model
-from linearize.io.checkpoint import save_checkpoint
 from linearize.model.layout import layer_window, parse_layer_windows, widest_window
-from linearize.model.modeling import LinearizeForCausalLM
 
 
 def hybrid_with(layer_windows: dict, window: int = 4, sinks: int = 0):
@@ -73,18 +71,8 @@ def test_layers_take_their_widths_and_decode_equals_forward():
 
 def test_checkpoint_round_trip(tmp_path):
     """The widths survive a checkpoint; the package's class and the bundled code load them and generate alike."""
-    from transformers import AutoModelForCausalLM
-
     hybrid, rec = hybrid_with({"0": 8, "2": 2})
-    save_checkpoint(hybrid, char_tokenizer(), tmp_path / "lw", base="tiny", recipe=rec)
-    ids = torch.randint(0, 128, (1, 14))
-    with torch.no_grad():
-        want = hybrid.generate(ids, max_new_tokens=6, do_sample=False)
-        for loaded in (LinearizeForCausalLM.from_pretrained(tmp_path / "lw").eval(),
-                       AutoModelForCausalLM.from_pretrained(tmp_path / "lw", trust_remote_code=True).eval()):
-            assert [m.window for m in loaded.linear_modules()] == [8, 4, 2]
-            torch.testing.assert_close(loaded(ids).logits, hybrid(ids).logits)
-            assert torch.equal(loaded.generate(ids, max_new_tokens=6, do_sample=False), want)
+    check_checkpoint_round_trip(hybrid, rec, tmp_path / "lw", lambda layers: [m.window for m in layers] == [8, 4, 2])
 
 
 def test_cache_bytes_count_each_layers_ring():

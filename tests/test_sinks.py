@@ -3,15 +3,13 @@
 import pytest
 import torch
 
-from conftest import char_tokenizer, tiny_model
+from conftest import check_checkpoint_round_trip, tiny_model
 from linearize import recipe as R
 from linearize.convert.selection import select_layout
 from linearize.convert.surgery import linearize_model
-from linearize.io.checkpoint import save_checkpoint
 from linearize.kernels import window_linear_attention
 from linearize.kernels.sinks import Sinks, first_tokens, gather_sinks, join_sinks, merge_sinks
 from linearize.kernels.testing import check_sink_steps, leaves, window_inputs
-from linearize.model.modeling import LinearizeForCausalLM
 from test_kernels_gated import F64, with_decay
 
 NAMES = ("q", "k", "fq", "fk", "v")
@@ -195,18 +193,8 @@ def test_left_padded_generation_and_prompt_lookup():
 
 def test_checkpoint_round_trip(tmp_path):
     """The setting survives a checkpoint; the package's class and the bundled code load it and generate alike."""
-    from transformers import AutoModelForCausalLM
-
     hybrid, rec = sink_hybrid()
-    save_checkpoint(hybrid, char_tokenizer(), tmp_path / "sinks", base="tiny", recipe=rec)
-    ids = torch.randint(0, 128, (1, 14))
-    with torch.no_grad():
-        want = hybrid.generate(ids, max_new_tokens=6, do_sample=False)
-        for loaded in (LinearizeForCausalLM.from_pretrained(tmp_path / "sinks").eval(),
-                       AutoModelForCausalLM.from_pretrained(tmp_path / "sinks", trust_remote_code=True).eval()):
-            assert all(m.sinks == 3 for m in loaded.linear_modules())
-            torch.testing.assert_close(loaded(ids).logits, hybrid(ids).logits)
-            assert torch.equal(loaded.generate(ids, max_new_tokens=6, do_sample=False), want)
+    check_checkpoint_round_trip(hybrid, rec, tmp_path / "sinks", lambda layers: all(m.sinks == 3 for m in layers))
 
 
 def test_recipe_refuses_sinks_without_a_window():
