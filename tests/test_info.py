@@ -6,7 +6,7 @@ import pytest
 from conftest import char_tokenizer, run_cli, tiny_model
 from linearize import recipe as R
 from linearize.io.checkpoint import save_checkpoint
-from linearize.bench.info import model_info
+from linearize.bench.info import describe_converted, model_info
 from linearize.convert.selection import select_layout
 from linearize.bench.costs import cache_bytes
 from linearize.convert.surgery import linearize_model
@@ -58,6 +58,18 @@ def test_plan_matches_the_converted_model(tmp_path):
         assert planned[key] == converted[key], key
     assert planned["cache_bytes"]["32K"] == cache_bytes(hybrid.config, 32768)
     assert "(planned, recipe elu)" in planned["layout"] and "planned" not in converted["layout"]
+    assert planned["converted"] == converted["converted"] == "linear attention, elu maps"
+    assert model_info(str(base))["converted"] is None
+
+
+def test_converted_layers_are_described():
+    """One line on what the converted layers compute: the map, the window (with per-layer widths), sinks, decay."""
+    la = {"feature_map": "hedgehog", "window": 64, "layer_windows": {"0-19": 512}, "sinks": 16, "decay": "learned"}
+    assert describe_converted(la) == ("linear attention, hedgehog maps, 64-token window (layers 0-19: 512), 16 sinks, "
+                                      "learned decay")
+    assert describe_converted({"layer_type": "gated_delta"}) == "gated delta rule"
+    r = run_cli("info", "llama-3-8b", "--ratio", "3:1")
+    assert "converted layers: linear attention, hedgehog maps, 64-token window" in r.stdout
 
 
 def test_mixture_of_experts_plan():

@@ -10,6 +10,7 @@ from typing import Any
 from ..convert.selection import describe_layout, select_layout
 from ..errors import SelectionError, SpecError
 from ..io.sources import load_model, local_dir, read_config, resolve, shipped_configs, vision_language_note
+from ..model.layout import GATED_DELTA
 from ..settings import DEFAULT_RECIPE
 from ..units import parse_length
 
@@ -92,6 +93,7 @@ def model_info(spec: str, *, ratio: str | None = None, softmax_layers: str | Non
         "num_layers": config.num_hidden_layers,
         "layout": layout_line,
         "sliding": describe_sliding(softmax_windows(config)),
+        "converted": describe_converted(config.linear_attention) if config.model_type == "linearize" else None,
         "layer_types": getattr(config, "layer_types", None),
         "parameters": total,
         "extra_parameters": extra,
@@ -100,6 +102,22 @@ def model_info(spec: str, *, ratio: str | None = None, softmax_layers: str | Non
         "quality": conversion_quality(path) if path is not None and not planned else {},
         "note": vision_language_note(path) if path is not None else None,
     }
+
+
+def describe_converted(la: dict) -> str:
+    """One line on what the converted layers compute, e.g. ``linear attention, hedgehog maps, 64-token window
+    (layers 0-19: 512), 16 sinks, learned decay`` or ``gated delta rule``."""
+    if la.get("layer_type") == GATED_DELTA:
+        return "gated delta rule" + (", output gate" if la.get("delta_output_gate") else "")
+    parts = ["linear attention", f"{la.get('feature_map', 'hedgehog')} maps"]
+    if la.get("window"):
+        own = ", ".join(f"layers {k}: {w}" for k, w in (la.get("layer_windows") or {}).items())
+        parts.append(f"{la['window']}-token window" + (f" ({own})" if own else ""))
+    if la.get("sinks"):
+        parts.append(f"{la['sinks']} sinks")
+    if (la.get("decay") or "none") != "none":
+        parts.append(f"{la['decay']} decay")
+    return ", ".join(parts)
 
 
 def describe_sliding(windows: list[int | None]) -> str | None:

@@ -36,6 +36,8 @@ def info(spec: str = typer.Argument(..., help="Model spec or hybrid checkpoint d
     if data.get("note"):
         console.print(data["note"], highlight=False)
     console.print(f"layers: {data['layout']}", highlight=False)
+    if data.get("converted"):
+        console.print(f"converted layers: {data['converted']}", highlight=False)
     if data.get("sliding"):
         console.print(f"sliding: {data['sliding']}", highlight=False)
     console.print(f"parameters: {data['parameters']:,} (added by conversion: {data['extra_parameters']:,})")
