@@ -46,6 +46,11 @@ def test_recipe_field():
         R.check_training(R.load("lolcats-cpu", {"attention.layer_windows": {"0": 512}}), {"distill": None})
 
 
+def test_a_layer_the_model_does_not_have_is_refused():
+    with pytest.raises(R.RecipeError, match="names layer 7, and the model has 4 layers"):
+        hybrid_with({"2-7": 8})
+
+
 def test_layers_take_their_widths_and_decode_equals_forward():
     """Each layer runs at its own width: a prefill, a continuation and single steps give one forward's logits; the
     layer whose width changed changes them; every layer at one width equals the plain window."""

@@ -220,8 +220,8 @@ def ablation_seats(retrieval: list[float] | None, count: int, share: float, take
     the same on every probe) while attending little onto the key. Six 3:1 hybrids trained at 8K kept 20-23 and 18;
     the three that also kept 7 scored 75-85% passkey at 1K and 95-100% on the needle at 1K / 2K, the three where the
     swap check had traded 7 away (for 3, 8 or 13) 10-60% and 60-100% / 65-80% (docs/long-context-experiments.md).
-    The swap check cannot see it: on the probe's hybrid, every layout's passkey loss is that of a model that does
-    not retrieve."""
+    The swap check did not see it: it compares layouts on the probe's hybrid (every other layer linear with maps
+    fitted on a short budget), whose joint loss did not predict recall after training."""
     if not retrieval or share <= 0 or count <= len(taken):
         return []
     n = min(count - len(taken), math.ceil(share * count - 1e-9))
@@ -231,8 +231,8 @@ def ablation_seats(retrieval: list[float] | None, count: int, share: float, take
 
 
 def choose_softmax_layers(scores: list[float], count: int, reserved: list[int] = ()) -> list[int]:
-    """The ``reserved`` layers (:func:`retrieval_seats`, :func:`ablation_seats`) and then the highest scores (ties: the lower index) up to
-    ``count`` layers, sorted."""
+    """The ``reserved`` layers (:func:`retrieval_seats`, :func:`ablation_seats`) and then the highest scores (ties:
+    the lower index) up to ``count`` layers, sorted."""
     if not 0 <= count <= len(scores):
         raise SelectionError(f"cannot keep {count} softmax layers of {len(scores)}")
     if len(reserved) > count:

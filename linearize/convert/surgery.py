@@ -7,10 +7,10 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from ..errors import UnsupportedModelError
+from ..errors import RecipeError, UnsupportedModelError
 from ..io.sources import read_config
 from ..model.architectures import arch_spec, not_causal_reason, not_supported_reason, supported_types, text_part
-from ..model.layout import LINEAR
+from ..model.layout import LINEAR, parse_layer_windows
 from ..model.modeling import LinearizeConfig, LinearizeForCausalLM
 from ..recipe import Recipe
 
@@ -74,6 +74,10 @@ def linearize_model(model: PreTrainedModel, layer_types: list[str], recipe: Reci
     layers (``linear_attention``, as layouts are chosen) become the recipe's ``attention.layer_type``."""
     check_supported(model)
     converted = recipe["attention"].get("layer_type") or LINEAR
+    named = parse_layer_windows(recipe["attention"].get("layer_windows"))
+    if named and max(named) >= len(layer_types):
+        raise RecipeError(f"attention.layer_windows names layer {max(named)}, and the model has {len(layer_types)} "
+                          f"layers (0-{len(layer_types) - 1})")
     layer_types = [converted if t == LINEAR else t for t in layer_types]
     config = LinearizeConfig.from_base(model.config, layer_types, dict(recipe["attention"]))
     config._attn_implementation = model.config._attn_implementation
