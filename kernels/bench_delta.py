@@ -11,7 +11,7 @@ ours are). Needs a GPU:
 ``triton_delta.CONFIG`` entries (ints; booleans as 0 / 1); ``VARIANTS="fwd_states_fp32=1;walk_bv=128"`` adds a row of
 ours per ``;``-separated set of overrides (on top of the shipped, saved or ``CONFIG`` configuration), in the same
 process. ``PHASES=1`` adds the forward's time per launch (UT transform, state walk, output) at 2K x 16 and
-32K x 1. ``HK=8`` runs GQA (fla's rows then repeat the KV heads, as its kernel has no GQA). Ends with fla's time /
+32K x 1, as the forward launches them, shipped and under each variant. ``HK=8`` runs GQA (fla's rows then repeat the KV heads, as its kernel has no GQA). Ends with fla's time /
 ours per length and variant.
 """
 import dataclasses
@@ -59,8 +59,9 @@ def variant(spec: bk.RowSpec, label: str) -> bk.RowSpec:
     return dataclasses.replace(spec, impl=f"ours {label}", what=f"{spec.what} {label}", build=build)
 
 
-def forward_phases() -> None:
-    """Each forward launch timed alone (bf16, H = 32, K = V = 128): where the forward's time goes."""
+def forward_phases(labels: list[str]) -> None:
+    """Each forward launch timed alone (bf16, H = 32, K = V = 128), as the forward launches it under the shipped
+    ``CONFIG`` and under each variant: where the forward's time goes."""
     from triton.testing import do_bench
 
     from linearize.kernels.delta_testing import NAMES, delta_inputs
@@ -68,12 +69,16 @@ def forward_phases() -> None:
         inp = delta_inputs(B, T, 32, 32, 128, 128, dtype=torch.bfloat16, device="cuda", seed=1, state=False)
         q, k, v, beta, lg = (inp[n] for n in NAMES)
         lg = lg.float()
-        w, u, _ = TD._prep(k, v, beta, lg, store_t=False)
-        prep = do_bench(lambda: TD._prep(k, v, beta, lg, store_t=False))
-        walk = do_bench(lambda: TD._walk(k, w, u, lg, None, state_dtype=torch.bfloat16, want_final=False))
-        whole = do_bench(lambda: TD._fwd(q, k, v, beta, lg, None, 128 ** -0.5, False))
-        print(f"forward at T={bk.format_length(T)} x {B}: prep {prep:.3f} ms, walk {walk:.3f} ms, "
-              f"output {whole - prep - walk:.3f} ms, whole {whole:.3f} ms", flush=True)
+        for label in ["", *labels]:
+            def phases():
+                w, u = TD._fwd_prep(k, v, beta, lg)
+                prep = do_bench(lambda: TD._fwd_prep(k, v, beta, lg))
+                walk = do_bench(lambda: TD._fwd_walk(k, w, u, lg, None, False))
+                whole = do_bench(lambda: TD._fwd(q, k, v, beta, lg, None, 128 ** -0.5, False))
+                return prep, walk, whole
+            prep, walk, whole = under(overrides(label), phases)()
+            print(f"forward at T={bk.format_length(T)} x {B} {label or '(shipped)'}: prep {prep:.3f} ms, walk "
+                  f"{walk:.3f} ms, output {whole - prep - walk:.3f} ms, whole {whole:.3f} ms", flush=True)
 
 
 def main() -> None:
@@ -99,7 +104,7 @@ def main() -> None:
                 cells.append(f"{p} {a:.3f} ms" + (f" = {b / a:.2f}x" if a and b else "") if a else f"{p} -")
             print(f"  T={bk.format_length(T):<5} {impl:<32} " + ", ".join(cells))
     if os.environ.get("PHASES") == "1":
-        forward_phases()
+        forward_phases(labels)
 
 
 if __name__ == "__main__":

@@ -556,15 +556,27 @@ def _walk(k, w, u, lg, S0, *, state_dtype, want_final, low16=False):
     return hs, fin
 
 
+def _fwd_prep(k, v, beta, lg):
+    """The forward's UT-transform launch: ``w``, ``u`` in the dtype ``CONFIG`` asks for."""
+    low = bool(CONFIG["fwd_inter_16bit"]) and k.dtype in (torch.bfloat16, torch.float16)
+    w, u, _ = _prep(k, v, beta, lg, store_t=False, dtype=k.dtype if low else torch.float32)
+    return w, u
+
+
+def _fwd_walk(k, w, u, lg, S0, want_final):
+    """The forward's state walk (``u`` becomes ``U``): ``(chunk states, final state, states in fp32)``."""
+    s32 = bool(CONFIG["fwd_states_fp32"]) or k.dtype == torch.float32
+    hs, fin = _walk(k, w, u, lg, S0, state_dtype=torch.float32 if s32 else k.dtype, want_final=want_final,
+                    low16=bool(CONFIG["walk_16bit"]))
+    return hs, fin, s32
+
+
 def _fwd(q, k, v, beta, lg, S0, scale, want_final):
     B, T, H, K = q.shape
     V = v.shape[-1]
     BT = CONFIG["bt"]
-    low = bool(CONFIG["fwd_inter_16bit"]) and k.dtype in (torch.bfloat16, torch.float16)
-    w, u, _ = _prep(k, v, beta, lg, store_t=False, dtype=k.dtype if low else torch.float32)
-    s32 = bool(CONFIG["fwd_states_fp32"]) or k.dtype == torch.float32
-    hs, fin = _walk(k, w, u, lg, S0, state_dtype=torch.float32 if s32 else k.dtype, want_final=want_final,
-                    low16=bool(CONFIG["walk_16bit"]))
+    w, u = _fwd_prep(k, v, beta, lg)
+    hs, fin, s32 = _fwd_walk(k, w, u, lg, S0, want_final)
     o = new_empty((B, T, H, V), dtype=v.dtype, device=q.device)
     BV = _blocks("out_bv", V)
     launch(_out_kernel, (triton.cdiv(V, BV), triton.cdiv(T, BT), B * H), q, k, u, hs, lg, o, T, H, k.shape[2],
