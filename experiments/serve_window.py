@@ -18,15 +18,7 @@ import sys
 
 from linearize.cli.app import run_app
 from linearize.evals import runner
-
-
-def parse_layers(text: str) -> set[int]:
-    """``"0-6,8,24-29"`` -> the layer indices it names."""
-    out: set[int] = set()
-    for part in text.split(","):
-        lo, _, hi = part.strip().partition("-")
-        out.update(range(int(lo), int(hi or lo) + 1))
-    return out
+from linearize.model.layout import layer_range
 
 
 def main() -> None:
@@ -38,7 +30,7 @@ def main() -> None:
     ap.add_argument("--layers", default=None,
                     help="only these decoder layers, e.g. 0-19 or 0-6,8,24-29 (default: every window layer)")
     args = ap.parse_args(argv[:cut])
-    chosen = parse_layers(args.layers) if args.layers else None
+    chosen = {i for part in args.layers.split(",") for i in layer_range(part, "--layers")} if args.layers else None
     loader = runner._default_loader()
 
     def at_window(spec, **kw):

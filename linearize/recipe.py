@@ -329,8 +329,6 @@ def _check_layer_type(values: dict[str, dict[str, Any]], where: Callable[[str], 
     gated delta layers the sliding window (they have none) and Hedgehog's attention-weight loss (no attention
     weights)."""
     att = values["attention"]
-    # string keys, as config.json will hold them (YAML reads 24 as an int, 0-19 as a string)
-    att["layer_windows"] = {str(k).strip(): w for k, w in att["layer_windows"].items()}
     if values["distill"]["windows"] and not att["window"]:
         raise RecipeError(f"{where('distill.windows')}distill.windows = {values['distill']['windows']}: the layers "
                           f"have no sliding window to vary (attention.window is 0); set distill.windows=[]")
@@ -466,6 +464,8 @@ def _check(section: str, name: str, value: Any, where: str) -> Any:
         if name == "feature_map":
             raise RecipeError(f"{where}{full} = {value!r}: must be one of {', '.join(_feature_map_names())}")
         raise RecipeError(f"{where}{full} = {value!r}: must be {f.allowed}")
+    if isinstance(value, dict):  # string keys, as config.json holds them (YAML reads 24 as an int, 0-19 as a string)
+        value = {str(k).strip(): v for k, v in value.items()}
     return value
 
 

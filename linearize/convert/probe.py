@@ -120,18 +120,27 @@ def score_weights(recipe) -> dict[str, float]:
     return w
 
 
+#: the seat kinds that need a term measured whatever its weight
+SEAT_TERMS = {"retrieval": "ablation_seats", "attention": "retrieval_seats"}
+
+
+def measured_terms(recipe) -> list[str]:
+    """The terms the probe measures, in :data:`TERMS` order: ``mse`` always, a term with a weight > 0, and the
+    terms the seats need (``attention`` for the retrieval seats, ``retrieval`` for the ablation seats:
+    :func:`linearize.convert.selection.retrieval_seats`, :func:`linearize.convert.selection.ablation_seats`)."""
+    sel, weights = recipe["select"], score_weights(recipe)
+    return [t for t in TERMS if t == "mse" or weights[t] > 0 or t in SEAT_TERMS and sel[SEAT_TERMS[t]] > 0]
+
+
 def measures_retrieval(recipe) -> bool:
-    """Whether the probe measures each layer's single-layer passkey loss rise: for its score term or for the
-    ablation seats (:func:`linearize.convert.selection.ablation_seats`)."""
-    sel = recipe["select"]
-    return sel["retrieval_weight"] > 0 or sel["ablation_seats"] > 0
+    """Whether the probe measures each layer's single-layer passkey loss rise (its score term or the ablation
+    seats)."""
+    return "retrieval" in measured_terms(recipe)
 
 
 def measures_attention(recipe) -> bool:
-    """Whether the probe measures the original's attention onto the key: for its score term or for the retrieval
-    seats (:func:`linearize.convert.selection.retrieval_seats`)."""
-    sel = recipe["select"]
-    return sel["attention_weight"] > 0 or sel["retrieval_seats"] > 0
+    """Whether the probe measures the original's attention onto the key (its score term or the retrieval seats)."""
+    return "attention" in measured_terms(recipe)
 
 
 def combine_scores(measurements: dict[str, list[float] | None], weights: dict[str, float]) -> list[float]:
@@ -174,13 +183,12 @@ def plan_scoring_tokens(recipe, num_layers: int, max_positions: int | None) -> i
     attention onto the key, and :func:`swap_check`'s up to ``1 + rounds * pool**2`` joint layouts (prompts
     are counted at ``select.retrieval_length``; chat templates and answers add a few percent)."""
     sel, d = recipe["select"], recipe["distill"]
-    weights = score_weights(recipe)
+    measured = measured_terms(recipe)
     heldout = d["eval_seqs"] * d["seq_len"]
     length = min(sel["retrieval_length"], max_positions - 16) if max_positions else sel["retrieval_length"]
-    attention, ablation = measures_attention(recipe), measures_retrieval(recipe)
-    retrieval = sel["retrieval_prompts"] * length if ablation or attention else 0
-    tokens = heldout + (retrieval if attention else 0)
-    tokens += (num_layers + 1) * ((heldout if weights["loss"] > 0 else 0) + (retrieval if ablation else 0))
+    retrieval = sel["retrieval_prompts"] * length
+    tokens = heldout + (retrieval if "attention" in measured else 0)
+    tokens += (num_layers + 1) * ((heldout if "loss" in measured else 0) + (retrieval if "retrieval" in measured else 0))
     if sel["swap_rounds"] > 0:
         tokens += (1 + sel["swap_rounds"] * sel["swap_pool"] ** 2) * (heldout + sel["retrieval_prompts"] * length)
     return int(tokens)
@@ -216,7 +224,6 @@ def cache_key(model, tokenizer, recipe, probe_tokens: int) -> tuple[str | None, 
     data = recipe["distill"]["data"]
     src = parse_spec(data)
     sel = recipe["select"]
-    weights = score_weights(recipe)
     param = next(model.parameters())
     inputs = {
         "probe_version": PROBE_VERSION, "linearize": __version__, "model": identity,
@@ -226,8 +233,7 @@ def cache_key(model, tokenizer, recipe, probe_tokens: int) -> tuple[str | None, 
                                                                             "max_loss_ratio")},
         "select": {k: v for k, v in sel.items() if not k.endswith("_weight")
                    and k not in ("probe_fraction", "retrieval_seats", "ablation_seats")},
-        "measured": [t for t in TERMS if weights[t] > 0 or t == "mse" or t == "attention" and measures_attention(recipe)
-                     or t == "retrieval" and measures_retrieval(recipe)],
+        "measured": measured_terms(recipe),
         "probe_tokens": probe_tokens,
         "data": {"spec": data, **(source_fingerprint(src) if src.cacheable else {})},
         "tokenizer": tokenizer_fingerprint(tokenizer),
@@ -422,7 +428,6 @@ def apply_feature_maps(hybrid, maps: dict[str, torch.Tensor]) -> list[int]:
 
 def _measure(model, tokenizer, recipe, probe_tokens: int, *, progress: bool, log: Callable[[str], None]) -> ProbeResult:
     sel, d = recipe["select"], recipe["distill"]
-    weights = score_weights(recipe)
     t0 = time.time()
     n = model.config.num_hidden_layers
     torch.manual_seed(sel["seed"])
@@ -441,10 +446,10 @@ def _measure(model, tokenizer, recipe, probe_tokens: int, *, progress: bool, log
                                                        "attention": None}
         baseline: dict[str, float | None] = {"heldout_loss": None, "retrieval_loss": None}
         samples = []
-        attention, ablation = measures_attention(recipe), measures_retrieval(recipe)
-        if ablation or attention:
+        measured = measured_terms(recipe)
+        if "retrieval" in measured or "attention" in measured:
             samples = retrieval_samples(tokenizer, recipe, getattr(model.config, "max_position_embeddings", None))
-        if attention:
+        if "attention" in measured:
             log(f"probe: the original's attention onto the pass key ({len(samples)} prompts)")
             measurements["attention"] = retrieval_attention(hybrid, samples)
             eval_tokens += sum(len(p) for p, _, _ in samples)
@@ -452,7 +457,7 @@ def _measure(model, tokenizer, recipe, probe_tokens: int, *, progress: bool, log
                   ("retrieval", "retrieval_loss", lambda: _retrieval_loss(hybrid, samples),
                    sum(len(p) + len(a) for p, a, _ in samples))]
         for term, base_name, fn, tokens in passes:
-            if not (weights[term] > 0 or term == "retrieval" and ablation):
+            if term not in measured:
                 continue
             log(f"probe: {term} with one linear layer at a time ({n + 1} passes of {tokens:,} tokens)")
             hybrid.set_attention_mode("softmax")

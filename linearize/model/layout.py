@@ -17,22 +17,29 @@ def transformers_layer_types(layer_types: list[str]) -> list[str]:
     return [LINEAR if t in CONVERTED else t for t in layer_types]
 
 
+def layer_range(text, what: str = "layers") -> range:
+    """The decoder layers ``text`` names: one (``24``) or an inclusive range (``0-19``); ValueError naming ``what``
+    otherwise."""
+    lo, sep, hi = str(text).strip().partition("-")
+    try:
+        first, last = int(lo), int(hi if sep else lo)
+    except ValueError:
+        raise ValueError(f"{what} {text!r}: expected a layer (24) or a range (0-19)") from None
+    if not 0 <= first <= last:
+        raise ValueError(f"{what} {text!r}: expected layers >= 0, the first no later than the last")
+    return range(first, last + 1)
+
+
 def parse_layer_windows(mapping: dict | None) -> dict[int, int]:
     """``attention.layer_windows`` as ``{layer: width}``: each key a decoder layer (``24``) or an inclusive range
     (``"0-19"``), each value that layer's sliding window in tokens (1-4096). ValueError naming the bad entry; a
     layer named twice is refused."""
     out: dict[int, int] = {}
     for key, width in (mapping or {}).items():
-        lo, sep, hi = str(key).strip().partition("-")
-        try:
-            first, last = int(lo), int(hi if sep else lo)
-        except ValueError:
-            raise ValueError(f"layer_windows key {key!r}: expected a layer (24) or a range (0-19)") from None
-        if not 0 <= first <= last:
-            raise ValueError(f"layer_windows key {key!r}: expected layers >= 0, the first no later than the last")
+        layers = layer_range(key, "layer_windows key")
         if type(width) is not int or not 1 <= width <= 4096:
             raise ValueError(f"layer_windows[{key!r}] = {width!r}: expected a window width in [1, 4096] tokens")
-        for i in range(first, last + 1):
+        for i in layers:
             if i in out:
                 raise ValueError(f"layer_windows names layer {i} twice")
             out[i] = width
