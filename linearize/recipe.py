@@ -19,7 +19,7 @@ import yaml
 from .data.checks import check_text_files
 from .data.mixture import mixture_text
 from .errors import DataError, RecipeError
-from .model.layout import CONVERTED, GATED_DELTA, LINEAR, parse_layer_windows, widest_window
+from .model.layout import CONVERTED, GATED_DELTA, LINEAR, parse_layer_windows, training_width, widest_window
 from .settings import DEFAULT_RECIPE
 from .units import parse_tokens
 
@@ -110,6 +110,10 @@ SCHEMA: dict[str, dict[str, Field]] = {
         # keep window (model.layout.layer_window)
         "layer_windows": Field(dict, {}, "a mapping of layers (24, or a range like 0-19) to window widths in "
                                "[1, 4096]", _valid_layer_windows),
+        # the width every windowed layer trains at (probe, stage 1, stage 2), served at its own afterwards; 0 = its
+        # own (model.layout.training_width)
+        "train_window": Field(int, 0, "an integer in [0, 4096] (0 = each layer's own window)",
+                              lambda v: 0 <= v <= 4096),
         "window_init": Field(float, 0.1, "a number in (0, 1)", lambda v: 0.0 < v < 1.0),
         "sinks": Field(int, 0, "an integer in [0, 256] (0 = none; needs a window)", lambda v: 0 <= v <= 256),
         "eps": Field(float, 1e-6, "a number in (0, 0.1]", lambda v: 0.0 < v <= 0.1),
@@ -336,6 +340,10 @@ def _check_layer_type(values: dict[str, dict[str, Any]], where: Callable[[str], 
         raise RecipeError(f"{where('attention.layer_windows')}attention.layer_windows = {att['layer_windows']}: "
                           f"attention.window is 0, so the layers have no window to widen or narrow; set a window "
                           f"or attention.layer_windows={{}}")
+    if att["train_window"] and not att["window"]:
+        raise RecipeError(f"{where('attention.train_window')}attention.train_window = {att['train_window']}: "
+                          f"attention.window is 0, so the layers have no window to train narrower or wider; set a "
+                          f"window or attention.train_window=0")
     if att["layer_windows"] and values["distill"]["windows"]:
         raise RecipeError(f"{where('distill.windows')}distill.windows = {values['distill']['windows']} draws one "
                           f"width for every layer, and attention.layer_windows gives layers their own; set one of "
@@ -379,17 +387,20 @@ def check_training(recipe: Recipe, stages: dict[str, Any], *, window: int | None
     """Combinations that only matter when ``stages`` train (checked before any model is loaded).
 
     ``stages`` maps ``"distill"`` / ``"finetune"`` to that stage's token budget (None = the recipe's);
-    ``window`` is the model's sliding window when it differs from the recipe's (a hybrid checkpoint).
+    ``window`` is the model's sliding window when it differs from the recipe's (a hybrid checkpoint); the layers
+    train at ``attention.train_window`` instead when it is set.
     Refuses a window that covers the whole training sequence (the linear part would never see a
     token), a budget smaller than one batch (distill) or one optimizer step (finetune), and a data
     spec that does not resolve or holds no text (:func:`linearize.data.checks.check_text_files`).
     """
-    win = widest_window(recipe["attention"]) if window is None else window
+    trained = training_width(recipe["attention"])
+    win = trained or (widest_window(recipe["attention"]) if window is None else window)
+    name = "attention.train_window" if trained else "attention.window"
     for stage, tokens in stages.items():
         cfg = recipe[stage]
         seq = cfg["seq_len"]
         if win and win >= seq:
-            raise RecipeError(f"attention.window = {win} is not shorter than {stage}.seq_len = {seq}: the window "
+            raise RecipeError(f"{name} = {win} is not shorter than {stage}.seq_len = {seq}: the window "
                               f"would cover every training sequence, so the linear part would never see a token; "
                               f"use --set {stage}.seq_len={max(2 * win, 64)} or a smaller window")
         odd = [n for n in cfg["lengths"] if seq % n]
@@ -398,7 +409,7 @@ def check_training(recipe: Recipe, stages: dict[str, Any], *, window: int | None
                               f"step cuts its rows into rows of a drawn length; use divisors of {seq}")
         short = [n for n in cfg["lengths"] if win and win >= n]
         if short:
-            raise RecipeError(f"{stage}.lengths holds {short[0]}, not longer than attention.window = {win}: rows that "
+            raise RecipeError(f"{stage}.lengths holds {short[0]}, not longer than {name} = {win}: rows that "
                               f"short would never reach the linear part; use longer rows or a smaller window")
         wide = [w for w in cfg.get("windows", ()) if w >= seq]  # distill only
         if win and wide:

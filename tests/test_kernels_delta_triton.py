@@ -137,7 +137,7 @@ def test_fp32_intermediates(T, monkeypatch):
 
 
 #: launch settings that change the arithmetic, each on and off the default (kernels/README.md times them)
-ARITHMETIC = [("prep_diag_rows", 1), ("walk_16bit", 1)]
+ARITHMETIC = [("prep_diag_rows", 0), ("walk_16bit", 0)]
 
 
 @gpu
@@ -287,18 +287,19 @@ def test_interp_fp32_intermediates(small_chunks, monkeypatch):
 @interp
 @pytest.mark.parametrize("bt", [16, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_interp_diagonal_blocks_by_rows(bt, dtype, monkeypatch):
-    """``prep_diag_rows``: the UT inverse's diagonal blocks on [16, 16] tiles (one block at BT = 16, four at 64)."""
+def test_interp_diagonal_blocks_tile_wide(bt, dtype, monkeypatch):
+    """``prep_diag_rows`` off: the UT inverse's diagonal blocks by masked [BT, BT] products instead of on [16, 16]
+    tiles (the default, which every other test here runs: one block at BT = 16, four at 64)."""
     monkeypatch.setitem(triton_delta.CONFIG, "bt", bt)
-    monkeypatch.setitem(triton_delta.CONFIG, "prep_diag_rows", 1)
+    monkeypatch.setitem(triton_delta.CONFIG, "prep_diag_rows", 0)
     check("triton", 1, bt + 13, 2, 1, 32, 32, dtype)
 
 
 @interp
-def test_interp_walk_16bit(small_chunks, monkeypatch):
-    """``walk_16bit``: the forward walk's products on bf16 operands stay within the bf16 tolerance; fp32 inputs
-    keep fp32 operands (the setting does not apply)."""
-    monkeypatch.setitem(triton_delta.CONFIG, "walk_16bit", 1)
+def test_interp_walk_tf32(small_chunks, monkeypatch):
+    """``walk_16bit`` off: the forward walk's products on tf32 operands for bf16 inputs (the default's bf16 operands
+    are what every other bf16 test here runs); fp32 inputs keep fp32 operands either way."""
+    monkeypatch.setitem(triton_delta.CONFIG, "walk_16bit", 0)
     check("triton", 2, 37, 4, 2, 16, 32, torch.bfloat16)
     check("triton", 1, 37, 2, 1, 16, 32, torch.float32)
 

@@ -106,13 +106,16 @@ def model_info(spec: str, *, ratio: str | None = None, softmax_layers: str | Non
 
 def describe_converted(la: dict) -> str:
     """One line on what the converted layers compute, e.g. ``linear attention, hedgehog maps, 64-token window
-    (layers 0-19: 512), 16 sinks, learned decay`` or ``gated delta rule``."""
+    (layers 0-19: 512), 16 sinks, learned decay``, ``..., 512-token window (trained at 64), ...`` or ``gated delta
+    rule``."""
     if la.get("layer_type") == GATED_DELTA:
         return "gated delta rule" + (", output gate" if la.get("delta_output_gate") else "")
     parts = ["linear attention", f"{la.get('feature_map', 'hedgehog')} maps"]
     if la.get("window"):
-        own = ", ".join(f"layers {k}: {w}" for k, w in (la.get("layer_windows") or {}).items())
-        parts.append(f"{la['window']}-token window" + (f" ({own})" if own else ""))
+        notes = [f"layers {k}: {w}" for k, w in (la.get("layer_windows") or {}).items()]
+        if la.get("train_window"):
+            notes.append(f"trained at {la['train_window']}")
+        parts.append(f"{la['window']}-token window" + (f" ({', '.join(notes)})" if notes else ""))
     if la.get("sinks"):
         parts.append(f"{la['sinks']} sinks")
     if (la.get("decay") or "none") != "none":

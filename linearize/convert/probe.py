@@ -75,7 +75,9 @@ from ..evals.common import EvalConfig, EvalError, parse_depths
 from ..evals.prompts import PieceEncoder
 from ..io.sources import cache_root, local_dir
 from ..model.architectures import arch_spec
+from ..model.layout import training_width
 from ..train.distill import distill, evaluate_layers
+from ..train.loop import training_window
 from ..version import __version__
 from .selection import LINEAR, ablation_seats, rank_layers, retrieval_seats, selection_boundary
 
@@ -278,8 +280,9 @@ def _load(key: str) -> ProbeResult | None:
 
 @contextlib.contextmanager
 def all_linear(model, recipe):
-    """Yield a hybrid of ``model`` with every layer linear; restore ``model``'s own attention modules
-    (and its parameters' ``requires_grad``) on exit, so ``model`` can be converted again."""
+    """Yield a hybrid of ``model`` with every layer linear, its windowed layers at the width training will use
+    (``attention.train_window``); restore ``model``'s own attention modules (and its parameters'
+    ``requires_grad``) on exit, so ``model`` can be converted again."""
     # start-up time: surgery imports transformers' model code; the plan imports this module before its checks
     from .surgery import check_supported, linearize_model
 
@@ -289,7 +292,9 @@ def all_linear(model, recipe):
     originals = [getattr(layer, attr) for layer in layers]
     grads = [(p, p.requires_grad) for p in model.parameters()]
     try:
-        yield linearize_model(model, [LINEAR] * len(layers), recipe)
+        hybrid = linearize_model(model, [LINEAR] * len(layers), recipe)
+        with training_window(hybrid, training_width(recipe["attention"])):
+            yield hybrid
     finally:
         for layer, orig in zip(layers, originals):
             setattr(layer, attr, orig)

@@ -35,10 +35,10 @@ _INTERP = tl.constexpr(interpreting())
 
 CONFIG = {  # launch configuration: untuned; registers and spills from an offline sm_90a compile (kernels/README.md)
     "bt": 64,  # chunk of every kernel (they share the per-chunk states)
-    "prep_warps": 4,  # 226 registers, no spills
+    "prep_warps": 4,  # 214 registers, no spills (226 with prep_diag_rows 0)
     # the UT inverse's 16-row diagonal blocks on [16, 16] tiles (15 row steps of two small reductions) instead of 15
-    # masked [BT, BT] tensor-core products (_unit_lower_inverse); not yet timed on a GPU
-    "prep_diag_rows": 0,
+    # masked [BT, BT] tensor-core products (_unit_lower_inverse): H100, bf16, 2K x 16, the UT launch 1.69 -> 1.62 ms
+    "prep_diag_rows": 1,
     # value block of the forward and backward walks (the [K, BV] fp32 state lives in registers), halved to 32 while
     # the grid has fewer than walk_waves programs per SM (long T, small batch: the walk is serial); walk_warps for
     # state tiles of 128 x 64 or more (at 4 warps: ~90 bytes spilled at K = 128, 656 at 256 x 32), 4 below (none)
@@ -48,9 +48,10 @@ CONFIG = {  # launch configuration: untuned; registers and spills from an offlin
     "walk_warps_narrow": 4,
     "walk_stages": 2,
     # the forward walk's two products on 16-bit operands (16-bit inputs; as fla's walk) instead of tf32 ones; the
-    # state accumulates in fp32 either way and the backward recomputes the walk in fp32. Not yet timed on a GPU
-    "walk_16bit": 0,
-    "out_bv": 64,  # value block of the output kernel and of the backward's dvl kernel (136 / 154 registers)
+    # state accumulates in fp32 either way and the backward recomputes the walk in fp32. H100, bf16: the walk 1.27
+    # -> 1.01 ms at 2K x 16, 2.19 -> 1.58 ms at 32K x 1; relative error 3.0e-3 -> 3.1e-3 (fla's 3.8e-3)
+    "walk_16bit": 1,
+    "out_bv": 128,  # value block of the output kernel and of the backward's dvl kernel (162 registers; 136 at 64)
     "out_warps": 4,
     # value block the chunk-parallel backward kernels loop over: at 64 the UT backward spilled ~350 bytes, at 32
     # 88 (the query-side kernel none at either)

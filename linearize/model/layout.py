@@ -55,3 +55,10 @@ def layer_window(settings: dict, layer_idx: int) -> int:
 def widest_window(settings: dict) -> int:
     """The widest sliding window of any converted layer (``window`` or a ``layer_windows`` entry; 0: none)."""
     return max([int(settings.get("window") or 0), *parse_layer_windows(settings.get("layer_windows")).values()])
+
+
+def training_width(settings: dict) -> int | None:
+    """The sliding window the training stages (and the layer-choice probe) run every windowed layer at:
+    ``train_window`` when set, so a hybrid can train narrow and serve at its ``window`` / ``layer_windows``;
+    None (each layer's own) otherwise."""
+    return int(settings.get("train_window") or 0) or None

@@ -25,7 +25,8 @@ import torch
 from .. import distributed as dist
 from ..data.packing import heldout_sequences, num_batches, packed_batches
 from ..units import parse_tokens
-from .loop import Stage, StageLoop, open_state, step_choice
+from ..model.layout import training_width
+from .loop import Stage, StageLoop, open_state, step_choice, training_window
 
 STATE_FILE = "distill-state.pt"
 
@@ -108,21 +109,6 @@ def step_window(cfg: dict[str, Any], step: int) -> int | None:
     return step_choice(cfg["windows"], cfg["seed"], step, "window")
 
 
-@contextlib.contextmanager
-def training_window(model, window: int | None) -> Iterator[None]:
-    """Every windowed linear layer of ``model`` at ``window`` tokens for the block (``None``: unchanged), then
-    back at its own."""
-    mods = [m for m in model.linear_modules() if window and getattr(m, "window", 0) > 0]
-    own = [m.window for m in mods]
-    for m in mods:
-        m.window = window
-    try:
-        yield
-    finally:
-        for m, w in zip(mods, own):
-            m.window = w
-
-
 class AttentionTransfer(Stage):
     """Stage 1 for the loop: the feature maps and window logits train (in fp32), each layer's loss is
     back-propagated during the forward, and the per-layer losses are checked and reported per layer. No DDP
@@ -173,7 +159,15 @@ def distill(model, tokenizer, recipe, *, state_dir: Path | None = None, resume: 
     """Run attention transfer on ``model`` in place; return the stage report.
 
     ``tokens`` overrides ``distill.tokens``. The state goes to ``state_dir/distill-state.pt`` every
-    ``checkpoint_every`` optimizer steps; ``resume=True`` continues from it when the fingerprint matches."""
+    ``checkpoint_every`` optimizer steps; ``resume=True`` continues from it when the fingerprint matches. With
+    ``attention.train_window`` the windowed layers train (and are measured) at that width and keep their own
+    after the stage; ``distill.windows`` still draws each step's width."""
+    with training_window(model, training_width(recipe["attention"])):
+        return _distill(model, tokenizer, recipe, state_dir=state_dir, resume=resume, tokens=tokens,
+                        progress=progress, log=log)
+
+
+def _distill(model, tokenizer, recipe, *, state_dir, resume, tokens, progress, log) -> dict:
     cfg = recipe["distill"]
     budget = parse_tokens(tokens if tokens is not None else cfg["tokens"])
     seq_len, bsz, accum = cfg["seq_len"], cfg["batch_size"], cfg["grad_accum"]
@@ -213,11 +207,12 @@ def distill(model, tokenizer, recipe, *, state_dir: Path | None = None, resume: 
     after = evaluate_layers(model, heldout)
     for p in params:  # back to the model's dtype for saving
         p.requires_grad_(False)
-    return _report(cfg, loop, before, after, stage.layers, time.time() - t_start)
+    return _report(cfg, loop, before, after, stage.layers, time.time() - t_start,
+                   training_width(recipe["attention"]))
 
 
 def _report(cfg: dict[str, Any], loop: StageLoop, before: dict[str, list[float]], after: dict[str, list[float]],
-            layers: list[int], seconds: float) -> dict[str, Any]:
+            layers: list[int], seconds: float, train_window: int | None) -> dict[str, Any]:
     """The stage report: the run's figures and the held-out MSE per layer before and after."""
     ratios = [b / max(a, 1e-30) for a, b in zip(after["mse"], before["mse"])]
     return {
@@ -226,6 +221,7 @@ def _report(cfg: dict[str, Any], loop: StageLoop, before: dict[str, list[float]]
         "passes_per_micro_batch": max(1, loop.pieces),  # > 1: split to fit memory (linearize.train.memory)
         "copy_fraction": cfg["copy_fraction"],  # share of training rows with a long-range copy (0 = off)
         "windows": list(cfg["windows"]),  # sliding windows drawn per step ([]: the layers' own)
+        "train_window": train_window,  # the width every windowed layer trained at (None: its own)
         "lengths": list(cfg["lengths"]),  # row lengths drawn per step ([]: seq_len)
         "world_size": dist.world_size(),  # torchrun processes sharing each step's global batch
         "train_seconds": round(loop.train_seconds, 1), "total_seconds": round(seconds, 1),

@@ -38,12 +38,13 @@ from torch.utils.checkpoint import checkpoint
 
 from .. import distributed as dist
 from ..model.architectures import arch_spec
+from ..model.layout import training_width
 from ..atomic import atomic_write
 from ..data.packing import heldout_sequences, num_batches, packed_batches
 from ..errors import TrainingError
 from ..units import parse_tokens
 from .fsdp import is_sharded, merge_lora
-from .loop import Stage, StageLoop, open_state, set_rng_state
+from .loop import Stage, StageLoop, open_state, set_rng_state, training_window
 
 __all__ = ["finetune", "lora_target_regex", "adapter_layers", "evaluate", "chunked_kl", "STATE_FILE"]
 
@@ -343,8 +344,16 @@ def finetune(model, tokenizer, recipe, *, state_dir: Path | None = None, resume:
     frozen, eval mode, linear attention). With ``adapter_only_dir`` the adapter is saved there
     (peft ``save_pretrained``, atomically) and the model is returned without the adapter.
     Checkpoints go to ``state_dir/finetune-state.pt`` every ``checkpoint_every`` optimizer steps;
-    ``resume=True`` continues from there when the fingerprint matches.
+    ``resume=True`` continues from there when the fingerprint matches. With ``attention.train_window`` the
+    windowed layers train (and the held-out figures are taken) at that width; they keep their own after it.
     """
+    with training_window(model, training_width(recipe["attention"])):
+        return _finetune(model, tokenizer, recipe, state_dir=state_dir, resume=resume, tokens=tokens, loss=loss,
+                         adapter_only_dir=adapter_only_dir, progress=progress, log=log)
+
+
+def _finetune(model, tokenizer, recipe, *, state_dir, resume, tokens, loss, adapter_only_dir, progress,
+              log) -> tuple[Any, dict]:
     cfg = recipe["finetune"]
     loss_kind = loss if loss is not None else cfg["loss"]
     if loss_kind not in ("xent", "kl"):
@@ -429,6 +438,7 @@ def finetune(model, tokenizer, recipe, *, state_dir: Path | None = None, resume:
         "activation_checkpointing": checkpointed,  # the recipe's true, or auto when one row did not fit
         "copy_fraction": cfg["copy_fraction"],  # share of training rows with a long-range copy (0 = off)
         "lengths": list(cfg["lengths"]),  # row lengths drawn per step ([]: seq_len)
+        "train_window": training_width(recipe["attention"]),  # every windowed layer trained at it (None: its own)
         "lora": {"r": cfg["lora_r"], "alpha": cfg["lora_alpha"], "dropout": cfg["lora_dropout"],
                  "targets": list(cfg["targets"]), "layers": layers, "target_modules": target_regex,
                  "trainable_params": n_trainable},

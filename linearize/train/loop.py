@@ -71,6 +71,21 @@ def step_length(cfg: dict[str, Any], step: int) -> int | None:
     return step_choice(cfg["lengths"], cfg["seed"], step, "length")
 
 
+@contextlib.contextmanager
+def training_window(model, window: int | None) -> Iterator[None]:
+    """Every windowed linear layer of ``model`` at ``window`` tokens for the block (``None``: unchanged), then
+    back at its own."""
+    mods = [m for m in model.linear_modules() if window and getattr(m, "window", 0) > 0]
+    own = [m.window for m in mods]
+    for m in mods:
+        m.window = window
+    try:
+        yield
+    finally:
+        for m, w in zip(mods, own):
+            m.window = w
+
+
 # ----------------------------------------------------------------------------------------- settings
 
 

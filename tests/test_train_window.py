@@ -1,0 +1,122 @@
+"""Train narrow, serve wide (``attention.train_window``): the recipe field, the width the probe and both training
+stages run at, the width the layers keep afterwards, the reports and ``linearize info``."""
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from linearize import recipe as R
+from linearize.bench.info import describe_converted
+from linearize.convert.probe import all_linear
+from linearize.model.layout import training_width
+from linearize.train import distill as D
+from linearize.train import finetune as FT
+from test_distill import _hybrid as distill_hybrid, _recipe as distill_recipe, _tokenizer, corpus  # noqa: F401
+from test_finetune import QUIET, _hybrid as finetune_hybrid, _recipe as finetune_recipe
+
+
+def record_widths(hybrid) -> list[int]:
+    """The window of every linear layer at each of its training-mode forwards (appended as they run)."""
+    seen = []
+    for m in hybrid.linear_modules():
+        m.register_forward_pre_hook(lambda mod, *a: seen.append(mod.window) if mod.training else None)
+    return seen
+
+
+def test_recipe_field():
+    assert R.load("lolcats")["attention"]["train_window"] == 0
+    assert training_width(R.load("lolcats")["attention"]) is None
+    rec = R.load("lolcats", {"attention.window": 512, "attention.train_window": 64})
+    assert training_width(rec["attention"]) == 64
+    with pytest.raises(R.RecipeError, match="attention.window is 0, so the layers have no window to train"):
+        R.load("lolcats", {"attention.window": 0, "attention.train_window": 64})
+    for bad in (-1, 4097, 1.5):
+        with pytest.raises(R.RecipeError, match="attention.train_window"):
+            R.load("lolcats", {"attention.train_window": bad})
+
+
+def test_training_rows_are_checked_against_the_training_width():
+    """A served window as long as the rows is fine when the layers train narrower; a training width as long as the
+    rows is not."""
+    with pytest.raises(R.RecipeError, match="attention.window = 512 is not shorter than distill.seq_len = 512"):
+        R.check_training(R.load("lolcats-cpu", {"attention.window": 512}), {"distill": None})
+    R.check_training(R.load("lolcats-cpu", {"attention.window": 512, "attention.train_window": 64}),
+                     {"distill": None, "finetune": None})
+    with pytest.raises(R.RecipeError, match="attention.train_window = 512 is not shorter than distill.seq_len"):
+        R.check_training(R.load("lolcats-cpu", {"attention.window": 64, "attention.train_window": 512}),
+                         {"distill": None})
+    # a hybrid checkpoint's own window is replaced by the training width too
+    R.check_training(R.load("lolcats-cpu", {"attention.train_window": 64}), {"finetune": None}, window=4096)
+
+
+def test_distill_trains_at_the_training_width_and_keeps_the_served_one(corpus, monkeypatch, tmp_path):
+    monkeypatch.setenv("LINEARIZE_CACHE", str(tmp_path / "cache"))
+    hybrid = distill_hybrid()  # served at 8
+    seen = record_widths(hybrid)
+    rec = distill_recipe(corpus)
+    rec = R.load("lolcats", {**{f"distill.{k}": v for k, v in rec["distill"].items()},
+                             "attention.window": 8, "attention.train_window": 3})
+    report = D.distill(hybrid, _tokenizer(), rec, progress=False, log=lambda m: None)
+    assert seen and set(seen) == {3}
+    assert report["train_window"] == 3
+    assert {m.window for m in hybrid.linear_modules()} == {8}
+    # per-step widths still draw within a training width; the layers still end at their own
+    seen.clear()
+    rec = R.load("lolcats", {**{f"distill.{k}": v for k, v in rec["distill"].items()}, "distill.windows": [2, 5],
+                             "attention.window": 8, "attention.train_window": 3})
+    D.distill(hybrid, _tokenizer(), rec, progress=False, log=lambda m: None)
+    assert set(seen) <= {2, 3, 5} and {2, 5} <= set(seen)
+    assert {m.window for m in hybrid.linear_modules()} == {8}
+
+
+def test_the_width_changes_what_distill_learns(corpus, monkeypatch, tmp_path):
+    """Not a label: the same run at another training width ends with other feature maps."""
+    monkeypatch.setenv("LINEARIZE_CACHE", str(tmp_path / "cache"))
+    base = {f"distill.{k}": v for k, v in distill_recipe(corpus)["distill"].items()}
+    ends = []
+    for width in (0, 3):
+        hybrid = distill_hybrid()
+        D.distill(hybrid, _tokenizer(), R.load("lolcats", {**base, "attention.window": 8,
+                                                           "attention.train_window": width}),
+                  progress=False, log=lambda m: None)
+        ends.append(torch.cat([p.detach().flatten() for p in D.trainable_parameters(hybrid)]))
+    assert not torch.allclose(ends[0], ends[1], atol=1e-5)
+
+
+def test_finetune_trains_at_the_training_width_and_keeps_the_served_one(corpus):
+    hybrid = finetune_hybrid()  # served at 8
+    seen = record_widths(hybrid)
+    base = {f"finetune.{k}": v for k, v in finetune_recipe(corpus, steps=2)["finetune"].items()}
+    rec = R.load("lolcats", {**base, "attention.window": 8, "attention.train_window": 3})
+    model, report = FT.finetune(hybrid, _tokenizer(), rec, **QUIET)
+    assert seen and set(seen) == {3}
+    assert report["train_window"] == 3
+    assert {m.window for m in model.linear_modules()} == {8}
+
+
+def test_finetune_restores_the_width_when_it_fails(corpus):
+    hybrid = finetune_hybrid()
+    base = {f"finetune.{k}": v for k, v in finetune_recipe(corpus, steps=2)["finetune"].items()}
+    rec = R.load("lolcats", {**base, "finetune.data": str(corpus) + ".missing", "attention.window": 8,
+                             "attention.train_window": 3})
+    with pytest.raises(Exception):
+        FT.finetune(hybrid, _tokenizer(), rec, **QUIET)
+    assert {m.window for m in hybrid.linear_modules()} == {8}
+
+
+def test_the_probes_hybrid_runs_at_the_training_width():
+    model = tiny_model("llama", layers=2, seed=0)
+    rec = R.load("lolcats", {"attention.window": 8, "attention.train_window": 3, "attention.layer_windows": {"1": 6}})
+    with all_linear(model, rec) as hybrid:
+        assert [m.window for m in hybrid.linear_modules()] == [3, 3]
+    with all_linear(model, R.load("lolcats", {"attention.window": 8, "attention.layer_windows": {"1": 6}})) as hybrid:
+        assert [m.window for m in hybrid.linear_modules()] == [8, 6]
+
+
+def test_info_says_what_the_layers_trained_at():
+    la = dict(R.load("lolcats", {"attention.window": 512, "attention.train_window": 64, "attention.sinks": 16})
+              ["attention"])
+    assert describe_converted(la) == "linear attention, hedgehog maps, 512-token window (trained at 64), 16 sinks"
+    la["layer_windows"] = {"24-29": 64}
+    assert "512-token window (layers 24-29: 64, trained at 64)" in describe_converted(la)
+    assert "(trained" not in describe_converted(dict(R.load("lolcats")["attention"]))
