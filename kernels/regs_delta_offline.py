@@ -44,7 +44,8 @@ def kernels(cfg: dict):
     wu = bf if cfg["fwd_inter_16bit"] else f32  # the forward's w, u, U
     return [
         ("prep", TD._prep_kernel, dict(Kp=bf, Vp=bf, BETA=bf, LG=f32, W=wu, U=wu, TM=f32), {"T", "HK"}, set(),
-         dict(base, BV=64, NV_BLK=V // 64, STORE_T=False, DIAG_ROWS=bool(cfg["prep_diag_rows"])), cfg["prep_warps"],
+         dict(base, BV=64, NV_BLK=V // 64, STORE_T=False, DIAG_ROWS=bool(cfg["prep_diag_rows"]),
+                                                 LOW16=bool(cfg["prep_16bit"])), cfg["prep_warps"],
          1),
         ("walk", TD._walk_kernel, dict(Kp=bf, W=wu, U=wu, LG=f32, INIT=f32, HS=bf, FIN=f32), {"T", "HK"}, set(),
          dict(base, BV=wbv, HAS_INIT=True, STORE_FINAL=True, LOW16=bool(cfg["walk_16bit"])), wwarps,

@@ -39,6 +39,9 @@ CONFIG = {  # launch configuration: untuned; registers and spills from an offlin
     # the UT inverse's 16-row diagonal blocks on [16, 16] tiles (15 row steps of two small reductions) instead of 15
     # masked [BT, BT] tensor-core products (_unit_lower_inverse): H100, bf16, 2K x 16, the UT launch 1.69 -> 1.62 ms
     "prep_diag_rows": 1,
+    # the forward's w = T (beta gamma k) and u = T (beta v) on 16-bit operands (16-bit inputs; as fla's
+    # recompute_w_u) instead of tf32 ones; the transform T is computed in fp32 either way. Not yet timed on a GPU
+    "prep_16bit": 0,
     # value block of the forward and backward walks (the [K, BV] fp32 state lives in registers), halved to 32 while
     # the grid has fewer than walk_waves programs per SM (long T, small batch: the walk is serial); walk_warps for
     # state tiles of 128 x 64 or more (at 4 warps: ~90 bytes spilled at K = 128, 656 at 256 x 32), 4 below (none)
@@ -151,9 +154,12 @@ def _prep_kernel(
     W, U, TM,  # w [B,T,HK,K], u [B,T,HK,V] (fp32; 16-bit under fwd_inter_16bit), STORE_T: T [B,HK,N,BT,BT] fp32
     T, HK,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NV_BLK: tl.constexpr,
-    STORE_T: tl.constexpr, PREC: tl.constexpr, DIAG_ROWS: tl.constexpr,
+    STORE_T: tl.constexpr, PREC: tl.constexpr, DIAG_ROWS: tl.constexpr, LOW16: tl.constexpr,
 ):
-    """Program (chunk, batch x KV head): the UT transform of the chunk and ``w``, ``u``."""
+    """Program (chunk, batch x KV head): the UT transform of the chunk and ``w``, ``u``. ``LOW16`` (the forward
+    under ``CONFIG["prep_16bit"]``, 16-bit inputs): the two products that make ``w`` and ``u`` take the transform
+    and their right-hand sides in the keys' dtype, as fla's ``recompute_w_u`` does; the transform itself stays
+    fp32."""
     i = tl.program_id(0)
     pbh = tl.program_id(1)
     b = pbh // HK
@@ -172,16 +178,24 @@ def _prep_kernel(
     if STORE_T:
         N = tl.cdiv(T, BT)
         tl.store(TM + ((pbh.to(tl.int64) * N + i) * BT + ar[:, None]) * BT + ar[None, :], Tm)
+    DT = Kp.dtype.element_ty
     kb = k.to(tl.float32) * (beta * gam)[:, None]
-    tl.store(W + row[:, None] * K + ok[None, :], dot32(Tm, kb, PREC).to(W.dtype.element_ty),
-             mask=mt[:, None] & mk[None, :])
+    if LOW16:
+        Tl = Tm.to(DT)
+        wv = mm(Tl, kb.to(DT), PREC)
+    else:
+        wv = dot32(Tm, kb, PREC)
+    tl.store(W + row[:, None] * K + ok[None, :], wv.to(W.dtype.element_ty), mask=mt[:, None] & mk[None, :])
     for vb in tl.static_range(NV_BLK):
         ov = vb * BV + tl.arange(0, BV)
         mv = ov < V
         v = tl.load(Vp + row[:, None] * V + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
-        tl.store(U + row[:, None] * V + ov[None, :],
-                 dot32(Tm, v.to(tl.float32) * beta[:, None], PREC).to(U.dtype.element_ty),
-                 mask=mt[:, None] & mv[None, :])
+        vbeta = v.to(tl.float32) * beta[:, None]
+        if LOW16:
+            uv = mm(Tl, vbeta.to(DT), PREC)
+        else:
+            uv = dot32(Tm, vbeta, PREC)
+        tl.store(U + row[:, None] * V + ov[None, :], uv.to(U.dtype.element_ty), mask=mt[:, None] & mv[None, :])
 
 
 @triton.jit
@@ -521,9 +535,10 @@ def _blocks(key: str, V: int) -> int:
     return pow2(min(int(CONFIG[key]), pow2(V)))
 
 
-def _prep(k, v, beta, lg, *, store_t, dtype=torch.float32):
+def _prep(k, v, beta, lg, *, store_t, dtype=torch.float32, low16=False):
     """``w``, ``u`` (in ``dtype``: fp32, or the inputs' 16-bit dtype for the forward under ``fwd_inter_16bit``) and,
-    with ``store_t``, the UT transforms ``[B, HK, N, BT, BT]``."""
+    with ``store_t``, the UT transforms ``[B, HK, N, BT, BT]``; ``low16``: their products on 16-bit operands (the
+    forward under ``prep_16bit``; 16-bit keys only)."""
     B, T, HK, K = k.shape
     V = v.shape[-1]
     BT = CONFIG["bt"]
@@ -535,7 +550,8 @@ def _prep(k, v, beta, lg, *, store_t, dtype=torch.float32):
     BV = min(pow2(V), 64)
     launch(_prep_kernel, (N, B * HK), k, v, beta, lg, w, u, Tm if store_t else w, T, HK,
            K=K, V=V, BK=pow2(K), BV=BV, BT=BT, NV_BLK=triton.cdiv(V, BV), STORE_T=store_t, PREC=prec(k.dtype),
-           DIAG_ROWS=bool(CONFIG["prep_diag_rows"]), num_warps=CONFIG["prep_warps"])
+           DIAG_ROWS=bool(CONFIG["prep_diag_rows"]), LOW16=low16 and k.dtype in (torch.bfloat16, torch.float16),
+           num_warps=CONFIG["prep_warps"])
     return w, u, Tm
 
 
@@ -560,7 +576,8 @@ def _walk(k, w, u, lg, S0, *, state_dtype, want_final, low16=False):
 def _fwd_prep(k, v, beta, lg):
     """The forward's UT-transform launch: ``w``, ``u`` in the dtype ``CONFIG`` asks for."""
     low = bool(CONFIG["fwd_inter_16bit"]) and k.dtype in (torch.bfloat16, torch.float16)
-    w, u, _ = _prep(k, v, beta, lg, store_t=False, dtype=k.dtype if low else torch.float32)
+    w, u, _ = _prep(k, v, beta, lg, store_t=False, dtype=k.dtype if low else torch.float32,
+                    low16=bool(CONFIG["prep_16bit"]))
     return w, u
 
 
