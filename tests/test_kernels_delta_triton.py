@@ -137,7 +137,7 @@ def test_fp32_intermediates(T, monkeypatch):
 
 
 #: launch settings that change the arithmetic, each on and off the default (kernels/README.md times them)
-ARITHMETIC = [("prep_diag_rows", 0), ("walk_16bit", 0), ("prep_16bit", 1)]
+ARITHMETIC = [("prep_diag_rows", 0), ("walk_16bit", 0), ("prep_16bit", 1), ("prep_blocks", 1)]
 
 
 @gpu
@@ -307,13 +307,22 @@ def test_interp_walk_tf32(small_chunks, monkeypatch):
 @interp
 def test_interp_prep_16bit(small_chunks, monkeypatch):
     """``prep_16bit``: the forward's ``w`` and ``u`` products on bf16 operands stay within the bf16 tolerance; fp32
-    inputs keep fp32 operands (the setting does not apply). Checked with the walk's tf32 operands: under the
-    interpreter's truncating bf16 casts the two 16-bit settings together end at 1.01e-2 (outputs) and 1.11e-2 (final
-    state), just past the tolerance; the GPU rounds to nearest (``test_arithmetic_settings`` there)."""
+    inputs keep fp32 operands (the setting does not apply)."""
     monkeypatch.setitem(triton_delta.CONFIG, "prep_16bit", 1)
-    monkeypatch.setitem(triton_delta.CONFIG, "walk_16bit", 0)
     check("triton", 2, 37, 4, 2, 16, 32, torch.bfloat16)
     check("triton", 1, 37, 2, 1, 16, 32, torch.float32)
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_interp_prep_blocks(dtype, monkeypatch):
+    """``prep_blocks``: the forward's UT transform as four 16-row blocks of a 64-token chunk (a whole chunk, a part
+    of one; GQA, K != V) equals the reference within the dtype's tolerance, with and without ``prep_16bit``."""
+    monkeypatch.setitem(triton_delta.CONFIG, "bt", 64)
+    monkeypatch.setitem(triton_delta.CONFIG, "prep_blocks", 1)
+    check("triton", 2, 64 + 37, 4, 2, 16, 32, dtype)
+    monkeypatch.setitem(triton_delta.CONFIG, "prep_16bit", 1)
+    check("triton", 1, 64 + 37, 2, 1, 16, 32, dtype)
 
 
 @interp
@@ -358,4 +367,4 @@ def test_delta_kernels_under_interpreter():
     assert res.returncode == 0, tail
     last = res.stdout.strip().splitlines()[-1]
     assert " passed" in last and "failed" not in last and "error" not in last, tail
-    assert int(last.split(" passed")[0].split()[-1]) == 26, tail  # every interp test ran
+    assert int(last.split(" passed")[0].split()[-1]) == 28, tail  # every interp test ran

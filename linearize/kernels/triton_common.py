@@ -46,6 +46,18 @@ def mm(a, b, PREC: tl.constexpr):
         return tl.dot(a, b, input_precision=PREC)
 
 
+@triton.jit
+def to16(x, DT: tl.constexpr):
+    """fp32 ``x`` as a 16-bit operand of dtype ``DT``, rounded to nearest even as the GPU's cast does; the
+    interpreter truncates bf16 casts, so there the rounding is done on the bits first (the cast is then exact)."""
+    if _INTERP and DT == tl.bfloat16:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        return bits.to(tl.float32, bitcast=True).to(DT)
+    else:
+        return x.to(DT)
+
+
 def new_empty(shape, *, dtype, device):
     """torch.empty, or NaN-filled when poisoning is on (tests)."""
     if POISON_OUTPUTS:
