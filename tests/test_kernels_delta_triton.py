@@ -316,8 +316,9 @@ def test_interp_prep_16bit(small_chunks, monkeypatch):
 @interp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_interp_prep_blocks(dtype, monkeypatch):
-    """``prep_blocks``: the forward's UT transform as four 16-row blocks of a 64-token chunk (a whole chunk, a part
-    of one; GQA, K != V) equals the reference within the dtype's tolerance, with and without ``prep_16bit``."""
+    """``prep_blocks``: the UT inverse of a 64-token chunk as four 16-row blocks (forward and backward; a whole
+    chunk and a part of one; GQA, K != V) equals the reference within the dtype's tolerance, with and without
+    ``prep_16bit``."""
     monkeypatch.setitem(triton_delta.CONFIG, "bt", 64)
     monkeypatch.setitem(triton_delta.CONFIG, "prep_blocks", 1)
     check("triton", 2, 64 + 37, 4, 2, 16, 32, dtype)

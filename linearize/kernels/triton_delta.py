@@ -42,8 +42,9 @@ CONFIG = {  # launch configuration: untuned; registers and spills from an offlin
     # the forward's w = T (beta gamma k) and u = T (beta v) on 16-bit operands (16-bit inputs; as fla's
     # recompute_w_u) instead of tf32 ones; the transform T is computed in fp32 either way. Not yet timed on a GPU
     "prep_16bit": 0,
-    # the forward's UT transform of a 64-token chunk as four 16-row blocks (_prep_blocks_kernel: [16, 16] tiles,
-    # no masked [64, 64] products; other chunk sizes and the backward keep _prep_kernel). Not yet timed on a GPU
+    # the UT inverse of a 64-token chunk as four 16-row blocks (_blocked_unit_lower_inverse: the blocks below the
+    # diagonal by [16, 16] products, no masked [64, 64] ones; other chunk sizes keep _unit_lower_inverse); 213
+    # registers, no spills. Not yet timed on a GPU
     "prep_blocks": 0,
     # value block of the forward and backward walks (the [K, BV] fp32 state lives in registers), halved to 32 while
     # the grid has fewer than walk_waves programs per SM (long T, small batch: the walk is serial); walk_warps for
@@ -158,6 +159,7 @@ def _prep_kernel(
     T, HK,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NV_BLK: tl.constexpr,
     STORE_T: tl.constexpr, PREC: tl.constexpr, DIAG_ROWS: tl.constexpr, LOW16: tl.constexpr,
+    BLOCKS: tl.constexpr = False,
 ):
     """Program (chunk, batch x KV head): the UT transform of the chunk and ``w``, ``u``. ``LOW16`` (the forward
     under ``CONFIG["prep_16bit"]``, 16-bit inputs): the two products that make ``w`` and ``u`` take the transform
@@ -177,7 +179,10 @@ def _prep_kernel(
     beta = tl.load(BETA + row, mask=mt, other=0.0).to(tl.float32)
     gam, _, _, M = _chunk_decays(LG, row, mt, BT)
     A = tl.where(ar[:, None] > ar[None, :], mm(k, tl.trans(k), PREC) * M, 0.0) * beta[:, None]
-    Tm = _unit_lower_inverse(A, BT, PREC, DIAG_ROWS)
+    if BLOCKS:
+        Tm = _blocked_unit_lower_inverse(A, BT, PREC)
+    else:
+        Tm = _unit_lower_inverse(A, BT, PREC, DIAG_ROWS)
     if STORE_T:
         N = tl.cdiv(T, BT)
         tl.store(TM + ((pbh.to(tl.int64) * N + i) * BT + ar[:, None]) * BT + ar[None, :], Tm)
@@ -202,148 +207,44 @@ def _prep_kernel(
 
 
 @triton.jit
-def _rows(x, b: tl.constexpr, SB: tl.constexpr, BT: tl.constexpr):
-    """Entries ``b * SB .. b * SB + SB - 1`` of ``x [BT]`` (a select and a reduction: registers cannot be sliced)."""
-    ar = tl.arange(0, BT)
-    return tl.sum(tl.where(ar[None, :] == (b * SB + tl.arange(0, SB))[:, None], x[None, :], 0.0), 1)
+def _block(X4, bi: tl.constexpr, bj: tl.constexpr, NB: tl.constexpr):
+    """Block ``(bi, bj)`` ``[SB, SB]`` of a ``[NB, SB, NB, SB]`` view of a ``[BT, BT]`` tile (a select and two
+    reductions: registers cannot be sliced)."""
+    b = tl.arange(0, NB)
+    on = (b[:, None, None, None] == bi) & (b[None, None, :, None] == bj)
+    return tl.sum(tl.sum(tl.where(on, X4, 0.0), 2), 0)
 
 
 @triton.jit
-def _block_load(P, row, ok, mk, mt, K: tl.constexpr):
-    """``[SB, BK]`` rows of a ``[B, T, HK, K]`` tensor (0 past ``T`` and ``K``)."""
-    return tl.load(P + row[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+def _place(X4, Y, bi: tl.constexpr, bj: tl.constexpr, NB: tl.constexpr):
+    """``X4 [NB, SB, NB, SB]`` with block ``(bi, bj)`` replaced by ``Y [SB, SB]``."""
+    b = tl.arange(0, NB)
+    on = (b[:, None, None, None] == bi) & (b[None, None, :, None] == bj)
+    return tl.where(on, Y[None, :, None, :], X4)
 
 
 @triton.jit
-def _block_a(ki, kj, hi_i, lo_i, hi_j, lo_j, beta_i, SB: tl.constexpr, DIAG: tl.constexpr, PREC: tl.constexpr):
-    """``A_ij [SB, SB] = beta_i (k_i k_j^T) e^{c_i - c_j}`` of two row blocks of a chunk, ``i`` after ``j``
-    (``DIAG``: the same block, strictly lower)."""
-    d = (hi_i[:, None] - hi_j[None, :]) + (lo_i[:, None] - lo_j[None, :])
-    if DIAG:
-        s = tl.arange(0, SB)
-        return tl.where(s[:, None] > s[None, :], mm(ki, tl.trans(kj), PREC) * tl.exp(
-            tl.where(s[:, None] >= s[None, :], d, float("-inf"))), 0.0) * beta_i[:, None]
-    else:
-        return mm(ki, tl.trans(kj), PREC) * tl.exp(d) * beta_i[:, None]
-
-
-@triton.jit
-def _block_inverse(A, SB: tl.constexpr):
-    """``(I + A)^{-1} [SB, SB]`` of a strictly lower ``A`` by rows: row ``t`` is ``e_t - A_t. D`` (the earlier
-    rows already final), two ``SB``-wide reductions a step, exact fp32."""
-    s = tl.arange(0, SB)
-    D = tl.where(s[:, None] == s[None, :], 1.0, 0.0)
-    for t in range(1, SB):
-        row = (s == t)[:, None]
-        a = tl.sum(tl.where(row, A, 0.0), 0)  # [SB]: row t of A, indexed by the rows of D it weighs
-        D = tl.where(row, D - tl.sum(a[:, None] * D, 0)[None, :], D)
-    return D
-
-
-@triton.jit
-def _times(T, X, PREC: tl.constexpr, LOW16: tl.constexpr, DT: tl.constexpr):
-    """``T X`` with fp32 accumulation (``T`` fp32, ``X`` as loaded): tf32 / fp32 operands, or ``DT`` (16-bit) ones
-    under ``LOW16``."""
-    if LOW16:
-        return mm(to16(T, DT), X.to(DT), PREC)
-    else:
-        return dot32(T, X.to(tl.float32), PREC)
-
-
-@triton.jit
-def _store_transformed(P, r0, oc, mc, C: tl.constexpr, STEP, m0, m1, m2, m3, T00, T10, T11, T20, T21, T22, T30, T31,
-                       T32, T33, s0, s1, s2, s3, x0, x1, x2, x3, PREC: tl.constexpr, LOW16: tl.constexpr,
-                       DT: tl.constexpr):
-    """Stores ``y_i = sum_{j <= i} T_ij diag(s_j) x_j`` for the four 16-row blocks ``i`` at ``P + row * C + oc``
-    (block 0's rows ``r0``, each next block ``STEP`` rows on; ``m0..m3`` the rows, ``mc`` the columns that exist).
-    The row scales go into the columns of each ``[16, 16]`` block of the transform, so that the loaded 16-bit
-    blocks ``x_j`` are the products' other operands."""
-    OT = P.dtype.element_ty
-    p = P + r0[:, None] * C + oc[None, :]
-    tl.store(p, _times(T00 * s0[None, :], x0, PREC, LOW16, DT).to(OT), mask=m0[:, None] & mc[None, :])
-    tl.store(p + STEP * C, (_times(T10 * s0[None, :], x0, PREC, LOW16, DT)
-                            + _times(T11 * s1[None, :], x1, PREC, LOW16, DT)).to(OT), mask=m1[:, None] & mc[None, :])
-    tl.store(p + 2 * STEP * C, (_times(T20 * s0[None, :], x0, PREC, LOW16, DT)
-                                + _times(T21 * s1[None, :], x1, PREC, LOW16, DT)
-                                + _times(T22 * s2[None, :], x2, PREC, LOW16, DT)).to(OT),
-             mask=m2[:, None] & mc[None, :])
-    tl.store(p + 3 * STEP * C, (_times(T30 * s0[None, :], x0, PREC, LOW16, DT)
-                                + _times(T31 * s1[None, :], x1, PREC, LOW16, DT)
-                                + _times(T32 * s2[None, :], x2, PREC, LOW16, DT)
-                                + _times(T33 * s3[None, :], x3, PREC, LOW16, DT)).to(OT),
-             mask=m3[:, None] & mc[None, :])
-
-
-@triton.jit
-def _prep_blocks_kernel(
-    Kp, Vp, BETA, LG,  # k [B,T,HK,K], v [B,T,HK,V], beta [B,T,HK], log decays [B,T,HK] fp32
-    W, U,  # w [B,T,HK,K], u [B,T,HK,V] (fp32, or 16-bit under fwd_inter_16bit)
-    T, HK,
-    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NV_BLK: tl.constexpr,
-    PREC: tl.constexpr, LOW16: tl.constexpr,
-):
-    """Program (chunk, batch x KV head) of a 64-token chunk as four 16-row blocks: the ten blocks of ``A`` on or
-    below the diagonal (``[16, K] x [K, 16]`` products), the four diagonal inverses on ``[16, 16]`` tiles, the six
-    blocks below them by block forward substitution (``T_ij = -D_i sum_{j <= m < i} A_im T_mj``, 16 products of
-    ``[16, 16]`` tiles), then ``w_i = sum_j T_ij (beta gamma k)_j`` and ``u_i = sum_j T_ij (beta v)_j``. The
-    same arithmetic as :func:`_prep_kernel` without its masked ``[64, 64]`` products (``CONFIG["prep_blocks"]``)."""
+def _blocked_unit_lower_inverse(A, BT: tl.constexpr, PREC: tl.constexpr):
+    """``(I + A)^{-1}`` of a strictly lower ``A [64, 64]`` (fp32) as four 16-row blocks: the diagonal inverses on
+    ``[16, 16]`` tiles (:func:`_diagonal_block_inverse`), then the six blocks below them by block forward
+    substitution, ``T_ij = -D_i sum_{j <= m < i} A_im T_mj``: 16 products of ``[16, 16]`` tiles, three deep, where
+    :func:`_unit_lower_inverse` multiplies masked ``[64, 64]`` tiles six deep (``CONFIG["prep_blocks"]``)."""
     SB: tl.constexpr = 16
-    i = tl.program_id(0)
-    pbh = tl.program_id(1)
-    b = pbh // HK
-    hk = pbh % HK
-    ar = tl.arange(0, BT)
-    mt = i * BT + ar < T
-    row = (b.to(tl.int64) * T + i * BT + ar) * HK + hk  # [BT]
-    hi, lo, _, _ = decay_cumsum(tl.load(LG + row, mask=mt, other=0.0), BT)
-    beta = tl.load(BETA + row, mask=mt, other=0.0).to(tl.float32)
-    DT = Kp.dtype.element_ty
-    s = tl.arange(0, SB)
-    ok = tl.arange(0, BK)
-    mk = ok < K
-    r0 = (b.to(tl.int64) * T + i * BT + s) * HK + hk  # rows of block 0; block j: + j * SB * HK
-    m0 = i * BT + s < T
-    m1 = i * BT + SB + s < T
-    m2 = i * BT + 2 * SB + s < T
-    m3 = i * BT + 3 * SB + s < T
-    k0 = _block_load(Kp, r0, ok, mk, m0, K)
-    k1 = _block_load(Kp, r0 + SB * HK, ok, mk, m1, K)
-    k2 = _block_load(Kp, r0 + 2 * SB * HK, ok, mk, m2, K)
-    k3 = _block_load(Kp, r0 + 3 * SB * HK, ok, mk, m3, K)
-    h0, h1, h2, h3 = _rows(hi, 0, SB, BT), _rows(hi, 1, SB, BT), _rows(hi, 2, SB, BT), _rows(hi, 3, SB, BT)
-    l0, l1, l2, l3 = _rows(lo, 0, SB, BT), _rows(lo, 1, SB, BT), _rows(lo, 2, SB, BT), _rows(lo, 3, SB, BT)
-    b0, b1, b2, b3 = _rows(beta, 0, SB, BT), _rows(beta, 1, SB, BT), _rows(beta, 2, SB, BT), _rows(beta, 3, SB, BT)
-    # the transform's blocks: diagonal inverses, then the rows below them in order
-    T00 = _block_inverse(_block_a(k0, k0, h0, l0, h0, l0, b0, SB, True, PREC), SB)
-    T11 = _block_inverse(_block_a(k1, k1, h1, l1, h1, l1, b1, SB, True, PREC), SB)
-    T22 = _block_inverse(_block_a(k2, k2, h2, l2, h2, l2, b2, SB, True, PREC), SB)
-    T33 = _block_inverse(_block_a(k3, k3, h3, l3, h3, l3, b3, SB, True, PREC), SB)
-    A10 = _block_a(k1, k0, h1, l1, h0, l0, b1, SB, False, PREC)
-    A20 = _block_a(k2, k0, h2, l2, h0, l0, b2, SB, False, PREC)
-    A21 = _block_a(k2, k1, h2, l2, h1, l1, b2, SB, False, PREC)
-    A30 = _block_a(k3, k0, h3, l3, h0, l0, b3, SB, False, PREC)
-    A31 = _block_a(k3, k1, h3, l3, h1, l1, b3, SB, False, PREC)
-    A32 = _block_a(k3, k2, h3, l3, h2, l2, b3, SB, False, PREC)
+    NB: tl.constexpr = 4
+    D4 = tl.reshape(_diagonal_block_inverse(A, BT, SB), [NB, SB, NB, SB])
+    A4 = tl.reshape(A, [NB, SB, NB, SB])
+    T00, T11, T22, T33 = _block(D4, 0, 0, NB), _block(D4, 1, 1, NB), _block(D4, 2, 2, NB), _block(D4, 3, 3, NB)
+    A10, A20, A21 = _block(A4, 1, 0, NB), _block(A4, 2, 0, NB), _block(A4, 2, 1, NB)
+    A30, A31, A32 = _block(A4, 3, 0, NB), _block(A4, 3, 1, NB), _block(A4, 3, 2, NB)
     T10 = -dot32(T11, dot32(A10, T00, PREC), PREC)
     T21 = -dot32(T22, dot32(A21, T11, PREC), PREC)
-    T20 = -dot32(T22, dot32(A20, T00, PREC) + dot32(A21, T10, PREC), PREC)
     T32 = -dot32(T33, dot32(A32, T22, PREC), PREC)
+    T20 = -dot32(T22, dot32(A20, T00, PREC) + dot32(A21, T10, PREC), PREC)
     T31 = -dot32(T33, dot32(A31, T11, PREC) + dot32(A32, T21, PREC), PREC)
     T30 = -dot32(T33, dot32(A30, T00, PREC) + dot32(A31, T10, PREC) + dot32(A32, T20, PREC), PREC)
-    # w_i = sum_j T_ij (beta gamma k)_j and u_i = sum_j T_ij (beta v)_j, the row scales of k_j and v_j taken into the
-    # columns of T_ij ([16, 16]) so that the 16-bit k and v blocks are the products' other operands as loaded
-    s0, s1, s2, s3 = b0 * tl.exp(h0 + l0), b1 * tl.exp(h1 + l1), b2 * tl.exp(h2 + l2), b3 * tl.exp(h3 + l3)
-    _store_transformed(W, r0, ok, mk, K, SB * HK, m0, m1, m2, m3, T00, T10, T11, T20, T21, T22, T30, T31, T32, T33,
-                       s0, s1, s2, s3, k0, k1, k2, k3, PREC, LOW16, DT)
-    ovb = tl.arange(0, BV)
-    for vb in tl.static_range(NV_BLK):
-        mv = vb * BV + ovb < V
-        v0 = _block_load(Vp + vb * BV, r0, ovb, mv, m0, V)
-        v1 = _block_load(Vp + vb * BV, r0 + SB * HK, ovb, mv, m1, V)
-        v2 = _block_load(Vp + vb * BV, r0 + 2 * SB * HK, ovb, mv, m2, V)
-        v3 = _block_load(Vp + vb * BV, r0 + 3 * SB * HK, ovb, mv, m3, V)
-        _store_transformed(U + vb * BV, r0, ovb, mv, V, SB * HK, m0, m1, m2, m3, T00, T10, T11, T20, T21, T22, T30,
-                           T31, T32, T33, b0, b1, b2, b3, v0, v1, v2, v3, PREC, LOW16, DT)
+    T4 = _place(_place(_place(D4, T10, 1, 0, NB), T20, 2, 0, NB), T21, 2, 1, NB)
+    T4 = _place(_place(_place(T4, T30, 3, 0, NB), T31, 3, 1, NB), T32, 3, 2, NB)
+    return tl.reshape(T4, [BT, BT])
 
 
 @triton.jit
@@ -697,13 +598,10 @@ def _prep(k, v, beta, lg, *, store_t, dtype=torch.float32, low16=False):
     Tm = new_empty((B, HK, N, BT, BT), dtype=torch.float32, device=dev) if store_t else None
     BV = min(pow2(V), 64)
     low16 = low16 and k.dtype in (torch.bfloat16, torch.float16)
-    if not store_t and BT == 64 and CONFIG["prep_blocks"]:
-        launch(_prep_blocks_kernel, (N, B * HK), k, v, beta, lg, w, u, T, HK, K=K, V=V, BK=pow2(K), BV=BV, BT=BT,
-               NV_BLK=triton.cdiv(V, BV), PREC=prec(k.dtype), LOW16=low16, num_warps=CONFIG["prep_warps"])
-        return w, u, None
     launch(_prep_kernel, (N, B * HK), k, v, beta, lg, w, u, Tm if store_t else w, T, HK,
            K=K, V=V, BK=pow2(K), BV=BV, BT=BT, NV_BLK=triton.cdiv(V, BV), STORE_T=store_t, PREC=prec(k.dtype),
-           DIAG_ROWS=bool(CONFIG["prep_diag_rows"]), LOW16=low16, num_warps=CONFIG["prep_warps"])
+           DIAG_ROWS=bool(CONFIG["prep_diag_rows"]), LOW16=low16, BLOCKS=BT == 64 and bool(CONFIG["prep_blocks"]),
+           num_warps=CONFIG["prep_warps"])
     return w, u, Tm
 
 
