@@ -50,7 +50,7 @@ def kernels(cfg: dict):
          dict(base, BV=wbv, HAS_INIT=True, STORE_FINAL=True, LOW16=bool(cfg["walk_16bit"])), wwarps,
          cfg["walk_stages"]),
         ("out", TD._out_kernel, dict(Q=bf, Kp=bf, U=wu, HS=bf, LG=f32, O=bf), {"T", "H", "HK"}, {"scale"},
-         dict(base, BV=cfg["out_bv"], S32=cfg["fwd_states_fp32"]), cfg["out_warps"], 2),
+         dict(base, BV=cfg["out_bv"], S32=cfg["fwd_states_fp32"], LOW16=bool(cfg["out_16bit"])), cfg["out_warps"], 2),
         ("dvl", TD._dvl_kernel, dict(Q=bf, Kp=bf, DO=bf, LG=f32, DVL=f32), {"T", "H", "HK"}, {"scale"},
          dict(base, BV=cfg["out_bv"], G=1), cfg["out_warps"], 2),
         ("bwd walk", TD._bwd_walk_kernel, dict(Q=bf, Kp=bf, W=f32, DO=bf, LG=f32, DU=f32, DSF=f32, DH=f32, DS0=f32),

@@ -137,7 +137,7 @@ def test_fp32_intermediates(T, monkeypatch):
 
 
 #: launch settings that change the arithmetic, each on and off the default (kernels/README.md times them)
-ARITHMETIC = [("prep_diag_rows", 0), ("walk_16bit", 0), ("prep_16bit", 1), ("prep_blocks", 1)]
+ARITHMETIC = [("prep_diag_rows", 0), ("walk_16bit", 0), ("prep_16bit", 1), ("prep_blocks", 1), ("out_16bit", 1)]
 
 
 @gpu
@@ -314,6 +314,15 @@ def test_interp_prep_16bit(small_chunks, monkeypatch):
 
 
 @interp
+def test_interp_out_16bit(small_chunks, monkeypatch):
+    """``out_16bit``: the output kernel's in-chunk product on bf16 operands stays within the bf16 tolerance (GQA: the
+    query heads of a KV head share its keys); fp32 inputs keep fp32 operands."""
+    monkeypatch.setitem(triton_delta.CONFIG, "out_16bit", 1)
+    check("triton", 2, 37, 4, 2, 16, 32, torch.bfloat16)
+    check("triton", 1, 37, 2, 1, 16, 32, torch.float32)
+
+
+@interp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_interp_prep_blocks(dtype, monkeypatch):
     """``prep_blocks``: the UT inverse of a 64-token chunk as four 16-row blocks (forward and backward; a whole
@@ -368,4 +377,4 @@ def test_delta_kernels_under_interpreter():
     assert res.returncode == 0, tail
     last = res.stdout.strip().splitlines()[-1]
     assert " passed" in last and "failed" not in last and "error" not in last, tail
-    assert int(last.split(" passed")[0].split()[-1]) == 28, tail  # every interp test ran
+    assert int(last.split(" passed")[0].split()[-1]) == 29, tail  # every interp test ran

@@ -58,6 +58,9 @@ CONFIG = {  # launch configuration: untuned; registers and spills from an offlin
     # state accumulates in fp32 either way and the backward recomputes the walk in fp32. H100, bf16: the walk 1.27
     # -> 1.01 ms at 2K x 16, 2.19 -> 1.58 ms at 32K x 1; relative error 3.0e-3 -> 3.1e-3 (fla's 3.8e-3)
     "walk_16bit": 1,
+    # the output kernel's in-chunk product (tril(q k^T) * M) U on 16-bit operands (16-bit inputs; as fla's) instead
+    # of tf32 ones. Not yet timed on a GPU
+    "out_16bit": 0,
     "out_bv": 128,  # value block of the output kernel and of the backward's dvl kernel (162 registers; 136 at 64)
     "out_warps": 4,
     # value block the chunk-parallel backward kernels loop over: at 64 the UT backward spilled ~350 bytes, at 32
@@ -305,10 +308,12 @@ def _out_kernel(
     Q, Kp, U, HS, LG, O,  # q [B,T,H,K], k, U [B,T,HK,V] (fp32 or 16-bit), states [B,HK,N,K,V], log decays, o [B,T,H,V]
     T, H, HK, scale,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr,
-    S32: tl.constexpr,
+    S32: tl.constexpr, LOW16: tl.constexpr = False,
 ):
     """Program (value block, chunk, batch x query head): ``o = scale (gamma * (q S) + (tril(q k^T) * M) U)``;
-    ``q S`` a 16-bit product for 16-bit inputs unless the states are fp32 (``S32``)."""
+    ``q S`` a 16-bit product for 16-bit inputs unless the states are fp32 (``S32``); ``LOW16`` (16-bit inputs
+    under ``CONFIG["out_16bit"]``): the chunk's own part too, on the keys' dtype as fla's output kernel, instead of
+    tf32."""
     pv = tl.program_id(0)
     i = tl.program_id(1)
     pbh = tl.program_id(2)
@@ -331,12 +336,17 @@ def _out_kernel(
     k = tl.load(Kp + krow[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
     S = tl.load(HS + ((b * HK + hk).to(tl.int64) * N + i) * K * V + ok[:, None] * V + ov[None, :],
                 mask=mk[:, None] & mv[None, :], other=0.0)
-    new = tl.load(U + krow[:, None] * V + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.0).to(tl.float32)
+    new = tl.load(U + krow[:, None] * V + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
+    if not LOW16:
+        new = new.to(tl.float32)
     if S32:
         o = dot32(q.to(tl.float32), S, PREC)
     else:
         o = mm(q, S.to(DT), PREC)
-    o = gam[:, None] * o + dot32(mm(q, tl.trans(k), PREC) * M, new, PREC)
+    if LOW16:
+        o = gam[:, None] * o + mm(to16(mm(q, tl.trans(k), PREC) * M, DT), new.to(DT), PREC)
+    else:
+        o = gam[:, None] * o + dot32(mm(q, tl.trans(k), PREC) * M, new, PREC)
     tl.store(O + qrow[:, None] * V + ov[None, :], (o * scale).to(O.dtype.element_ty), mask=mt[:, None] & mv[None, :])
 
 
@@ -647,8 +657,9 @@ def _fwd(q, k, v, beta, lg, S0, scale, want_final):
     hs, fin, s32 = _fwd_walk(k, w, u, lg, S0, want_final)
     o = new_empty((B, T, H, V), dtype=v.dtype, device=q.device)
     BV = _blocks("out_bv", V)
+    low16 = bool(CONFIG["out_16bit"]) and k.dtype in (torch.bfloat16, torch.float16)
     launch(_out_kernel, (triton.cdiv(V, BV), triton.cdiv(T, BT), B * H), q, k, u, hs, lg, o, T, H, k.shape[2],
-           float(scale), K=K, V=V, BK=pow2(K), BV=BV, BT=BT, PREC=prec(q.dtype), S32=s32,
+           float(scale), K=K, V=V, BK=pow2(K), BV=BV, BT=BT, PREC=prec(q.dtype), S32=s32, LOW16=low16,
            num_warps=CONFIG["out_warps"])
     return o, fin
 
