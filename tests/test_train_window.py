@@ -120,3 +120,35 @@ def test_info_says_what_the_layers_trained_at():
     la["layer_windows"] = {"24-29": 64}
     assert "512-token window (layers 24-29: 64, trained at 64)" in describe_converted(la)
     assert "(trained" not in describe_converted(dict(R.load("lolcats")["attention"]))
+
+
+@pytest.mark.slow
+def test_convert_trains_narrow_and_writes_a_wide_checkpoint(tmp_path, monkeypatch):
+    """The command line end to end on a tiny model: the probe and both stages at the training width (the log, the
+    reports), the checkpoint at the served one (config, info), and it loads and generates."""
+    import json
+
+    from conftest import char_tokenizer, run_cli, tiny_workspace
+
+    monkeypatch.setenv("LINEARIZE_CACHE", str(tmp_path / "cache"))
+    ws = tiny_workspace(tmp_path / "ws", char_tokenizer("abcdefghijklmnopqrstuvwxyz0123456789 .,?", lowercase=True),
+                        layers=4)
+    corpus = str(ws / "corpus.txt")
+    sets = {"attention.window": 16, "attention.train_window": 8, "distill.data": corpus, "finetune.data": corpus,
+            "distill.seq_len": 32, "finetune.seq_len": 32, "distill.batch_size": 2, "finetune.batch_size": 2,
+            "distill.eval_seqs": 2, "finetune.eval_seqs": 2, "select.retrieval_length": 400,
+            "select.retrieval_prompts": 2, "select.swap_rounds": 0}
+    args = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+    out = tmp_path / "out"
+    res = run_cli("convert", str(ws / "tiny"), "--ratio", "1:1", "--select", "auto", "--tokens", "6400", *args,
+                  "-o", str(out))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "windows: the windowed layers train at 8 tokens and serve at 16" in res.stdout
+    report = json.loads((out / "report.json").read_text())["stages"]
+    assert report["distill"]["train_window"] == 8 and report["finetune"]["train_window"] == 8
+    la = json.loads((out / "config.json").read_text())["linear_attention"]
+    assert la["window"] == 16 and la["train_window"] == 8
+    info = run_cli("info", str(out))
+    assert info.returncode == 0 and "16-token window (trained at 8)" in info.stdout, info.stdout[-2000:]
+    gen = run_cli("generate", str(out), "abc", "--max-new-tokens", "4")
+    assert gen.returncode == 0, gen.stderr[-2000:]

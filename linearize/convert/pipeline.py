@@ -24,7 +24,7 @@ from ..evals.corpus import heldout_stream
 from ..io.checkpoint import check_output_dir, save_checkpoint, verify_checkpoint
 from ..io.outputs import is_hybrid_dir
 from ..io.sources import check_device, load_model, local_dir, resolve
-from ..model.layout import widest_window
+from ..model.layout import training_width, widest_window
 from ..settings import DEFAULT_MODEL, DEFAULT_RECIPE
 from ..train import fsdp as sharding  # the module (a rerun's `fsdp` is its flag)
 from ..train.distill import STATE_FILE as DISTILL_STATE
@@ -82,6 +82,10 @@ def convert(spec: str = DEFAULT_MODEL, *, recipe: str = DEFAULT_RECIPE, override
         layer_types, probe, swaps = run_auto_select(model, tokenizer, rec, plan.auto, log=log)
         layer_types = dist.broadcast_object(layer_types)  # torchrun: every rank takes rank 0's choice
     log(f"layers: {describe_layout(layer_types)}")
+    trained = training_width(rec["attention"])
+    if plan.train and trained:
+        log(f"windows: the windowed layers train at {trained} tokens and serve at {rec['attention']['window']}"
+            + (f" (layers {rec['attention']['layer_windows']})" if rec["attention"]["layer_windows"] else ""))
     if not plan.fsdp:
         hybrid = linearize_model(model, layer_types, rec)
     distill_tokens = plan.tokens["distill"]
