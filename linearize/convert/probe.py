@@ -140,11 +140,6 @@ def measures_retrieval(recipe) -> bool:
     return "retrieval" in measured_terms(recipe)
 
 
-def measures_attention(recipe) -> bool:
-    """Whether the probe measures the original's attention onto the key (its score term or the retrieval seats)."""
-    return "attention" in measured_terms(recipe)
-
-
 def combine_scores(measurements: dict[str, list[float] | None], weights: dict[str, float]) -> list[float]:
     """``score_i = sum_t w_t x_t(i) / sum_j x_t(j) / sum_t w_t`` (see the module docstring).
 

@@ -43,7 +43,7 @@ CONFIG = {  # launch configuration: untuned; registers and spills from an offlin
     # recompute_w_u) instead of tf32 ones; the transform T is computed in fp32 either way. Not yet timed on a GPU
     "prep_16bit": 0,
     # the UT inverse of a 64-token chunk as four 16-row blocks (_blocked_unit_lower_inverse: the blocks below the
-    # diagonal by [16, 16] products, no masked [64, 64] ones; other chunk sizes keep _unit_lower_inverse); 213
+    # diagonal by [16, 16] products, no masked [64, 64] ones; other chunk sizes keep _unit_lower_inverse); 207
     # registers, no spills. Not yet timed on a GPU
     "prep_blocks": 0,
     # value block of the forward and backward walks (the [K, BV] fp32 state lives in registers), halved to 32 while
@@ -108,11 +108,10 @@ def _chunk_decays(LG, row, mt, BT: tl.constexpr):
 
 
 @triton.jit
-def _diagonal_block_inverse(A, BT: tl.constexpr, SB: tl.constexpr):
-    """The block-diagonal ``D^{-1} [BT, BT]`` of ``I + A`` (``A`` strictly lower, fp32) from ``[BT / SB, SB, SB]``
-    tiles: the diagonal blocks are taken out of a ``[NB, SB, NB, SB]`` view, each row ``t`` is ``e_t - A_t. D^{-1}``
-    as two reductions over ``SB`` (all blocks at once, exact fp32), and the blocks go back on the diagonal. ``SB - 1``
-    steps on ``BT * SB`` elements each, where the tile-wide form multiplies ``[BT, BT]`` tiles."""
+def _diagonal_inverses(A, BT: tl.constexpr, SB: tl.constexpr):
+    """The inverses ``[BT / SB, SB, SB]`` of the diagonal blocks of ``I + A`` (``A [BT, BT]`` strictly lower, fp32):
+    the blocks are taken out of a ``[NB, SB, NB, SB]`` view and each row ``t`` is ``e_t - A_t. D^{-1}`` as two
+    reductions over ``SB`` (all blocks at once, exact fp32): ``SB - 1`` steps on ``BT * SB`` elements each."""
     NB: tl.constexpr = BT // SB
     bb = tl.arange(0, NB)
     on = bb[:, None, None, None] == bb[None, None, :, None]  # [NB, 1, NB, 1]: block b's own columns
@@ -123,7 +122,22 @@ def _diagonal_block_inverse(A, BT: tl.constexpr, SB: tl.constexpr):
         row = (s == t)[None, :, None]
         a = tl.sum(tl.where(row, Ad, 0.0), axis=1)  # [NB, SB]: row t of each block's A
         D = tl.where(row, D - tl.sum(a[:, :, None] * D, axis=1)[:, None, :], D)
-    return tl.reshape(tl.where(on, D[:, :, None, :], 0.0), [BT, BT])
+    return D
+
+
+@triton.jit
+def _on_diagonal(D, NB: tl.constexpr, SB: tl.constexpr):
+    """``D [NB, SB, SB]`` as the diagonal blocks of an ``[NB, SB, NB, SB]`` tile (zeros elsewhere)."""
+    bb = tl.arange(0, NB)
+    return tl.where(bb[:, None, None, None] == bb[None, None, :, None], D[:, :, None, :], 0.0)
+
+
+@triton.jit
+def _diagonal_block_inverse(A, BT: tl.constexpr, SB: tl.constexpr):
+    """The block-diagonal ``D^{-1} [BT, BT]`` of ``I + A`` (:func:`_diagonal_inverses` put back on the diagonal),
+    where the tile-wide form multiplies ``[BT, BT]`` tiles."""
+    NB: tl.constexpr = BT // SB
+    return tl.reshape(_on_diagonal(_diagonal_inverses(A, BT, SB), NB, SB), [BT, BT])
 
 
 @triton.jit
@@ -210,33 +224,42 @@ def _prep_kernel(
 
 
 @triton.jit
+def _is_block(bi: tl.constexpr, bj: tl.constexpr, NB: tl.constexpr):
+    """``[NB, 1, NB, 1]``: where block ``(bi, bj)`` of an ``[NB, SB, NB, SB]`` view lies."""
+    b = tl.arange(0, NB)
+    return (b[:, None, None, None] == bi) & (b[None, None, :, None] == bj)
+
+
+@triton.jit
 def _block(X4, bi: tl.constexpr, bj: tl.constexpr, NB: tl.constexpr):
     """Block ``(bi, bj)`` ``[SB, SB]`` of a ``[NB, SB, NB, SB]`` view of a ``[BT, BT]`` tile (a select and two
     reductions: registers cannot be sliced)."""
-    b = tl.arange(0, NB)
-    on = (b[:, None, None, None] == bi) & (b[None, None, :, None] == bj)
-    return tl.sum(tl.sum(tl.where(on, X4, 0.0), 2), 0)
+    return tl.sum(tl.sum(tl.where(_is_block(bi, bj, NB), X4, 0.0), 2), 0)
 
 
 @triton.jit
 def _place(X4, Y, bi: tl.constexpr, bj: tl.constexpr, NB: tl.constexpr):
     """``X4 [NB, SB, NB, SB]`` with block ``(bi, bj)`` replaced by ``Y [SB, SB]``."""
-    b = tl.arange(0, NB)
-    on = (b[:, None, None, None] == bi) & (b[None, None, :, None] == bj)
-    return tl.where(on, Y[None, :, None, :], X4)
+    return tl.where(_is_block(bi, bj, NB), Y[None, :, None, :], X4)
+
+
+@triton.jit
+def _nth(D, n: tl.constexpr, NB: tl.constexpr):
+    """``D[n]`` of ``D [NB, SB, SB]``."""
+    return tl.sum(tl.where((tl.arange(0, NB) == n)[:, None, None], D, 0.0), 0)
 
 
 @triton.jit
 def _blocked_unit_lower_inverse(A, BT: tl.constexpr, PREC: tl.constexpr):
     """``(I + A)^{-1}`` of a strictly lower ``A [64, 64]`` (fp32) as four 16-row blocks: the diagonal inverses on
-    ``[16, 16]`` tiles (:func:`_diagonal_block_inverse`), then the six blocks below them by block forward
+    ``[16, 16]`` tiles (:func:`_diagonal_inverses`), then the six blocks below them by block forward
     substitution, ``T_ij = -D_i sum_{j <= m < i} A_im T_mj``: 16 products of ``[16, 16]`` tiles, three deep, where
     :func:`_unit_lower_inverse` multiplies masked ``[64, 64]`` tiles six deep (``CONFIG["prep_blocks"]``)."""
     SB: tl.constexpr = 16
     NB: tl.constexpr = 4
-    D4 = tl.reshape(_diagonal_block_inverse(A, BT, SB), [NB, SB, NB, SB])
+    D = _diagonal_inverses(A, BT, SB)  # [NB, SB, SB]
     A4 = tl.reshape(A, [NB, SB, NB, SB])
-    T00, T11, T22, T33 = _block(D4, 0, 0, NB), _block(D4, 1, 1, NB), _block(D4, 2, 2, NB), _block(D4, 3, 3, NB)
+    T00, T11, T22, T33 = _nth(D, 0, NB), _nth(D, 1, NB), _nth(D, 2, NB), _nth(D, 3, NB)
     A10, A20, A21 = _block(A4, 1, 0, NB), _block(A4, 2, 0, NB), _block(A4, 2, 1, NB)
     A30, A31, A32 = _block(A4, 3, 0, NB), _block(A4, 3, 1, NB), _block(A4, 3, 2, NB)
     T10 = -dot32(T11, dot32(A10, T00, PREC), PREC)
@@ -245,7 +268,7 @@ def _blocked_unit_lower_inverse(A, BT: tl.constexpr, PREC: tl.constexpr):
     T20 = -dot32(T22, dot32(A20, T00, PREC) + dot32(A21, T10, PREC), PREC)
     T31 = -dot32(T33, dot32(A31, T11, PREC) + dot32(A32, T21, PREC), PREC)
     T30 = -dot32(T33, dot32(A30, T00, PREC) + dot32(A31, T10, PREC) + dot32(A32, T20, PREC), PREC)
-    T4 = _place(_place(_place(D4, T10, 1, 0, NB), T20, 2, 0, NB), T21, 2, 1, NB)
+    T4 = _place(_place(_place(_on_diagonal(D, NB, SB), T10, 1, 0, NB), T20, 2, 0, NB), T21, 2, 1, NB)
     T4 = _place(_place(_place(T4, T30, 3, 0, NB), T31, 3, 1, NB), T32, 3, 2, NB)
     return tl.reshape(T4, [BT, BT])
 
@@ -589,6 +612,11 @@ def _walk_launch(programs: int, K: int, V: int, device: torch.device) -> tuple[i
     return BV, CONFIG["walk_warps"] if pow2(K) * BV >= 128 * 64 else CONFIG["walk_warps_narrow"]
 
 
+def _sixteen(setting: str, x: torch.Tensor) -> bool:
+    """``CONFIG[setting]`` on and ``x`` in a 16-bit dtype (the settings that put products on 16-bit operands)."""
+    return bool(CONFIG[setting]) and x.dtype in (torch.bfloat16, torch.float16)
+
+
 def _blocks(key: str, V: int) -> int:
     """A value block from ``CONFIG[key]``, no wider than ``V`` padded to a power of two (at least 32)."""
     return pow2(min(int(CONFIG[key]), pow2(V)))
@@ -596,8 +624,8 @@ def _blocks(key: str, V: int) -> int:
 
 def _prep(k, v, beta, lg, *, store_t, dtype=torch.float32, low16=False):
     """``w``, ``u`` (in ``dtype``: fp32, or the inputs' 16-bit dtype for the forward under ``fwd_inter_16bit``) and,
-    with ``store_t``, the UT transforms ``[B, HK, N, BT, BT]``; ``low16``: their products on 16-bit operands (the
-    forward under ``prep_16bit``; 16-bit keys only)."""
+    with ``store_t``, the UT transforms ``[B, HK, N, BT, BT]``; ``low16`` (16-bit keys: :func:`_sixteen`): their
+    products on 16-bit operands."""
     B, T, HK, K = k.shape
     V = v.shape[-1]
     BT = CONFIG["bt"]
@@ -607,7 +635,6 @@ def _prep(k, v, beta, lg, *, store_t, dtype=torch.float32, low16=False):
     u = new_empty((B, T, HK, V), dtype=dtype, device=dev)
     Tm = new_empty((B, HK, N, BT, BT), dtype=torch.float32, device=dev) if store_t else None
     BV = min(pow2(V), 64)
-    low16 = low16 and k.dtype in (torch.bfloat16, torch.float16)
     launch(_prep_kernel, (N, B * HK), k, v, beta, lg, w, u, Tm if store_t else w, T, HK,
            K=K, V=V, BK=pow2(K), BV=BV, BT=BT, NV_BLK=triton.cdiv(V, BV), STORE_T=store_t, PREC=prec(k.dtype),
            DIAG_ROWS=bool(CONFIG["prep_diag_rows"]), LOW16=low16, BLOCKS=BT == 64 and bool(CONFIG["prep_blocks"]),
@@ -617,7 +644,7 @@ def _prep(k, v, beta, lg, *, store_t, dtype=torch.float32, low16=False):
 
 def _walk(k, w, u, lg, S0, *, state_dtype, want_final, low16=False):
     """The chunk states ``[B, HK, N, K, V]`` in ``state_dtype`` (``u`` becomes ``U``) and the final state;
-    ``low16``: the products on 16-bit operands (the forward under ``walk_16bit``; 16-bit keys only)."""
+    ``low16`` (16-bit keys: :func:`_sixteen`): the products on 16-bit operands."""
     B, T, HK, K = k.shape
     V = u.shape[-1]
     BT = CONFIG["bt"]
@@ -628,16 +655,15 @@ def _walk(k, w, u, lg, S0, *, state_dtype, want_final, low16=False):
     BV, warps = _walk_launch(B * HK, K, V, dev)
     launch(_walk_kernel, (triton.cdiv(V, BV), B * HK), k, w, u, lg, S0 if S0 is not None else hs, hs,
            fin if want_final else hs, T, HK, K=K, V=V, BK=pow2(K), BV=BV, BT=BT, HAS_INIT=S0 is not None,
-           STORE_FINAL=want_final, PREC=prec(k.dtype), LOW16=low16 and k.dtype in (torch.bfloat16, torch.float16),
+           STORE_FINAL=want_final, PREC=prec(k.dtype), LOW16=low16,
            num_warps=warps, num_stages=CONFIG["walk_stages"])
     return hs, fin
 
 
 def _fwd_prep(k, v, beta, lg):
     """The forward's UT-transform launch: ``w``, ``u`` in the dtype ``CONFIG`` asks for."""
-    low = bool(CONFIG["fwd_inter_16bit"]) and k.dtype in (torch.bfloat16, torch.float16)
-    w, u, _ = _prep(k, v, beta, lg, store_t=False, dtype=k.dtype if low else torch.float32,
-                    low16=bool(CONFIG["prep_16bit"]))
+    w, u, _ = _prep(k, v, beta, lg, store_t=False, dtype=k.dtype if _sixteen("fwd_inter_16bit", k) else torch.float32,
+                    low16=_sixteen("prep_16bit", k))
     return w, u
 
 
@@ -645,7 +671,7 @@ def _fwd_walk(k, w, u, lg, S0, want_final):
     """The forward's state walk (``u`` becomes ``U``): ``(chunk states, final state, states in fp32)``."""
     s32 = bool(CONFIG["fwd_states_fp32"]) or k.dtype == torch.float32
     hs, fin = _walk(k, w, u, lg, S0, state_dtype=torch.float32 if s32 else k.dtype, want_final=want_final,
-                    low16=bool(CONFIG["walk_16bit"]))
+                    low16=_sixteen("walk_16bit", k))
     return hs, fin, s32
 
 
@@ -657,10 +683,9 @@ def _fwd(q, k, v, beta, lg, S0, scale, want_final):
     hs, fin, s32 = _fwd_walk(k, w, u, lg, S0, want_final)
     o = new_empty((B, T, H, V), dtype=v.dtype, device=q.device)
     BV = _blocks("out_bv", V)
-    low16 = bool(CONFIG["out_16bit"]) and k.dtype in (torch.bfloat16, torch.float16)
     launch(_out_kernel, (triton.cdiv(V, BV), triton.cdiv(T, BT), B * H), q, k, u, hs, lg, o, T, H, k.shape[2],
-           float(scale), K=K, V=V, BK=pow2(K), BV=BV, BT=BT, PREC=prec(q.dtype), S32=s32, LOW16=low16,
-           num_warps=CONFIG["out_warps"])
+           float(scale), K=K, V=V, BK=pow2(K), BV=BV, BT=BT, PREC=prec(q.dtype), S32=s32,
+           LOW16=_sixteen("out_16bit", k), num_warps=CONFIG["out_warps"])
     return o, fin
 
 
