@@ -8,7 +8,8 @@ beyond it; the window mix and maps stay as trained); the original (``--against``
         --data wiki,books --dtype float32 --against E_ORIG -o E_OUT_W512
 
 The question it answers: does a hybrid trained with a narrow window (which retrieves) keep its recall and gain
-the wide window's quality on other text when served wide, without retraining? ``--layers 0-19`` serves only
+the wide window's quality on other text when served wide, without retraining? ``--sinks N`` also serves with N attention sinks (trained with or without them).
+``--layers 0-19`` serves only
 those layers at ``--window`` (the others keep their trained width): which layers cost the recall when widened.
 """
 from __future__ import annotations
@@ -27,6 +28,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", help="a window hybrid (a directory `linearize convert` wrote)")
     ap.add_argument("--window", type=int, required=True, help="the sliding window to serve it at (tokens)")
+    ap.add_argument("--sinks", type=int, default=None,
+                    help="also serve with this many attention sinks (the first tokens kept in the softmax part)")
     ap.add_argument("--layers", default=None,
                     help="only these decoder layers, e.g. 0-19 or 0-6,8,24-29 (default: every window layer)")
     args = ap.parse_args(argv[:cut])
@@ -39,8 +42,11 @@ def main() -> None:
                 and (chosen is None or m.layer_idx in chosen)]
         for m in mods:
             m.window = args.window
+            if args.sinks is not None:
+                m.sinks = args.sinks
         if mods:
-            print(f"serving {len(mods)} window layers of {spec} at {args.window} tokens: "
+            sinks = "" if args.sinks is None else f" with {args.sinks} sinks"
+            print(f"serving {len(mods)} window layers of {spec} at {args.window} tokens{sinks}: "
                   f"{','.join(str(m.layer_idx) for m in mods)}", file=sys.stderr)
         return model, tok
 

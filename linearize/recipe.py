@@ -228,6 +228,9 @@ class Recipe:
             if not isinstance(target, dict):
                 raise RecipeError(f"recipe override {key}: {section!r} is not a section")
             target[name] = value
+        if "attention.window" in overrides and "attention.train_window" not in overrides \
+                and isinstance(raw.get("attention"), dict):
+            raw["attention"]["train_window"] = 0  # a window given alone is trained at as well as served at
         merged = validate(raw, source=self.source)
         merged.source_text = self.source_text
         merged.overrides = {**self.overrides, **overrides}

@@ -48,14 +48,14 @@ def tiny_config(tmp_path):
 
 def test_cli_tiny_config_on_cpu(tiny_config, tmp_path):
     out = tmp_path / "bench"
-    r = run_cli("bench", "model", str(tiny_config), "--random-weights", "--device", "cpu", "--lengths", "64,256",
+    r = run_cli("bench", "model", str(tiny_config), "--random-weights", "--device", "cpu", "--lengths", "64,2048",
                 "--batch", "1", "--decode-steps", "4", "-o", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads((out / "bench_model.json").read_text())
     assert res["meta"]["layout"].endswith("(3 linear, 1 softmax)") and res["meta"]["device"] == "cpu"
     assert res["meta"]["finished"]
     rows = {(x["model"], x["T"]): x for x in res["rows"]}
-    assert set(rows) == {(m, t) for m in ("original", "hybrid") for t in (64, 256)}
+    assert set(rows) == {(m, t) for m in ("original", "hybrid") for t in (64, 2048)}
     for x in rows.values():
         assert x["status"] == "ok", x
         assert x["prefill_tok_s"] > 0 and x["decode_tok_s"] > 0
@@ -64,10 +64,10 @@ def test_cli_tiny_config_on_cpu(tiny_config, tmp_path):
         assert x["peak_bytes"] == "n/a"
         # measured cache == the closed form of costs.cache_bytes
         assert x["cache_bytes"] == x["cache_bytes_formula"]
-    # the hybrid's state is fixed-size: bigger than 64 tokens of KV, smaller than 256
+    # the hybrid's state and its 512-token window rings are fixed-size: more than 64 tokens of KV, less than 2,048
     assert rows["hybrid", 64]["cache_bytes"] > rows["original", 64]["cache_bytes"]
-    assert rows["hybrid", 256]["cache_bytes"] < rows["original", 256]["cache_bytes"]
-    assert rows["original", 256]["cache_bytes"] == 4 * rows["original", 64]["cache_bytes"]
+    assert rows["hybrid", 2048]["cache_bytes"] < rows["original", 2048]["cache_bytes"]
+    assert rows["original", 2048]["cache_bytes"] == 32 * rows["original", 64]["cache_bytes"]
     for q in res["ratios"]:
         h, o = rows["hybrid", q["T"]], rows["original", q["T"]]
         assert q["prefill_speedup"] == pytest.approx(h["prefill_tok_s"] / o["prefill_tok_s"], rel=1e-3)

@@ -510,7 +510,7 @@ def _read_only_dir(tmp_path: Path) -> Path:
 BAD_INPUTS = [
     # (id, args after `linearize`, exit code, needles)
     ("window>=seq_len", ["convert", "{tiny}", "--set", "distill.seq_len=32"], 2,
-     ["attention.window = 64 is not shorter than distill.seq_len = 32"]),
+     ["attention.train_window = 64 is not shorter than distill.seq_len = 32"]),
     ("window>=finetune.seq_len", ["convert", "{tiny}", "--set", "attention.window=16", "--set",
                                   "finetune.seq_len=16"], 2,
      ["attention.window = 16 is not shorter than finetune.seq_len = 16"]),
@@ -519,7 +519,7 @@ BAD_INPUTS = [
     ("recipe tokens=0", ["convert", "{tiny}", "--set", "distill.tokens=0"], 2,
      ["--set: distill.tokens = 0: must be a token budget > 0"]),
     ("tokens<one batch", ["convert", "{tiny}", "--set", "attention.window=8", "--tokens", "1K"], 2,
-     ["distill: 500 tokens is smaller than one batch (batch_size 16 x seq_len 2048 = 32,768 tokens)"]),
+     ["distill: 500 tokens is smaller than one batch (batch_size 4 x seq_len 8192 = 32,768 tokens)"]),
     ("rerun tokens=0", ["distill", "{hybrid}", "--tokens", "0"], 2, ["invalid token count '0'"]),
     ("unknown feature map", ["convert", "{tiny}", "--set", "attention.feature_map=bogus", "--no-train"], 2,
      ["--set: attention.feature_map = 'bogus': must be one of", "hedgehog"]),

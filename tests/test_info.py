@@ -69,7 +69,7 @@ def test_converted_layers_are_described():
                                       "learned decay")
     assert describe_converted({"layer_type": "gated_delta"}) == "gated delta rule"
     r = run_cli("info", "llama-3-8b", "--ratio", "3:1")
-    assert "converted layers: linear attention, hedgehog maps, 64-token window" in r.stdout
+    assert "converted layers: linear attention, hedgehog maps, 512-token window (trained at 64)" in r.stdout
 
 
 def test_mixture_of_experts_plan():

@@ -137,7 +137,7 @@ def test_fp32_intermediates(T, monkeypatch):
 
 
 #: launch settings that change the arithmetic, each on and off the default (kernels/README.md times them)
-ARITHMETIC = [("prep_diag_rows", 0), ("walk_16bit", 0), ("prep_16bit", 1), ("prep_blocks", 1), ("out_16bit", 1)]
+ARITHMETIC = [("prep_diag_rows", 0), ("walk_16bit", 0), ("prep_16bit", 0), ("prep_blocks", 1), ("out_16bit", 0)]
 
 
 @gpu
@@ -305,19 +305,19 @@ def test_interp_walk_tf32(small_chunks, monkeypatch):
 
 
 @interp
-def test_interp_prep_16bit(small_chunks, monkeypatch):
-    """``prep_16bit``: the forward's ``w`` and ``u`` products on bf16 operands stay within the bf16 tolerance; fp32
-    inputs keep fp32 operands (the setting does not apply)."""
-    monkeypatch.setitem(triton_delta.CONFIG, "prep_16bit", 1)
+def test_interp_prep_16bit_off(small_chunks, monkeypatch):
+    """``prep_16bit`` off: the forward's ``w`` and ``u`` products on tf32 operands for bf16 inputs (the default's bf16
+    operands are what every other bf16 test here runs); fp32 inputs keep fp32 operands either way."""
+    monkeypatch.setitem(triton_delta.CONFIG, "prep_16bit", 0)
     check("triton", 2, 37, 4, 2, 16, 32, torch.bfloat16)
     check("triton", 1, 37, 2, 1, 16, 32, torch.float32)
 
 
 @interp
-def test_interp_out_16bit(small_chunks, monkeypatch):
-    """``out_16bit``: the output kernel's in-chunk product on bf16 operands stays within the bf16 tolerance (GQA: the
-    query heads of a KV head share its keys); fp32 inputs keep fp32 operands."""
-    monkeypatch.setitem(triton_delta.CONFIG, "out_16bit", 1)
+def test_interp_out_16bit_off(small_chunks, monkeypatch):
+    """``out_16bit`` off: the output kernel's in-chunk product on tf32 operands for bf16 inputs (GQA: the query heads
+    of a KV head share its keys); fp32 inputs keep fp32 operands either way."""
+    monkeypatch.setitem(triton_delta.CONFIG, "out_16bit", 0)
     check("triton", 2, 37, 4, 2, 16, 32, torch.bfloat16)
     check("triton", 1, 37, 2, 1, 16, 32, torch.float32)
 
@@ -331,7 +331,7 @@ def test_interp_prep_blocks(dtype, monkeypatch):
     monkeypatch.setitem(triton_delta.CONFIG, "bt", 64)
     monkeypatch.setitem(triton_delta.CONFIG, "prep_blocks", 1)
     check("triton", 2, 64 + 37, 4, 2, 16, 32, dtype)
-    monkeypatch.setitem(triton_delta.CONFIG, "prep_16bit", 1)
+    monkeypatch.setitem(triton_delta.CONFIG, "prep_16bit", 0)
     check("triton", 1, 64 + 37, 2, 1, 16, 32, dtype)
 
 

@@ -226,10 +226,10 @@ def test_train_length_keeps_tokens_per_step():
     the held-out report keep the recipe's tokens; a field given with --set keeps its value."""
     from linearize.convert.plan import train_length_overrides
 
-    rec = R.load("lolcats")  # 16 x 2,048 tokens a step, 8 held-out rows, in both stages
-    got = train_length_overrides(rec, 8192, {"finetune.batch_size": 2})
-    assert got == {"distill.seq_len": 8192, "distill.batch_size": 4, "distill.eval_seqs": 2,
-                   "finetune.seq_len": 8192, "finetune.eval_seqs": 2}
+    rec = R.load("lolcats")  # 4 x 8,192 tokens a step, 2 held-out rows, in both stages
+    got = train_length_overrides(rec, 2048, {"finetune.batch_size": 2})
+    assert got == {"distill.seq_len": 2048, "distill.batch_size": 16, "distill.eval_seqs": 8,
+                   "finetune.seq_len": 2048, "finetune.eval_seqs": 8}
     short = train_length_overrides(rec, 512, {})
     assert short["distill.batch_size"] == 64 and short["distill.eval_seqs"] == 32
     tiny = train_length_overrides(R.load("lolcats-cpu"), 2048, {})  # 2 x 512 rows a LoRA step: at least one row
@@ -247,7 +247,7 @@ def test_train_length_reaches_the_recipe_as_run(ws, tmp_path):
 
 @pytest.mark.parametrize("training,overrides,needle", [
     (dict(train_length="2K"), {}, "distill.seq_len 2048 is beyond"),  # the tiny model's context is 1,024 tokens
-    (dict(), {}, "distill.seq_len 2048 is beyond"),  # the recipe's own 2K, too
+    (dict(), {"distill.seq_len": 2048}, "distill.seq_len 2048 is beyond"),  # one given with --set, too
     (dict(train_length="512", finetune=False), {"finetune.seq_len": 4096}, "both set the training length"),
     (dict(train_length="1k2"), {}, "bad --train-length"),
 ])
@@ -257,6 +257,24 @@ def test_train_length_refusals_are_one_line(ws, tmp_path, training, overrides, n
                    training=TrainingOptions(**training), run=RunOptions(out=tmp_path / "OUT"), log=lambda m: None)
     assert needle in str(e.value) and "\n" not in str(e.value)
     assert not (tmp_path / "OUT").exists()
+
+
+def test_the_recipes_own_length_fits_the_context(ws, tmp_path):
+    """The recipe's 8K rows on a model of 1,024 positions: both stages train at 1,024 tokens (batch and held-out rows
+    scaled as --train-length 1024 would), said in one line; a stage whose length is given keeps it."""
+    logs = []
+    plan = build_plan(str(ws / "tiny"), layout=LayoutOptions(ratio="1:1"), run=RunOptions(out=tmp_path / "A"),
+                      log=logs.append)
+    assert [plan.recipe[s]["seq_len"] for s in ("distill", "finetune")] == [1024, 1024]
+    assert plan.recipe["distill"]["batch_size"] == 32 and plan.recipe["finetune"]["eval_seqs"] == 16
+    assert plan.recipe.overrides["distill.seq_len"] == 1024  # recorded: a rerun of a stage trains the same
+    assert "training at 1024 tokens, " in "\n".join(logs) and "the recipe's 8192 is longer" in "\n".join(logs)
+    plan = build_plan(str(ws / "tiny"), overrides={"finetune.seq_len": 512}, layout=LayoutOptions(ratio="1:1"),
+                      run=RunOptions(out=tmp_path / "B"), log=lambda m: None)
+    assert [plan.recipe[s]["seq_len"] for s in ("distill", "finetune")] == [1024, 512]
+    plan = build_plan(str(ws / "tiny"), layout=LayoutOptions(ratio="1:1"), training=TrainingOptions(train=False),
+                      run=RunOptions(out=tmp_path / "C"), log=logs.append)
+    assert plan.recipe["distill"]["seq_len"] == 8192  # nothing trains: the recipe as it is
 
 
 def test_a_stage_that_does_not_run_is_not_checked(ws, tmp_path):

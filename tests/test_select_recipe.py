@@ -39,7 +39,8 @@ def test_shipped_recipes_load():
     names = R.available()
     assert {"lolcats", "elu"} <= set(names)
     r = R.load("lolcats")
-    assert r["attention"]["feature_map"] == "hedgehog" and r["attention"]["window"] == 64
+    assert r["attention"]["feature_map"] == "hedgehog" and r["attention"]["window"] == 512
+    assert r["attention"]["train_window"] == 64 and r["distill"]["seq_len"] == r["finetune"]["seq_len"] == 8192
     for n in names:
         text = R.find(n).read_text()
         assert text.lstrip().startswith("#") and "linearize convert" in text  # header shows the command
@@ -100,13 +101,14 @@ def test_ratio_that_leaves_no_softmax_layer_is_refused():
 
 def test_cpu_recipe_is_lolcats_sized_for_a_cpu():
     """lolcats-cpu trains the same layers with the same losses as lolcats; only sizes, budgets, the layer choice
-    (interleave: the probe would cost more than the budget trains), the attention sinks, the window's width and the
+    (interleave: the probe would cost more than the budget trains), the attention sinks, the window's widths and the
     decay (measured on a CPU, not yet on a GPU) differ, and its budgets pass the pre-load checks."""
     cpu, gpu = R.load("lolcats-cpu"), R.load("lolcats")
-    measured_on_cpu = {"sinks": 0, "window": 0, "decay": ""}
+    measured_on_cpu = {"sinks": 0, "window": 0, "train_window": 0, "decay": ""}
     assert {**cpu["attention"], **measured_on_cpu} == {**gpu["attention"], **measured_on_cpu}
     assert (cpu["attention"]["sinks"], gpu["attention"]["sinks"]) == (16, 0)
-    assert (cpu["attention"]["window"], gpu["attention"]["window"]) == (128, 64)
+    assert (cpu["attention"]["window"], gpu["attention"]["window"]) == (128, 512)
+    assert (cpu["attention"]["train_window"], gpu["attention"]["train_window"]) == (0, 64)
     assert (cpu["attention"]["decay"], gpu["attention"]["decay"]) == ("learned", "none")
     sizing = {"tokens", "seq_len", "batch_size", "grad_accum", "lr", "warmup_steps", "eval_seqs", "checkpoint_every"}
     for stage in ("distill", "finetune"):

@@ -24,10 +24,17 @@ def record_widths(hybrid) -> list[int]:
 
 
 def test_recipe_field():
-    assert R.load("lolcats")["attention"]["train_window"] == 0
-    assert training_width(R.load("lolcats")["attention"]) is None
-    rec = R.load("lolcats", {"attention.window": 512, "attention.train_window": 64})
-    assert training_width(rec["attention"]) == 64
+    """The default recipe trains at 64 and serves at 512; a window given alone is trained and served at (off
+    included); a training width given with window 0 is refused."""
+    assert R.load("lolcats-cpu")["attention"]["train_window"] == 0
+    assert training_width(R.load("lolcats-cpu")["attention"]) is None
+    rec = R.load("lolcats")
+    assert (rec["attention"]["window"], training_width(rec["attention"])) == (512, 64)
+    off = R.load("lolcats", {"attention.window": 0})
+    assert off["attention"]["train_window"] == 0 and training_width(off["attention"]) is None
+    assert R.load("lolcats", {"attention.window": 128})["attention"]["train_window"] == 0  # given alone: both
+    assert R.load("lolcats", {"attention.window": 128, "attention.train_window": 32})["attention"]["train_window"] == 32
+    assert R.load("lolcats", {"attention.layer_windows": {"0-3": 256}})["attention"]["train_window"] == 64
     with pytest.raises(R.RecipeError, match="attention.window is 0, so the layers have no window to train"):
         R.load("lolcats", {"attention.window": 0, "attention.train_window": 64})
     for bad in (-1, 4097, 1.5):
@@ -119,7 +126,8 @@ def test_info_says_what_the_layers_trained_at():
     assert describe_converted(la) == "linear attention, hedgehog maps, 512-token window (trained at 64), 16 sinks"
     la["layer_windows"] = {"24-29": 64}
     assert "512-token window (layers 24-29: 64, trained at 64)" in describe_converted(la)
-    assert "(trained" not in describe_converted(dict(R.load("lolcats")["attention"]))
+    assert "(trained" not in describe_converted(dict(R.load("lolcats-cpu")["attention"]))
+    assert describe_converted(dict(R.load("lolcats")["attention"])).endswith("512-token window (trained at 64)")
 
 
 @pytest.mark.slow

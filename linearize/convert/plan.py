@@ -184,6 +184,9 @@ def build_plan(spec: str, *, recipe: str = DEFAULT_RECIPE, overrides: dict[str, 
     note = sources.vision_language_note(source_dir)
     if note:
         log(note)
+    if train:
+        rec = fit_context(rec, recipe, overrides or {}, training.train_length,
+                          getattr(base_config, "max_position_embeddings", None), spec, log=log)
     chosen, auto = plan_auto_select(chosen, base_config, rec, tokens, dtype=run.dtype, device=run.device,
                                     train=train, log=log)
     layer_types = None if auto is not None else select_layout(
@@ -225,6 +228,22 @@ def train_length_overrides(rec: recipes.Recipe, length: int, given: dict[str, An
                   "eval_seqs": max(1, int(cfg["eval_seqs"]) * old // length)}
         out.update({f"{stage}.{f}": v for f, v in scaled.items() if f"{stage}.{f}" not in given})
     return out
+
+
+def fit_context(rec: recipes.Recipe, source: str, given: dict[str, Any], train_length: str | int | None,
+                limit: int | None, spec: str, *, log: Callable[[str], None] = print) -> recipes.Recipe:
+    """The recipe with its own training length cut to the model's context ``limit`` (``max_position_embeddings``)
+    where it is longer, as ``--train-length LIMIT`` would (one log line). A length the user gave
+    (``--train-length``, ``--set STAGE.seq_len``) is left to :func:`check_context` to refuse."""
+    if not limit or train_length is not None:
+        return rec
+    stages = tuple(s for s in ("distill", "finetune") if f"{s}.seq_len" not in given
+                   and int(rec[s]["seq_len"]) > int(limit))
+    if not stages:
+        return rec
+    log(f"training at {int(limit)} tokens, {spec}'s context (the recipe's {int(rec[stages[0]]['seq_len'])} is "
+        "longer)")
+    return recipes.load(source, {**given, **train_length_overrides(rec, int(limit), given, stages)})
 
 
 def check_context(rec: recipes.Recipe, limit: int | None, spec: str, *, stages: tuple[str, ...]) -> None:

@@ -40,11 +40,12 @@ CONFIG = {  # launch configuration: untuned; registers and spills from an offlin
     # masked [BT, BT] tensor-core products (_unit_lower_inverse): H100, bf16, 2K x 16, the UT launch 1.69 -> 1.62 ms
     "prep_diag_rows": 1,
     # the forward's w = T (beta gamma k) and u = T (beta v) on 16-bit operands (16-bit inputs; as fla's
-    # recompute_w_u) instead of tf32 ones; the transform T is computed in fp32 either way. Not yet timed on a GPU
-    "prep_16bit": 0,
+    # recompute_w_u) instead of tf32 ones; the transform T is computed in fp32 either way. H200, bf16, 2K x 16: the
+    # prep launch 1.68 -> 1.24 ms; relative error 3.1e-3 -> 3.5e-3 (fla's 3.8e-3)
+    "prep_16bit": 1,
     # the UT inverse of a 64-token chunk as four 16-row blocks (_blocked_unit_lower_inverse: the blocks below the
     # diagonal by [16, 16] products, no masked [64, 64] ones; other chunk sizes keep _unit_lower_inverse); 207
-    # registers, no spills. Not yet timed on a GPU
+    # registers, no spills. H200, bf16, 2K x 16: slower (the prep 1.68 -> 1.82 ms; 1.24 -> 1.40 with prep_16bit)
     "prep_blocks": 0,
     # value block of the forward and backward walks (the [K, BV] fp32 state lives in registers), halved to 32 while
     # the grid has fewer than walk_waves programs per SM (long T, small batch: the walk is serial); walk_warps for
@@ -59,8 +60,8 @@ CONFIG = {  # launch configuration: untuned; registers and spills from an offlin
     # -> 1.01 ms at 2K x 16, 2.19 -> 1.58 ms at 32K x 1; relative error 3.0e-3 -> 3.1e-3 (fla's 3.8e-3)
     "walk_16bit": 1,
     # the output kernel's in-chunk product (tril(q k^T) * M) U on 16-bit operands (16-bit inputs; as fla's) instead
-    # of tf32 ones. Not yet timed on a GPU
-    "out_16bit": 0,
+    # of tf32 ones. H200, bf16, 2K x 16: the output launch 0.81 -> 0.57 ms; relative error 3.1e-3 -> 3.5e-3
+    "out_16bit": 1,
     "out_bv": 128,  # value block of the output kernel and of the backward's dvl kernel (162 registers; 136 at 64)
     "out_warps": 4,
     # value block the chunk-parallel backward kernels loop over: at 64 the UT backward spilled ~350 bytes, at 32
