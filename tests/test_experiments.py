@@ -1,5 +1,6 @@
 """The experiment scripts behind docs/ run: ``experiments/serve_window.py`` serves a hybrid's window layers (all, or
-the ``--layers`` it names) at another width and the perplexity moves only with the layers it widened."""
+the ``--layers`` it names) at another width, optionally with attention sinks, and the perplexity moves only with the
+layers it changed."""
 import json
 import subprocess
 import sys
@@ -43,3 +44,7 @@ def test_serve_window_widens_the_named_layers(hybrid):
     assert len({round(trained, 6), round(wide, 6), round(one, 6)}) == 3
     res, none = _serve(hybrid, "E64none", "--window", "64", "--layers", "99")
     assert "serving" not in res.stderr and none == pytest.approx(trained)
+    # sinks added at serving time: said, and they move the perplexity (the first tokens leave the linear sums)
+    res, sunk = _serve(hybrid, "E8s4", "--window", "8", "--sinks", "4")
+    assert f"serving 2 window layers of {hybrid / 'H'} at 8 tokens with 4 sinks: {layers[0]},{layers[1]}" in res.stderr
+    assert round(sunk, 6) != round(trained, 6)
