@@ -134,6 +134,7 @@ WIN_SHAPES = [
     (1, 150, 2, 1, 16, 16, 16, 100),
     (1, 300, 2, 1, 16, 16, 16, 192),  # wide: three 64-token key blocks back, the state lagging three chunks
     (1, 200, 4, 2, 16, 32, 16, 150),  # wide, W not a multiple of the chunk: linear pairs in two key blocks
+    (1, 600, 2, 1, 16, 16, 16, 512),  # the default recipe's serving width: eight key blocks back
 ]
 
 
@@ -346,6 +347,27 @@ def test_window_step_triton(prefill, W, bv, heads, H, dtype, monkeypatch):
     for t in range(prefill, T):
         outs.append(window_linear_attention_step(q[:, t], k[:, t], fq[:, t], fk[:, t], v[:, t], wf, state,
                                                  out=out, backend="triton").clone())
+    assert int(state.seen) == T
+    assert rel_err(torch.stack(outs, 1), o_full[:, prefill:]) < (1e-5 if dtype == torch.float32 else 1e-2)
+    assert rel_err(state.S, st_full[0]) < 1e-5 and rel_err(state.z, st_full[1]) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_window_step_at_the_default_width(dtype):
+    """The default recipe's 512-token window: a prefill longer than the window, then decode steps whose ring (eight
+    64-row blocks) hands its oldest token to the linear state each step, as the reference's full forward."""
+    B, T, H, Hk, D, K, V, W, prefill = 1, 530, 2, 1, 16, 16, 16, 512, 520
+    inp = window_inputs(B, T, H, Hk, D, K, V, dtype=dtype, device=DEV)
+    q, k, fq, fk, v = (inp[n] for n in ("q", "k", "fq", "fk", "v"))
+    wf = inp["window_factor"]
+    o_full, st_full = window_linear_attention(q, k, fq, fk, v, wf, window=W, output_final_state=True,
+                                              backend="reference")
+    _, st = window_linear_attention(*(x[:, :prefill] for x in (q, k, fq, fk, v)), wf, window=W,
+                                    output_final_state=True, backend="triton")
+    state = window_state_from_prefill(k[:, :prefill], fk[:, :prefill], v[:, :prefill], st, W)
+    out = torch.full((B, H, V), float("nan"), dtype=dtype, device=DEV)
+    outs = [window_linear_attention_step(q[:, t], k[:, t], fq[:, t], fk[:, t], v[:, t], wf, state, out=out,
+                                         backend="triton").clone() for t in range(prefill, T)]
     assert int(state.seen) == T
     assert rel_err(torch.stack(outs, 1), o_full[:, prefill:]) < (1e-5 if dtype == torch.float32 else 1e-2)
     assert rel_err(state.S, st_full[0]) < 1e-5 and rel_err(state.z, st_full[1]) < 1e-5
