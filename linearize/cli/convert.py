@@ -27,7 +27,7 @@ def convert(
     tokens: Optional[str] = typer.Option(None, "--tokens", help="Training tokens, split evenly across the stages, e.g. 40M (default: the recipe's)."),
     distill_tokens: Optional[str] = typer.Option(None, "--distill-tokens", help="Attention-transfer tokens (overrides the split)."),
     finetune_tokens: Optional[str] = typer.Option(None, "--finetune-tokens", help="LoRA tokens (overrides the split)."),
-    train_length: Optional[str] = typer.Option(None, "--train-length", help="Tokens per training sequence in both stages, e.g. 8K (default: the recipe's, 2K for lolcats); batch and held-out sequences are scaled to keep the tokens per step. A converted layer's fit holds up to about the length it is trained at."),
+    train_length: Optional[str] = typer.Option(None, "--train-length", help="Tokens per training sequence in both stages, e.g. 2K (default: the recipe's, 8K for lolcats, or the model's context where shorter); batch and held-out sequences are scaled to keep the tokens per step. A converted layer's fit holds up to about the length it is trained at."),
     no_finetune: bool = typer.Option(False, "--no-finetune", help="Stop after attention transfer (no LoRA stage)."),
     loss: Optional[str] = typer.Option(None, "--loss", help="LoRA loss: xent (next token) or kl (to the original); default: the recipe's."),
     resume: bool = RESUME,
