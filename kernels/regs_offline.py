@@ -110,19 +110,21 @@ def wide_window(W: int):
     return fwd, bq, bkv
 
 
-def window_step(W: int):
+def window_step(W: int, RB: int | None = None, warps: int | None = None):
     """The window decode step at window ``W`` (the ring tile is pow2(W) rows), the Llama-3-8B shape (G = 4), bf16,
-    with the launch shape ``window_step_triton`` picks for 8 x 8 KV heads."""
+    with the launch shape ``window_step_triton`` picks for 8 x 8 KV heads; ``RB`` rows of the rings at a time
+    (None: as ``step_ring_block`` says for that ring, 0: the whole ring), ``warps`` (None: the launch's)."""
     import torch
 
     from linearize.kernels import triton_step as TS
     GH, BV = TS.window_step_tiles(64, 4, 128, torch.device("cpu"))
     BW = 1 << (W - 1).bit_length()
-    warps = TS.window_step_warps(128, 128, BV, BW, False)
+    RB = TS.ring_block(BW) if RB is None else RB
+    warps = warps or TS.window_step_warps(128, 128, BV, RB or BW, False)
     ptrs = {n: "*bf16" for n in ("Q", "FQ", "Kr", "Vp", "KR", "FKR", "VR", "O", "WQX", "SK", "SV")}
     ptrs.update(WF="*fp32", S="*fp32", Z="*fp32", SEEN="*i64", KEEP="*i8", SPOS="*i64", SVALID="*i8")
     consts = dict(D=128, K=128, V=128, BD=128, BK=128, BV=BV, BW=BW, G=4, FUSE=False, GH=GH, OWN=True, SINKS=False,
-                  BN=1)
+                  BN=1, RB=RB)
     return compile_stats(TS._window_step_kernel, ptrs, {"H", "HK", "W", "NS"}, {"scale", "eps", "feps"}, consts,
                          warps, 1), warps
 
@@ -138,5 +140,8 @@ if __name__ == "__main__":
     for W in (64, 256, 512):
         stats, warps = window_step(W)
         rows.append((f"window step (W={W}, {warps} warps)", stats))
+    for RB, warps in ((0, None), (64, 8), (32, None), (128, 8)):  # the 512-row ring whole or walked in blocks
+        stats, w = window_step(512, RB, warps)
+        rows.append((f"window step (W=512, RB={RB}, {w} warps)", stats))
     for name, stats in rows:
         print(f"{name:32s} {stats[0]:4d} regs  spills {stats[1]:5d} / {stats[2]:5d}  shared {stats[3]:7d}")

@@ -3,7 +3,8 @@ K = 128, V = 128, W = 64, bf16 rings, fp32 state), features computed in the kern
 value columns of each (batch, KV head) in one program (``step_bv=128``, 64 programs) against the split over value
 blocks (the default: ``step_waves`` programs per SM) and a few warp counts, one process, CUDA-graph replays
 (``triton.testing.do_bench_cudagraph``), and the KV group's query heads spread over several programs
-(``step_heads``); outputs checked against the PyTorch step. Then the plain linear step
+(``step_heads``), and the rings held whole or read a block of rows at a time (``step_ring_block``, for ``W``
+over 32); outputs checked against the PyTorch step. Then the plain linear step
 (``linear_attention_step_hedgehog``, the same shape without rings) split over value blocks for a few
 ``linear_step_waves`` (with the features computed in the kernel its blocks are at most
 ``FUSED_LINEAR_STEP_MAX_BV`` = 64 wide, so one program per pair is no longer an option here), and with its query
@@ -74,7 +75,10 @@ rows = [("default", {}), ("one program per (batch, KV head)", {"step_bv": 128, *
     (f"whole groups, value blocks {bv or 'auto'}, warps {w or 'auto'}", {"step_bv": bv, "step_warps": w, **WHOLE})
     for bv in (0, 64, 32, 16) for w in (0, 8, 4)] + [
     (f"value blocks {bv or 'auto'}, {n} query heads per program", {"step_heads": n, "step_bv": bv, **NO_SMALL_GRID})
-    for n in (4, 2, 1) if n < H // HK for bv in (0, 64, 128)]
+    for n in (4, 2, 1) if n < H // HK for bv in (0, 64, 128)] + [
+    (f"the whole ring, warps {w or 'auto'}", {"step_ring_block_from": 0, "step_warps": w}) for w in (0, 8)] + [
+    (f"rings in blocks of {rb}, warps {w or 'auto'}", {"step_ring_block": rb, "step_ring_block_from": 2, "step_warps": w})
+    for rb in (32, 64, 128) for w in (0, 8) if rb < W]
 base = dict(triton_step.CONFIG)
 
 

@@ -323,13 +323,15 @@ def test_linear_step_triton(normalize, bv, heads, H, monkeypatch):
 @pytest.mark.parametrize("prefill,W,bv,heads,H", [(0, 8, 0, 0, 4), (5, 8, 16, 0, 4), (13, 8, 0, 0, 4),
                                                   (3, 16, 16, 0, 4), (5, 8, 16, 1, 4), (13, 8, 0, 1, 4),
                                                   (5, 8, 16, 2, 6), (13, 8, 0, 2, 6)])
+@pytest.mark.parametrize("ring", [0, 4], ids=["whole-ring", "ring-blocks"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_window_step_triton(prefill, W, bv, heads, H, dtype, monkeypatch):
+def test_window_step_triton(prefill, W, bv, heads, H, ring, dtype, monkeypatch):
     """Decode steps after a prefill (or none) as the reference's full forward; bv = 16: two value blocks per
     (batch, KV head), whose programs share z and the key rings; heads = 1: each of the KV group's two query heads
     in its own program, the commit kernel folding S and writing the value ring; heads = 2 with H = 6: groups of
-    three heads in two programs, the second answering one head."""
-    _launch(monkeypatch, step_bv=bv, step_heads=heads)
+    three heads in two programs, the second answering one head; ring = 4: each head walks the rings four rows at
+    a time (two or four blocks), as 512-row rings do by default."""
+    _launch(monkeypatch, step_bv=bv, step_heads=heads, step_ring_block=ring, step_ring_block_from=ring and 8)
     B, T, Hk, D, K, V = 2, 24, 2, 16, 16, 32
     inp = window_inputs(B, T, H, Hk, D, K, V, dtype=dtype, device=DEV)
     q, k, fq, fk, v = (inp[n] for n in ("q", "k", "fq", "fk", "v"))
@@ -1112,8 +1114,11 @@ def test_window_sinks_and_lse_triton(case, dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("hedgehog", [False, True], ids=["features-given", "hedgehog-in-kernel"])
+@pytest.mark.parametrize("ring", [0, 4], ids=["whole-ring", "ring-blocks"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_window_step_with_sinks_triton(hedgehog, dtype):
+def test_window_step_with_sinks_triton(hedgehog, ring, dtype, monkeypatch):
     """The Triton window step reads the sinks and adds those out of its window to the softmax part: prefill +
-    steps equal the float64 reference's forward with the same sinks."""
+    steps equal the float64 reference's forward with the same sinks (ring = 4: the rings walked in blocks, the
+    sinks' maximum starting the online softmax)."""
+    _launch(monkeypatch, step_ring_block=ring, step_ring_block_from=ring and 8)
     check_sink_steps("triton", dtype, device=DEV, hedgehog=hedgehog)

@@ -130,6 +130,34 @@ def _linear_step_commit_kernel(
 
 
 @triton.jit
+def _ring_walk(q, m, KR, VR, KEEP, base, b, slot, t, W, k_new, v_new, od, ov, md, mv, scale,
+               D: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, RB: tl.constexpr):
+    """One query head's softmax part over the window rings, ``RB`` rows at a time (the new token in row ``slot``,
+    padding and unwritten rows out): ``(sum_j p_j v_j [BV], sum_j p_j, m)`` with ``p_j = exp(s_j - m)``, ``m`` the
+    running row maximum from the given start (0, or the sinks'), each block rescaling what came before."""
+    acc = tl.zeros([BV], tl.float32)
+    total = tl.zeros([], tl.float32)
+    for r0 in range(0, W, RB):
+        orr = r0 + tl.arange(0, RB)
+        mr = orr < W
+        here = orr == slot
+        kb = tl.load(KR + (base * W + orr[:, None]) * D + od[None, :], mask=mr[:, None] & md[None, :], other=0.0)
+        kb = tl.where(here[:, None], k_new.to(KR.dtype.element_ty)[None, :], kb).to(tl.float32)
+        vb = tl.load(VR + (base * W + orr[:, None]) * V + ov[None, :], mask=mr[:, None] & mv[None, :], other=0.0)
+        vb = tl.where(here[:, None], v_new.to(VR.dtype.element_ty)[None, :], vb).to(tl.float32)
+        kept = tl.load(KEEP + b.to(tl.int64) * W + orr, mask=mr, other=0) != 0
+        valid = (orr <= t) & mr & (kept | here)  # the new token is never padding
+        sc = tl.where(valid, tl.sum(kb * q[None, :], 1) * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(sc, 0))
+        alpha = tl.exp(m - m_new)
+        p = tl.where(valid, tl.exp(sc - m_new), 0.0)
+        acc = acc * alpha + tl.sum(p[:, None] * vb, 0)
+        total = total * alpha + tl.sum(p, 0)
+        m = m_new
+    return acc, total, m
+
+
+@triton.jit
 def _window_step_kernel(
     Q, FQ, Kr, Vp, WF,  # q [B,H,D], fq [B,H,K] (not read with FUSE), k [B,HK,D], v [B,HK,V], wf [H] fp32
     S, Z, KR, FKR, VR, SEEN, KEEP,  # state; rings [B,HK,W,*]; seen int64 [1]; keep bool [B,W] (False: padding)
@@ -140,13 +168,15 @@ def _window_step_kernel(
     D: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr, G: tl.constexpr,
     FUSE: tl.constexpr, GH: tl.constexpr, OWN: tl.constexpr, SINKS: tl.constexpr, BN: tl.constexpr,
+    RB: tl.constexpr,
 ):
     """Program (batch x KV head, value block, head group): answers ``GH`` of the KV group's ``G`` query heads for
     its value columns, with the token leaving the window folded into ``S`` and the new value in the ring. With
     one head group (``OWN``) it also writes that fold and value into its columns of ``S`` and the value ring;
     with several, every program only reads the state and :func:`_window_step_commit_kernel` writes them.
     ``z``, the key ring and the key-feature ring are shared by every value block, so they are read here and
-    written only by the commit kernel, launched after this one."""
+    written only by the commit kernel, launched after this one. ``RB`` > 0: each head walks the rings in blocks
+    of ``RB`` rows with an online softmax (:func:`_ring_walk`) instead of holding them whole (``BW`` rows)."""
     pbh = tl.program_id(0)
     pv = tl.program_id(1)
     pg = tl.program_id(2)
@@ -158,13 +188,15 @@ def _window_step_kernel(
     base = pbh.to(tl.int64)
     t = tl.load(SEEN)
     slot = (t % W).to(tl.int32)
-    # ring tiles before the write; the new token replaces row `slot` in registers
-    kr = tl.load(KR + (base * W + ow[:, None]) * D + od[None, :], mask=mw[:, None] & md[None, :], other=0.0)
-    vr = tl.load(VR + (base * W + ow[:, None]) * V + ov[None, :], mask=mw[:, None] & mv[None, :], other=0.0)
-    sel = ow == slot
     fold = (t >= W).to(tl.float32)
     fk_old = tl.load(FKR + (base * W + slot) * K + ok, mask=mk, other=0.0).to(tl.float32) * fold  # [BK]
-    v_old = tl.sum(tl.where(sel[:, None], vr.to(tl.float32), 0.0), 0)  # [BV]
+    if RB == 0:  # ring tiles before the write; the new token replaces row `slot` in registers
+        kr = tl.load(KR + (base * W + ow[:, None]) * D + od[None, :], mask=mw[:, None] & md[None, :], other=0.0)
+        vr = tl.load(VR + (base * W + ow[:, None]) * V + ov[None, :], mask=mw[:, None] & mv[None, :], other=0.0)
+        sel = ow == slot
+        v_old = tl.sum(tl.where(sel[:, None], vr.to(tl.float32), 0.0), 0)  # [BV]
+    else:  # the leaving value alone, read before a write of the slot (the walk reads the rings block by block)
+        v_old = tl.load(VR + (base * W + slot) * V + ov, mask=mv, other=0.0).to(tl.float32)
     sp = S + base * K * V + ok[:, None] * V + ov[None, :]
     s = tl.load(sp, mask=mk[:, None] & mv[None, :], other=0.0) + fk_old[:, None] * v_old[None, :]
     z = tl.load(Z + base * K + ok, mask=mk, other=0.0) + fk_old
@@ -173,10 +205,11 @@ def _window_step_kernel(
     if OWN:
         tl.store(sp, s, mask=mk[:, None] & mv[None, :])
         tl.store(VR + (base * W + slot) * V + ov, v_new.to(VR.dtype.element_ty), mask=mv)
-    kr = tl.where(sel[:, None], k_new.to(KR.dtype.element_ty)[None, :], kr).to(tl.float32)
-    vr = tl.where(sel[:, None], v_new.to(VR.dtype.element_ty)[None, :], vr).to(tl.float32)
-    kept = tl.load(KEEP + b.to(tl.int64) * W + ow, mask=mw, other=0) != 0
-    valid = (ow <= t) & mw & (kept | sel)  # the new token is never padding
+    if RB == 0:
+        kr = tl.where(sel[:, None], k_new.to(KR.dtype.element_ty)[None, :], kr).to(tl.float32)
+        vr = tl.where(sel[:, None], v_new.to(VR.dtype.element_ty)[None, :], vr).to(tl.float32)
+        kept = tl.load(KEEP + b.to(tl.int64) * W + ow, mask=mw, other=0) != 0
+        valid = (ow <= t) & mw & (kept | sel)  # the new token is never padding
     if SINKS:  # the sinks out of this token's window join the softmax part
         on = tl.arange(0, BN)
         mn = on < NS
@@ -197,16 +230,23 @@ def _window_step_kernel(
             fq = hedgehog_row(q, WQX, h, od, ok, md, mk, D, K, K // 2, feps).to(Q.dtype.element_ty).to(tl.float32)
         else:
             fq = tl.load(FQ + qrow * K + ok, mask=mk, other=0.0).to(tl.float32)
-        sc = tl.where(valid, tl.sum(kr * q[None, :], 1) * scale, float("-inf"))
-        m = tl.maximum(tl.max(sc, 0), 0.0)
+        m = tl.zeros([], tl.float32)  # the normaliser's floor: the row maximum starts at 0
         if SINKS:
             ss = tl.where(sseen, tl.sum(sk * q[None, :], 1) * scale, float("-inf"))
             m = tl.maximum(m, tl.max(ss, 0))
-        p = tl.where(valid, tl.exp(sc - m), 0.0)
+        if RB == 0:
+            sc = tl.where(valid, tl.sum(kr * q[None, :], 1) * scale, float("-inf"))
+            m = tl.maximum(m, tl.max(sc, 0))
+            p = tl.where(valid, tl.exp(sc - m), 0.0)
+            acc = tl.sum(p[:, None] * vr, 0)  # [BV]
+            total = tl.sum(p, 0)
+        else:
+            acc, total, m = _ring_walk(q, m, KR, VR, KEEP, base, b, slot, t, W, k_new, v_new, od, ov, md, mv, scale,
+                                       D, V, BV, RB)
         em = tl.exp(-m)
         c = (1.0 - w) * em
-        num = w * tl.sum(p[:, None] * vr, 0) + c * tl.sum(fq[:, None] * s, 0)
-        den = w * tl.sum(p, 0) + c * tl.sum(fq * z, 0) + eps * em
+        num = w * acc + c * tl.sum(fq[:, None] * s, 0)
+        den = w * total + c * tl.sum(fq * z, 0) + eps * em
         if SINKS:
             ps = tl.where(sseen, tl.exp(ss - m), 0.0)
             num += w * tl.sum(ps[:, None] * sv, 0)
@@ -269,6 +309,12 @@ CONFIG = {  # tuned on an H200 with CUDA graphs; measurements in kernels/README.
     # warps of the window step's main kernel at value blocks <= 64 (0: from its tile sizes, as wider blocks
     # always are: 16 at 128, where 4 warps would spill)
     "step_warps": 4,
+    # rings of at least step_ring_block_from rows (pow2(W)) are walked step_ring_block rows at a time with an online
+    # softmax instead of held whole (0: never). Offline for sm_90a (K = V = D = 128, bf16, triton 3.6): the whole
+    # 512-row ring spills 2.7 KB per thread at 16 warps; in 64-row blocks 249 registers at 4 warps, no spills.
+    # Not yet timed on a GPU
+    "step_ring_block": 64,
+    "step_ring_block_from": 512,
     # the linear step's split over value blocks (then z is added by a second kernel; 0 = one program per
     # (batch, KV head)): half a wave of programs was fastest
     "linear_step_waves": 0.5,
@@ -359,11 +405,18 @@ def _warps(nbytes: int) -> int:
     return 4 if nbytes <= 32 * 1024 else (8 if nbytes <= 96 * 1024 else 16)
 
 
+def ring_block(BW: int) -> int:
+    """Rows of the rings the window step reads at a time for a ring tile of ``BW`` rows: ``step_ring_block`` from
+    ``step_ring_block_from`` rows on, else 0 (the whole ring at once)."""
+    rb, start = int(CONFIG["step_ring_block"]), int(CONFIG["step_ring_block_from"])
+    return min(rb, BW) if rb and start and BW >= start else 0
+
+
 def window_step_warps(BD: int, BK: int, BV: int, BW: int, fuse: bool) -> int:
     """Warps of :func:`_window_step_kernel`: ``step_warps`` at value blocks <= 64 (twice that for rings of 65-256
     rows, four times beyond: at 4 warps a 128-row ring spills 0.8 KB per thread, a 256-row one 12 KB; with 8 warps
     nothing, 16 B; a 512-row one 2.6 KB at 16 warps, sm_90a offline, K = V = D = 128, triton 3.6), else from the
-    tiles it holds."""
+    tiles it holds. A ring walked in blocks (:func:`ring_block`) passes the block's rows as ``BW``."""
     if BV <= 64 and CONFIG["step_warps"]:
         return int(CONFIG["step_warps"]) * (1 if BW <= 64 else 2 if BW <= 256 else 4)
     return _warps(4 * (BK * BV + BW * (BD + BV) + (BD * BK if fuse else 0)))  # fp32 values live at once
@@ -422,6 +475,7 @@ def window_step_triton(q, k, fq, fk, v, wf, st, *, scale, eps=1e-12, out=None, w
     if wf.dtype != torch.float32:
         wf = wf.float()
     BD, BK, BW = pow2(D), pow2(K), pow2(W)
+    RB = ring_block(BW)
     G = H // HK
     GH, BV = window_step_tiles(B * HK, G, V, q.device)
     split = GH < G  # then the grid has several head groups per (batch, KV head), and the commit kernel folds
@@ -434,8 +488,8 @@ def window_step_triton(q, k, fq, fk, v, wf, st, *, scale, eps=1e-12, out=None, w
         q, q if fuse else fq.contiguous(), k, v, wf.contiguous(), st.S, st.z, st.k_ring, st.fk_ring, st.v_ring,
         st.seen, st.keep, out, wqx if fuse else q, sk, sv, spos, svalid,
         H, HK, W, NS, float(scale), eps, float(feps), D=D, K=K, V=V, BD=BD, BK=BK, BV=BV, BW=BW, G=G, FUSE=fuse,
-        GH=GH, OWN=not split, SINKS=NS > 0, BN=pow2(max(NS, 1)),
-        num_warps=window_step_warps(BD, BK, BV, BW, fuse),
+        GH=GH, OWN=not split, SINKS=NS > 0, BN=pow2(max(NS, 1)), RB=RB,
+        num_warps=window_step_warps(BD, BK, BV, RB or BW, fuse),
     )
     BVC, warps = _commit_launch(BD, BK, V, fuse, split)
     _window_step_commit_kernel[(B * HK,)](
