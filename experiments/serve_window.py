@@ -8,9 +8,9 @@ beyond it; the window mix and maps stay as trained); the original (``--against``
         --data wiki,books --dtype float32 --against E_ORIG -o E_OUT_W512
 
 The question it answers: does a hybrid trained with a narrow window (which retrieves) keep its recall and gain
-the wide window's quality on other text when served wide, without retraining? ``--sinks N`` also serves with N attention sinks (trained with or without them).
-``--layers 0-19`` serves only
-those layers at ``--window`` (the others keep their trained width): which layers cost the recall when widened.
+the wide window's quality on other text when served wide, without retraining? ``--sinks N`` also serves with N
+attention sinks (trained with or without them). ``--layers 0-19`` serves only those layers at ``--window`` (the
+others keep their trained width): which layers cost the recall when widened.
 """
 from __future__ import annotations
 

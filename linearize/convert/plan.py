@@ -243,7 +243,7 @@ def fit_context(rec: recipes.Recipe, source: str, given: dict[str, Any], train_l
         return rec
     log(f"training at {int(limit)} tokens, {spec}'s context (the recipe's {int(rec[stages[0]]['seq_len'])} is "
         "longer)")
-    return recipes.load(source, {**given, **train_length_overrides(rec, int(limit), given, stages)})
+    return load_recipe(source, given, int(limit), stages)
 
 
 def check_context(rec: recipes.Recipe, limit: int | None, spec: str, *, stages: tuple[str, ...]) -> None:

@@ -130,30 +130,43 @@ def _linear_step_commit_kernel(
 
 
 @triton.jit
+def _ring_rows(KR, VR, KEEP, base, b, rows, slot, t, W, k_new, v_new, od, ov, md, mv,
+               D: tl.constexpr, V: tl.constexpr):
+    """Rows ``rows`` of the key and value rings as fp32 ``[R, BD]`` / ``[R, BV]``, the new token in row ``slot``,
+    and which of them a query sees ``[R]`` (written, not padding; the new token never is)."""
+    mr = rows < W
+    here = rows == slot
+    kr = tl.load(KR + (base * W + rows[:, None]) * D + od[None, :], mask=mr[:, None] & md[None, :], other=0.0)
+    kr = tl.where(here[:, None], k_new.to(KR.dtype.element_ty)[None, :], kr).to(tl.float32)
+    vr = tl.load(VR + (base * W + rows[:, None]) * V + ov[None, :], mask=mr[:, None] & mv[None, :], other=0.0)
+    vr = tl.where(here[:, None], v_new.to(VR.dtype.element_ty)[None, :], vr).to(tl.float32)
+    kept = tl.load(KEEP + b.to(tl.int64) * W + rows, mask=mr, other=0) != 0
+    return kr, vr, (rows <= t) & mr & (kept | here)
+
+
+@triton.jit
+def _softmax_rows(q, kr, vr, valid, m, acc, total, scale):
+    """An online-softmax update by ring rows ``kr``, ``vr`` (``valid`` of them): ``(acc, total, m)`` with
+    ``acc = sum_j p_j v_j``, ``total = sum_j p_j``, ``p_j = exp(s_j - m)`` over every row so far, ``m`` the running
+    row maximum (what came before rescaled to the new one)."""
+    sc = tl.where(valid, tl.sum(kr * q[None, :], 1) * scale, float("-inf"))
+    m_new = tl.maximum(m, tl.max(sc, 0))
+    alpha = tl.exp(m - m_new)
+    p = tl.where(valid, tl.exp(sc - m_new), 0.0)
+    return acc * alpha + tl.sum(p[:, None] * vr, 0), total * alpha + tl.sum(p, 0), m_new
+
+
+@triton.jit
 def _ring_walk(q, m, KR, VR, KEEP, base, b, slot, t, W, k_new, v_new, od, ov, md, mv, scale,
                D: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, RB: tl.constexpr):
-    """One query head's softmax part over the window rings, ``RB`` rows at a time (the new token in row ``slot``,
-    padding and unwritten rows out): ``(sum_j p_j v_j [BV], sum_j p_j, m)`` with ``p_j = exp(s_j - m)``, ``m`` the
-    running row maximum from the given start (0, or the sinks'), each block rescaling what came before."""
+    """One query head's softmax part over the window rings, ``RB`` rows at a time (:func:`_ring_rows`,
+    :func:`_softmax_rows`) from the row maximum ``m`` (0, or the sinks'): ``(sum_j p_j v_j [BV], sum_j p_j, m)``."""
     acc = tl.zeros([BV], tl.float32)
     total = tl.zeros([], tl.float32)
     for r0 in range(0, W, RB):
-        orr = r0 + tl.arange(0, RB)
-        mr = orr < W
-        here = orr == slot
-        kb = tl.load(KR + (base * W + orr[:, None]) * D + od[None, :], mask=mr[:, None] & md[None, :], other=0.0)
-        kb = tl.where(here[:, None], k_new.to(KR.dtype.element_ty)[None, :], kb).to(tl.float32)
-        vb = tl.load(VR + (base * W + orr[:, None]) * V + ov[None, :], mask=mr[:, None] & mv[None, :], other=0.0)
-        vb = tl.where(here[:, None], v_new.to(VR.dtype.element_ty)[None, :], vb).to(tl.float32)
-        kept = tl.load(KEEP + b.to(tl.int64) * W + orr, mask=mr, other=0) != 0
-        valid = (orr <= t) & mr & (kept | here)  # the new token is never padding
-        sc = tl.where(valid, tl.sum(kb * q[None, :], 1) * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(sc, 0))
-        alpha = tl.exp(m - m_new)
-        p = tl.where(valid, tl.exp(sc - m_new), 0.0)
-        acc = acc * alpha + tl.sum(p[:, None] * vb, 0)
-        total = total * alpha + tl.sum(p, 0)
-        m = m_new
+        kb, vb, valid = _ring_rows(KR, VR, KEEP, base, b, r0 + tl.arange(0, RB), slot, t, W, k_new, v_new, od, ov,
+                                   md, mv, D, V)
+        acc, total, m = _softmax_rows(q, kb, vb, valid, m, acc, total, scale)
     return acc, total, m
 
 
@@ -184,32 +197,23 @@ def _window_step_kernel(
     hk = pbh % HK
     od, ok, ow = tl.arange(0, BD), tl.arange(0, BK), tl.arange(0, BW)
     ov = pv * BV + tl.arange(0, BV)
-    md, mk, mv, mw = od < D, ok < K, ov < V, ow < W
+    md, mk, mv = od < D, ok < K, ov < V
     base = pbh.to(tl.int64)
     t = tl.load(SEEN)
     slot = (t % W).to(tl.int32)
     fold = (t >= W).to(tl.float32)
     fk_old = tl.load(FKR + (base * W + slot) * K + ok, mask=mk, other=0.0).to(tl.float32) * fold  # [BK]
-    if RB == 0:  # ring tiles before the write; the new token replaces row `slot` in registers
-        kr = tl.load(KR + (base * W + ow[:, None]) * D + od[None, :], mask=mw[:, None] & md[None, :], other=0.0)
-        vr = tl.load(VR + (base * W + ow[:, None]) * V + ov[None, :], mask=mw[:, None] & mv[None, :], other=0.0)
-        sel = ow == slot
-        v_old = tl.sum(tl.where(sel[:, None], vr.to(tl.float32), 0.0), 0)  # [BV]
-    else:  # the leaving value alone, read before a write of the slot (the walk reads the rings block by block)
-        v_old = tl.load(VR + (base * W + slot) * V + ov, mask=mv, other=0.0).to(tl.float32)
+    k_new = tl.load(Kr + base * D + od, mask=md, other=0.0)
+    v_new = tl.load(Vp + base * V + ov, mask=mv, other=0.0)
+    if RB == 0:  # the whole rings, read once for every head of the program (before the writes below)
+        kr, vr, valid = _ring_rows(KR, VR, KEEP, base, b, ow, slot, t, W, k_new, v_new, od, ov, md, mv, D, V)
+    v_old = tl.load(VR + (base * W + slot) * V + ov, mask=mv, other=0.0).to(tl.float32)  # before the slot's write
     sp = S + base * K * V + ok[:, None] * V + ov[None, :]
     s = tl.load(sp, mask=mk[:, None] & mv[None, :], other=0.0) + fk_old[:, None] * v_old[None, :]
     z = tl.load(Z + base * K + ok, mask=mk, other=0.0) + fk_old
-    k_new = tl.load(Kr + base * D + od, mask=md, other=0.0)
-    v_new = tl.load(Vp + base * V + ov, mask=mv, other=0.0)
     if OWN:
         tl.store(sp, s, mask=mk[:, None] & mv[None, :])
         tl.store(VR + (base * W + slot) * V + ov, v_new.to(VR.dtype.element_ty), mask=mv)
-    if RB == 0:
-        kr = tl.where(sel[:, None], k_new.to(KR.dtype.element_ty)[None, :], kr).to(tl.float32)
-        vr = tl.where(sel[:, None], v_new.to(VR.dtype.element_ty)[None, :], vr).to(tl.float32)
-        kept = tl.load(KEEP + b.to(tl.int64) * W + ow, mask=mw, other=0) != 0
-        valid = (ow <= t) & mw & (kept | sel)  # the new token is never padding
     if SINKS:  # the sinks out of this token's window join the softmax part
         on = tl.arange(0, BN)
         mn = on < NS
@@ -235,11 +239,8 @@ def _window_step_kernel(
             ss = tl.where(sseen, tl.sum(sk * q[None, :], 1) * scale, float("-inf"))
             m = tl.maximum(m, tl.max(ss, 0))
         if RB == 0:
-            sc = tl.where(valid, tl.sum(kr * q[None, :], 1) * scale, float("-inf"))
-            m = tl.maximum(m, tl.max(sc, 0))
-            p = tl.where(valid, tl.exp(sc - m), 0.0)
-            acc = tl.sum(p[:, None] * vr, 0)  # [BV]
-            total = tl.sum(p, 0)
+            acc, total, m = _softmax_rows(q, kr, vr, valid, m, tl.zeros([BV], tl.float32), tl.zeros([], tl.float32),
+                                          scale)
         else:
             acc, total, m = _ring_walk(q, m, KR, VR, KEEP, base, b, slot, t, W, k_new, v_new, od, ov, md, mv, scale,
                                        D, V, BV, RB)
@@ -311,7 +312,7 @@ CONFIG = {  # tuned on an H200 with CUDA graphs; measurements in kernels/README.
     "step_warps": 4,
     # rings of at least step_ring_block_from rows (pow2(W)) are walked step_ring_block rows at a time with an online
     # softmax instead of held whole (0: never). Offline for sm_90a (K = V = D = 128, bf16, triton 3.6): the whole
-    # 512-row ring spills 2.7 KB per thread at 16 warps; in 64-row blocks 249 registers at 4 warps, no spills.
+    # 512-row ring spills 1.0 KB per thread at 16 warps; in 64-row blocks 249 registers at 4 warps, no spills.
     # Not yet timed on a GPU
     "step_ring_block": 64,
     "step_ring_block_from": 512,
