@@ -52,7 +52,7 @@ def _feature_map_names() -> list[str]:
 def _training_fields(lr: float) -> dict[str, Field]:
     """Data, budget and optimizer fields shared by the training stages."""
     return {
-        "data": Field(str, "wiki", "a data spec: wiki, a named corpus (books, code, docs, dialogue, legal, c), a .txt/.jsonl file or folder, "
+        "data": Field(str, "wiki", "a data spec: wiki, a named corpus (books, code, docs, dialogue, chat, legal, c), a .txt/.jsonl file or folder, "
                       "hf:NAME[:CONFIG][:SPLIT], or a mixture SPEC:WEIGHT,SPEC:WEIGHT (or a list of {data, weight})"),
         "tokens": Field((str, int), "2M", "a token budget > 0 such as 256K, 20M, 1B", _positive_tokens),
         "seq_len": Field(int, 512, "an integer in [16, 65536]", lambda v: 16 <= v <= 65536),

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import pytest
 
 from linearize.data import corpora
@@ -48,6 +49,7 @@ FAKE_FILES: dict[str, tuple[str, str, str, str, str | Callable[[int, str], str]]
     "docs": ("nltk", "3.10.4", "test", "topic{i}.doctest",
              "=====\nTopic {i}\n=====\n\nIntro {body}\n\nUsage\n-----\n{body}\n\n    >>> 1 + 1\n    2\n"),
     "dialogue": ("chitchat_dataset", "0.9.0", "", "part{i}.json", _chat),
+    "chat": ("chitchat_dataset", "0.9.0", "", "part{i}.json", _chat),  # the same package, read as conversations
     "legal": ("spdx", "2.5.1", "data", "LIC-{i}.txt",
               "Licence {i}\n\nCopyright (c) <<var;name=copyright;original=<year> <owner>;match=.+>>\n\n{body}\n"
               "<<beginOptional;name=appendix>>Appendix {i}.<<endOptional>>\n"),
@@ -72,7 +74,7 @@ def _fake_package(root: Path, name: str, n_files: int = 40, version: str | None 
         path.write_text(template(i, body) if callable(template) else template.format(i=i, body=body))
     dist = corpora.CORPORA[name].package
     info = root / f"{dist.replace('-', '_')}-{version or pinned}.dist-info"
-    info.mkdir()
+    info.mkdir(exist_ok=True)  # dialogue and chat share one package
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version or pinned}\n")
     return pkg / folder
 
@@ -218,6 +220,76 @@ def test_unreadable_dialogue_json_is_one_line(tmp_path, monkeypatch):
     assert "\n" not in str(e.value)
 
 
+# ------------------------------------------------------------------------------------- chat
+
+def test_conversation_messages_alternate_roles():
+    doc = "A: hi\nB: hello\nB: how are you?\nA: fine\nthanks\nC: me too\n\nB: first\nA: second"
+    assert corpora.conversation_messages(doc) == [
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello\nhow are you?"},
+         {"role": "user", "content": "fine\nthanks"}, {"role": "assistant", "content": "me too"}],
+        # a merged document's next conversation: whoever speaks first there, A is still the user
+        [{"role": "assistant", "content": "first"}, {"role": "user", "content": "second"}]]
+    assert corpora.conversation_messages("no speaker here") == []
+
+
+_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|> {% endfor %}")
+
+
+def _chat_tokenizer(template: str | None = _TEMPLATE):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["user", "assistant", "A:", "B:", "hello", "and", "you?", "text", "of", "part", "A", "B", ":"]
+    words += [str(i) for i in range(40)]
+    vocab = {w: i for i, w in enumerate(["<unk>", "</s>", "<|im_start|>", "<|im_end|>", *dict.fromkeys(words)])}
+    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    out = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="</s>",
+                                  additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    out.chat_template = template
+    return out
+
+
+def test_chat_corpus_is_rendered_by_the_tokenizers_template(fake_corpora, tmp_path, monkeypatch, caplog):
+    from linearize.data.tokens import render_conversations, tokenized_documents
+
+    monkeypatch.setenv("LINEARIZE_CACHE", str(tmp_path / "cache"))
+    tok = _chat_tokenizer()
+    # the same documents and split as dialogue
+    assert list(corpora.documents("chat")) == list(corpora.documents("dialogue"))
+    first = dict(corpora.documents("chat"))["part0.json#0"]
+    rendered = render_conversations(tok, first)
+    assert rendered.startswith("<|im_start|>user hello 0 0<|im_end|> <|im_start|>assistant text of part 0")
+    assert rendered.endswith("and you?<|im_end|> ")
+    ids, off = tokenized_documents(tok, "chat", "train")
+    plain, plain_off = tokenized_documents(tok, "dialogue", "train")
+    assert len(off) == len(plain_off)  # one rendered document per transcript
+    doc0 = ids[off[0]:off[1]].tolist()
+    assert doc0 == tok(render_conversations(tok, next(iter_texts("chat", "train", seed=None))),
+                       add_special_tokens=False)["input_ids"]
+    assert doc0[0] == tok.convert_tokens_to_ids("<|im_start|>") and doc0.count(doc0[0]) >= 2  # one token each
+    # another template is other text: the cache does not hand back the first one's tokens
+    other = tokenized_documents(_chat_tokenizer(_TEMPLATE.replace("<|im_end|> ", "<|im_end|> </s> ")), "chat", "train")
+    assert other[0].size > ids.size
+    # without a template the conversations are read as the transcripts, with one warning
+    with caplog.at_level("WARNING", logger="linearize.data"):
+        bare, bare_off = tokenized_documents(_chat_tokenizer(None), "chat", "train")
+    assert np.array_equal(bare, plain) and np.array_equal(bare_off, plain_off)
+    assert "has no chat template" in caplog.text
+
+
+def test_chat_template_that_refuses_is_one_line(fake_corpora, tmp_path, monkeypatch):
+    from linearize.data.tokens import tokenized_documents
+
+    monkeypatch.setenv("LINEARIZE_CACHE", str(tmp_path / "cache"))
+    strict = "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ raise_exception('no assistant turns') }}" \
+             "{% endif %}{{ m['content'] }}{% endfor %}"
+    with pytest.raises(DataError) as e:
+        tokenized_documents(_chat_tokenizer(strict), "chat", "train")
+    assert str(e.value) == ("the tokenizer's chat template cannot render a 'chat' conversation (no assistant turns); "
+                            "use 'dialogue' (the same conversations as plain transcripts)")
+
+
 # ------------------------------------------------------------------------------------- the real packages
 
 def _installed(name: str) -> bool:
@@ -246,6 +318,7 @@ PINNED_SPLITS = {
     "code": (190, 15, "bdc2d306816d"),
     "docs": (258, 38, "d003dc8e1f67"),
     "dialogue": (2559, 32, "cb443109634e"),
+    "chat": (2559, 32, "cb443109634e"),  # dialogue's documents and split
     "legal": (332, 18, "161b1694f1d8"),
     "c": (289, 23, "03e5a122fa91"),
 }
@@ -261,7 +334,7 @@ def test_real_corpus_split_is_pinned(name):
     assert (len(keys), len(held), digest) == PINNED_SPLITS[name]
 
 
-@pytest.mark.parametrize("name", _real(sorted(corpora.CORPORA), slow=("dialogue",)))
+@pytest.mark.parametrize("name", _real(sorted(corpora.CORPORA), slow=("dialogue", "chat")))
 def test_real_corpus_split_disjoint(name):
     corpus = corpora.CORPORA[name]
     docs = list(corpora.documents(name))

@@ -23,7 +23,7 @@ def eval_cmd(
     depths: str = typer.Option("5", "--depths", help="Needle depths: a count (11 = 0%,10%,...,100%) or fractions 0,0.5,1."),
     seeds: str = typer.Option("2", "--seeds", help="Samples per (length, depth) cell: a count or explicit seeds."),
     chat_template: Optional[bool] = typer.Option(None, "--chat-template/--no-chat-template", help="Use the tokenizer's chat template (default: when it has one)."),
-    data: Optional[str] = typer.Option(None, "--data", help="Held-out text: wiki (default), a named corpus (books, code, docs, dialogue, legal, c), a "
+    data: Optional[str] = typer.Option(None, "--data", help="Held-out text: wiki (default), a named corpus (books, code, docs, dialogue, chat, legal, c), a "
                                        ".txt/.jsonl file or folder, or several: ppl scores each (wiki,code,docs)."),
     batch: str = typer.Option("1", "--batch", help="Batch sizes for the speed task, e.g. 1,8."),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", help="Override each task's generation length."),

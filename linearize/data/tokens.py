@@ -1,7 +1,8 @@
 """Tokenization and its cache.
 
-Tokenization applies no chat template and no special tokens; each document is followed by the tokenizer's EOS
-token where rows are packed (:mod:`linearize.data.packing`). Token ids of local sources are cached per
+Tokenization adds no special tokens and applies no chat template, except to the ``chat`` corpus, whose
+conversations are rendered by the tokenizer's own template first (:func:`render_conversations`); each document is
+followed by the tokenizer's EOS token where rows are packed (:mod:`linearize.data.packing`). Token ids of local sources are cached per
 (tokenizer, source, split) under ``$LINEARIZE_CACHE/data`` (default ``~/.cache/linearize/data``), written
 atomically.
 """
@@ -20,7 +21,7 @@ import numpy as np
 from ..atomic import atomic_write
 from ..errors import DataError
 from ..settings import cache_root
-from .corpora import CORPUS_FORMAT, corpus_files
+from .corpora import CORPORA, CORPUS_FORMAT, conversation_messages, corpus_files
 from .specs import DataSource, check_split, empty_split_error, parse_spec, source_documents, wiki_corpus_path
 
 log = logging.getLogger("linearize.data")
@@ -80,12 +81,37 @@ def source_fingerprint(src: DataSource) -> dict[str, Any]:
     return {"kind": src.kind, "files": out, **extra}
 
 
+def chat_template_of(tokenizer: Any) -> str | None:
+    """The tokenizer's chat template as text (several named ones: all of them, sorted), or ``None``."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        return None
+    return template if isinstance(template, str) else json.dumps(template, sort_keys=True)
+
+
+def render_conversations(tokenizer: Any, doc: str) -> str:
+    """A ``chat`` document (transcripts of conversations) rendered by the tokenizer's chat template: each
+    conversation on its own (:func:`~linearize.data.corpora.conversation_messages`), joined in order.
+
+    Raises a one-line :class:`DataError` when the template refuses a conversation."""
+    parts = []
+    for messages in conversation_messages(doc):
+        try:
+            parts.append(tokenizer.apply_chat_template(messages, tokenize=False))
+        except Exception as e:  # noqa: BLE001 - jinja's TemplateError and whatever a template raises
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise DataError(f"the tokenizer's chat template cannot render a 'chat' conversation ({first}); "
+                            "use 'dialogue' (the same conversations as plain transcripts)") from None
+    return "".join(parts)
+
+
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_")[-40:] or "x"
 
 
 def encode(tokenizer: Any, texts: list[str]) -> list[list[int]]:
-    """Token ids of each text: no special tokens, no chat template."""
+    """Token ids of each text: no special tokens added (a rendered chat's turn markers, in its text, are read as
+    the tokens they name)."""
     if not texts:
         return []
     out = tokenizer(
@@ -142,6 +168,10 @@ def tokenized_documents(
         "heldout_per_mille": src.heldout_per_mille,
         "field": text_field if src.kind == "files" else None,
     }
+    chat = src.kind == "corpus" and CORPORA[src.corpus].chat
+    template = chat_template_of(tokenizer) if chat else None
+    if chat:  # the rendered text depends on the template
+        key_obj["chat_template"] = hashlib.sha256(template.encode("utf-8")).hexdigest() if template else None
     key = hashlib.sha256(json.dumps(key_obj, sort_keys=True).encode()).hexdigest()[:20]
     tok_name = _slug(Path(str(getattr(tokenizer, "name_or_path", "") or "tok")).name)
     name = f"{_slug(Path(src.spec).name if src.kind == 'files' else src.corpus or 'wiki')}-{split}-{tok_name}-{key}.npz"
@@ -154,7 +184,13 @@ def tokenized_documents(
                 return ids, offsets
         except Exception:  # noqa: BLE001 - corrupt cache: rebuild
             log.warning("data cache %s is unreadable; rebuilding it", path)
-    ids, offsets = _tokenize_all(tokenizer, source_documents(src, split, text_field))
+    docs = source_documents(src, split, text_field)
+    if template is not None:
+        docs = (render_conversations(tokenizer, d) for d in docs)
+    elif chat:
+        log.warning("data %r: the tokenizer has no chat template; its conversations are read as plain transcripts",
+                    src.spec)
+    ids, offsets = _tokenize_all(tokenizer, docs)
     if offsets.size <= 1:
         raise empty_split_error(src, split)
     try:
