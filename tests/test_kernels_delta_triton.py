@@ -336,6 +336,28 @@ def test_interp_prep_blocks(dtype, monkeypatch):
 
 
 @interp
+@pytest.mark.parametrize("bt", [16, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_interp_prep_split(bt, dtype, monkeypatch):
+    """``prep_split``: the prep as two launches (the transforms, then ``w`` and ``u``) gives exactly the one
+    launch's ``w``, ``u`` and stored transforms (the forward's, 16-bit products and intermediates under bf16; the
+    backward's, fp32), and forward and backward equal the reference (GQA, K != V, a partial last chunk)."""
+    monkeypatch.setitem(triton_delta.CONFIG, "bt", bt)
+    inp = delta_inputs(2, bt + 13, 4, 2, 16, 40, dtype=dtype, device=DEV, seed=3)
+    k, v, beta, ld = (inp[n] for n in ("k", "v", "beta", "log_decay"))
+    lg = ld.float().contiguous()
+    low16 = dtype == torch.bfloat16
+    for split_kw in ({"store_t": False, "dtype": dtype, "low16": low16}, {"store_t": True}):
+        monkeypatch.setitem(triton_delta.CONFIG, "prep_split", 0)
+        one = triton_delta._prep(k, v, beta, lg, **split_kw)
+        monkeypatch.setitem(triton_delta.CONFIG, "prep_split", 1)
+        two = triton_delta._prep(k, v, beta, lg, **split_kw)
+        for a, b in zip(one, two):
+            assert (a is None and b is None) or torch.equal(a, b)
+    check("triton", 2, bt + 13, 4, 2, 16, 40, dtype)
+
+
+@interp
 @pytest.mark.parametrize("bt", [32, 64])
 def test_interp_chunks_of(bt, monkeypatch):
     """Chunks of two and four 16-row blocks: the blocked inverse's off-diagonal steps."""
@@ -377,4 +399,4 @@ def test_delta_kernels_under_interpreter():
     assert res.returncode == 0, tail
     last = res.stdout.strip().splitlines()[-1]
     assert " passed" in last and "failed" not in last and "error" not in last, tail
-    assert int(last.split(" passed")[0].split()[-1]) == 29, tail  # every interp test ran
+    assert int(last.split(" passed")[0].split()[-1]) == 33, tail  # every interp test ran

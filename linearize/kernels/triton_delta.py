@@ -47,6 +47,13 @@ CONFIG = {  # launch configuration: untuned; registers and spills from an offlin
     # diagonal by [16, 16] products, no masked [64, 64] ones; other chunk sizes keep _unit_lower_inverse); 207
     # registers, no spills. H200, bf16, 2K x 16: slower (the prep 1.68 -> 1.82 ms; 1.24 -> 1.40 with prep_16bit)
     "prep_blocks": 0,
+    # the prep as two launches, as fla's (solve_tril, then recompute_w_u): the UT transforms alone (_ut_kernel, per
+    # chunk and KV head; a forward's passed on in the keys' 16-bit dtype under prep_16bit, fp32 otherwise), then w and
+    # u (_wu_kernel, a program per chunk, KV head and w or value block of u): fewer registers per program and more
+    # programs than the one launch holding T, k and every u block at once, for 8 (16-bit) or 16 KB more traffic a chunk
+    "prep_split": 0,
+    "ut_warps": 4,
+    "wu_warps": 4,
     # value block of the forward and backward walks (the [K, BV] fp32 state lives in registers), halved to 32 while
     # the grid has fewer than walk_waves programs per SM (long T, small batch: the walk is serial); walk_warps for
     # state tiles of 128 x 64 or more (at 4 warps: ~90 bytes spilled at K = 128, 656 at 256 x 32), 4 below (none)
@@ -171,6 +178,42 @@ def _unit_lower_inverse(A, BT: tl.constexpr, PREC: tl.constexpr, DIAG_ROWS: tl.c
 
 
 @triton.jit
+def _chunk_rows(i, pbh, T, HK, BT: tl.constexpr):
+    """Chunk ``i`` of sequence ``pbh`` (batch x KV head): positions in the chunk ``[BT]``, which are real tokens,
+    and their rows of a ``[B, T, HK, ...]`` tensor (int64)."""
+    ar = tl.arange(0, BT)
+    ot = i * BT + ar
+    return ar, ot < T, ((pbh // HK).to(tl.int64) * T + ot) * HK + pbh % HK
+
+
+@triton.jit
+def _chunk_transform(Kp, BETA, LG, row, mt, ok, mk, K: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr,
+                     DIAG_ROWS: tl.constexpr, BLOCKS: tl.constexpr):
+    """A chunk's keys ``[BT, BK]`` (their dtype), ``beta``, ``gamma`` and its UT transform ``T = (I + A)^{-1}``
+    (fp32), ``A = strict_lower(diag(beta) (K K^T) * M)``."""
+    ar = tl.arange(0, BT)
+    k = tl.load(Kp + row[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+    beta = tl.load(BETA + row, mask=mt, other=0.0).to(tl.float32)
+    gam, _, _, M = _chunk_decays(LG, row, mt, BT)
+    A = tl.where(ar[:, None] > ar[None, :], mm(k, tl.trans(k), PREC) * M, 0.0) * beta[:, None]
+    if BLOCKS:
+        Tm = _blocked_unit_lower_inverse(A, BT, PREC)
+    else:
+        Tm = _unit_lower_inverse(A, BT, PREC, DIAG_ROWS)
+    return k, beta, gam, Tm
+
+
+@triton.jit
+def _transform_product(Tm, x, DT: tl.constexpr, PREC: tl.constexpr, LOW16: tl.constexpr):
+    """``T x`` (``x [BT, *]`` fp32) with fp32 accumulation: on operands of the 16-bit dtype ``DT`` under ``LOW16``
+    (``Tm`` already in it or rounded to it here, as fla's ``recompute_w_u``), else tf32 / fp32 ones."""
+    if LOW16:
+        return mm(to16(Tm.to(tl.float32), DT) if Tm.dtype == tl.float32 else Tm, to16(x, DT), PREC)
+    else:
+        return dot32(Tm.to(tl.float32), x, PREC)
+
+
+@triton.jit
 def _prep_kernel(
     Kp, Vp, BETA, LG,  # k [B,T,HK,K], v [B,T,HK,V], beta [B,T,HK], log decays [B,T,HK] fp32
     W, U, TM,  # w [B,T,HK,K], u [B,T,HK,V] (fp32; 16-bit under fwd_inter_16bit), STORE_T: T [B,HK,N,BT,BT] fp32
@@ -185,42 +228,79 @@ def _prep_kernel(
     fp32."""
     i = tl.program_id(0)
     pbh = tl.program_id(1)
-    b = pbh // HK
-    hk = pbh % HK
-    ar = tl.arange(0, BT)
-    ot = i * BT + ar
-    mt = ot < T
-    row = (b.to(tl.int64) * T + ot) * HK + hk  # [BT]
+    ar, mt, row = _chunk_rows(i, pbh, T, HK, BT)  # [BT]
     ok = tl.arange(0, BK)
     mk = ok < K
-    k = tl.load(Kp + row[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
-    beta = tl.load(BETA + row, mask=mt, other=0.0).to(tl.float32)
-    gam, _, _, M = _chunk_decays(LG, row, mt, BT)
-    A = tl.where(ar[:, None] > ar[None, :], mm(k, tl.trans(k), PREC) * M, 0.0) * beta[:, None]
-    if BLOCKS:
-        Tm = _blocked_unit_lower_inverse(A, BT, PREC)
-    else:
-        Tm = _unit_lower_inverse(A, BT, PREC, DIAG_ROWS)
+    k, beta, gam, Tm = _chunk_transform(Kp, BETA, LG, row, mt, ok, mk, K, BT, PREC, DIAG_ROWS, BLOCKS)
     if STORE_T:
         N = tl.cdiv(T, BT)
         tl.store(TM + ((pbh.to(tl.int64) * N + i) * BT + ar[:, None]) * BT + ar[None, :], Tm)
     DT = Kp.dtype.element_ty
-    kb = k.to(tl.float32) * (beta * gam)[:, None]
     if LOW16:
-        Tl = to16(Tm, DT)
-        wv = mm(Tl, to16(kb, DT), PREC)
-    else:
-        wv = dot32(Tm, kb, PREC)
+        Tm = to16(Tm, DT)  # rounded once for both products
+    wv = _transform_product(Tm, k.to(tl.float32) * (beta * gam)[:, None], DT, PREC, LOW16)
     tl.store(W + row[:, None] * K + ok[None, :], wv.to(W.dtype.element_ty), mask=mt[:, None] & mk[None, :])
     for vb in tl.static_range(NV_BLK):
         ov = vb * BV + tl.arange(0, BV)
         mv = ov < V
         v = tl.load(Vp + row[:, None] * V + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
-        vbeta = v.to(tl.float32) * beta[:, None]
-        if LOW16:
-            uv = mm(Tl, to16(vbeta, DT), PREC)
-        else:
-            uv = dot32(Tm, vbeta, PREC)
+        uv = _transform_product(Tm, v.to(tl.float32) * beta[:, None], DT, PREC, LOW16)
+        tl.store(U + row[:, None] * V + ov[None, :], uv.to(U.dtype.element_ty), mask=mt[:, None] & mv[None, :])
+
+
+@triton.jit
+def _ut_kernel(
+    Kp, BETA, LG,  # k [B,T,HK,K], beta [B,T,HK], log decays [B,T,HK] fp32
+    TM,  # T [B,HK,N,BT,BT]: fp32, or the keys' 16-bit dtype for a forward under prep_16bit
+    T, HK,
+    K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr, DIAG_ROWS: tl.constexpr,
+    BLOCKS: tl.constexpr,
+):
+    """Program (chunk, batch x KV head) of the split prep (``CONFIG["prep_split"]``): the chunk's UT transform
+    alone, stored for :func:`_wu_kernel`."""
+    i = tl.program_id(0)
+    pbh = tl.program_id(1)
+    ar, mt, row = _chunk_rows(i, pbh, T, HK, BT)  # [BT]
+    ok = tl.arange(0, BK)
+    _, _, _, Tm = _chunk_transform(Kp, BETA, LG, row, mt, ok, ok < K, K, BT, PREC, DIAG_ROWS, BLOCKS)
+    N = tl.cdiv(T, BT)
+    out = TM + ((pbh.to(tl.int64) * N + i) * BT + ar[:, None]) * BT + ar[None, :]
+    if TM.dtype.element_ty == tl.float32:
+        tl.store(out, Tm)
+    else:
+        tl.store(out, to16(Tm, TM.dtype.element_ty))
+
+
+@triton.jit
+def _wu_kernel(
+    Kp, Vp, BETA, LG, TM,  # k [B,T,HK,K], v [B,T,HK,V], beta [B,T,HK], log decays [B,T,HK], T [B,HK,N,BT,BT]
+    W, U,  # w [B,T,HK,K], u [B,T,HK,V]
+    T, HK,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr,
+    LOW16: tl.constexpr,
+):
+    """Program (chunk, batch x KV head, part) of the split prep: part 0 ``w = T diag(beta gamma) K``, part
+    ``j > 0`` value block ``j - 1`` of ``u = T diag(beta) V``, from the transform :func:`_ut_kernel` stored."""
+    i = tl.program_id(0)
+    pbh = tl.program_id(1)
+    ar, mt, row = _chunk_rows(i, pbh, T, HK, BT)  # [BT]
+    part = tl.program_id(2)
+    N = tl.cdiv(T, BT)
+    Tm = tl.load(TM + ((pbh.to(tl.int64) * N + i) * BT + ar[:, None]) * BT + ar[None, :])
+    beta = tl.load(BETA + row, mask=mt, other=0.0).to(tl.float32)
+    DT = Kp.dtype.element_ty
+    if part == 0:
+        ok = tl.arange(0, BK)
+        mk = ok < K
+        k = tl.load(Kp + row[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+        hi, lo, _, _ = decay_cumsum(tl.load(LG + row, mask=mt, other=0.0), BT)
+        wv = _transform_product(Tm, k.to(tl.float32) * (beta * tl.exp(hi + lo))[:, None], DT, PREC, LOW16)
+        tl.store(W + row[:, None] * K + ok[None, :], wv.to(W.dtype.element_ty), mask=mt[:, None] & mk[None, :])
+    else:
+        ov = (part - 1) * BV + tl.arange(0, BV)
+        mv = ov < V
+        v = tl.load(Vp + row[:, None] * V + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
+        uv = _transform_product(Tm, v.to(tl.float32) * beta[:, None], DT, PREC, LOW16)
         tl.store(U + row[:, None] * V + ov[None, :], uv.to(U.dtype.element_ty), mask=mt[:, None] & mv[None, :])
 
 
@@ -625,8 +705,9 @@ def _blocks(key: str, V: int) -> int:
 
 def _prep(k, v, beta, lg, *, store_t, dtype=torch.float32, low16=False):
     """``w``, ``u`` (in ``dtype``: fp32, or the inputs' 16-bit dtype for the forward under ``fwd_inter_16bit``) and,
-    with ``store_t``, the UT transforms ``[B, HK, N, BT, BT]``; ``low16`` (16-bit keys: :func:`_sixteen`): their
-    products on 16-bit operands."""
+    with ``store_t``, the UT transforms ``[B, HK, N, BT, BT]`` (fp32); ``low16`` (16-bit keys: :func:`_sixteen`):
+    their products on 16-bit operands. One launch, or two under ``CONFIG["prep_split"]`` (the transforms, then the
+    products; a forward's transforms pass between them in the 16-bit dtype under ``low16``)."""
     B, T, HK, K = k.shape
     V = v.shape[-1]
     BT = CONFIG["bt"]
@@ -634,12 +715,19 @@ def _prep(k, v, beta, lg, *, store_t, dtype=torch.float32, low16=False):
     dev = k.device
     w = new_empty((B, T, HK, K), dtype=dtype, device=dev)
     u = new_empty((B, T, HK, V), dtype=dtype, device=dev)
-    Tm = new_empty((B, HK, N, BT, BT), dtype=torch.float32, device=dev) if store_t else None
     BV = min(pow2(V), 64)
+    inverse = dict(DIAG_ROWS=bool(CONFIG["prep_diag_rows"]), BLOCKS=BT == 64 and bool(CONFIG["prep_blocks"]))
+    if CONFIG["prep_split"]:
+        Tm = new_empty((B, HK, N, BT, BT), dtype=k.dtype if low16 and not store_t else torch.float32, device=dev)
+        launch(_ut_kernel, (N, B * HK), k, beta, lg, Tm, T, HK, K=K, BK=pow2(K), BT=BT, PREC=prec(k.dtype),
+               **inverse, num_warps=CONFIG["ut_warps"])
+        launch(_wu_kernel, (N, B * HK, 1 + triton.cdiv(V, BV)), k, v, beta, lg, Tm, w, u, T, HK, K=K, V=V,
+               BK=pow2(K), BV=BV, BT=BT, PREC=prec(k.dtype), LOW16=low16, num_warps=CONFIG["wu_warps"])
+        return w, u, Tm if store_t else None
+    Tm = new_empty((B, HK, N, BT, BT), dtype=torch.float32, device=dev) if store_t else None
     launch(_prep_kernel, (N, B * HK), k, v, beta, lg, w, u, Tm if store_t else w, T, HK,
            K=K, V=V, BK=pow2(K), BV=BV, BT=BT, NV_BLK=triton.cdiv(V, BV), STORE_T=store_t, PREC=prec(k.dtype),
-           DIAG_ROWS=bool(CONFIG["prep_diag_rows"]), LOW16=low16, BLOCKS=BT == 64 and bool(CONFIG["prep_blocks"]),
-           num_warps=CONFIG["prep_warps"])
+           LOW16=low16, **inverse, num_warps=CONFIG["prep_warps"])
     return w, u, Tm
 
 
