@@ -2,9 +2,9 @@
 
 Tokenization adds no special tokens and applies no chat template, except to the ``chat`` corpus, whose
 conversations are rendered by the tokenizer's own template first (:func:`render_conversations`); each document is
-followed by the tokenizer's EOS token where rows are packed (:mod:`linearize.data.packing`). Token ids of local sources are cached per
-(tokenizer, source, split) under ``$LINEARIZE_CACHE/data`` (default ``~/.cache/linearize/data``), written
-atomically.
+followed by the tokenizer's EOS token where rows are packed (:mod:`linearize.data.packing`). Token ids of local
+sources are cached per (tokenizer, source, split) under ``$LINEARIZE_CACHE/data`` (default
+``~/.cache/linearize/data``), written atomically.
 """
 
 from __future__ import annotations
