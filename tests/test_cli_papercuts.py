@@ -101,6 +101,21 @@ def test_model_card_names_the_originals_hub_id(tmp_path):
     assert base_model_id("my-model", tmp_path / "my-model") == "my-model"
 
 
+def test_card_and_info_show_the_passkey_check(tmp_path):
+    recall = {"task": "copy", "length": 2048, "span": 32, "samples": 12, "data": "wiki", "teacher": 0.77,
+              "hybrid": 0.76, "teacher_strict": 0.5, "hybrid_strict": 0.5,
+              "passkey": {"length": 2048, "prompts": 10, "teacher": 0.9, "hybrid": 0.2}}
+    out = save_checkpoint(_hybrid(), char_tokenizer(), tmp_path / "h", base="tiny", recipe=R.load("elu"),
+                          reports={"recall": recall})
+    card = (out / "README.md").read_text()
+    assert "Passkey check (`linearize eval --task passkey`, 10 prompts of 2048 tokens" in card
+    assert "teacher 90% → hybrid **20%**" in card
+    res = CliRunner().invoke(app, ["info", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "recall check (copy, 2048 tokens, 12 samples): hybrid 76.0%, teacher 77.0%" in res.output
+    assert "recall check (passkey, 2048 tokens, 10 prompts): hybrid 20%, teacher 90%" in res.output
+
+
 @pytest.mark.parametrize("mask,file_mode,dir_mode", [(0o022, 0o644, 0o755), (0o027, 0o640, 0o750)])
 def test_checkpoint_and_eval_folders_get_ordinary_modes(tmp_path, mask, file_mode, dir_mode):
     old = os.umask(mask)

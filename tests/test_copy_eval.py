@@ -140,3 +140,40 @@ def test_a_stage_rerun_keeps_the_teacher_score_and_rescores_the_hybrid(monkeypat
     rep = RecallCheck.from_report(old, None, log=lambda m: None).finish(object())
     assert calls == [(64, "wiki", 31)]
     assert rep["teacher"] == 0.9 and rep["teacher_strict"] == 0.25 and rep["hybrid"] == 0.5 and rep["span"] == 31
+
+
+def test_the_recall_check_scores_the_passkey_beside_the_copy(monkeypatch):
+    from linearize.convert.pipeline import RecallCheck
+    from linearize.evals import passkey
+
+    calls = []
+
+    def fake_copy(model, tok, *, length, data=None, span=copyspan.DEFAULT_SPAN, **kw):
+        return {"score": 0.7, "strict": 0.5, "span": span, "samples": 12, "data": data or "wiki"}
+
+    def fake_passkey(model, tok, *, length, **kw):
+        calls.append((model, length))
+        return {"task": "passkey", "length": length, "prompts": 10, "score": 0.2}
+
+    monkeypatch.setattr(copyspan, "quick_check", fake_copy)
+    monkeypatch.setattr(passkey, "quick_check", fake_passkey)
+    old = {"task": "copy", "length": 1024, "data": "wiki", "span": 32, "samples": 12, "teacher": 0.8,
+           "teacher_strict": 0.5, "hybrid": 0.7, "hybrid_strict": 0.5,
+           "passkey": {"length": 1024, "prompts": 10, "teacher": 0.9, "hybrid": 0.8}}
+    lines = []
+    rep = RecallCheck.from_report(old, None, log=lines.append).finish("HYBRID")
+    assert calls == [("HYBRID", 1024)]  # the teacher's score is the report's, the hybrid scored again
+    assert rep["passkey"] == {"length": 1024, "prompts": 10, "teacher": 0.9, "hybrid": 0.2}
+    assert lines[-1].startswith("recall check (passkey, 1024 tokens, 10 prompts): teacher 90% -> hybrid 20%; the "
+                                "hybrid lost most of the teacher's retrieval")
+    # a report from before the passkey part: the copy alone, no passkey measured
+    calls.clear()
+    del old["passkey"]
+    rep = RecallCheck.from_report(old, None, log=lines.append).finish("HYBRID")
+    assert calls == [] and "passkey" not in rep
+    # a length too short for a passkey prompt: said in the report, the copy still scored
+    check = RecallCheck(None, length=64, data="wiki", teacher={"score": 0.5, "strict": 0.0},
+                        teacher_passkey={"task": "passkey", "length": 64, "skipped": "too short"}, log=lines.append)
+    rep = check.finish("HYBRID")
+    assert rep["passkey"] == {"skipped": "too short"} and rep["hybrid"] == 0.7 and calls == []
+

@@ -191,6 +191,7 @@ def test_short_all_stages_end_to_end(tmp_path, embedded_dir):
     rc = report["stages"]["recall"]  # the built-in recall check: copy task, same samples for teacher and hybrid
     assert rc["task"] == "copy" and rc["length"] == 64 and rc["span"] == 31 and rc["samples"] == 12
     assert 0 <= rc["hybrid"] <= 1 and rc["teacher"] > rc["hybrid"] and "Recall check" in card
+    assert rc["passkey"]["skipped"].startswith("length 64 is too short for this prompt")  # its passkey part
     res = run_cli("finetune", str(out), "--adapter-only", "--tokens", "256", "--loss", "kl", *small[6:])
     assert res.returncode == 0, res.stderr[-3000:]
     adapter = tmp_path / "OUT-adapter"

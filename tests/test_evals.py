@@ -6,6 +6,7 @@ import copy
 import importlib.util
 import json
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -288,6 +289,40 @@ class _Oracle(torch.nn.Module):
         n = max(map(len, outs))
         new = torch.tensor([o + [self.tok.eos_token_id] * (n - len(o)) for o in outs])
         return torch.cat([input_ids, new], dim=1)
+
+
+class _NextToken(torch.nn.Module):
+    """Logits that put each position's mass on the token that follows it in the input (``shift`` ids later): a
+    perfect reader of whatever it is fed (shift 0), or one always off by ``shift``."""
+
+    def __init__(self, vocab: int, shift: int = 0):
+        super().__init__()
+        self.vocab, self.shift, self.seen = vocab, shift, []
+
+    @property
+    def device(self):
+        return torch.device("cpu")
+
+    def forward(self, input_ids, use_cache=False, logits_to_keep=0):
+        self.seen.append(input_ids.shape[1])
+        nxt = torch.roll(input_ids, -1, dims=1) + self.shift
+        logits = torch.nn.functional.one_hot(nxt % self.vocab, self.vocab).float()  # [B, T, V]
+        return SimpleNamespace(logits=logits[:, -logits_to_keep:] if logits_to_keep else logits)
+
+
+def test_passkey_quick_check_reads_the_key_off_the_argmax(tok):
+    reader = _NextToken(len(tok)).train()
+    r = passkey.quick_check(reader, tok, length=300)
+    assert r == {"task": "passkey", "length": 300, "prompts": 10, "score": 1.0, "chat": True}
+    assert reader.training and all(300 < n <= 310 for n in reader.seen)  # prompt + key, mode restored
+    assert passkey.quick_check(_NextToken(len(tok), shift=1), tok, length=300)["score"] == 0.0
+    # its keys are not `linearize eval`'s: the same grid with eval's seeds draws others
+    cfg = EvalConfig(lengths=[300], depths=[0.0], seeds=[0])
+    quick = EvalConfig(lengths=[300], depths=[0.0], seeds=[passkey.QUICK_SEED_OFFSET])
+    assert passkey.build_prompts(tok, True, cfg)[0]["row"]["expected"] != \
+        passkey.build_prompts(tok, True, quick)[0]["row"]["expected"]
+    short = passkey.quick_check(reader, tok, length=40)
+    assert short["skipped"].startswith("length 40 is too short for this prompt")
 
 
 def test_oracle_scores_full_marks(tiny, tok):

@@ -167,8 +167,8 @@ def speed_bounds(model, config, extra_parameters: int) -> dict[str, dict[str, fl
 
 
 def conversion_quality(path) -> dict[str, Any]:
-    """From a hybrid's ``report.json``: held-out perplexity vs the teacher (stage 2), the recall check (copy task,
-    teacher vs hybrid) and ``--select auto``'s boundary; empty for other directories or untrained hybrids."""
+    """From a hybrid's ``report.json``: held-out perplexity vs the teacher (stage 2), the recall check (copy and
+    passkey, teacher vs hybrid) and ``--select auto``'s boundary; empty for other directories or untrained hybrids."""
     try:
         stages = json.loads((Path(path) / "report.json").read_text()).get("stages") or {}
     except (OSError, ValueError, AttributeError):
@@ -181,6 +181,8 @@ def conversion_quality(path) -> dict[str, Any]:
     rc = stages.get("recall") or {}
     if "hybrid" in rc:
         out["copy"] = {k: rc[k] for k in ("hybrid", "teacher", "length", "samples")}
+        if "hybrid" in (rc.get("passkey") or {}):
+            out["passkey"] = {k: rc["passkey"][k] for k in ("hybrid", "teacher", "length", "prompts")}
     sel = stages.get("select") or {}
     if sel.get("boundary") or sel.get("retrieval_seats") or sel.get("ablation_seats"):  # --select auto: how clear the choice was
         out["select"] = {"softmax_layers": sel["softmax_layers"], "boundary": sel.get("boundary"),

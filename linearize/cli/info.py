@@ -70,6 +70,10 @@ def info(spec: str = typer.Argument(..., help="Model spec or hybrid checkpoint d
         c = q["copy"]
         console.print(f"recall check (copy, {c['length']} tokens, {c['samples']} samples): hybrid {100 * c['hybrid']:.1f}%, "
                       f"teacher {100 * c['teacher']:.1f}%", highlight=False)
+    if "passkey" in q:
+        k = q["passkey"]
+        console.print(f"recall check (passkey, {k['length']} tokens, {k['prompts']} prompts): "
+                      f"hybrid {100 * k['hybrid']:.0f}%, teacher {100 * k['teacher']:.0f}%", highlight=False)
     if "select" in q:
         sel, b = q["select"], q["select"]["boundary"]
         console.print(f"softmax layers chosen by --select auto: {sel['softmax_layers']}"

@@ -17,7 +17,7 @@ from .. import distributed as dist
 from .. import recipe as recipes
 from ..data.checks import check_text_files, check_training_source
 from ..errors import DataError, LinearizeError
-from ..evals import copyspan
+from ..evals import copyspan, passkey
 from ..evals.common import EvalError
 from ..evals.copyspan import POOL_TOKENS
 from ..evals.corpus import heldout_stream
@@ -129,16 +129,20 @@ def _gather(model):
 
 
 class RecallCheck:
-    """The conversion's built-in recall check: ``eval``'s ``copy`` task (a held-out span repeated at the end of
-    the sequence, share of its tokens predicted exactly) on 12 samples at the last stage's sequence length
-    (at most 2,048 and the model's context), run on the teacher (the hybrid with its softmax attention, before
-    any training) and on the result, with the same samples. Its report goes into report.json and the card."""
+    """The conversion's built-in recall check, run on the teacher (the hybrid with its softmax attention, before
+    any training) and on the result with the same samples, at the last stage's sequence length (at most 2,048 and
+    the model's context): ``eval``'s ``copy`` task (a held-out span repeated at the end of the sequence, share of
+    its tokens predicted exactly; 12 samples) and its ``passkey`` task (10 prompts at five depths, the key read
+    off the model's argmax: :func:`linearize.evals.passkey.quick_check`). The two can part: training on other
+    text has kept copying and lost the passkey. Its report goes into report.json and the card."""
 
     MAX_LENGTH = 2048
 
     def __init__(self, tokenizer, *, length: int, data: str, teacher: dict[str, Any], span: int | None = None,
-                 seconds: float = 0.0, log: Callable[[str], None] = print):
+                 teacher_passkey: dict[str, Any] | None = None, seconds: float = 0.0,
+                 log: Callable[[str], None] = print):
         self.tokenizer, self.length, self.data, self.teacher = tokenizer, length, data, teacher
+        self.teacher_passkey = teacher_passkey
         self.span, self.seconds, self.log = span, seconds, log
 
     @classmethod
@@ -150,9 +154,11 @@ class RecallCheck:
         hybrid.set_attention_mode("softmax")
         try:
             teacher = copyspan.quick_check(hybrid, tokenizer, length=length, data=stage["data"])
+            teacher_passkey = passkey.quick_check(hybrid, tokenizer, length=length)
         finally:
             hybrid.set_attention_mode("linear")
-        return cls(tokenizer, length=length, data=stage["data"], teacher=teacher, seconds=time.time() - t, log=log)
+        return cls(tokenizer, length=length, data=stage["data"], teacher=teacher, teacher_passkey=teacher_passkey,
+                   seconds=time.time() - t, log=log)
 
     @classmethod
     def length_for(cls, stage: dict[str, Any], config) -> int:
@@ -162,13 +168,17 @@ class RecallCheck:
 
     @classmethod
     def from_report(cls, report: dict[str, Any], tokenizer, *, log: Callable[[str], None]) -> RecallCheck:
-        """A check whose teacher score comes from an earlier report (a rerun of a stage on a checkpoint whose
-        projections may already hold merged adapters, so its softmax mode is no longer the teacher)."""
+        """A check whose teacher scores come from an earlier report (a rerun of a stage on a checkpoint whose
+        projections may already hold merged adapters, so its softmax mode is no longer the teacher); a report
+        without a passkey part (written before it existed) gives a check without one."""
+        pk = report.get("passkey") or {}
         return cls(tokenizer, length=report["length"], data=report["data"], span=report["span"], log=log,
-                   teacher={"score": report["teacher"], "strict": report["teacher_strict"]})
+                   teacher={"score": report["teacher"], "strict": report["teacher_strict"]},
+                   teacher_passkey={"score": pk["teacher"], "prompts": pk["prompts"]} if "teacher" in pk else None)
 
     def finish(self, hybrid) -> dict[str, Any]:
-        """Score the trained hybrid and return the report (``teacher`` / ``hybrid`` copy scores)."""
+        """Score the trained hybrid and return the report (``teacher`` / ``hybrid`` copy scores; ``passkey``: the
+        passkey part's, or why it was skipped)."""
         if "skipped" in self.teacher:
             return dict(self.teacher)
 
@@ -177,10 +187,20 @@ class RecallCheck:
         result = copyspan.quick_check(hybrid, self.tokenizer, length=self.length, data=self.data, **extra)
         rep = {"task": "copy", "length": self.length, "span": result["span"], "samples": result["samples"],
                "data": result["data"], "teacher": self.teacher["score"], "hybrid": result["score"],
-               "teacher_strict": self.teacher["strict"], "hybrid_strict": result["strict"],
-               "seconds": round(self.seconds + time.time() - t, 1)}
+               "teacher_strict": self.teacher["strict"], "hybrid_strict": result["strict"]}
         self.log(f"recall check (copy, {self.length} tokens, {rep['samples']} held-out samples): teacher "
                  f"{100 * rep['teacher']:.1f}% -> hybrid {100 * rep['hybrid']:.1f}%")
+        if self.teacher_passkey is not None and "skipped" in self.teacher_passkey:
+            rep["passkey"] = {"skipped": self.teacher_passkey["skipped"]}
+        elif self.teacher_passkey is not None:
+            pk = passkey.quick_check(hybrid, self.tokenizer, length=self.length)
+            rep["passkey"] = {"length": self.length, "prompts": pk["prompts"], "teacher": self.teacher_passkey["score"],
+                              "hybrid": pk["score"]}
+            self.log(f"recall check (passkey, {self.length} tokens, {pk['prompts']} prompts): teacher "
+                     f"{100 * rep['passkey']['teacher']:.0f}% -> hybrid {100 * pk['score']:.0f}%"
+                     + ("; the hybrid lost most of the teacher's retrieval (check it with `linearize eval --task "
+                        "passkey,niah --against`)" if pk["score"] < 0.5 * self.teacher_passkey["score"] else ""))
+        rep["seconds"] = round(self.seconds + time.time() - t, 1)
         return rep
 
 

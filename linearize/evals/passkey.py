@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import re
 
-from .common import EvalConfig, ModelHandle, Progress, greedy_generate, grid_summary, no_args, prompt_sha1, sample_rng
+import torch
+
+from .common import (EvalConfig, EvalError, ModelHandle, Progress, greedy_generate, grid_summary, no_args, prompt_sha1,
+                     sample_rng)
 from .prompts import Needle, PieceEncoder, assemble, build_frame, cycle_units, make_units
 
 NAME = "passkey"
@@ -30,6 +33,9 @@ NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = "What is the pass key?"
 ANSWER_PREFIX = "The pass key is"
 DEFAULT_MAX_NEW_TOKENS = 12
+#: the conversion's quick check draws its keys far from `linearize eval`'s seeds (0, 1, ...) and from the layer
+#: probe's (1,000,000 + select.seed), so neither the layout nor a later evaluation sees its prompts
+QUICK_SEED_OFFSET = 2_000_000
 
 
 def parse_args(arg: str | None) -> dict:
@@ -81,3 +87,32 @@ def run(handle: ModelHandle, cfg: EvalConfig, args: dict, progress: Progress, sh
 
 def summarize(rows: list[dict], cfg: EvalConfig) -> dict:
     return grid_summary(rows, cfg)
+
+
+@torch.no_grad()
+def quick_check(model, tokenizer, *, length: int, seeds: int = 2,
+                depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)) -> dict:
+    """The passkey task on ``len(depths) * seeds`` prompts of ``length`` tokens, no report files: part of the
+    conversion's built-in recall check (the same prompts for the teacher and the hybrid; the tokenizer's chat
+    template when it has one, as ``eval``). A prompt scores when every token of its key is the model's argmax
+    after the prompt and the key's earlier tokens -- what greedy decoding answers first -- from one forward, no
+    generation. Returns ``score`` and what was run; ``skipped`` (a reason) when ``length`` cannot hold a prompt."""
+    chat = bool(getattr(tokenizer, "chat_template", None))
+    cfg = EvalConfig(lengths=[length], depths=list(depths), seeds=[QUICK_SEED_OFFSET + s for s in range(seeds)])
+    try:
+        samples = build_prompts(tokenizer, chat, cfg)
+    except EvalError as e:
+        return {"task": NAME, "length": length, "skipped": str(e)}
+    enc = PieceEncoder(tokenizer)
+    was_training = model.training
+    model.eval()
+    hits = 0
+    for s in samples:
+        answer = enc.encode_one(" " + s["row"]["expected"][0])
+        ids = torch.tensor([s["ids"] + answer], device=model.device)
+        n = len(answer)
+        logits = model(input_ids=ids, use_cache=False, logits_to_keep=n + 1).logits[0, :-1]  # [n, V]
+        hits += bool((logits.argmax(-1) == ids[0, -n:]).all())
+    model.train(was_training)
+    return {"task": NAME, "length": length, "prompts": len(samples), "score": round(hits / len(samples), 4),
+            "chat": chat}

@@ -256,6 +256,11 @@ def model_card(model, *, base: str, recipe_name: str, reports: dict[str, Any], b
         lines += [f"Recall check (`linearize eval --task copy`: a held-out {rc['span']}-token span repeated at the end "
                   f"of {rc['length']}-token sequences, {rc['samples']} samples): teacher {100 * rc['teacher']:.1f}% → "
                   f"hybrid **{100 * rc['hybrid']:.1f}%** of the copied tokens predicted exactly.", ""]
+        pk = rc.get("passkey") or {}
+        if "hybrid" in pk:
+            lines += [f"Passkey check (`linearize eval --task passkey`, {pk['prompts']} prompts of {pk['length']} "
+                      f"tokens, the key read off the argmax): teacher {100 * pk['teacher']:.0f}% → hybrid "
+                      f"**{100 * pk['hybrid']:.0f}%**.", ""]
     lines += stage_summary(reports)
     for stage, rep in reports.items():
         lines.append(f"- **{stage}**: " + ", ".join(f"{k}={v}" for k, v in rep.items() if not isinstance(v, (dict, list))))
