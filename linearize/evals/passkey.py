@@ -22,7 +22,7 @@ import re
 import torch
 
 from .common import (EvalConfig, EvalError, ModelHandle, Progress, greedy_generate, grid_summary, no_args, prompt_sha1,
-                     sample_rng)
+                     sample_rng, tail_logits)
 from .prompts import Needle, PieceEncoder, assemble, build_frame, cycle_units, make_units
 
 NAME = "passkey"
@@ -104,15 +104,14 @@ def quick_check(model, tokenizer, *, length: int, seeds: int = 2,
     except EvalError as e:
         return {"task": NAME, "length": length, "skipped": str(e)}
     enc = PieceEncoder(tokenizer)
+    handle = ModelHandle("check", "model", model, tokenizer, chat)
     was_training = model.training
     model.eval()
     hits = 0
     for s in samples:
         answer = enc.encode_one(" " + s["row"]["expected"][0])
-        ids = torch.tensor([s["ids"] + answer], device=model.device)
-        n = len(answer)
-        logits = model(input_ids=ids, use_cache=False, logits_to_keep=n + 1).logits[0, :-1]  # [n, V]
-        hits += bool((logits.argmax(-1) == ids[0, -n:]).all())
+        pred = tail_logits(handle, s["ids"] + answer, len(answer) + 1)[:-1].argmax(-1).cpu()  # [len(answer)]
+        hits += bool((pred == torch.as_tensor(answer)).all())
     model.train(was_training)
     return {"task": NAME, "length": length, "prompts": len(samples), "score": round(hits / len(samples), 4),
             "chat": chat}
