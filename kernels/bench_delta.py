@@ -75,9 +75,12 @@ def forward_phases(labels: list[str]) -> None:
                 prep = do_bench(lambda: TD._fwd_prep(k, v, beta, lg))
                 walk = do_bench(lambda: TD._fwd_walk(k, w, u, lg, None, False))
                 whole = do_bench(lambda: TD._fwd(q, k, v, beta, lg, None, 128 ** -0.5, False))
-                return prep, walk, whole
-            prep, walk, whole = under(overrides(label), phases)()
-            print(f"forward at T={bk.format_length(T)} x {B} {label or '(shipped)'}: prep {prep:.3f} ms, walk "
+                # the split prep's first launch alone (its transforms in the keys' dtype, as the forward passes them)
+                ut = do_bench(lambda: TD._transforms(k, beta, lg, dtype=k.dtype)) if TD.CONFIG["prep_split"] else None
+                return prep, ut, walk, whole
+            prep, ut, walk, whole = under(overrides(label), phases)()
+            split = f" (transforms {ut:.3f} ms, w and u {prep - ut:.3f} ms)" if ut is not None else ""
+            print(f"forward at T={bk.format_length(T)} x {B} {label or '(shipped)'}: prep {prep:.3f} ms{split}, walk "
                   f"{walk:.3f} ms, output {whole - prep - walk:.3f} ms, whole {whole:.3f} ms", flush=True)
 
 

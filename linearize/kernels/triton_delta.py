@@ -703,6 +703,22 @@ def _blocks(key: str, V: int) -> int:
     return pow2(min(int(CONFIG[key]), pow2(V)))
 
 
+def _inverse_settings(BT: int) -> dict:
+    """The UT inverse's constexprs from ``CONFIG``."""
+    return dict(DIAG_ROWS=bool(CONFIG["prep_diag_rows"]), BLOCKS=BT == 64 and bool(CONFIG["prep_blocks"]))
+
+
+def _transforms(k, beta, lg, *, dtype=torch.float32):
+    """The UT transforms ``[B, HK, N, BT, BT]`` in ``dtype`` alone (``_ut_kernel``: the split prep's first launch)."""
+    B, T, HK, K = k.shape
+    BT = CONFIG["bt"]
+    N = triton.cdiv(T, BT)
+    Tm = new_empty((B, HK, N, BT, BT), dtype=dtype, device=k.device)
+    launch(_ut_kernel, (N, B * HK), k, beta, lg, Tm, T, HK, K=K, BK=pow2(K), BT=BT, PREC=prec(k.dtype),
+           **_inverse_settings(BT), num_warps=CONFIG["ut_warps"])
+    return Tm
+
+
 def _prep(k, v, beta, lg, *, store_t, dtype=torch.float32, low16=False):
     """``w``, ``u`` (in ``dtype``: fp32, or the inputs' 16-bit dtype for the forward under ``fwd_inter_16bit``) and,
     with ``store_t``, the UT transforms ``[B, HK, N, BT, BT]`` (fp32); ``low16`` (16-bit keys: :func:`_sixteen`):
@@ -716,18 +732,15 @@ def _prep(k, v, beta, lg, *, store_t, dtype=torch.float32, low16=False):
     w = new_empty((B, T, HK, K), dtype=dtype, device=dev)
     u = new_empty((B, T, HK, V), dtype=dtype, device=dev)
     BV = min(pow2(V), 64)
-    inverse = dict(DIAG_ROWS=bool(CONFIG["prep_diag_rows"]), BLOCKS=BT == 64 and bool(CONFIG["prep_blocks"]))
     if CONFIG["prep_split"]:
-        Tm = new_empty((B, HK, N, BT, BT), dtype=k.dtype if low16 and not store_t else torch.float32, device=dev)
-        launch(_ut_kernel, (N, B * HK), k, beta, lg, Tm, T, HK, K=K, BK=pow2(K), BT=BT, PREC=prec(k.dtype),
-               **inverse, num_warps=CONFIG["ut_warps"])
+        Tm = _transforms(k, beta, lg, dtype=k.dtype if low16 and not store_t else torch.float32)
         launch(_wu_kernel, (N, B * HK, 1 + triton.cdiv(V, BV)), k, v, beta, lg, Tm, w, u, T, HK, K=K, V=V,
                BK=pow2(K), BV=BV, BT=BT, PREC=prec(k.dtype), LOW16=low16, num_warps=CONFIG["wu_warps"])
         return w, u, Tm if store_t else None
     Tm = new_empty((B, HK, N, BT, BT), dtype=torch.float32, device=dev) if store_t else None
     launch(_prep_kernel, (N, B * HK), k, v, beta, lg, w, u, Tm if store_t else w, T, HK,
            K=K, V=V, BK=pow2(K), BV=BV, BT=BT, NV_BLK=triton.cdiv(V, BV), STORE_T=store_t, PREC=prec(k.dtype),
-           LOW16=low16, **inverse, num_warps=CONFIG["prep_warps"])
+           LOW16=low16, **_inverse_settings(BT), num_warps=CONFIG["prep_warps"])
     return w, u, Tm
 
 
