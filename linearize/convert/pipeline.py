@@ -174,7 +174,7 @@ class RecallCheck:
         pk = report.get("passkey") or {}
         return cls(tokenizer, length=report["length"], data=report["data"], span=report["span"], log=log,
                    teacher={"score": report["teacher"], "strict": report["teacher_strict"]},
-                   teacher_passkey={"score": pk["teacher"], "prompts": pk["prompts"]} if "teacher" in pk else None)
+                   teacher_passkey={"score": pk["teacher"]} if "teacher" in pk else None)
 
     def finish(self, hybrid) -> dict[str, Any]:
         """Score the trained hybrid and return the report (``teacher`` / ``hybrid`` copy scores; ``passkey``: the

@@ -330,7 +330,7 @@ def retrieval_samples(tokenizer, recipe, max_positions: int | None) -> list[tupl
 def passkey_triples(tokenizer, prompts: list[dict]) -> list[tuple[list[int], list[int], list[int]]]:
     """``(prompt ids, answer ids, key positions)`` of prompts from :func:`passkey.build_prompts`."""
     enc = PieceEncoder(tokenizer)
-    return [(s["ids"], enc.encode_one(" " + s["row"]["expected"][0]),
+    return [(s["ids"], passkey.answer_ids(enc, s["row"]["expected"][0]),
              key_positions(tokenizer, s["ids"], s["row"]["needle_pos"], s["row"]["expected"][0])) for s in prompts]
 
 

@@ -66,6 +66,11 @@ def build_prompts(tokenizer, chat: bool, cfg: EvalConfig, args: dict | None = No
     return out
 
 
+def answer_ids(enc: PieceEncoder, key: str) -> list[int]:
+    """The key's tokens as they follow ``ANSWER_PREFIX`` in an answer: a space, then the digits."""
+    return enc.encode_one(" " + key)
+
+
 def score_output(output: str, key: str) -> tuple[float, float]:
     score = 1.0 if key in output else 0.0
     m = re.search(r"\d+", output)
@@ -109,7 +114,7 @@ def quick_check(model, tokenizer, *, length: int, seeds: int = 2,
     model.eval()
     hits = 0
     for s in samples:
-        answer = enc.encode_one(" " + s["row"]["expected"][0])
+        answer = answer_ids(enc, s["row"]["expected"][0])
         pred = tail_logits(handle, s["ids"] + answer, len(answer) + 1)[:-1].argmax(-1).cpu()  # [len(answer)]
         hits += bool((pred == torch.as_tensor(answer)).all())
     model.train(was_training)

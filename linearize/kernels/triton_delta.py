@@ -206,11 +206,12 @@ def _chunk_transform(Kp, BETA, LG, row, mt, ok, mk, K: tl.constexpr, BT: tl.cons
 @triton.jit
 def _transform_product(Tm, x, DT: tl.constexpr, PREC: tl.constexpr, LOW16: tl.constexpr):
     """``T x`` (``x [BT, *]`` fp32) with fp32 accumulation: on operands of the 16-bit dtype ``DT`` under ``LOW16``
-    (``Tm`` already in it or rounded to it here, as fla's ``recompute_w_u``), else tf32 / fp32 ones."""
+    (``Tm`` already in it, or fp32 and rounded to it here, as fla's ``recompute_w_u``), else tf32 / fp32 ones
+    (``Tm`` fp32)."""
     if LOW16:
-        return mm(to16(Tm.to(tl.float32), DT) if Tm.dtype == tl.float32 else Tm, to16(x, DT), PREC)
+        return mm(to16(Tm, DT) if Tm.dtype == tl.float32 else Tm, to16(x, DT), PREC)
     else:
-        return dot32(Tm.to(tl.float32), x, PREC)
+        return dot32(Tm, x, PREC)
 
 
 @triton.jit
