@@ -23,6 +23,7 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton")
+tl = triton.language
 
 from linearize.kernels import triton_common, triton_delta, triton_delta_step  # noqa: E402
 from linearize.kernels.delta import gated_delta_rule, gated_delta_rule_step  # noqa: E402
@@ -137,7 +138,8 @@ def test_fp32_intermediates(T, monkeypatch):
 
 
 #: launch settings that change the arithmetic, each on and off the default (kernels/README.md times them)
-ARITHMETIC = [("prep_diag_rows", 0), ("walk_16bit", 0), ("prep_16bit", 0), ("prep_blocks", 1), ("out_16bit", 0)]
+ARITHMETIC = [("prep_diag_rows", 0), ("prep_diag_doubling", 1), ("walk_16bit", 0), ("prep_16bit", 0), ("prep_blocks", 1),
+              ("out_16bit", 0)]
 
 
 @gpu
@@ -293,6 +295,51 @@ def test_interp_diagonal_blocks_tile_wide(bt, dtype, monkeypatch):
     monkeypatch.setitem(triton_delta.CONFIG, "bt", bt)
     monkeypatch.setitem(triton_delta.CONFIG, "prep_diag_rows", 0)
     check("triton", 1, bt + 13, 2, 1, 32, 32, dtype)
+
+
+@interp
+@pytest.mark.parametrize("bt", [16, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_interp_diagonal_blocks_by_doubling(bt, dtype, monkeypatch):
+    """``prep_diag_doubling``: the diagonal blocks' inverses as (I - N)(I + N^2)(I + N^4)(I + N^8) for 16-bit keys
+    (fp32 keys keep the row steps), forward and backward (the backward recomputes the transforms the same way)."""
+    monkeypatch.setitem(triton_delta.CONFIG, "bt", bt)
+    monkeypatch.setitem(triton_delta.CONFIG, "prep_diag_doubling", 1)
+    check("triton", 1, bt + 13, 2, 1, 32, 32, dtype)
+
+
+@triton.jit
+def _diagonal_inverses_probe(A_ptr, OUT_ptr, BT: tl.constexpr, DOUBLING: tl.constexpr):
+    """The block-diagonal inverse of ``I + A`` (``A [BT, BT]``) into ``OUT``, by row steps or by doubling."""
+    ar = tl.arange(0, BT)
+    A = tl.load(A_ptr + ar[:, None] * BT + ar[None, :])
+    D = triton_delta._diagonal_block_inverse(A, BT, 16, DOUBLING)
+    tl.store(OUT_ptr + ar[:, None] * BT + ar[None, :], D)
+
+
+@interp
+@pytest.mark.parametrize("case", ["random", "aligned"])
+def test_interp_diagonal_inverse_doubling_against_float64(case):
+    """The doubling inverse of one 64-token chunk's diagonal blocks against float64, beside the row steps': for
+    random keys, and for the worst case of the series, identical keys with beta = 0.99 (the entries of N^k grow as
+    binomials, up to C(15, 7) x 0.99^8, before the sum cancels to the small true inverse): there 2.4e-4, which is
+    why the forward uses it for 16-bit keys only."""
+    g = torch.Generator().manual_seed(0)
+    if case == "random":
+        k = torch.nn.functional.normalize(torch.randn(64, 32, generator=g, dtype=torch.float64), dim=-1)
+    else:
+        k = torch.nn.functional.normalize(torch.ones(64, 32, dtype=torch.float64), dim=-1)
+    beta = torch.full((64,), 0.99, dtype=torch.float64) if case == "aligned" else torch.rand(64, generator=g).double()
+    A = torch.tril(beta[:, None] * (k @ k.T), -1)
+    blocks = torch.block_diag(*[torch.eye(16, dtype=torch.float64) + A[i:i + 16, i:i + 16] for i in range(0, 64, 16)])
+    ref = torch.linalg.inv(blocks)
+    errs = {}
+    for doubling in (False, True):
+        out = torch.zeros(64, 64)
+        _diagonal_inverses_probe[(1,)](A.float().contiguous(), out, 64, doubling)
+        errs[doubling] = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+    assert errs[False] <= 1e-6, errs
+    assert errs[True] <= (1e-6 if case == "random" else 1e-3), errs
 
 
 @interp

@@ -39,6 +39,10 @@ CONFIG = {  # launch configuration: untuned; registers and spills from an offlin
     # the UT inverse's 16-row diagonal blocks on [16, 16] tiles (15 row steps of two small reductions) instead of 15
     # masked [BT, BT] tensor-core products (_unit_lower_inverse): H100, bf16, 2K x 16, the UT launch 1.69 -> 1.62 ms
     "prep_diag_rows": 1,
+    # for 16-bit keys, those diagonal blocks by doubling instead (_diagonal_inverses_doubling: (I - N)(I + N^2)
+    # (I + N^4)(I + N^8), six batched fp32 [16, 16] products three squarings deep, where the row steps are 15
+    # dependent reductions); not yet timed
+    "prep_diag_doubling": 0,
     # the forward's w = T (beta gamma k) and u = T (beta v) on 16-bit operands (16-bit inputs; as fla's
     # recompute_w_u) instead of tf32 ones; the transform T is computed in fp32 either way. H200, bf16, 2K x 16: the
     # prep launch 1.68 -> 1.24 ms; relative error 3.1e-3 -> 3.5e-3 (fla's 3.8e-3)
@@ -134,6 +138,25 @@ def _diagonal_inverses(A, BT: tl.constexpr, SB: tl.constexpr):
 
 
 @triton.jit
+def _diagonal_inverses_doubling(A, BT: tl.constexpr, SB: tl.constexpr):
+    """:func:`_diagonal_inverses` by the finite Neumann series in product form: with ``N`` a strictly lower
+    ``[SB, SB]`` block (``N^SB = 0``), ``(I + N)^{-1} = (I - N)(I + N^2)(I + N^4)(I + N^8)``: batched fp32 products
+    (``ieee``: exact fp32 sums, no tf32 rounding), ``2 log2(SB) - 2`` of them three squarings deep, instead of
+    ``SB - 1`` dependent row steps (``CONFIG["prep_diag_doubling"]``)."""
+    NB: tl.constexpr = BT // SB
+    bb = tl.arange(0, NB)
+    on = bb[:, None, None, None] == bb[None, None, :, None]  # [NB, 1, NB, 1]: block b's own columns
+    N = tl.sum(tl.where(on, tl.reshape(A, [NB, SB, NB, SB]), 0.0), axis=2)  # [NB, SB, SB]
+    s = tl.arange(0, SB)
+    P = tl.where(s[:, None] == s[None, :], 1.0, 0.0)[None, :, :] - N  # the series' terms below 2
+    for i in tl.static_range(4):  # SB <= 16
+        if (2 << i) < SB:  # P: the terms below 2^(i+2), from N^(2^(i+1))
+            N = tl.dot(N, N, input_precision="ieee")
+            P = P + tl.dot(P, N, input_precision="ieee")
+    return P
+
+
+@triton.jit
 def _on_diagonal(D, NB: tl.constexpr, SB: tl.constexpr):
     """``D [NB, SB, SB]`` as the diagonal blocks of an ``[NB, SB, NB, SB]`` tile (zeros elsewhere)."""
     bb = tl.arange(0, NB)
@@ -141,28 +164,33 @@ def _on_diagonal(D, NB: tl.constexpr, SB: tl.constexpr):
 
 
 @triton.jit
-def _diagonal_block_inverse(A, BT: tl.constexpr, SB: tl.constexpr):
-    """The block-diagonal ``D^{-1} [BT, BT]`` of ``I + A`` (:func:`_diagonal_inverses` put back on the diagonal),
-    where the tile-wide form multiplies ``[BT, BT]`` tiles."""
+def _diagonal_block_inverse(A, BT: tl.constexpr, SB: tl.constexpr, DOUBLING: tl.constexpr = False):
+    """The block-diagonal ``D^{-1} [BT, BT]`` of ``I + A`` (:func:`_diagonal_inverses`, or under ``DOUBLING``
+    :func:`_diagonal_inverses_doubling`, put back on the diagonal), where the tile-wide form multiplies
+    ``[BT, BT]`` tiles."""
     NB: tl.constexpr = BT // SB
-    return tl.reshape(_on_diagonal(_diagonal_inverses(A, BT, SB), NB, SB), [BT, BT])
+    if DOUBLING:
+        D = _diagonal_inverses_doubling(A, BT, SB)
+    else:
+        D = _diagonal_inverses(A, BT, SB)
+    return tl.reshape(_on_diagonal(D, NB, SB), [BT, BT])
 
 
 @triton.jit
-def _unit_lower_inverse(A, BT: tl.constexpr, PREC: tl.constexpr, DIAG_ROWS: tl.constexpr = False):
+def _unit_lower_inverse(A, BT: tl.constexpr, PREC: tl.constexpr, DIAG_ROWS: tl.constexpr = 0):
     """``(I + A)^{-1}`` of a strictly lower triangular ``A [BT, BT]`` (fp32) by blocked forward substitution, each
     step a ``tl.dot`` (tensor cores for 16-bit inputs): the diagonal ``[SB, SB]`` blocks first (row ``t`` of each
     block is ``e_t - A_t. Tm``, the block's earlier rows already final; all blocks at once), then each block row
     ``r`` below the first as ``D_r^{-1} (E_r - A_r,<r T_<r)`` with ``D^{-1}`` the block-diagonal inverse. ``SB`` =
     16 (the smallest ``tl.dot`` side): 15 + 2 x (BT / 16 - 1) products instead of ``BT`` steps that each reduce a
     whole tile across threads. ``DIAG_ROWS``: the diagonal blocks on ``[SB, SB]`` tiles instead
-    (:func:`_diagonal_block_inverse`, ``CONFIG["prep_diag_rows"]``)."""
+    (:func:`_diagonal_block_inverse`, ``CONFIG["prep_diag_rows"]``), by row steps (1) or by doubling (2)."""
     SB: tl.constexpr = 16 if BT > 16 else BT
     ar = tl.arange(0, BT)
     blk = ar // SB
     same = blk[:, None] == blk[None, :]
     if DIAG_ROWS:
-        Dinv = _diagonal_block_inverse(A, BT, SB)
+        Dinv = _diagonal_block_inverse(A, BT, SB, DIAG_ROWS == 2)
     else:
         Ad = tl.where(same, A, 0.0)  # the diagonal blocks (strictly lower)
         Dinv = tl.where(ar[:, None] == ar[None, :], 1.0, 0.0)
@@ -704,9 +732,13 @@ def _blocks(key: str, V: int) -> int:
     return pow2(min(int(CONFIG[key]), pow2(V)))
 
 
-def _inverse_settings(BT: int) -> dict:
-    """The UT inverse's constexprs from ``CONFIG``."""
-    return dict(DIAG_ROWS=bool(CONFIG["prep_diag_rows"]), BLOCKS=BT == 64 and bool(CONFIG["prep_blocks"]))
+def _inverse_settings(BT: int, dtype: torch.dtype) -> dict:
+    """The UT inverse's constexprs from ``CONFIG`` for keys of ``dtype``: the doubling inverse for 16-bit keys only
+    (fp32 sums, but on the worst inputs, identical keys with beta near 1, its series grows before it cancels: 2.4e-4
+    off float64 where the row steps stay at 3e-8, far below a 16-bit forward's error, not below fp32's 1e-4)."""
+    doubling = CONFIG["prep_diag_doubling"] and BT >= 16 and dtype != torch.float32
+    diag = 2 if doubling else int(bool(CONFIG["prep_diag_rows"]))
+    return dict(DIAG_ROWS=diag, BLOCKS=BT == 64 and bool(CONFIG["prep_blocks"]))
 
 
 def _transforms(k, beta, lg, *, dtype=torch.float32):
@@ -716,7 +748,7 @@ def _transforms(k, beta, lg, *, dtype=torch.float32):
     N = triton.cdiv(T, BT)
     Tm = new_empty((B, HK, N, BT, BT), dtype=dtype, device=k.device)
     launch(_ut_kernel, (N, B * HK), k, beta, lg, Tm, T, HK, K=K, BK=pow2(K), BT=BT, PREC=prec(k.dtype),
-           **_inverse_settings(BT), num_warps=CONFIG["ut_warps"])
+           **_inverse_settings(BT, k.dtype), num_warps=CONFIG["ut_warps"])
     return Tm
 
 
@@ -741,7 +773,7 @@ def _prep(k, v, beta, lg, *, store_t, dtype=torch.float32, low16=False):
     Tm = new_empty((B, HK, N, BT, BT), dtype=torch.float32, device=dev) if store_t else None
     launch(_prep_kernel, (N, B * HK), k, v, beta, lg, w, u, Tm if store_t else w, T, HK,
            K=K, V=V, BK=pow2(K), BV=BV, BT=BT, NV_BLK=triton.cdiv(V, BV), STORE_T=store_t, PREC=prec(k.dtype),
-           LOW16=low16, **_inverse_settings(BT), num_warps=CONFIG["prep_warps"])
+           LOW16=low16, **_inverse_settings(BT, k.dtype), num_warps=CONFIG["prep_warps"])
     return w, u, Tm
 
 
