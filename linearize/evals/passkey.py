@@ -21,8 +21,8 @@ import re
 
 import torch
 
-from .common import (EvalConfig, EvalError, ModelHandle, Progress, greedy_generate, grid_summary, no_args, prompt_sha1,
-                     sample_rng, tail_logits)
+from .common import (EvalConfig, EvalError, ModelHandle, Progress, eval_mode, greedy_generate, grid_summary, no_args,
+                     prompt_sha1, sample_rng, tail_logits)
 from .prompts import Needle, PieceEncoder, assemble, build_frame, cycle_units, make_units
 
 NAME = "passkey"
@@ -110,13 +110,11 @@ def quick_check(model, tokenizer, *, length: int, seeds: int = 2,
         return {"task": NAME, "length": length, "skipped": str(e)}
     enc = PieceEncoder(tokenizer)
     handle = ModelHandle("check", "model", model, tokenizer, chat)
-    was_training = model.training
-    model.eval()
     hits = 0
-    for s in samples:
-        answer = answer_ids(enc, s["row"]["expected"][0])
-        pred = tail_logits(handle, s["ids"] + answer, len(answer) + 1)[:-1].argmax(-1).cpu()  # [len(answer)]
-        hits += bool((pred == torch.as_tensor(answer)).all())
-    model.train(was_training)
+    with eval_mode(model):
+        for s in samples:
+            answer = answer_ids(enc, s["row"]["expected"][0])
+            pred = tail_logits(handle, s["ids"] + answer, len(answer) + 1)[:-1].argmax(-1).cpu()  # [len(answer)]
+            hits += bool((pred == torch.as_tensor(answer)).all())
     return {"task": NAME, "length": length, "prompts": len(samples), "score": round(hits / len(samples), 4),
             "chat": chat}

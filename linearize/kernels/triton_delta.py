@@ -177,20 +177,21 @@ def _diagonal_block_inverse(A, BT: tl.constexpr, SB: tl.constexpr, DOUBLING: tl.
 
 
 @triton.jit
-def _unit_lower_inverse(A, BT: tl.constexpr, PREC: tl.constexpr, DIAG_ROWS: tl.constexpr = 0):
+def _unit_lower_inverse(A, BT: tl.constexpr, PREC: tl.constexpr, DIAG: tl.constexpr = 0):
     """``(I + A)^{-1}`` of a strictly lower triangular ``A [BT, BT]`` (fp32) by blocked forward substitution, each
     step a ``tl.dot`` (tensor cores for 16-bit inputs): the diagonal ``[SB, SB]`` blocks first (row ``t`` of each
     block is ``e_t - A_t. Tm``, the block's earlier rows already final; all blocks at once), then each block row
     ``r`` below the first as ``D_r^{-1} (E_r - A_r,<r T_<r)`` with ``D^{-1}`` the block-diagonal inverse. ``SB`` =
     16 (the smallest ``tl.dot`` side): 15 + 2 x (BT / 16 - 1) products instead of ``BT`` steps that each reduce a
-    whole tile across threads. ``DIAG_ROWS``: the diagonal blocks on ``[SB, SB]`` tiles instead
-    (:func:`_diagonal_block_inverse`, ``CONFIG["prep_diag_rows"]``), by row steps (1) or by doubling (2)."""
+    whole tile across threads (``DIAG`` 0). ``DIAG`` 1 / 2: the diagonal blocks on ``[SB, SB]`` tiles instead
+    (:func:`_diagonal_block_inverse`), by row steps (``CONFIG["prep_diag_rows"]``) or by doubling
+    (``CONFIG["prep_diag_doubling"]``)."""
     SB: tl.constexpr = 16 if BT > 16 else BT
     ar = tl.arange(0, BT)
     blk = ar // SB
     same = blk[:, None] == blk[None, :]
-    if DIAG_ROWS:
-        Dinv = _diagonal_block_inverse(A, BT, SB, DIAG_ROWS == 2)
+    if DIAG:
+        Dinv = _diagonal_block_inverse(A, BT, SB, DIAG == 2)
     else:
         Ad = tl.where(same, A, 0.0)  # the diagonal blocks (strictly lower)
         Dinv = tl.where(ar[:, None] == ar[None, :], 1.0, 0.0)
@@ -216,7 +217,7 @@ def _chunk_rows(i, pbh, T, HK, BT: tl.constexpr):
 
 @triton.jit
 def _chunk_transform(Kp, BETA, LG, row, mt, ok, mk, K: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr,
-                     DIAG_ROWS: tl.constexpr, BLOCKS: tl.constexpr):
+                     DIAG: tl.constexpr, BLOCKS: tl.constexpr):
     """A chunk's keys ``[BT, BK]`` (their dtype), ``beta``, ``gamma`` and its UT transform ``T = (I + A)^{-1}``
     (fp32), ``A = strict_lower(diag(beta) (K K^T) * M)``."""
     ar = tl.arange(0, BT)
@@ -227,7 +228,7 @@ def _chunk_transform(Kp, BETA, LG, row, mt, ok, mk, K: tl.constexpr, BT: tl.cons
     if BLOCKS:
         Tm = _blocked_unit_lower_inverse(A, BT, PREC)
     else:
-        Tm = _unit_lower_inverse(A, BT, PREC, DIAG_ROWS)
+        Tm = _unit_lower_inverse(A, BT, PREC, DIAG)
     return k, beta, gam, Tm
 
 
@@ -248,7 +249,7 @@ def _prep_kernel(
     W, U, TM,  # w [B,T,HK,K], u [B,T,HK,V] (fp32; 16-bit under fwd_inter_16bit), STORE_T: T [B,HK,N,BT,BT] fp32
     T, HK,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, NV_BLK: tl.constexpr,
-    STORE_T: tl.constexpr, PREC: tl.constexpr, DIAG_ROWS: tl.constexpr, LOW16: tl.constexpr,
+    STORE_T: tl.constexpr, PREC: tl.constexpr, DIAG: tl.constexpr, LOW16: tl.constexpr,
     BLOCKS: tl.constexpr = False,
 ):
     """Program (chunk, batch x KV head): the UT transform of the chunk and ``w``, ``u``. ``LOW16`` (the forward
@@ -260,7 +261,7 @@ def _prep_kernel(
     ar, mt, row = _chunk_rows(i, pbh, T, HK, BT)  # [BT]
     ok = tl.arange(0, BK)
     mk = ok < K
-    k, beta, gam, Tm = _chunk_transform(Kp, BETA, LG, row, mt, ok, mk, K, BT, PREC, DIAG_ROWS, BLOCKS)
+    k, beta, gam, Tm = _chunk_transform(Kp, BETA, LG, row, mt, ok, mk, K, BT, PREC, DIAG, BLOCKS)
     if STORE_T:
         N = tl.cdiv(T, BT)
         tl.store(TM + ((pbh.to(tl.int64) * N + i) * BT + ar[:, None]) * BT + ar[None, :], Tm)
@@ -282,7 +283,7 @@ def _ut_kernel(
     Kp, BETA, LG,  # k [B,T,HK,K], beta [B,T,HK], log decays [B,T,HK] fp32
     TM,  # T [B,HK,N,BT,BT]: fp32, or the keys' 16-bit dtype for a forward under prep_16bit
     T, HK,
-    K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr, DIAG_ROWS: tl.constexpr,
+    K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr, DIAG: tl.constexpr,
     BLOCKS: tl.constexpr,
 ):
     """Program (chunk, batch x KV head) of the split prep (``CONFIG["prep_split"]``): the chunk's UT transform
@@ -291,7 +292,7 @@ def _ut_kernel(
     pbh = tl.program_id(1)
     ar, mt, row = _chunk_rows(i, pbh, T, HK, BT)  # [BT]
     ok = tl.arange(0, BK)
-    _, _, _, Tm = _chunk_transform(Kp, BETA, LG, row, mt, ok, ok < K, K, BT, PREC, DIAG_ROWS, BLOCKS)
+    _, _, _, Tm = _chunk_transform(Kp, BETA, LG, row, mt, ok, ok < K, K, BT, PREC, DIAG, BLOCKS)
     N = tl.cdiv(T, BT)
     out = TM + ((pbh.to(tl.int64) * N + i) * BT + ar[:, None]) * BT + ar[None, :]
     if TM.dtype.element_ty == tl.float32:
@@ -738,7 +739,7 @@ def _inverse_settings(BT: int, dtype: torch.dtype) -> dict:
     off float64 where the row steps stay at 3e-8, far below a 16-bit forward's error, not below fp32's 1e-4)."""
     doubling = CONFIG["prep_diag_doubling"] and BT >= 16 and dtype != torch.float32
     diag = 2 if doubling else int(bool(CONFIG["prep_diag_rows"]))
-    return dict(DIAG_ROWS=diag, BLOCKS=BT == 64 and bool(CONFIG["prep_blocks"]))
+    return dict(DIAG=diag, BLOCKS=BT == 64 and bool(CONFIG["prep_blocks"]))
 
 
 def _transforms(k, beta, lg, *, dtype=torch.float32):
