@@ -77,7 +77,8 @@ def convert(spec: str = DEFAULT_MODEL, *, recipe: str = DEFAULT_RECIPE, override
     reports = {}
     probe = swaps = None
     if plan.auto is not None:
-        log(f"select: auto, {plan.auto.count} softmax layers of {config.num_hidden_layers} "
+        count = plan.auto.count
+        log(f"select: auto, {count} softmax layer{'' if count == 1 else 's'} of {config.num_hidden_layers} "
             f"(from {plan.auto.count_from})")
         layer_types, probe, swaps = run_auto_select(model, tokenizer, rec, plan.auto, log=log)
         layer_types = dist.broadcast_object(layer_types)  # torchrun: every rank takes rank 0's choice
