@@ -75,6 +75,15 @@ def test_select_combinations():
     assert softmax_count_from_ratio("3:1", 30) == 7 and softmax_count_from_ratio("1:1", 4) == 2
 
 
+@pytest.mark.parametrize("ratio, layers, count", [
+    ("3:1", 30, 7), ("3:1", 32, 8), ("3:1", 31, 8), ("3:1", 26, 6), ("3:1", 22, 5), ("7:1", 30, 4), ("15:1", 30, 2),
+    ("7:1", 32, 4), ("63:1", 30, 1), ("1:0", 30, 0), ("0:1", 30, 30), ("1:1", 5, 2), ("1:3", 4, 3)])
+def test_auto_count_is_nearest_to_the_ratio_share(ratio, layers, count):
+    """``--select auto`` keeps the count nearest to layers x B / (A + B), halves down, at least one: 7:1 on 30
+    layers keeps 4 (the interleave pattern 3), 15:1 keeps 2 (the pattern 1), 3:1 keeps the pattern's 7."""
+    assert softmax_count_from_ratio(ratio, layers) == count
+
+
 def test_kv_budget_arithmetic():
     """Tiny llama (4 layers, 2 KV heads, head_dim 16), lolcats with window 8, fp32, 1K tokens, by hand:
     KV per softmax layer = 2 (k, v) x 2 heads x 1024 x 16 x 4 B = 262,144; hedgehog features F = 16, so a linear

@@ -128,8 +128,17 @@ def check_select(select: str | None, *, kv_budget: str | None = None, ratio_give
 
 
 def softmax_count_from_ratio(ratio: str, num_layers: int) -> int:
-    """How many softmax layers the interleave pattern of ``ratio`` keeps (``3:1`` on 30 layers: 7)."""
-    return layout_from_ratio(ratio, num_layers).count(FULL)
+    """How many softmax layers ``--select auto`` keeps for ``ratio``: the count nearest to the ratio's share of the
+    layers, ``num_layers * B / (A + B)``, halves rounded down (the cheaper layout), at least one when ``B > 0``.
+
+    On 30 layers: ``3:1`` 7 (7.5), ``7:1`` 4 (3.75), ``15:1`` 2 (1.875). The interleave pattern keeps 7, 3 and 1
+    there: 27:3 and 29:1 are further from 7:1 and 15:1 than 26:4 and 28:2, and with fewer layers to place a
+    ratio's count matters more (the lookup of the embedded model runs through six layers)."""
+    a, b = parse_ratio(ratio)
+    if b == 0:
+        return 0
+    share = num_layers * b / (a + b)
+    return min(num_layers, max(1, math.ceil(share - 0.5 - 1e-9)))
 
 
 def parse_kv_budget(text: str) -> tuple[int, int]:
