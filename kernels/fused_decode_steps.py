@@ -1,7 +1,8 @@
 """A hybrid decode step under settings of the layers that change no result beyond rounding, alternated twice over
 the same cache: ``VARIANT=features`` (the default) the Hedgehog features computed in the step kernels
 (kernel option ``fused_feature_maps="decode"``) vs computed first (``"none"``); ``VARIANT=rotary`` the one-kernel
-Triton rotary embedding (``rotary_backend=None``) vs PyTorch's (``"torch"``). Llama-3-8B shape (``CFG``), 3:1
+Triton rotary embedding (``rotary_backend=None``) vs PyTorch's (``"torch"``); ``VARIANT=norms`` every RMS norm
+of the model on one Triton kernel (``norm_backend=None``) vs the family's modules (``"torch"``, the default). Llama-3-8B shape (``CFG``), 3:1
 lolcats layers, random weights, bf16, one prefill of ``B`` x ``T`` tokens, then CUDA-graph decode steps timed by
 ``bench model``'s own ``_time_steps``. Needs a GPU (~60 GB at 32K x 8):
 
@@ -18,6 +19,7 @@ from linearize.convert.selection import select_layout
 VARIANTS = {  # name -> (kernel option of the hybrid, [(label, value), ...]); the last value is the default
     "features": ("fused_feature_maps", [("features first", "none"), ("features in the step", "decode")]),
     "rotary": ("rotary_backend", [("PyTorch rotary", "torch"), ("Triton rotary", None)]),
+    "norms": ("norm_backend", [("Triton norms", None), ("the family's norms", "torch")]),
 }
 option, settings = VARIANTS[os.environ.get("VARIANT", "features")]
 dev = torch.device(os.environ.get("DEV", "cuda"))

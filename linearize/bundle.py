@@ -30,13 +30,14 @@ BUNDLE = {
     "linearize.model.cache": "linearize_cache",
     "linearize.model.feature_maps": "linearize_feature_maps",
     "linearize.model.layout": "linearize_layout",
+    "linearize.model.norms": "linearize_norms",
     "linearize.model.prefill": "linearize_prefill",
     "linearize.model.softmax_attention": "linearize_softmax_attention",
     "linearize.errors": "linearize_errors",
     "linearize.atomic": "linearize_atomic",
     "linearize.kernels": "linearize_kernels",
     **{f"linearize.kernels.{m}": f"linearize_kernels_{m}" for m in (
-        "chunked", "reference", "step", "triton_common", "triton_features", "triton_linear", "triton_rotary",
+        "chunked", "reference", "step", "triton_common", "triton_features", "triton_linear", "triton_norm", "triton_rotary",
         "triton_step", "triton_window", "tuning", "delta", "delta_chunked", "delta_reference", "delta_step",
         "triton_delta", "triton_delta_step", "sinks")},
 }

@@ -1122,3 +1122,54 @@ def test_window_step_with_sinks_triton(hedgehog, ring, dtype, monkeypatch):
     sinks' maximum starting the online softmax)."""
     _launch(monkeypatch, step_ring_block=ring, step_ring_block_from=ring and 8)
     check_sink_steps("triton", dtype, device=DEV, hedgehog=hedgehog)
+
+
+@pytest.mark.parametrize("form", ["llama", "olmo2", "gemma"])
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                    (torch.bfloat16, torch.float32)], ids=["fp32", "bf16", "bf16-fp32w"])
+@pytest.mark.parametrize("rows, n", [(1, 16), (7, 96), (3, 200), (0, 64)], ids=lambda v: str(v))
+def test_rms_norm_kernel(form, dtypes, rows, n):
+    """The RMS-norm kernel against the families' step-by-step reference (outputs poisoned first): the output
+    dtype of the form, every element within a unit in the last place (only the order of the sum of squares
+    differs), and in bf16 almost all identical."""
+    from linearize.kernels import rms_norm, rms_norm_reference
+
+    xdt, wdt = dtypes
+    g = torch.Generator().manual_seed(rows * 1000 + n)
+    x = (torch.randn(rows, 2, n, generator=g) * 3).to(xdt).to(DEV)[:, 1]  # every other row: a row stride of 2n
+    w = (1 + 0.3 * torch.randn(n, generator=g)).to(wdt).to(DEV)
+    with torch.no_grad():
+        got = rms_norm(x, w, 1e-5, form=form, backend="triton")
+    want = rms_norm_reference(x, w, 1e-5, form)
+    assert got.dtype == want.dtype and got.shape == want.shape == (rows, n)
+    if rows == 0:
+        return
+    assert not got.isnan().any()
+    ulp = 2.0 ** -7 if got.dtype == torch.bfloat16 else 2.0 ** -20
+    assert ((got.float() - want.float()).abs() <= ulp * want.float().abs() + 1e-6).all()
+    if got.dtype == torch.bfloat16:  # one rounding of the same fp32 value: almost always the same bits
+        assert (got == want).float().mean() >= 0.9
+
+
+def test_rms_norm_backend_in_a_hybrid():
+    """A tiny Qwen3 hybrid (its q / k norms too) with ``norm_backend="triton"`` gives the logits of its own norms,
+    in fp32 to 1e-5, and runs the kernel in every norm."""
+    from conftest import tiny_model
+    from linearize import recipe as R
+    from linearize.convert.selection import select_layout
+    from linearize.convert.surgery import linearize_model
+    from linearize.model import norms
+
+    hybrid = linearize_model(tiny_model("qwen3"), select_layout(4, ratio="1:1"), R.load("lolcats")).to(DEV)
+    ids = torch.arange(24, device=DEV).view(2, 12) % 100
+    with torch.no_grad():
+        want = hybrid(ids).logits
+        hybrid.set_kernel_options(norm_backend="triton")
+        calls = []
+        real = norms.rms_norm
+        norms.rms_norm = lambda *a, **k: calls.append(1) or real(*a, **k)
+        try:
+            got = hybrid(ids).logits
+        finally:
+            norms.rms_norm = real
+    assert len(calls) == 4 * 4 + 1 and rel_err(got, want) <= 1e-5

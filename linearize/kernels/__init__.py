@@ -12,6 +12,7 @@ Layout ``[B, T, H, D]`` (like flash-attn / fla). Public entry points:
   :func:`window_linear_attention_step_hedgehog` with the Hedgehog features computed inside the step kernel.
 - :func:`hedgehog_feature_map` -- the Hedgehog features alone (a Triton kernel for inference on the GPU).
 - :func:`rotary_embedding` -- rotary position embedding of queries and keys (one Triton kernel, with backward).
+- :func:`rms_norm` -- RMS normalisation in a family's rounding order (one Triton kernel; inference).
 - :func:`gated_delta_rule`, :func:`gated_delta_rule_step` -- the gated delta rule (Gated DeltaNet), a sequence
   and one decode token (:mod:`linearize.kernels.delta`).
 - attention sinks (``sink_mask=`` on :func:`window_linear_attention`; the pieces a layer with a cache uses are in
@@ -51,6 +52,8 @@ from .reference import (
     hedgehog_features,
     hedgehog_features_rounded,
     linear_attention_reference,
+    RMS_NORM_FORMS,
+    rms_norm_reference,
     rotary_reference,
     window_linear_attention_reference,
 )
@@ -77,6 +80,9 @@ __all__ = [
     "hedgehog_features",
     "hedgehog_feature_map",
     "rotary_embedding",
+    "rms_norm",
+    "rms_norm_reference",
+    "RMS_NORM_FORMS",
     "gated_delta_rule",
     "gated_delta_rule_step",
     "Sinks",
@@ -503,6 +509,30 @@ def rotary_embedding(
     from .triton_rotary import RotaryTriton  # triton is optional: imported only on the Triton path
 
     return RotaryTriton.apply(q, k, cos, sin)
+
+
+def rms_norm(
+    x: torch.Tensor,  # [..., N]
+    weight: torch.Tensor,  # [N]
+    eps: float,
+    *,
+    form: str = "llama",
+    backend: Optional[str] = None,
+) -> torch.Tensor:
+    """RMS norm of ``x`` in the rounding order ``form`` (:data:`RMS_NORM_FORMS`: ``llama``, ``olmo2``, ``gemma``;
+    :func:`rms_norm_reference` spells them out), as a family's own module computes it. The Triton path normalises a
+    row per program in one launch, where PyTorch runs seven kernels (outputs agree to a unit in the last place);
+    it has no backward, so a call that needs gradients, and the ``"torch"`` / ``"reference"`` backends, compute
+    the reference."""
+    if form not in RMS_NORM_FORMS:
+        raise ValueError(f"form must be one of {RMS_NORM_FORMS}, got {form!r}")
+    if x.shape[-1] != weight.numel():
+        raise ValueError(f"rms_norm: x has {x.shape[-1]} channels and weight {weight.numel()}")
+    if _resolve_backend(backend, x) != "triton" or needs_grad(x, weight) or x.dtype == torch.float64:
+        return rms_norm_reference(x, weight, eps, form)
+    from .triton_norm import rms_norm_triton  # triton is optional: imported only on the Triton path
+
+    return rms_norm_triton(x, weight, eps, form)
 
 
 def _features_first(q, k, weight_q, weight_k, feature_eps, fk=None):

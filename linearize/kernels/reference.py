@@ -115,6 +115,27 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+#: the rounding orders of the RMS norms of the families (:func:`rms_norm_reference`)
+RMS_NORM_FORMS = ("llama", "olmo2", "gemma")
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, form: str) -> torch.Tensor:
+    """RMS norm of ``x [..., N]`` with ``weight [N]``, step by step as the families' modules compute it: the mean
+    of squares and the scaling in fp32 (float64 stays float64), then ``llama``: round to ``x``'s dtype and multiply
+    by ``weight`` in the promoted dtype; ``olmo2``: multiply by ``weight`` in fp32, round; ``gemma``: multiply by
+    ``1 + weight`` in fp32, round."""
+    if form not in RMS_NORM_FORMS:
+        raise ValueError(f"form must be one of {RMS_NORM_FORMS}, got {form!r}")
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    h = x.to(acc)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if form == "llama":
+        return weight * h.to(x.dtype)
+    if form == "olmo2":
+        return (weight * h).to(x.dtype)
+    return (h * (1.0 + weight.to(acc))).to(x.dtype)
+
+
 def rotary_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """Rotary position embedding ``x * cos + rotate_half(x) * sin`` of ``q`` ``[B, T, H, D]`` and ``k``
     ``[B, T, Hk, D]`` with ``cos`` / ``sin`` ``[B or 1, T, R]`` (the Llama convention), in the inputs' dtype

@@ -30,6 +30,7 @@ from .architectures import ArchSpec, attention_shape
 from .cache import HybridCache, softmax_windows
 from .feature_maps import HedgehogFeatureMap, build_feature_map
 from .layout import layer_window
+from .norms import NORM_BACKENDS
 
 #: Where GPU inference of Hedgehog layers computes the features in Triton kernels instead of the PyTorch map (the
 #: ``fused_feature_maps`` kernel option), in increasing order: ``none``; ``decode`` inside the decode-step kernels
@@ -42,8 +43,10 @@ FUSED_FEATURE_MAP_MODES = ("none", "decode", "maps", "all")
 #: The kernel options of the converted layers and their defaults (fields of the hybrid's config, which passes them
 #: to its layers): ``fused_feature_maps``, one of :data:`FUSED_FEATURE_MAP_MODES`; ``rotary_backend``, the backend
 #: of the layers' rotary embedding (:func:`linearize.kernels.rotary_embedding`): None = one Triton kernel for
-#: queries and keys on a GPU (ten PyTorch kernels otherwise), ``"torch"`` for comparisons
-KERNEL_OPTIONS = {"fused_feature_maps": "maps", "rotary_backend": None}
+#: queries and keys on a GPU (ten PyTorch kernels otherwise), ``"torch"`` for comparisons; ``norm_backend``, the
+#: model's RMS norms at inference (:mod:`linearize.model.norms`): ``"torch"`` (the default: the family's modules, until
+#: the kernel is timed on a GPU), None or ``"triton"`` (one Triton kernel per norm where its form is measured)
+KERNEL_OPTIONS = {"fused_feature_maps": "maps", "rotary_backend": None, "norm_backend": "torch"}
 
 
 def merge_kernel_options(current: dict, options: dict) -> dict:
@@ -59,6 +62,9 @@ def merge_kernel_options(current: dict, options: dict) -> dict:
     if merged["rotary_backend"] not in BACKENDS:
         raise ValueError(f"rotary_backend={merged['rotary_backend']!r}: expected one of "
                          f"{', '.join(map(repr, BACKENDS))}")
+    if merged["norm_backend"] not in NORM_BACKENDS:
+        raise ValueError(f"norm_backend={merged['norm_backend']!r}: expected one of "
+                         f"{', '.join(map(repr, NORM_BACKENDS))}")
     return merged
 
 

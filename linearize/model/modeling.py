@@ -38,6 +38,7 @@ from .attention import KERNEL_OPTIONS, LinearAttention, RealTokens, merge_kernel
 from .cache import HybridCache, softmax_windows
 from .delta_attention import GatedDeltaAttention
 from .layout import CONVERTED, FULL, GATED_DELTA, transformers_layer_types
+from .norms import set_norm_backend
 from .prefill import PREFILL_CHUNK_TOKENS, check_chunk_size, chunked_forward
 from .softmax_attention import attention_implementation
 
@@ -64,8 +65,10 @@ class LinearizeConfig(PretrainedConfig):
                  base_rope_parameters: dict | None = None, linearize_version: str | None = None,
                  fused_feature_maps: str = KERNEL_OPTIONS["fused_feature_maps"],
                  rotary_backend: str | None = KERNEL_OPTIONS["rotary_backend"],
+                 norm_backend: str | None = KERNEL_OPTIONS["norm_backend"],
                  prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS, **kwargs):
-        merge_kernel_options(KERNEL_OPTIONS, dict(fused_feature_maps=fused_feature_maps, rotary_backend=rotary_backend))
+        merge_kernel_options(KERNEL_OPTIONS, dict(fused_feature_maps=fused_feature_maps, rotary_backend=rotary_backend,
+                                                  norm_backend=norm_backend))
         self.prefill_chunk_tokens = check_chunk_size(prefill_chunk_tokens)
         self.base_model_type = base_model_type
         layout = hybrid_layer_types if hybrid_layer_types is not None else layer_types
@@ -79,6 +82,7 @@ class LinearizeConfig(PretrainedConfig):
         self.linearize_version = linearize_version
         self.fused_feature_maps = fused_feature_maps
         self.rotary_backend = rotary_backend
+        self.norm_backend = norm_backend
         self.use_cache = kwargs.pop("use_cache", True)
         super().__init__(**kwargs)
 
@@ -196,6 +200,8 @@ class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
             setattr(layer, spec.attention, cls(original, base_cfg, i, config.linear_attention, spec,
                                                kernel_options=options, masks=masks))
         self.post_init()
+        if options["norm_backend"] != "torch":
+            set_norm_backend(self, options["norm_backend"])
 
     def _init_weights(self, module):
         # New modules (feature maps, window logits) initialise themselves; base weights come from the checkpoint.
@@ -230,12 +236,15 @@ class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
         return {name: getattr(self.config, name) for name in KERNEL_OPTIONS}
 
     def set_kernel_options(self, **options) -> None:
-        """Change kernel options (``fused_feature_maps="none"``, ``rotary_backend="torch"``) in the config and every
-        converted layer; the others stay. Results change by rounding only."""
+        """Change kernel options (``fused_feature_maps="none"``, ``rotary_backend="torch"``, ``norm_backend=None``) in
+        the config and every converted layer (the norm backend: in every RMS norm of the model); the others stay.
+        Results change by rounding only."""
         for name, value in merge_kernel_options(self.kernel_options(), options).items():
             setattr(self.config, name, value)
         for m in self.linear_modules():
             m.set_kernel_options(**options)
+        if "norm_backend" in options:
+            set_norm_backend(self, options["norm_backend"])
 
     def new_cache(self) -> HybridCache:
         return HybridCache(self.config.hybrid_layer_types, softmax_windows(self.config))

@@ -1,0 +1,101 @@
+"""The base family's RMS norms on one Triton kernel at inference (the kernel option ``norm_backend``).
+
+A decoder layer normalises its hidden states two to four times, each with the family's own module: seven PyTorch
+kernels on a few rows at a decode step. :func:`set_norm_backend` gives every RMS-norm module of a model a forward
+that, when no gradient is wanted and the backend is Triton, runs :func:`linearize.kernels.rms_norm` instead, and
+otherwise the module's own code. Parameter names, state dicts and training are unchanged.
+
+Which rounding order a module follows (:data:`~linearize.kernels.RMS_NORM_FORMS`) is measured, not listed per
+family: :func:`norm_form` runs the module's own forward on a probe row with a probe weight and keeps the form
+whose reference gives the same bits. A module that matches none (another formula, another epsilon attribute)
+keeps its own forward.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+
+import torch
+from torch import nn
+
+from ..kernels import RMS_NORM_FORMS, rms_norm, rms_norm_reference
+
+#: norm backends: None (Triton on CUDA), "triton" (also CPU under TRITON_INTERPRET=1), "torch" (the modules' own)
+NORM_BACKENDS = (None, "triton", "torch")
+#: attributes that hold a norm module's epsilon, in the order they are tried
+_EPS_NAMES = ("variance_epsilon", "eps", "epsilon")
+#: the form measured for each norm class (None: none matched)
+_FORMS: dict[tuple[type, str], str | None] = {}
+
+
+def _eps(module: nn.Module) -> float | None:
+    for name in _EPS_NAMES:
+        value = getattr(module, name, None)
+        if isinstance(value, float):
+            return value
+    return None
+
+
+def norm_form(module: nn.Module) -> str | None:
+    """The form of :data:`~linearize.kernels.RMS_NORM_FORMS` that ``module``'s forward computes bit for bit, or
+    None. Candidates are modules with one 1-D ``weight`` parameter, no buffers and a float epsilon attribute; the
+    probe (bf16 rows and a weight near one, on the CPU) runs the module's own forward through
+    ``torch.func.functional_call``, so its weights, wherever they live, are not touched. Measured once per class
+    and epsilon attribute."""
+    weight = getattr(module, "weight", None)
+    eps = _eps(module)
+    if (not isinstance(weight, nn.Parameter) or weight.dim() != 1 or eps is None or list(module.buffers())
+            or [n for n, _ in module.named_parameters()] != ["weight"]):
+        return None
+    key = (type(module), next(n for n in _EPS_NAMES if isinstance(getattr(module, n, None), float)))
+    if key not in _FORMS:
+        g = torch.Generator().manual_seed(0)
+        n = weight.numel()
+        x = (torch.randn(3, n, generator=g) * 3).to(torch.bfloat16)
+        w = (1 + 0.25 * torch.randn(n, generator=g)).to(torch.bfloat16)
+        try:
+            with torch.no_grad():
+                out = torch.func.functional_call(module, {"weight": w}, (x,))
+        except Exception:  # a module that does not take one tensor: not a plain RMS norm
+            out = None
+        _FORMS[key] = next((f for f in RMS_NORM_FORMS if torch.is_tensor(out) and _same(out, rms_norm_reference(
+            x, w, eps, f))), None)
+    return _FORMS[key]
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def _fused_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """The norm on :func:`~linearize.kernels.rms_norm`'s Triton path; under autograd, with extra arguments, or on a
+    device the backend does not run on, the module's own forward."""
+    backend = self._linearize_norm_backend
+    usable = hidden_states.is_cuda or (backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1")
+    if args or kwargs or not usable or (torch.is_grad_enabled() and (
+            hidden_states.requires_grad or self.weight.requires_grad)):
+        return type(self).forward(self, hidden_states, *args, **kwargs)
+    return rms_norm(hidden_states, self.weight, _eps(self), form=self._linearize_norm_form, backend="triton")
+
+
+def set_norm_backend(model: nn.Module, backend: str | None) -> int:
+    """Give every RMS-norm module of ``model`` whose form :func:`norm_form` measures the Triton forward
+    (``backend`` None or ``"triton"``), or its own forward back (``"torch"``); returns how many modules run the
+    kernel. Idempotent."""
+    if backend not in NORM_BACKENDS:
+        raise ValueError(f"norm_backend={backend!r}: expected one of {', '.join(map(repr, NORM_BACKENDS))}")
+    fused = 0
+    for module in model.modules():
+        if backend == "torch":
+            if "_linearize_norm_form" in vars(module):
+                for name in ("forward", "_linearize_norm_form", "_linearize_norm_backend"):
+                    delattr(module, name)
+            continue
+        form = norm_form(module)
+        if form is None:
+            continue
+        module._linearize_norm_form, module._linearize_norm_backend = form, backend
+        module.forward = types.MethodType(_fused_forward, module)
+        fused += 1
+    return fused
