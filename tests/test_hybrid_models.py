@@ -425,7 +425,7 @@ def test_kernel_options_live_in_the_config(tmp_path, monkeypatch):
 
     monkeypatch.setenv("LINEARIZE_FUSED_FEATURE_MAPS", "none")
     hybrid = linearize_model(tiny_model("llama"), select_layout(4, ratio="1:1"), R.load("lolcats"))
-    assert hybrid.kernel_options() == {"fused_feature_maps": "maps", "rotary_backend": None, "norm_backend": "torch"}
+    assert hybrid.kernel_options() == {"fused_feature_maps": "maps", "rotary_backend": None, "norm_backend": None}
     assert {(m.fused_feature_maps, m.rotary_backend) for m in hybrid.linear_modules()} == {("maps", None)}
     hybrid.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
@@ -442,7 +442,7 @@ def test_kernel_options_live_in_the_config(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="norm_backend='fused'"):
         hybrid.set_kernel_options(norm_backend="fused")
     assert hybrid.kernel_options() == {"fused_feature_maps": "maps", "rotary_backend": None,
-                                       "norm_backend": "torch"}  # nothing half-applied
+                                       "norm_backend": None}  # nothing half-applied
     assert {(m.fused_feature_maps, m.rotary_backend) for m in hybrid.linear_modules()} == {("maps", None)}
 
 

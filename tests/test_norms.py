@@ -82,9 +82,39 @@ def test_backend_patches_and_restores(monkeypatch):
         set_norm_backend(model, "gpu")
 
 
+def test_an_accelerate_hook_stays(monkeypatch):
+    """Under device_map offloading accelerate wraps a module's forward (keeping the old one as ``_old_forward``);
+    switching the backend afterwards swaps the wrapped forward and leaves the hook in place."""
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    seen = []
+
+    class Spy(ModelHook):
+        def pre_forward(self, module, *args, **kwargs):
+            seen.append(type(module).__name__)
+            return args, kwargs
+
+    model = tiny_model("llama", layers=2)
+    norm = model.model.norm
+    add_hook_to_module(norm, Spy())
+    hooked = norm.forward
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    calls = []
+    monkeypatch.setattr(norms, "rms_norm", lambda *a, **k: calls.append(k) or rms_norm(*a, **{**k, "backend": "torch"}))
+    set_norm_backend(model, "triton")
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        norm(x)
+    assert norm.forward is hooked and seen == ["LlamaRMSNorm"] and len(calls) == 1
+    set_norm_backend(model, "torch")
+    with torch.no_grad():
+        norm(x)
+    assert norm.forward is hooked and seen == ["LlamaRMSNorm"] * 2 and len(calls) == 1
+
+
 def test_norm_backend_lives_in_the_hybrid_config(tmp_path):
-    """The option is a config field: "torch" by default (nothing patched), saved with the checkpoint, overridable
-    at load and by set_kernel_options."""
+    """The option is a config field: None by default (every norm patched, the kernel used on a GPU), saved with the
+    checkpoint, overridable at load and by set_kernel_options."""
     from linearize import recipe as R
     from linearize.convert.selection import select_layout
     from linearize.convert.surgery import linearize_model
@@ -92,13 +122,13 @@ def test_norm_backend_lives_in_the_hybrid_config(tmp_path):
 
     hybrid = linearize_model(tiny_model("gemma"), select_layout(4, ratio="1:1"), R.load("lolcats"))
     patched = lambda m: sum("_linearize_norm_form" in vars(x) for x in m.modules())  # noqa: E731
-    assert hybrid.config.norm_backend == "torch" and patched(hybrid) == 0
-    hybrid.set_kernel_options(norm_backend=None)
-    assert patched(hybrid) == 2 * 4 + 1  # Gemma 1: two norms in each of 4 layers and the final one
+    assert hybrid.config.norm_backend is None and patched(hybrid) == 2 * 4 + 1  # Gemma 1: two per layer, the final
+    hybrid.set_kernel_options(norm_backend="torch")
+    assert patched(hybrid) == 0
     hybrid.save_pretrained(tmp_path)
     loaded = LinearizeForCausalLM.from_pretrained(tmp_path)
-    assert loaded.config.norm_backend is None and patched(loaded) == patched(hybrid)
-    assert patched(LinearizeForCausalLM.from_pretrained(tmp_path, norm_backend="torch")) == 0
+    assert loaded.config.norm_backend == "torch" and patched(loaded) == 0
+    assert patched(LinearizeForCausalLM.from_pretrained(tmp_path, norm_backend=None)) == 2 * 4 + 1
 
 
 @pytest.mark.parametrize("form", RMS_NORM_FORMS)

@@ -29,12 +29,13 @@ _EPS_NAMES = ("variance_epsilon", "eps", "epsilon")
 _FORMS: dict[tuple[type, str], str | None] = {}
 
 
-def _eps(module: nn.Module) -> float | None:
-    for name in _EPS_NAMES:
-        value = getattr(module, name, None)
-        if isinstance(value, float):
-            return value
-    return None
+def _eps_name(module: nn.Module) -> str | None:
+    """The attribute that holds ``module``'s epsilon (a float), or None."""
+    return next((name for name in _EPS_NAMES if isinstance(getattr(module, name, None), float)), None)
+
+
+def _eps(module: nn.Module) -> float:
+    return getattr(module, _eps_name(module))
 
 
 def norm_form(module: nn.Module) -> str | None:
@@ -44,28 +45,29 @@ def norm_form(module: nn.Module) -> str | None:
     ``torch.func.functional_call``, so its weights, wherever they live, are not touched. Measured once per class
     and epsilon attribute."""
     weight = getattr(module, "weight", None)
-    eps = _eps(module)
-    if (not isinstance(weight, nn.Parameter) or weight.dim() != 1 or eps is None or list(module.buffers())
+    eps_name = _eps_name(module)
+    if (not isinstance(weight, nn.Parameter) or weight.dim() != 1 or eps_name is None or list(module.buffers())
             or [n for n, _ in module.named_parameters()] != ["weight"]):
         return None
-    key = (type(module), next(n for n in _EPS_NAMES if isinstance(getattr(module, n, None), float)))
+    key = (type(module), eps_name)
     if key not in _FORMS:
         g = torch.Generator().manual_seed(0)
         n = weight.numel()
-        x = (torch.randn(3, n, generator=g) * 3).to(torch.bfloat16)
-        w = (1 + 0.25 * torch.randn(n, generator=g)).to(torch.bfloat16)
+        # on the CPU explicitly: from_pretrained builds the model under a meta-device context
+        x = (torch.randn(3, n, generator=g, device="cpu") * 3).to(torch.bfloat16)
+        w = (1 + 0.25 * torch.randn(n, generator=g, device="cpu")).to(torch.bfloat16)
         try:
             with torch.no_grad():
                 out = torch.func.functional_call(module, {"weight": w}, (x,))
         except Exception:  # a module that does not take one tensor: not a plain RMS norm
             out = None
         _FORMS[key] = next((f for f in RMS_NORM_FORMS if torch.is_tensor(out) and _same(out, rms_norm_reference(
-            x, w, eps, f))), None)
+            x, w, getattr(module, eps_name), f))), None)
     return _FORMS[key]
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.cpu(), b.cpu())
 
 
 def _fused_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -87,15 +89,20 @@ def set_norm_backend(model: nn.Module, backend: str | None) -> int:
         raise ValueError(f"norm_backend={backend!r}: expected one of {', '.join(map(repr, NORM_BACKENDS))}")
     fused = 0
     for module in model.modules():
+        # a module under an accelerate hook (device_map offloading) keeps the hook: its wrapped forward is swapped
+        slot = "_old_forward" if hasattr(module, "_hf_hook") and "_old_forward" in vars(module) else "forward"
         if backend == "torch":
             if "_linearize_norm_form" in vars(module):
-                for name in ("forward", "_linearize_norm_form", "_linearize_norm_backend"):
-                    delattr(module, name)
+                del module._linearize_norm_form, module._linearize_norm_backend
+                if slot == "forward":
+                    del module.forward
+                else:
+                    module._old_forward = types.MethodType(type(module).forward, module)
             continue
         form = norm_form(module)
         if form is None:
             continue
         module._linearize_norm_form, module._linearize_norm_backend = form, backend
-        module.forward = types.MethodType(_fused_forward, module)
+        setattr(module, slot, types.MethodType(_fused_forward, module))
         fused += 1
     return fused
