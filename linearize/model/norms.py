@@ -19,7 +19,7 @@ import types
 import torch
 from torch import nn
 
-from ..kernels import RMS_NORM_FORMS, rms_norm, rms_norm_reference
+from ..kernels import RMS_NORM_FORMS, needs_grad, rms_norm, rms_norm_reference
 
 #: norm backends: None (Triton on CUDA), "triton" (also CPU under TRITON_INTERPRET=1), "torch" (the modules' own)
 NORM_BACKENDS = (None, "triton", "torch")
@@ -73,12 +73,15 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _fused_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """The norm on :func:`~linearize.kernels.rms_norm`'s Triton path; under autograd, with extra arguments, or on a
     device the backend does not run on, the module's own forward."""
-    backend = self._linearize_norm_backend
-    usable = hidden_states.is_cuda or (backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1")
-    if args or kwargs or not usable or (torch.is_grad_enabled() and (
-            hidden_states.requires_grad or self.weight.requires_grad)):
+    if args or kwargs or not (hidden_states.is_cuda or self._linearize_norm_on_cpu) or needs_grad(
+            hidden_states, self.weight):
         return type(self).forward(self, hidden_states, *args, **kwargs)
-    return rms_norm(hidden_states, self.weight, _eps(self), form=self._linearize_norm_form, backend="triton")
+    return rms_norm(hidden_states, self.weight, self._linearize_norm_eps, form=self._linearize_norm_form,
+                    backend="triton")
+
+
+#: what a patched module carries (set once, so the forward reads no attribute names or environment)
+_PATCH_ATTRS = ("_linearize_norm_form", "_linearize_norm_eps", "_linearize_norm_on_cpu")
 
 
 def set_norm_backend(model: nn.Module, backend: str | None) -> int:
@@ -93,7 +96,8 @@ def set_norm_backend(model: nn.Module, backend: str | None) -> int:
         slot = "_old_forward" if hasattr(module, "_hf_hook") and "_old_forward" in vars(module) else "forward"
         if backend == "torch":
             if "_linearize_norm_form" in vars(module):
-                del module._linearize_norm_form, module._linearize_norm_backend
+                for name in _PATCH_ATTRS:
+                    delattr(module, name)
                 if slot == "forward":
                     del module.forward
                 else:
@@ -102,7 +106,9 @@ def set_norm_backend(model: nn.Module, backend: str | None) -> int:
         form = norm_form(module)
         if form is None:
             continue
-        module._linearize_norm_form, module._linearize_norm_backend = form, backend
+        on_cpu = backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter runs it there
+        for name, value in zip(_PATCH_ATTRS, (form, _eps(module), on_cpu)):
+            setattr(module, name, value)
         setattr(module, slot, types.MethodType(_fused_forward, module))
         fused += 1
     return fused
