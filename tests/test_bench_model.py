@@ -89,9 +89,59 @@ def test_cli_tiny_config_on_cpu(tiny_config, tmp_path):
     assert "bench model: hybrid vs original" in r.stdout and "wrote" in r.stdout
 
 
+def test_several_layouts_against_one_original_run(tiny_config, tmp_path):
+    """``--ratio 3:1,1:0``: the original's rows once, then one set of rows, ratios and goals per layout, each
+    hybrid with its own layout and the prefill chunk asked for."""
+    out = tmp_path / "bench"
+    r = run_cli("bench", "model", str(tiny_config), "--random-weights", "--device", "cpu", "--lengths", "64",
+                "--batch", "1", "--decode-steps", "2", "--ratio", "3:1,1:0", "--prefill-chunk", "16", "-o", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads((out / "bench_model.json").read_text())
+    assert [x["model"] for x in res["rows"]] == ["original", "hybrid 3:1", "hybrid 1:0"]
+    assert all(x["status"] == "ok" for x in res["rows"])
+    hybrids = {h["model"]: h for h in res["meta"]["hybrids"]}
+    assert hybrids["hybrid 3:1"]["layer_types"].count("full_attention") == 1
+    assert "full_attention" not in hybrids["hybrid 1:0"]["layer_types"]
+    assert res["meta"]["prefill_chunk_tokens"] == {"hybrid 3:1": 16, "hybrid 1:0": 16}
+    rows = {x["model"]: x for x in res["rows"]}
+    # each hybrid's cache is its own layout's closed form: at 64 tokens a linear layer's state and window ring
+    # outweigh a softmax layer's KV, so all-linear holds more
+    assert all(x["cache_bytes"] == x["cache_bytes_formula"] for x in rows.values())
+    assert rows["hybrid 1:0"]["cache_bytes"] > rows["hybrid 3:1"]["cache_bytes"]
+    assert {q["model"] for q in res["ratios"]} == {"hybrid 3:1", "hybrid 1:0"}
+    for q in res["ratios"]:
+        assert q["cache_ratio"] == pytest.approx(rows[q["model"]]["cache_bytes"] / rows["original"]["cache_bytes"],
+                                                 rel=1e-3)
+    assert "hybrid 3:1 vs original" in r.stdout and "hybrid 1:0 vs original" in r.stdout
+
+
+def test_a_row_that_cannot_fit_is_skipped_unrun(monkeypatch):
+    """Weights plus the closed-form cache above the GPU's memory: the row is named as skipped, with both sizes."""
+    model = tiny_model("llama", seed=0)
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert bm.too_big(model, 1 << 30, 8, cpu) is None  # nothing is checked on a CPU
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev=None: 10 << 30)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev=None: type("P", (), {"total_memory": 80 << 30}))
+    p = next(model.parameters())
+    per_token = costs.cache_bytes(model.config, 1, 1, p.element_size())["original"]
+    fits = (70 << 30) // per_token
+    assert bm.too_big(model, fits, 1, gpu) is None
+    why = bm.too_big(model, fits + 1, 1, gpu)
+    assert why.startswith("skipped: weights 10.0 GiB + cache") and "80.0 GiB" in why
+
+
+def test_long_rows_warm_up_on_a_prefix():
+    short = torch.zeros(8, 1 << 16, dtype=torch.long)
+    assert bm.warmup_ids(short).shape == short.shape
+    long = torch.zeros(16, 1 << 16, dtype=torch.long)  # 1M tokens
+    assert bm.warmup_ids(long).shape == (16, bm.WARMUP_PREFIX)
+
+
 @pytest.mark.parametrize("args, message", [
     (["no-such-model", "--random-weights"], "no shipped config"),
     (["llama-3-8b", "--random-weights", "--lengths", "4K,x"], "bad length"),
+    (["llama-3-8b", "--random-weights", "--ratio", "3:1,7"], "expected A:B"),
+    (["llama-3-8b", "--random-weights", "--prefill-chunk", "-1"], "--prefill-chunk"),
 ])
 def test_bad_inputs_one_line_exit_2(tmp_path, args, message):
     from typer.testing import CliRunner

@@ -62,6 +62,7 @@ from ..io.sources import load_model, local_dir, read_config, resolve, resolve_dt
 from ..model import modeling  # noqa: F401  (registers the linearize model type)
 from ..model.architectures import arch_spec
 from ..model.cache import HybridCache, LinearStateLayer
+from ..model.prefill import check_chunk_size
 from ..progress import make_console
 from ..settings import DEFAULT_RATIO, DEFAULT_RECIPE
 from ..units import format_bytes
@@ -431,6 +432,19 @@ def _try_backends(backends: list[str | None], run: Callable[[str | None], Any]) 
     return results, errors
 
 
+#: rows of at least this many tokens (B x T) warm up on a prefix of :data:`WARMUP_PREFIX` tokens per sequence
+#: instead of a whole prefill (minutes at 1M tokens; the kernels it compiles are the same: a chunked prefill's
+#: pieces keep one shape, and flash attention is not tuned per length)
+LONG_ROW_TOKENS = 1 << 20
+WARMUP_PREFIX = 16384
+
+
+def warmup_ids(ids: torch.Tensor) -> torch.Tensor:
+    """The input of a row's untimed warm-up: all of ``ids``, or its first :data:`WARMUP_PREFIX` tokens per
+    sequence for a row of :data:`LONG_ROW_TOKENS` or more."""
+    return ids[:, :WARMUP_PREFIX] if ids.numel() >= LONG_ROW_TOKENS else ids
+
+
 def _prefill_phase(model, ids, backends, dev, timing: Timing, holder: dict) -> dict:
     warmed = []
 
@@ -438,7 +452,7 @@ def _prefill_phase(model, ids, backends, dev, timing: Timing, holder: dict) -> d
         with _sdpa(be):
             if not warmed:  # compile / autotune kernels for this shape once
                 holder["cache"] = None
-                holder["cache"] = prefill(model, ids)
+                holder["cache"] = prefill(model, warmup_ids(ids))
                 warmed.append(be)
             times = []
             while True:
@@ -457,7 +471,7 @@ def _prefill_phase(model, ids, backends, dev, timing: Timing, holder: dict) -> d
             holder["cache"] = prefill(model, ids)
     B, T = ids.shape
     return {"prefill_s": round(results[best], 6), "prefill_tok_s": round(B * T / results[best], 2),
-            "prefill_sdpa": best or "default",
+            "prefill_warmup_tokens": warmup_ids(ids).shape[1], "prefill_sdpa": best or "default",
             "prefill_sdpa_s": {(k or "default"): round(v, 6) for k, v in results.items()} | errors}
 
 
@@ -775,9 +789,11 @@ def _versions() -> dict[str, str]:
 def ratios(rows: list[dict]) -> list[dict]:
     """Hybrid / original per (T, B): speed-ups (> 1 = hybrid faster), memory fractions, and the speed-ups the
     hybrid's shapes allow at the original's efficiency (``prefill_bound``: FLOPs per token; ``decode_bound``:
-    bytes a decode step reads, weights + cache), from each row's ``cost``."""
+    bytes a decode step reads, weights + cache), from each row's ``cost``. One entry per hybrid (``model``: the
+    hybrid's row name, ``hybrid`` or ``hybrid A:B`` when several layouts were measured) and (T, B)."""
     by = {(r["model"], r["T"], r["B"]): r for r in rows}
     keys = sorted({(r["T"], r["B"]) for r in rows})
+    hybrids = list(dict.fromkeys(r["model"] for r in rows if r["model"] != "original"))
     out = []
 
     def frac(h, o, key):
@@ -794,12 +810,12 @@ def ratios(rows: list[dict]) -> list[dict]:
         prefill, decode = speedup_bounds(ch, co, T, h.get("cache_bytes"), o.get("cache_bytes"), B)
         return float(f"{prefill:.4g}"), float(f"{decode:.4g}") if decode else None
 
-    for T, B in keys:
-        h, o = by.get(("hybrid", T, B)), by.get(("original", T, B))
+    for kind, (T, B) in ((k, tb) for k in hybrids for tb in keys):
+        h, o = by.get((kind, T, B)), by.get(("original", T, B))
         if h is None or o is None:
             continue
         prefill_bound, decode_bound = bounds(h, o, T, B)
-        out.append({"T": T, "B": B,
+        out.append({"model": kind, "T": T, "B": B,
                     "prefill_speedup": frac(h, o, "prefill_tok_s"),
                     "decode_speedup": frac(h, o, "decode_tok_s"),
                     "cache_ratio": frac(h, o, "cache_bytes"),
@@ -810,16 +826,17 @@ def ratios(rows: list[dict]) -> list[dict]:
 
 
 def check_targets(rat: list[dict]) -> list[dict]:
-    """The speed goals that the measured rows can answer (``met`` is None when a side has no number)."""
-    by = {(r["T"], r["B"]): r for r in rat}
+    """The speed goals that the measured rows can answer, per hybrid (``met`` is None when a side has no number)."""
+    by = {(r.get("model", "hybrid"), r["T"], r["B"]): r for r in rat}
     out = []
-    for what, metric, T, B, (op, bound) in TARGETS:
-        r = by.get((T, B))
-        if r is None:
-            continue
-        v = r.get(metric)
-        met = None if v is None else (v >= bound if op == ">=" else v <= bound)
-        out.append({"target": what, "T": T, "B": B, "metric": metric, "value": v, "met": met})
+    for kind in dict.fromkeys(r.get("model", "hybrid") for r in rat):
+        for what, metric, T, B, (op, bound) in TARGETS:
+            r = by.get((kind, T, B))
+            if r is None:
+                continue
+            v = r.get(metric)
+            met = None if v is None else (v >= bound if op == ">=" else v <= bound)
+            out.append({"model": kind, "target": what, "T": T, "B": B, "metric": metric, "value": v, "met": met})
     return out
 
 
@@ -832,18 +849,45 @@ def _dominated(T: int, B: int, failed: list[tuple[int, int]]) -> bool:
     return any(T >= t and B >= b for t, b in failed)
 
 
+def too_big(model, T: int, B: int, dev: torch.device) -> str | None:
+    """Why a row cannot fit, without running it: what is resident (weights) plus the row's cache from the closed
+    form exceed the GPU's memory; None when it may fit (or on CPU, where nothing is checked)."""
+    if dev.type != "cuda":
+        return None
+    p = next(model.parameters())
+    kind = "hybrid" if getattr(model.config, "model_type", "") == "linearize" else "original"
+    cache = cache_bytes(model.config, T, B, p.element_size())[kind]
+    resident, total = torch.cuda.memory_allocated(dev), torch.cuda.get_device_properties(dev).total_memory
+    if resident + cache <= total:
+        return None
+    return (f"skipped: weights {format_bytes(resident)} + cache {format_bytes(cache)} exceed the GPU's "
+            f"{format_bytes(total)}")
+
+
+def parse_ratios(value: str) -> list[str]:
+    """``--ratio``: one A:B layout or a comma list of them (each hybrid is measured against one original run)."""
+    items = list(dict.fromkeys(v.strip() for v in str(value).split(",") if v.strip()))
+    if not items:
+        raise LinearizeError(f"--ratio {value!r}: expected A:B, or a comma list such as 3:1,7:1")
+    for r in items:
+        parse_ratio(r)
+    return items
+
+
 def bench_model(spec: str, *, against: str | None = None, random_weights: bool = False, ratio: str = DEFAULT_RATIO,
                 recipe: str = DEFAULT_RECIPE, lengths: Any = "4K,32K,128K", batches: Any = "1,8", decode_steps: int = 64,
                 dtype: str | None = None, device: str | None = None, sdpa: str = "flash,cudnn",
                 out_dir: Path | str = "bench-model", timing: Timing | None = None,
-                log: Callable[[str], None] = print, profile: bool = False) -> dict:
+                log: Callable[[str], None] = print, profile: bool = False, prefill_chunk: int | None = None) -> dict:
     """Benchmark the hybrid against the original; write ``out_dir/bench_model.json``; return the result.
 
     ``spec`` is a hybrid checkpoint directory (compared with ``against`` or the base model it names), or
     a model spec converted on the fly with surgery only (``ratio``, ``recipe``), compared with
-    ``against`` or itself. With ``random_weights`` the models come from a shipped config (alias) or a
+    ``against`` or itself; ``ratio`` may list several layouts (``"3:1,7:1"``): the original runs once, then
+    each hybrid, built afresh, with rows named ``hybrid A:B``. With ``random_weights`` the models come from a shipped config (alias) or a
     ``config.json`` path. ``profile``: also split a few eager decode steps per row by kernel category
-    (:func:`profile_steps`). See the module docstring for what each number means.
+    (:func:`profile_steps`); ``prefill_chunk``: the hybrids' ``prefill_chunk_tokens`` for the run (None: their
+    config's; 0: one whole forward). See the module docstring for what each number means.
     """
     Ts, Bs = parse_lengths(lengths), parse_batch_sizes(batches)
     if int(decode_steps) < 1:
@@ -861,11 +905,20 @@ def bench_model(spec: str, *, against: str | None = None, random_weights: bool =
     dt = resolve_dtype(dtype, dev)
     sdpa_names = parse_sdpa(sdpa)
     backends: list[str | None] = list(sdpa_names) if dev.type == "cuda" else [None]
-    parse_ratio(ratio)
+    ratio_list = parse_ratios(ratio)
+    if prefill_chunk is not None:
+        try:
+            prefill_chunk = check_chunk_size(prefill_chunk)
+        except ValueError as e:
+            raise LinearizeError(f"--prefill-chunk: {e}") from None
     rec = recipes.load(recipe)
     timing = timing or (Timing() if dev.type == "cuda" else Timing(min_time=0.0, max_reps=1, warmup_steps=1))
-    pair = plan_pair(spec, against=against, random_weights=random_weights, ratio=ratio, recipe=rec, dtype=dt,
-                     device=dev, max_len=max(Ts))
+    pairs = [plan_pair(spec, against=against, random_weights=random_weights, ratio=r, recipe=rec, dtype=dt,
+                       device=dev, max_len=max(Ts)) for r in ratio_list]
+    pair = pairs[0]
+    if len(pairs) > 1 and pair.layout_from_checkpoint:
+        raise LinearizeError(f"--ratio {ratio}: several layouts compare on-the-fly conversions; {spec} has its own")
+    kinds = ["hybrid"] if len(pairs) == 1 else [f"hybrid {r}" for r in ratio_list]
     out_dir = Path(out_dir)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -879,10 +932,13 @@ def bench_model(spec: str, *, against: str | None = None, random_weights: bool =
     meta = {"date": _dt.datetime.now().isoformat(timespec="seconds"), **_versions(),
             "spec": spec, "against": against, "random_weights": random_weights,
             "original": pair.original_name, "hybrid": pair.hybrid_name,
-            "ratio": None if pair.layout_from_checkpoint else ratio,
+            "ratio": None if pair.layout_from_checkpoint else ",".join(ratio_list),
             "recipe": None if pair.layout_from_checkpoint else rec.name,
-            "layout": describe_layout(pair.layer_types) if pair.layer_types else None,
+            "layout": "; ".join(describe_layout(p.layer_types) for p in pairs) if pair.layer_types else None,
             "layer_types": pair.layer_types, "dtype": str(dt).replace("torch.", ""), "device": str(dev),
+            "hybrids": [{"model": k, "ratio": None if p.layout_from_checkpoint else r,
+                         "layout": describe_layout(p.layer_types) if p.layer_types else None, "layer_types": p.layer_types}
+                        for k, r, p in zip(kinds, ratio_list, pairs)],
             "lengths": Ts, "batches": Bs, "decode_steps": int(decode_steps),
             "sdpa_candidates": [b or "default" for b in backends],
             "timing": {"prefill_min_seconds": timing.min_time, "prefill_max_reps": timing.max_reps,
@@ -909,9 +965,11 @@ def bench_model(spec: str, *, against: str | None = None, random_weights: bool =
         failed: list[tuple[int, int]] = []
         for T in Ts:
             for B in Bs:
-                if _dominated(T, B, failed):
+                why = "skipped: a smaller row ran out of memory" if _dominated(T, B, failed) else too_big(model, T, B, dev)
+                if why:
                     row = {"model": kind, "T": T, "B": B, "status": "oom", "prefill_tok_s": "oom",
-                           "decode_tok_s": "oom", "peak_bytes": "oom", "note": "skipped: a smaller row ran out of memory"}
+                           "decode_tok_s": "oom", "peak_bytes": "oom", "note": why}
+                    failed.append((T, B))
                 else:
                     t0 = time.time()
                     row = bench_row(model, kind, T, B, steps=int(decode_steps), backends=backends, dev=dev,
@@ -931,16 +989,24 @@ def bench_model(spec: str, *, against: str | None = None, random_weights: bool =
     log(f"original: {pair.original_name}, {sum(p.numel() for p in original.parameters()):,} parameters, "
         f"built in {time.time() - t0:.1f}s")
     run_model(original, "original")
-    if not pair.hybrid_from_original:
+    keep = len(pairs) == 1 and pair.hybrid_from_original  # one layout: made in place from the original
+    if not keep:  # several: each hybrid from a fresh original, so no row holds two models' weights
         original = None
         _free(dev)
-    t0 = time.time()
-    hybrid = pair.build_hybrid(original)
-    original = None
-    log(f"hybrid: {pair.hybrid_name}, {meta['layout'] or ''} built in {time.time() - t0:.1f}s")
-    run_model(hybrid, "hybrid")
-    hybrid = None
-    _free(dev)
+    for kind, p in zip(kinds, pairs):
+        t0 = time.time()
+        base = original if keep else (p.build_original() if p.hybrid_from_original else None)
+        original = None
+        hybrid = p.build_hybrid(base)
+        base = None
+        if prefill_chunk is not None:
+            hybrid.config.prefill_chunk_tokens = prefill_chunk
+        meta.setdefault("prefill_chunk_tokens", {})[kind] = getattr(hybrid.config, "prefill_chunk_tokens", None)
+        log(f"{kind}: {p.hybrid_name}, {describe_layout(p.layer_types) if p.layer_types else ''} "
+            f"built in {time.time() - t0:.1f}s")
+        run_model(hybrid, kind)
+        hybrid = None
+        _free(dev)
     meta["finished"] = _dt.datetime.now().isoformat(timespec="seconds")
     _write(out_path, result)
     return result
@@ -974,26 +1040,33 @@ def print_result(result: dict, console=None) -> None:
               f"{meta.get('gpu', meta['device'])} | torch {meta['torch']}, transformers {meta['transformers']}",
               highlight=False)
     by = {(r["model"], r["T"], r["B"]): r for r in result["rows"]}
-    rat = {(r["T"], r["B"]): r for r in result["ratios"]}
-    t = Table(title="bench model: hybrid vs original (x = hybrid / original)")
-    for col in ("T", "B", "prefill tok/s orig", "hybrid", "x", "decode tok/s orig", "hybrid", "x",
-                "cache orig", "hybrid", "x", "peak orig", "hybrid", "x"):
-        t.add_column(col, justify="right")
-    for T, B in sorted({(r["T"], r["B"]) for r in result["rows"]}):
-        o, h, x = by.get(("original", T, B), {}), by.get(("hybrid", T, B), {}), rat.get((T, B), {})
+    rat = {(r.get("model", "hybrid"), r["T"], r["B"]): r for r in result["ratios"]}
+    layouts = {h["model"]: h.get("layout") for h in meta.get("hybrids", [])}
 
-        def val(r, k):
-            v = r.get(k)
-            return _fmt(v) if isinstance(v, (int, float)) or r.get("status") != "error" else "error"
+    def val(r, k):
+        v = r.get(k)
+        return _fmt(v) if isinstance(v, (int, float)) or r.get("status") != "error" else "error"
 
-        def xr(k, spec=".2f"):
-            return _fmt(x.get(k), spec)
+    for kind in dict.fromkeys(r["model"] for r in result["rows"] if r["model"] != "original"):
+        title = f"bench model: {kind} vs original (x = hybrid / original)"
+        if len(layouts) > 1 and layouts.get(kind):
+            title += f"\n{layouts[kind]}"
+        t = Table(title=title)
+        for col in ("T", "B", "prefill tok/s orig", "hybrid", "x", "decode tok/s orig", "hybrid", "x",
+                    "cache orig", "hybrid", "x", "peak orig", "hybrid", "x"):
+            t.add_column(col, justify="right")
+        for T, B in sorted({(r["T"], r["B"]) for r in result["rows"]}):
+            o, h, x = by.get(("original", T, B), {}), by.get((kind, T, B), {}), rat.get((kind, T, B), {})
 
-        t.add_row(str(T), str(B), val(o, "prefill_tok_s"), val(h, "prefill_tok_s"), xr("prefill_speedup"),
-                  val(o, "decode_tok_s"), val(h, "decode_tok_s"), xr("decode_speedup"),
-                  format_bytes(o.get("cache_bytes", "")), format_bytes(h.get("cache_bytes", "")), xr("cache_ratio", ".1%"),
-                  format_bytes(o.get("peak_bytes", "")), format_bytes(h.get("peak_bytes", "")), xr("peak_ratio", ".1%"))
-    con.print(t)
+            def xr(k, spec=".2f"):
+                return _fmt(x.get(k), spec)
+
+            t.add_row(str(T), str(B), val(o, "prefill_tok_s"), val(h, "prefill_tok_s"), xr("prefill_speedup"),
+                      val(o, "decode_tok_s"), val(h, "decode_tok_s"), xr("decode_speedup"),
+                      format_bytes(o.get("cache_bytes", "")), format_bytes(h.get("cache_bytes", "")),
+                      xr("cache_ratio", ".1%"), format_bytes(o.get("peak_bytes", "")),
+                      format_bytes(h.get("peak_bytes", "")), xr("peak_ratio", ".1%"))
+        con.print(t)
     modes = sorted({(r["model"], r.get("decode_mode"), r.get("decode_sdpa"), r.get("prefill_sdpa"))
                     for r in result["rows"] if r.get("status") == "ok"}, key=str)
     for model, dmode, dsdpa, psdpa in modes:
@@ -1016,12 +1089,15 @@ def print_result(result: dict, console=None) -> None:
             top = "; ".join(f"{name} {ms:.3f}" for name, ms in r.get("decode_profile_other_top", [])[:6])
             if top:
                 con.print(f"    largest in other: {top}", highlight=False)
+    several = len(layouts) > 1
     for x in result.get("ratios", []):
         if x.get("prefill_bound") is not None:
-            con.print(f"  T={x['T']} B={x['B']}: at the original's efficiency the hybrid's shapes allow prefill "
+            who = f"{x.get('model', 'hybrid')} " if several else ""
+            con.print(f"  {who}T={x['T']} B={x['B']}: at the original's efficiency the hybrid's shapes allow prefill "
                       f"{_fmt(x['prefill_bound'], '.2f')}x (FLOPs per token; linear layers free), decode "
                       f"{_fmt(x.get('decode_bound'), '.2f') or 'n/a'}x (bytes per step: weights + cache)",
                       highlight=False)
     for tg in result.get("targets", []):
         mark = {True: "reached", False: "not reached", None: "n/a"}[tg["met"]]
-        con.print(f"  goal: {tg['target']}: {_fmt(tg['value'], '.3f') or 'n/a'} ({mark})", highlight=False)
+        who = f"{tg.get('model', 'hybrid')} " if several else ""
+        con.print(f"  goal: {who}{tg['target']}: {_fmt(tg['value'], '.3f') or 'n/a'} ({mark})", highlight=False)

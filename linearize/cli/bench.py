@@ -67,7 +67,7 @@ def bench_model_cmd(
     spec: str = typer.Argument(..., help="Hybrid checkpoint dir, or a model spec converted on the fly (surgery only, untrained)."),
     against: Optional[str] = typer.Option(None, "--against", help="The original (default: SPEC itself, or the base model a hybrid names)."),
     random_weights: bool = typer.Option(False, "--random-weights", help="Random weights from a shipped config (alias, e.g. llama-3-8b) or a config.json path: nothing downloaded."),
-    ratio: str = typer.Option(DEFAULT_RATIO, "--ratio", help="A:B layout of the on-the-fly conversion."),
+    ratio: str = typer.Option(DEFAULT_RATIO, "--ratio", help="A:B layout of the on-the-fly conversion, or a comma list (3:1,7:1): one original run, one table per layout."),
     recipe: str = typer.Option(DEFAULT_RECIPE, "--recipe", help="Recipe of the on-the-fly conversion (name or YAML path)."),
     lengths: str = typer.Option("4K,32K,128K", "--lengths", help="Context lengths T."),
     batch: str = typer.Option("1,8", "--batch", help="Batch sizes B."),
@@ -77,6 +77,7 @@ def bench_model_cmd(
     device: Optional[str] = BENCH_DEVICE,
     out: Optional[Path] = typer.Option(None, "-o", "--output", help="Output directory for bench_model.json (default: bench-model-NAME)."),
     profile: bool = typer.Option(False, "--profile", help="Also split a few eager decode steps per row by kernel category (matmul, softmax attention, linear attention, other)."),
+    prefill_chunk: Optional[int] = typer.Option(None, "--prefill-chunk", help="Tokens per piece of the hybrid's chunked prefill for this run (default: its config's, 8192; 0: one whole forward)."),
 ):
     """Hybrid vs original: prefill and decode tokens/s, peak memory, cache + state bytes (JSON + table)."""
     from ..bench.model import RESULT_FILE, bench_model, print_result  # start-up time: torch and transformers
@@ -85,7 +86,7 @@ def bench_model_cmd(
     result = bench_model(spec, against=against, random_weights=random_weights, ratio=ratio, recipe=recipe,
                          lengths=lengths, batches=batch, decode_steps=decode_steps, dtype=dtype, device=device,
                          sdpa=sdpa, out_dir=out, log=lambda m: err_console.print(m, highlight=False, soft_wrap=True),
-                         profile=profile)
+                         profile=profile, prefill_chunk=prefill_chunk)
     print_result(result)
     console.print(f"wrote {out / RESULT_FILE}", highlight=False)
 
