@@ -2,6 +2,7 @@
 the ``--layers`` it names) at another width, optionally with attention sinks, and the perplexity moves only with the
 layers it changed."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -48,3 +49,21 @@ def test_serve_window_widens_the_named_layers(hybrid):
     res, sunk = _serve(hybrid, "E8s4", "--window", "8", "--sinks", "4")
     assert f"serving 2 window layers of {hybrid / 'H'} at 8 tokens with 4 sinks: {layers[0]},{layers[1]}" in res.stderr
     assert round(sunk, 6) != round(trained, 6)
+
+
+def test_prefill_chunks_runs_on_a_tiny_config(tmp_path):
+    """``experiments/prefill_chunks.py`` builds one random hybrid from a config and prints a row per chunk size (on a
+    CPU: that it runs, the rates untimed for any claim)."""
+    cfg = tmp_path / "tiny.json"
+    cfg.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                               "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+                               "head_dim": 16, "vocab_size": 256, "max_position_embeddings": 128,
+                               "tie_word_embeddings": True}))
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "experiments" / "prefill_chunks.py"), "--model", str(cfg),
+                        "--lengths", "96", "--batch", "2", "--chunks", "0,64", "--device", "cpu"],
+                       capture_output=True, text=True, timeout=300, cwd=root,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [ln.split(",") for ln in r.stdout.splitlines() if ln.startswith("96,")]
+    assert [row[2] for row in rows] == ["0", "64"] and all(float(row[3]) > 0 and row[4] == "n/a" for row in rows)

@@ -13,7 +13,7 @@ from linearize import recipe as R
 from linearize.convert.selection import select_layout
 from linearize.convert.surgery import linearize_model
 from linearize.model import modeling
-from linearize.model.prefill import PREFILL_CHUNK_TOKENS, kept_positions
+from linearize.model.prefill import PREFILL_CHUNK_TOKENS, kept_positions, row_chunk
 
 #: linear layers without a window (elu) and window-hybrid layers over 8 tokens (lolcats)
 RECIPES = {"elu": None, "lolcats": {"attention.window": 8}}
@@ -74,8 +74,8 @@ def test_chunked_prefill_equals_one_forward(family, recipe, count_chunked):
         whole = hybrid(ids, attention_mask=mask, position_ids=pos, use_cache=True, prefill_chunk_tokens=0)
         step_mask, step_pos = torch.cat([mask, torch.ones_like(nxt)], 1), pos[:, -1:] + 1
         after_whole = hybrid(nxt, attention_mask=step_mask, position_ids=step_pos, cache=_cache(whole)).logits
-        for chunk in (7, 13):
-            out = hybrid(ids, attention_mask=mask, position_ids=pos, use_cache=True, prefill_chunk_tokens=chunk)
+        for chunk in (7, 13):  # tokens per row: budgets of 14 and 26 over the two rows
+            out = hybrid(ids, attention_mask=mask, position_ids=pos, use_cache=True, prefill_chunk_tokens=2 * chunk)
             _close(out.logits[real], whole.logits[real], (family, chunk))
             assert _cache(out).get_seq_length() == T
             after = hybrid(nxt, attention_mask=step_mask, position_ids=step_pos, cache=_cache(out)).logits
@@ -95,7 +95,7 @@ def test_chunked_continuation_of_a_cache(family, attn, count_chunked):
         whole = hybrid(ids, attention_mask=mask, position_ids=pos, use_cache=False, prefill_chunk_tokens=0).logits
         first = hybrid(ids[:, :11], attention_mask=mask[:, :11], position_ids=pos[:, :11], use_cache=True)
         rest = hybrid(ids[:, 11:], attention_mask=mask, position_ids=pos[:, 11:], cache=_cache(first),
-                      use_cache=True, prefill_chunk_tokens=7)
+                      use_cache=True, prefill_chunk_tokens=14)  # two rows: 7 tokens each
     _close(rest.logits, whole[:, 11:])
     assert _cache(rest).get_seq_length() == T and count_chunked == [7]
 
@@ -113,7 +113,7 @@ def test_gated_layers_prefill_in_chunks(window, count_chunked):
     ids, mask, pos = _padded()
     with torch.no_grad():
         whole = hybrid(ids, attention_mask=mask, position_ids=pos, prefill_chunk_tokens=0).logits
-        out = hybrid(ids, attention_mask=mask, position_ids=pos, prefill_chunk_tokens=7).logits
+        out = hybrid(ids, attention_mask=mask, position_ids=pos, prefill_chunk_tokens=14).logits  # 7 per row
     _close(out[mask.bool()], whole[mask.bool()])
     assert count_chunked == [7]
 
@@ -127,7 +127,7 @@ def test_gated_delta_layers_prefill_in_chunks(family, count_chunked):
     ids, mask, pos = _padded()
     with torch.no_grad():
         whole = hybrid(ids, attention_mask=mask, position_ids=pos, prefill_chunk_tokens=0).logits
-        out = hybrid(ids, attention_mask=mask, position_ids=pos, prefill_chunk_tokens=7).logits
+        out = hybrid(ids, attention_mask=mask, position_ids=pos, prefill_chunk_tokens=14).logits  # 7 per row
     _close(out[mask.bool()], whole[mask.bool()])
     assert count_chunked == [7]
 
@@ -143,14 +143,26 @@ def test_logits_to_keep_and_use_cache():
         for keep, want in [(1, full[:, -1:]), (5, full[:, -5:]), (0, full), (T + 3, full),
                            (torch.tensor([3, -1, 20, 7, 3]), full[:, [3, T - 1, 20, 7, 3]]),
                            (torch.arange(T) % 6 == 0, full[:, ::6]), (torch.tensor([], dtype=torch.long), full[:, :0])]:
-            out = hybrid(ids, use_cache=False, logits_to_keep=keep, prefill_chunk_tokens=7)
+            out = hybrid(ids, use_cache=False, logits_to_keep=keep, prefill_chunk_tokens=14)  # 7 per row
             _close(out.logits, want, keep)
             assert _cache(out) is None
-        out = hybrid(ids, use_cache=True, logits_to_keep=1, prefill_chunk_tokens=13)
+        out = hybrid(ids, use_cache=True, logits_to_keep=1, prefill_chunk_tokens=26)
         assert out.logits.shape == (2, 1, 128) and _cache(out).get_seq_length() == T
         logits, cache = hybrid(ids, use_cache=True, return_dict=False, prefill_chunk_tokens=13)  # a tuple
         _close(logits, full)
         assert cache.get_seq_length() == T
+
+
+def test_the_budget_is_shared_by_the_rows(count_chunked):
+    """prefill_chunk_tokens counts the batch's rows together: pieces of budget // B tokens per row (at least one),
+    so a larger batch runs shorter pieces and a piece's activations stay bounded; a batch whose rows fit runs whole."""
+    assert row_chunk(131072, 1) == 131072 and row_chunk(131072, 8) == 16384 and row_chunk(131072, 3) == 43690
+    assert row_chunk(5, 8) == 1 and row_chunk(0, 4) == 0
+    hybrid = _hybrid()
+    with torch.no_grad():
+        for rows in (1, 2, 3, 5):  # 50 and 2 x 50 tokens fit in 100: one forward each
+            hybrid(torch.randint(0, 128, (rows, T)), prefill_chunk_tokens=100)
+    assert count_chunked == [33, 20]
 
 
 def test_which_pieces_compute_logits():
@@ -201,7 +213,7 @@ def test_generate_is_the_same_with_chunked_prefill(family, count_chunked):
     hybrid.config.prefill_chunk_tokens = 0
     tokens, logits = run()
     assert count_chunked == []
-    hybrid.config.prefill_chunk_tokens = 7
+    hybrid.config.prefill_chunk_tokens = 21  # three rows: 7 tokens each
     for kw, pieces in [({}, [7]), ({"prefill_chunk_size": 20}, [7, 7, 7])]:  # 50 tokens: 20 + 20 + 10, then by 7
         count_chunked.clear()
         got_tokens, got_logits = run(**kw)
@@ -218,7 +230,7 @@ def test_bench_model_prefill_is_chunked(count_chunked):
     hybrid = _hybrid(ratio="3:1")
     ids = torch.randint(0, 128, (2, T), generator=torch.Generator().manual_seed(0))
     steps = []
-    for chunk in (0, 7):
+    for chunk in (0, 14):  # two rows: 7 tokens each
         hybrid.config.prefill_chunk_tokens = chunk
         dcache = bm.decode_cache(bm.prefill(hybrid, ids), T)
         with torch.no_grad():

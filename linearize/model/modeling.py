@@ -9,7 +9,7 @@ settings, the kernel options (``fused_feature_maps``, ``rotary_backend``:
 ``LinearizeForCausalLM`` builds the base family's causal LM from that config, replaces the attention of every
 ``linear_attention`` layer with :class:`~linearize.model.attention.LinearAttention` and of every ``gated_delta``
 layer with :class:`~linearize.model.delta_attention.GatedDeltaAttention`, and runs the base family's own forward
-(an inference forward longer than ``prefill_chunk_tokens`` tokens as consecutive cached forwards:
+(an inference forward of more than ``prefill_chunk_tokens`` tokens, all rows together, as consecutive cached forwards:
 :mod:`~linearize.model.prefill`). Parameter names are the base model's plus the converted layers' own (feature maps,
 window and decay; the delta rule's gates and read-out scale).
 
@@ -39,7 +39,7 @@ from .cache import HybridCache, softmax_windows
 from .delta_attention import GatedDeltaAttention
 from .layout import CONVERTED, FULL, GATED_DELTA, transformers_layer_types
 from .norms import set_norm_backend
-from .prefill import PREFILL_CHUNK_TOKENS, check_chunk_size, chunked_forward
+from .prefill import PREFILL_CHUNK_TOKENS, check_chunk_size, chunked_forward, row_chunk
 from .softmax_attention import attention_implementation
 
 #: base-config fields that belong to the hybrid and must not be passed to the base config class
@@ -49,7 +49,8 @@ _OWN_FIELDS = ("base_model_type", "layer_types", "hybrid_layer_types", "linear_a
 
 class LinearizeConfig(PretrainedConfig):
     """Config of a linearize hybrid: the base config's fields + the layer layout + layer settings + the kernel
-    options + ``prefill_chunk_tokens`` (tokens per piece of a chunked prefill, 0: none; :mod:`~linearize.model.prefill`)
+    options + ``prefill_chunk_tokens`` (tokens per piece of a chunked prefill, all rows together, 0: none;
+    :mod:`~linearize.model.prefill`)
     (a config without the last two, as written before they existed, takes the defaults).
 
     The layout is ``hybrid_layer_types`` (:mod:`~linearize.model.layout`'s types per decoder layer); ``layer_types``
@@ -269,8 +270,8 @@ class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, cache=None,
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, prefill_chunk_tokens=None, **kwargs):
         """The base family's forward with the hybrid's cache. ``prefill_chunk_tokens`` (default: the config's) splits
-        an inference forward longer than that many tokens into cached forwards of that many (:meth:`_chunk_size`
-        says when); the logits asked for by ``logits_to_keep`` and the filled cache come back as from one forward
+        an inference forward of more than that many tokens (B rows x T) into cached forwards of that many, i.e. of
+        ``prefill_chunk_tokens // B`` tokens per row (:meth:`_chunk_size` says when); the logits asked for by ``logits_to_keep`` and the filled cache come back as from one forward
         (the cache even with ``use_cache=False``, which then is internal and not returned)."""
         impl = self.config._attn_implementation
         base = _base_attention(self.model.config, impl) if impl is not None else None
@@ -305,13 +306,13 @@ class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
 
     def _chunk_size(self, prefill_chunk_tokens, x, attention_mask, past: int, labels, logits_to_keep,
                     kwargs: dict) -> int:
-        """Tokens per piece if this forward runs as a chunked prefill, else 0. It does for inference (eval mode, no
+        """Tokens per row in one piece if this forward runs as a chunked prefill, else 0. It does for inference (eval mode, no
         labels, no gradient recorded: training and backward need the whole graph, which pieces would not shrink)
         longer than one piece, with every converted layer in linear mode (a softmax teacher keeps no cache), no
         padding mask or a 2-D one over the ``past`` cached tokens and the new ones, ``logits_to_keep`` an int or a
         1-D tensor, and no per-layer outputs asked for (attentions, hidden states, router logits)."""
         asked = self.config.prefill_chunk_tokens if prefill_chunk_tokens is None else prefill_chunk_tokens
-        chunk = check_chunk_size(asked)
+        chunk = row_chunk(check_chunk_size(asked), 1 if x is None else x.shape[0])
         if not chunk or x is None or x.shape[1] <= chunk or labels is not None or self.training:
             return 0
         if torch.is_grad_enabled() or any(m.mode != "linear" for m in self.linear_modules()):

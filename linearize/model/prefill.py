@@ -1,4 +1,5 @@
-"""Chunked prefill: a long inference forward of the hybrid as consecutive cached forwards of at most N tokens.
+"""Chunked prefill: a long inference forward of the hybrid as consecutive cached forwards of at most N tokens
+(the batch's rows together).
 
 Every decoder layer of the hybrid continues a cache exactly: a softmax layer appends to its KV cache (the last
 ``window`` tokens where the base layer slides), a linear layer carries its ``(S, z)`` state and window ring. So a
@@ -17,16 +18,22 @@ from typing import Any
 
 import torch
 
-#: Tokens per row in one piece of a chunked prefill (the config's ``prefill_chunk_tokens``; 0: one whole forward).
-#: At the Llama-3-8B shape (hidden 4,096, MLP 14,336, 32 heads, 8 KV heads, bf16) the largest intermediates of a
-#: piece are the MLP's gate and up projections and their product, 3 x 14,336 x 2 B = 86 KB per token: 5.6 GB for
-#: 8,192 x 8 tokens (0.7 GB at batch 1), against 90 GB for a whole 128K x 8 forward. Pieces after the first attend
-#: without a mask tensor when unpadded (softmax_attention.py); a left-padded batch's pieces get a boolean mask of
-#: B x 8,192 x (tokens so far) bytes (8.6 GB at the end of 128K x 8). Each piece re-reads the weights
-#: (16 GB, ~3.5 ms on an H200) and launches its kernels once more: at 8,192 x 1 tokens (~0.25 s of GEMMs) under 2% of
-#: the piece, and its GEMMs (8,192+ rows) run as fast as the whole sequence's. 16,384 would double both memory terms
-#: for under 1% of speed.
-PREFILL_CHUNK_TOKENS = 8192
+#: Tokens in one piece of a chunked prefill, all rows of the batch together (the config's ``prefill_chunk_tokens``;
+#: 0: one whole forward): a batch of B rows runs pieces of ``prefill_chunk_tokens // B`` tokens per row
+#: (:func:`row_chunk`), so a piece's activations are bounded whatever the batch. They are: at the Llama-3-8B shape
+#: (hidden 4,096, MLP 14,336, bf16) one forward over 128K tokens holds 14.6 GiB beyond its weights and cache (an
+#: H100, 2026-12-06: 33.7 GiB peak for 128K x 1 in one forward, 15.0 of weights and 4.1 of cache), 8.6 times that
+#: for 128K x 8 or 1M x 1, which do not fit. Pieces are not free: a piece after the first attends bottom-right
+#: aligned to the cache, which PyTorch's SDPA runs with flash attention 2 only, not cuDNN's faster kernel, so the
+#: same 128K x 1 prefill ran at 24,555 tokens/s in one forward, 18,977 in 32K pieces and 17,590 in 8K pieces.
+#: 131,072 keeps a 128K-token prompt at batch 1 in one forward and bounds every larger one to a piece's 14.6 GiB.
+PREFILL_CHUNK_TOKENS = 131072
+
+
+def row_chunk(budget: int, rows: int) -> int:
+    """Tokens per row in one piece: ``budget`` tokens (the batch's rows together) split over ``rows``, at least 1;
+    0 (no chunking) when ``budget`` is 0."""
+    return max(1, budget // max(1, rows)) if budget else 0
 
 
 def check_chunk_size(value: Any) -> int:
