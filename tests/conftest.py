@@ -119,6 +119,33 @@ CONSOLE_SCRIPT = Path(sys.executable).with_name("linearize")
 CLI = [str(CONSOLE_SCRIPT)] if CONSOLE_SCRIPT.is_file() else [sys.executable, "-m", "linearize.cli"]
 
 
+def run_under_interpreter(module: Path, keyword: str | None = None) -> int:
+    """Run ``module``'s tests (those matching ``-k keyword``) under Triton's CPU interpreter and assert they all pass;
+    returns how many ran. ``TRITON_INTERPRET=1`` only takes effect if set before ``triton`` is first imported, so
+    they run in fresh interpreters; the interpreter runs on one core, so the collected tests are split into one
+    shard per core (every n-th test), run side by side."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    base = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    where = [str(module)] + (["-k", keyword] if keyword else [])
+    root = Path(__file__).resolve().parents[1]
+    listed = subprocess.run([*base, "--collect-only", *where], capture_output=True, text=True, env=env, cwd=root,
+                            timeout=300)
+    ids = [ln.strip() for ln in listed.stdout.splitlines() if "::" in ln]
+    assert listed.returncode == 0 and ids, (listed.stdout + listed.stderr)[-3000:]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    n = max(1, min(4, cores, len(ids)))
+    procs = [subprocess.Popen([*base, "-x", *ids[i::n]], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=env, cwd=root) for i in range(n)]
+    outs = [p.communicate(timeout=1800)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        tail = out[-6000:]
+        last = out.strip().splitlines()[-1] if out.strip() else ""
+        assert p.returncode == 0, tail
+        assert " passed" in last and not any(w in last for w in ("skipped", "failed", "error")), tail
+    assert sum(int(out.strip().splitlines()[-1].split(" passed")[0].split()[-1]) for out in outs) == len(ids)
+    return len(ids)
+
+
 def run_cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     """Run ``linearize ARGS`` in a fresh process; capture output."""
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout,

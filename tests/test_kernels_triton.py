@@ -324,12 +324,21 @@ WINDOW_STEP_CASES = [(0, 8, 0, 0, 4), (5, 8, 16, 0, 4), (13, 8, 0, 0, 4), (3, 16
                      (13, 8, 0, 1, 4), (5, 8, 16, 2, 6), (13, 8, 0, 2, 6)]
 
 
-# every launch shape in fp32 with both ring walks; in bf16 one case per head split, with ring blocks (the
-# interpreter runs each decode step as a launch: the whole cross product was ~3 minutes of the slow tier)
-@pytest.mark.parametrize("prefill,W,bv,heads,H,ring,dtype", [
-    *(c + (ring, torch.float32) for c in WINDOW_STEP_CASES for ring in (0, 4)),
-    *(c + (4, torch.bfloat16) for c in (WINDOW_STEP_CASES[1], WINDOW_STEP_CASES[5], WINDOW_STEP_CASES[7])),
-], ids=lambda v: {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(v, None) if isinstance(v, torch.dtype) else None)
+def step_matrix(cases: list[tuple], bf16_keep: list[tuple]) -> list[tuple]:
+    """Decode-step test cases: on a GPU every case in fp32 and bf16; under the interpreter (each decode step a
+    launch of seconds) every case in fp32 and only ``bf16_keep`` in bf16. ``cases`` without their dtype."""
+    keep = cases if ON_GPU else bf16_keep
+    return [c + (torch.float32,) for c in cases] + [c + (torch.bfloat16,) for c in keep]
+
+
+def _dtype_id(v):
+    return {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(v) if isinstance(v, torch.dtype) else None
+
+
+# every launch shape with both ring walks; in bf16 under the interpreter one case per head split, with ring blocks
+@pytest.mark.parametrize("prefill,W,bv,heads,H,ring,dtype", step_matrix(
+    [c + (ring,) for c in WINDOW_STEP_CASES for ring in (0, 4)],
+    [WINDOW_STEP_CASES[i] + (4,) for i in (1, 5, 7)]), ids=_dtype_id)
 def test_window_step_triton(prefill, W, bv, heads, H, ring, dtype, monkeypatch):
     """Decode steps after a prefill (or none) as the reference's full forward; bv = 16: two value blocks per
     (batch, KV head), whose programs share z and the key rings; heads = 1: each of the KV group's two query heads
@@ -487,9 +496,9 @@ def test_window_step_launch_shape():
     assert triton_step.window_step_warps(128, 128, 128, 64, True) == 16
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("Hk,bv,heads", [(2, 0, 0), (1, 16, 0), (1, 16, 2), (1, 0, 3)])
-def test_window_step_with_hedgehog_features_in_the_kernel(dtype, Hk, bv, heads, monkeypatch):
+@pytest.mark.parametrize("Hk,bv,heads,dtype", step_matrix([(2, 0, 0), (1, 16, 0), (1, 16, 2), (1, 0, 3)],
+                                                           [(1, 16, 2)]), ids=_dtype_id)
+def test_window_step_with_hedgehog_features_in_the_kernel(Hk, bv, heads, dtype, monkeypatch):
     """The decode step that computes the Hedgehog features itself matches the step fed the layer's features
     (outputs, S, z, rings), across the fold of tokens leaving the window, and one forward over the sequence;
     bv = 16: two value blocks per (batch, KV head); heads = 2: the four query heads of a KV group in two
@@ -1118,9 +1127,8 @@ def test_window_sinks_and_lse_triton(case, dtype, monkeypatch):
         assert rel_err(out["triton"][name], ref, floor=1e-2) <= tol * (3 if name.startswith("d") else 1), name
 
 
-@pytest.mark.parametrize("hedgehog", [False, True], ids=["features-given", "hedgehog-in-kernel"])
-@pytest.mark.parametrize("ring", [0, 4], ids=["whole-ring", "ring-blocks"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("hedgehog,ring,dtype", step_matrix([(h, r) for h in (False, True) for r in (0, 4)],
+                                                        [(True, 4)]), ids=_dtype_id)
 def test_window_step_with_sinks_triton(hedgehog, ring, dtype, monkeypatch):
     """The Triton window step reads the sinks and adds those out of its window to the softmax part: prefill +
     steps equal the float64 reference's forward with the same sinks (ring = 4: the rings walked in blocks, the

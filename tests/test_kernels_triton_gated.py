@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import functools
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_under_interpreter
 
 triton = pytest.importorskip("triton")
 
@@ -439,12 +438,4 @@ def test_interp_gated_step_matches_forward(bv, heads, small_chunks, monkeypatch)
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the gpu tests run the kernels directly")
 @pytest.mark.skipif(INTERPRET, reason="already interpreting: the interp tests run directly")
 def test_gated_kernels_under_interpreter():
-    here = Path(__file__).resolve()
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "-k", "interp_",
-                          str(here)], capture_output=True, text=True, env=env, cwd=here.parent.parent, timeout=1800)
-    tail = (res.stdout + res.stderr)[-6000:]
-    assert res.returncode == 0, tail
-    last = res.stdout.strip().splitlines()[-1]
-    assert " passed" in last and "failed" not in last and "error" not in last, tail
-    assert int(last.split(" passed")[0].split()[-1]) == 21, tail  # every interp test ran
+    assert run_under_interpreter(Path(__file__).resolve(), "interp_") == 21  # every interp test ran

@@ -296,7 +296,7 @@ def test_bundled_runtime_prefills_in_chunks(tmp_path):
         "import torch\n"
         "from transformers import AutoModelForCausalLM\n"
         f"m = AutoModelForCausalLM.from_pretrained({str(tmp_path / 'ckpt')!r}, trust_remote_code=True, "
-        "prefill_chunk_tokens=7)\n"
+        "prefill_chunk_tokens=14)\n"  # two rows: 7 tokens each
         "pieces = []\n"
         "prefill = sys.modules[type(m).__module__].chunked_forward\n"
         "sys.modules[type(m).__module__].chunked_forward = lambda *a, **k: pieces.append(a[1]) or prefill(*a, **k)\n"

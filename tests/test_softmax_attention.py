@@ -23,7 +23,7 @@ from linearize.model import modeling, softmax_attention
 from linearize.model.cache import softmax_windows
 from linearize.model.layout import FULL
 
-T, CHUNK = 50, 13  # pieces of 13, 13, 13 and 11 tokens: three continue a cache
+T, CHUNK, ROWS = 50, 13, 2  # pieces of 13, 13, 13, 11 tokens a row (26 over 2 rows): three continue a cache
 CONTINUED = 3
 
 
@@ -91,7 +91,7 @@ def test_unpadded_pieces_run_without_a_mask(family):
         plain, sliding = _softmax_layers(hybrid)
         for mask in (None, torch.ones_like(ids)):
             with SDPACalls() as spy:
-                out = hybrid(ids, attention_mask=mask, use_cache=True, prefill_chunk_tokens=CHUNK)
+                out = hybrid(ids, attention_mask=mask, use_cache=True, prefill_chunk_tokens=ROWS * CHUNK)
             _close(out.logits, whole.logits, (family, mask is None))
             assert sorted(spy.kinds(continued=True)) == ["bias"] * (CONTINUED * plain) + ["dense"] * (CONTINUED * sliding)
             step_mask = None if mask is None else torch.ones(2, T + 1, dtype=torch.long)
@@ -118,7 +118,7 @@ def test_left_padded_pieces_keep_the_dense_mask(family):
     with torch.no_grad():
         whole = hybrid(ids, attention_mask=mask, position_ids=pos, prefill_chunk_tokens=0).logits
         with SDPACalls() as spy:
-            out = hybrid(ids, attention_mask=mask, position_ids=pos, prefill_chunk_tokens=CHUNK).logits
+            out = hybrid(ids, attention_mask=mask, position_ids=pos, prefill_chunk_tokens=ROWS * CHUNK).logits
     _close(out[mask.bool()], whole[mask.bool()], family)
     plain, sliding = _softmax_layers(hybrid)
     assert spy.kinds(continued=True) == ["dense"] * (CONTINUED * (plain + sliding))
@@ -144,7 +144,7 @@ def test_generate_is_unchanged(monkeypatch):
     """generate() over an unpadded batch, prefilled in pieces, gives the tokens and scores of transformers' own
     SDPA path (the hybrid's softmax layers under plain ``sdpa``)."""
     hybrid = _hybrid(ratio="3:1")
-    hybrid.config.prefill_chunk_tokens = 7
+    hybrid.config.prefill_chunk_tokens = 21  # three rows: 7 tokens each
     ids = torch.randint(1, 128, (3, T), generator=torch.Generator().manual_seed(2))
 
     def run():
@@ -267,7 +267,7 @@ def test_bundled_runtime_runs_without_a_mask(tmp_path):
         "            Spy.n += 1\n"
         "        return func(*args, **(kwargs or {}))\n"
         f"m = AutoModelForCausalLM.from_pretrained({str(tmp_path / 'ckpt')!r}, trust_remote_code=True, "
-        f"prefill_chunk_tokens={CHUNK})\n"
+        f"prefill_chunk_tokens={ROWS * CHUNK})\n"
         f"d = torch.load({str(tmp_path / 'want.pt')!r})\n"
         "with torch.no_grad(), Spy():\n"
         "    diff = (m(d['ids']).logits - d['want']).abs().max().item()\n"
