@@ -884,10 +884,10 @@ def bench_model(spec: str, *, against: str | None = None, random_weights: bool =
     ``spec`` is a hybrid checkpoint directory (compared with ``against`` or the base model it names), or
     a model spec converted on the fly with surgery only (``ratio``, ``recipe``), compared with
     ``against`` or itself; ``ratio`` may list several layouts (``"3:1,7:1"``): the original runs once, then
-    each hybrid, built afresh, with rows named ``hybrid A:B``. With ``random_weights`` the models come from a shipped config (alias) or a
-    ``config.json`` path. ``profile``: also split a few eager decode steps per row by kernel category
-    (:func:`profile_steps`); ``prefill_chunk``: the hybrids' ``prefill_chunk_tokens`` for the run (None: their
-    config's; 0: one whole forward). See the module docstring for what each number means.
+    each hybrid, built afresh, with rows named ``hybrid A:B``. With ``random_weights`` the models come from a
+    shipped config (alias) or a ``config.json`` path. ``profile``: also split a few eager decode steps per row by
+    kernel category (:func:`profile_steps`); ``prefill_chunk``: the hybrids' ``prefill_chunk_tokens`` for the run
+    (None: their config's; 0: one whole forward). See the module docstring for what each number means.
     """
     Ts, Bs = parse_lengths(lengths), parse_batch_sizes(batches)
     if int(decode_steps) < 1:
@@ -937,8 +937,8 @@ def bench_model(spec: str, *, against: str | None = None, random_weights: bool =
             "layout": "; ".join(describe_layout(p.layer_types) for p in pairs) if pair.layer_types else None,
             "layer_types": pair.layer_types, "dtype": str(dt).replace("torch.", ""), "device": str(dev),
             "hybrids": [{"model": k, "ratio": None if p.layout_from_checkpoint else r,
-                         "layout": describe_layout(p.layer_types) if p.layer_types else None, "layer_types": p.layer_types}
-                        for k, r, p in zip(kinds, ratio_list, pairs)],
+                         "layout": describe_layout(p.layer_types) if p.layer_types else None,
+                         "layer_types": p.layer_types} for k, r, p in zip(kinds, ratio_list, pairs)],
             "lengths": Ts, "batches": Bs, "decode_steps": int(decode_steps),
             "sdpa_candidates": [b or "default" for b in backends],
             "timing": {"prefill_min_seconds": timing.min_time, "prefill_max_reps": timing.max_reps,
@@ -965,7 +965,8 @@ def bench_model(spec: str, *, against: str | None = None, random_weights: bool =
         failed: list[tuple[int, int]] = []
         for T in Ts:
             for B in Bs:
-                why = "skipped: a smaller row ran out of memory" if _dominated(T, B, failed) else too_big(model, T, B, dev)
+                why = ("skipped: a smaller row ran out of memory" if _dominated(T, B, failed)
+                       else too_big(model, T, B, dev))
                 if why:
                     row = {"model": kind, "T": T, "B": B, "status": "oom", "prefill_tok_s": "oom",
                            "decode_tok_s": "oom", "peak_bytes": "oom", "note": why}

@@ -77,7 +77,7 @@ def bench_model_cmd(
     device: Optional[str] = BENCH_DEVICE,
     out: Optional[Path] = typer.Option(None, "-o", "--output", help="Output directory for bench_model.json (default: bench-model-NAME)."),
     profile: bool = typer.Option(False, "--profile", help="Also split a few eager decode steps per row by kernel category (matmul, softmax attention, linear attention, other)."),
-    prefill_chunk: Optional[int] = typer.Option(None, "--prefill-chunk", help="Tokens per piece of the hybrid's chunked prefill for this run (default: its config's, 8192; 0: one whole forward)."),
+    prefill_chunk: Optional[int] = typer.Option(None, "--prefill-chunk", help="Tokens per piece of the hybrids' chunked prefill, all rows together, for this run (default: their config's, 131072; 0: one whole forward)."),
 ):
     """Hybrid vs original: prefill and decode tokens/s, peak memory, cache + state bytes (JSON + table)."""
     from ..bench.model import RESULT_FILE, bench_model, print_result  # start-up time: torch and transformers

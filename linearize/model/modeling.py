@@ -271,8 +271,9 @@ class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, prefill_chunk_tokens=None, **kwargs):
         """The base family's forward with the hybrid's cache. ``prefill_chunk_tokens`` (default: the config's) splits
         an inference forward of more than that many tokens (B rows x T) into cached forwards of that many, i.e. of
-        ``prefill_chunk_tokens // B`` tokens per row (:meth:`_chunk_size` says when); the logits asked for by ``logits_to_keep`` and the filled cache come back as from one forward
-        (the cache even with ``use_cache=False``, which then is internal and not returned)."""
+        ``prefill_chunk_tokens // B`` tokens per row (:meth:`_chunk_size` says when); the logits asked for by
+        ``logits_to_keep`` and the filled cache come back as from one forward (the cache even with
+        ``use_cache=False``, which then is internal and not returned)."""
         impl = self.config._attn_implementation
         base = _base_attention(self.model.config, impl) if impl is not None else None
         if base is not None and self.model.config._attn_implementation != base:  # e.g. set on the hybrid's config
@@ -306,9 +307,9 @@ class LinearizeForCausalLM(PreTrainedModel, GenerationMixin):
 
     def _chunk_size(self, prefill_chunk_tokens, x, attention_mask, past: int, labels, logits_to_keep,
                     kwargs: dict) -> int:
-        """Tokens per row in one piece if this forward runs as a chunked prefill, else 0. It does for inference (eval mode, no
-        labels, no gradient recorded: training and backward need the whole graph, which pieces would not shrink)
-        longer than one piece, with every converted layer in linear mode (a softmax teacher keeps no cache), no
+        """Tokens per row in one piece if this forward runs as a chunked prefill, else 0. It does for inference (eval
+        mode, no labels, no gradient recorded: training and backward need the whole graph, which pieces would not
+        shrink) longer than one piece, with every converted layer in linear mode (a softmax teacher keeps no cache), no
         padding mask or a 2-D one over the ``past`` cached tokens and the new ones, ``logits_to_keep`` an int or a
         1-D tensor, and no per-layer outputs asked for (attentions, hidden states, router logits)."""
         asked = self.config.prefill_chunk_tokens if prefill_chunk_tokens is None else prefill_chunk_tokens
