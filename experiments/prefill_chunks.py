@@ -17,9 +17,7 @@ import time
 import torch
 
 from linearize import recipe as recipes
-from linearize.bench.model import _raise_positions, load_config, prefill, random_model
-from linearize.convert.selection import select_layout
-from linearize.convert.surgery import linearize_model
+from linearize.bench.model import plan_pair, prefill
 from linearize.evals.common import parse_batch_sizes, parse_lengths
 
 
@@ -37,17 +35,16 @@ def main() -> None:
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
-    cfg, name = load_config(args.model)
-    _raise_positions(cfg, max(Ts), [], name)
-    model = random_model(cfg, dtype=dtype, device=dev)
-    model = linearize_model(model, select_layout(cfg.num_hidden_layers, ratio=args.ratio),
-                            {"attention": dict(recipes.load("lolcats")["attention"])}).eval()
+    pair = plan_pair(args.model, against=None, random_weights=True, ratio=args.ratio, recipe=recipes.load("lolcats"),
+                     dtype=dtype, device=dev, max_len=max(Ts))  # as `bench model` builds its hybrid
+    model = pair.build_hybrid(pair.build_original()).eval()
+    vocab = model.config.vocab_size
     where = torch.cuda.get_device_name(dev) if cuda else "CPU"
-    print(f"{where} torch {torch.__version__} | {name} {args.ratio} random weights {str(dtype)[6:]}")
+    print(f"{where} torch {torch.__version__} | {pair.hybrid_name} {args.ratio} {str(dtype)[6:]}")
     print("T,B,chunk,prefill_tok_s,peak_GiB")
     for T in Ts:
         for B in Bs:
-            ids = torch.randint(0, cfg.vocab_size, (B, T), device=dev)
+            ids = torch.randint(0, vocab, (B, T), device=dev)
             for c in chunks:
                 model.config.prefill_chunk_tokens = c
                 if cuda:

@@ -638,9 +638,7 @@ def bench_row(model, kind: str, T: int, B: int, *, steps: int, backends: list[st
         row.update(_prefill_phase(model, ids, backends, dev, timing, holder))
         del ids
         row["cache_bytes"] = cache_nbytes(holder["cache"])
-        p = next(model.parameters())
-        row["cache_bytes_formula"] = cache_bytes(model.config, T, B, p.element_size())[
-            "hybrid" if getattr(model.config, "model_type", "") == "linearize" else "original"]
+        row["cache_bytes_formula"] = model_cache_bytes(model, T, B)
         phase = "decode"
         row.update(_decode_phase(model, holder["cache"], T, B, steps, backends, dev, timing, gen, profile))
     except Exception as e:  # noqa: BLE001 - one row's failure must not end the run
@@ -849,14 +847,18 @@ def _dominated(T: int, B: int, failed: list[tuple[int, int]]) -> bool:
     return any(T >= t and B >= b for t, b in failed)
 
 
+def model_cache_bytes(model, T: int, B: int) -> int:
+    """The closed-form cache + state bytes of ``model`` (original or hybrid) after a B x T prefill, in its dtype."""
+    kind = "hybrid" if getattr(model.config, "model_type", "") == "linearize" else "original"
+    return cache_bytes(model.config, T, B, next(model.parameters()).element_size())[kind]
+
+
 def too_big(model, T: int, B: int, dev: torch.device) -> str | None:
     """Why a row cannot fit, without running it: what is resident (weights) plus the row's cache from the closed
     form exceed the GPU's memory; None when it may fit (or on CPU, where nothing is checked)."""
     if dev.type != "cuda":
         return None
-    p = next(model.parameters())
-    kind = "hybrid" if getattr(model.config, "model_type", "") == "linearize" else "original"
-    cache = cache_bytes(model.config, T, B, p.element_size())[kind]
+    cache = model_cache_bytes(model, T, B)
     resident, total = torch.cuda.memory_allocated(dev), torch.cuda.get_device_properties(dev).total_memory
     if resident + cache <= total:
         return None
@@ -919,6 +921,7 @@ def bench_model(spec: str, *, against: str | None = None, random_weights: bool =
     if len(pairs) > 1 and pair.layout_from_checkpoint:
         raise LinearizeError(f"--ratio {ratio}: several layouts compare on-the-fly conversions; {spec} has its own")
     kinds = ["hybrid"] if len(pairs) == 1 else [f"hybrid {r}" for r in ratio_list]
+    described = [describe_layout(p.layer_types) if p.layer_types else None for p in pairs]
     out_dir = Path(out_dir)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -934,11 +937,10 @@ def bench_model(spec: str, *, against: str | None = None, random_weights: bool =
             "original": pair.original_name, "hybrid": pair.hybrid_name,
             "ratio": None if pair.layout_from_checkpoint else ",".join(ratio_list),
             "recipe": None if pair.layout_from_checkpoint else rec.name,
-            "layout": "; ".join(describe_layout(p.layer_types) for p in pairs) if pair.layer_types else None,
+            "layout": "; ".join(described) if pair.layer_types else None,
             "layer_types": pair.layer_types, "dtype": str(dt).replace("torch.", ""), "device": str(dev),
-            "hybrids": [{"model": k, "ratio": None if p.layout_from_checkpoint else r,
-                         "layout": describe_layout(p.layer_types) if p.layer_types else None,
-                         "layer_types": p.layer_types} for k, r, p in zip(kinds, ratio_list, pairs)],
+            "hybrids": [{"model": k, "ratio": None if p.layout_from_checkpoint else r, "layout": d,
+                         "layer_types": p.layer_types} for k, r, p, d in zip(kinds, ratio_list, pairs, described)],
             "lengths": Ts, "batches": Bs, "decode_steps": int(decode_steps),
             "sdpa_candidates": [b or "default" for b in backends],
             "timing": {"prefill_min_seconds": timing.min_time, "prefill_max_reps": timing.max_reps,
@@ -994,7 +996,7 @@ def bench_model(spec: str, *, against: str | None = None, random_weights: bool =
     if not keep:  # several: each hybrid from a fresh original, so no row holds two models' weights
         original = None
         _free(dev)
-    for kind, p in zip(kinds, pairs):
+    for kind, p, d in zip(kinds, pairs, described):
         t0 = time.time()
         base = original if keep else (p.build_original() if p.hybrid_from_original else None)
         original = None
@@ -1003,8 +1005,7 @@ def bench_model(spec: str, *, against: str | None = None, random_weights: bool =
         if prefill_chunk is not None:
             hybrid.config.prefill_chunk_tokens = prefill_chunk
         meta.setdefault("prefill_chunk_tokens", {})[kind] = getattr(hybrid.config, "prefill_chunk_tokens", None)
-        log(f"{kind}: {p.hybrid_name}, {describe_layout(p.layer_types) if p.layer_types else ''} "
-            f"built in {time.time() - t0:.1f}s")
+        log(f"{kind}: {p.hybrid_name}, {d or ''} built in {time.time() - t0:.1f}s")
         run_model(hybrid, kind)
         hybrid = None
         _free(dev)
@@ -1043,6 +1044,7 @@ def print_result(result: dict, console=None) -> None:
     by = {(r["model"], r["T"], r["B"]): r for r in result["rows"]}
     rat = {(r.get("model", "hybrid"), r["T"], r["B"]): r for r in result["ratios"]}
     layouts = {h["model"]: h.get("layout") for h in meta.get("hybrids", [])}
+    several = len(layouts) > 1
 
     def val(r, k):
         v = r.get(k)
@@ -1050,7 +1052,7 @@ def print_result(result: dict, console=None) -> None:
 
     for kind in dict.fromkeys(r["model"] for r in result["rows"] if r["model"] != "original"):
         title = f"bench model: {kind} vs original (x = hybrid / original)"
-        if len(layouts) > 1 and layouts.get(kind):
+        if several and layouts.get(kind):
             title += f"\n{layouts[kind]}"
         t = Table(title=title)
         for col in ("T", "B", "prefill tok/s orig", "hybrid", "x", "decode tok/s orig", "hybrid", "x",
@@ -1090,7 +1092,6 @@ def print_result(result: dict, console=None) -> None:
             top = "; ".join(f"{name} {ms:.3f}" for name, ms in r.get("decode_profile_other_top", [])[:6])
             if top:
                 con.print(f"    largest in other: {top}", highlight=False)
-    several = len(layouts) > 1
     for x in result.get("ratios", []):
         if x.get("prefill_bound") is not None:
             who = f"{x.get('model', 'hybrid')} " if several else ""
