@@ -13,8 +13,9 @@ from linearize.convert import probe as P
 from linearize import recipe as R
 from linearize.errors import LinearizeError, SelectionError
 from linearize.convert.plan import LayoutOptions, RunOptions, TrainingOptions
-from linearize.convert.selection import (FULL, ablation_seats, check_select, choose_softmax_layers, parse_kv_budget, retrieval_seats,
-                                         selection_boundary, softmax_count_for_budget, softmax_count_from_ratio)
+from linearize.convert.selection import (FULL, SEAT_FIELDS, check_select, choose_seats, choose_softmax_layers,
+                                         parse_kv_budget, selection_boundary, softmax_count_for_budget,
+                                         softmax_count_from_ratio, top_seats)
 
 
 @pytest.fixture(autouse=True)
@@ -119,19 +120,29 @@ def test_combine_scores_and_choice():
     edge = selection_boundary([0.30, 0.29, 0.1], 1)  # 3.3% apart
     assert (edge["kept"], edge["dropped"], edge["close_call"]) == (0, 1, True)
     assert selection_boundary([0.3, 0.2], 0) is None and selection_boundary([0.3, 0.2], 2) is None
-    # retrieval seats: ceil(share x count) layers by the original's attention onto the key, kept whatever their score
+    # top seats: ceil(share x count) layers by one measurement, besides the seats already taken
     att = [0.0, 0.05, 0.6, 0.2, 0.2, 0.01]
-    assert retrieval_seats(att, 4, 0.5) == [2, 3] and retrieval_seats(att, 3, 0.5) == [2, 3]  # ties: lower index
-    assert retrieval_seats(att, 1, 0.5) == [2] and retrieval_seats(att, 7, 1.0) == [1, 2, 3, 4, 5]  # only > 0
-    assert retrieval_seats(att, 4, 0.0) == [] and retrieval_seats(None, 4, 0.5) == []
-    # ablation seats: ceil(share x count) more by the single-layer passkey loss rise, after the retrieval seats
+    assert top_seats(att, 4, 0.5) == [2, 3] and top_seats(att, 3, 0.5) == [2, 3]  # ties: lower index
+    assert top_seats(att, 1, 0.5) == [2] and top_seats(att, 7, 1.0) == [1, 2, 3, 4, 5]  # only > 0
+    assert top_seats(att, 4, 0.0) == [] and top_seats(None, 4, 0.5) == []
     rise = [0.3, 0.01, 0.5, -0.2, float("nan"), 0.3]
-    assert ablation_seats(rise, 4, 0.25) == [2] and ablation_seats(rise, 4, 0.5) == [0, 2]
-    assert ablation_seats(rise, 4, 0.5, [2, 3]) == [0, 5]  # the next ones besides the taken seats; ties: lower index
-    assert ablation_seats(rise, 3, 1.0, [2]) == [0, 5]  # never more than the seats left
-    assert ablation_seats(rise, 8, 1.0) == [0, 1, 2, 5]  # only a rise > 0 (not noise, not a failed measurement)
-    assert ablation_seats(rise, 2, 0.5, [0, 2]) == [] and ablation_seats(rise, 4, 0.0) == []
-    assert ablation_seats(None, 4, 0.5) == []
+    assert top_seats(rise, 4, 0.25) == [2] and top_seats(rise, 4, 0.5) == [0, 2]
+    assert top_seats(rise, 4, 0.5, [2, 3]) == [0, 5]  # the next ones besides the taken seats; ties: lower index
+    assert top_seats(rise, 3, 1.0, [2]) == [0, 5]  # never more than the seats left
+    assert top_seats(rise, 8, 1.0) == [0, 1, 2, 5]  # only a rise > 0 (not noise, not a failed measurement)
+    assert top_seats(rise, 2, 0.5, [0, 2]) == [] and top_seats(rise, 4, 0.0) == []
+    # the kinds in order: retrieval (attention onto the key), ablation (passkey loss), loss (held-out loss)
+    loss = [0.02, 0.01, 0.03, 0.002, 0.1, 0.0]
+    shares = {"retrieval_seats": 0.5, "ablation_seats": 0.25, "loss_seats": 0.25}
+    got = choose_seats({"attention": att, "retrieval": rise, "loss": loss}, 4, shares)
+    assert list(got) == list(SEAT_FIELDS) and got == {"retrieval_seats": [2, 3], "ablation_seats": [0],
+                                                      "loss_seats": [4]}
+    assert choose_seats({"attention": att, "retrieval": rise, "loss": loss}, 3, shares) == {
+        "retrieval_seats": [2, 3], "ablation_seats": [0], "loss_seats": []}  # no seat left for the third kind
+    got = choose_seats({"attention": att, "retrieval": rise, "loss": loss}, 7, shares)  # 4 + 2 + 1 of 7
+    assert got == {"retrieval_seats": [1, 2, 3, 4], "ablation_seats": [0, 5], "loss_seats": []}  # 4: taken; 2 too
+    assert choose_seats({"attention": None, "retrieval": None, "loss": loss}, 4, shares) == {
+        "retrieval_seats": [], "ablation_seats": [], "loss_seats": [4]}
     scores = [0.5, 0.1, 0.05, 0.3, 0.02, 0.03]
     assert choose_softmax_layers(scores, 3, [2, 4]) == [0, 2, 4]  # the one free seat: the best score
     edge = selection_boundary(scores, 3, [2, 4])  # free seats are judged among the other layers: 0 vs 3
@@ -142,6 +153,8 @@ def test_combine_scores_and_choice():
         R.load("lolcats", {"select.retrieval_seats": 1.5})
     with pytest.raises(LinearizeError, match="select.ablation_seats"):
         R.load("lolcats", {"select.ablation_seats": -0.1})
+    with pytest.raises(LinearizeError, match="select.loss_seats"):
+        R.load("lolcats", {"select.loss_seats": 2})
     with pytest.raises(SelectionError, match="all 0"):
         P.score_weights(R.load("lolcats", {"select.mse_weight": 0, "select.loss_weight": 0,
                                            "select.retrieval_weight": 0, "select.attention_weight": 0}))
@@ -157,7 +170,7 @@ def test_plan_probe_tokens():
     base = {"distill.seq_len": 64, "distill.eval_seqs": 2, "select.retrieval_length": 400,
             "select.retrieval_prompts": 2, "select.swap_rounds": 0, "select.loss_weight": 0,
             "select.retrieval_weight": 0, "select.attention_weight": 0}
-    base["select.ablation_seats"] = 0
+    base["select.ablation_seats"] = base["select.loss_seats"] = 0
     seats = P.plan_scoring_tokens(R.load("lolcats", base), 4, None)
     none = P.plan_scoring_tokens(R.load("lolcats", {**base, "select.retrieval_seats": 0}), 4, None)
     assert (seats, none) == (128 + 800, 128)
@@ -166,6 +179,9 @@ def test_plan_probe_tokens():
     assert ablation == seats + 5 * 800
     assert P.measures_retrieval(R.load("lolcats", {**base, "select.ablation_seats": 0.25}))
     assert not P.measures_retrieval(R.load("lolcats", base))
+    # the loss seats need the single-layer held-out losses: the original's and each layer's (5 x 2 x 64 tokens)
+    loss = P.plan_scoring_tokens(R.load("lolcats", {**base, "select.loss_seats": 0.25}), 4, None)
+    assert loss == seats + 5 * 128 and "loss" in P.measured_terms(R.load("lolcats", {**base, "select.loss_seats": 0.25}))
 
 
 # ------------------------------------------------------------------------------------------- library errors
@@ -333,12 +349,12 @@ def test_convert_takes_select_from_the_recipe(ws, tmp_path, monkeypatch):
 def test_convert_select_auto_cli(ws, tmp_path, monkeypatch):
     monkeypatch.setenv("LINEARIZE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    # no ablation seat here: 2 layers, one retrieval seat, one chosen by its score (the ablation seats: run C)
-    no_swap = ("--set", "select.swap_rounds=0", "--set", "select.ablation_seats=0")
+    # no ablation or loss seat here: 2 layers, one retrieval seat, one chosen by its score (the others: run C)
+    no_swap = ("--set", "select.swap_rounds=0", "--set", "select.ablation_seats=0", "--set", "select.loss_seats=0")
     res = _convert(ws, tmp_path / "A", "--ratio", "1:1", "--tokens", "2560", *no_swap)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "select: keeps softmax layers" in res.stdout and "probe: cached" not in res.stdout
-    assert "ablation seats" not in res.stdout
+    assert "ablation seats" not in res.stdout and "loss seats" not in res.stdout
     cfg = json.loads((tmp_path / "A" / "config.json").read_text())
     assert cfg["layer_types"].count(FULL) == 2
     report = json.loads((tmp_path / "A" / "report.json").read_text())["stages"]
@@ -387,22 +403,27 @@ def test_convert_select_auto_cli(ws, tmp_path, monkeypatch):
     wa, wb = (load_file(str(tmp_path / d / "model-00001-of-00001.safetensors")) for d in ("A", "B"))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)  # cached = fresh, bit for bit
 
-    # the recipe's ablation seats (0.25: ceil(0.5) = 1): the other seat goes to the layer whose linearization alone
-    # raises the passkey answer loss most, besides the retrieval seat; the same probe (the cache key ignores seats)
-    res = _convert(ws, tmp_path / "C", "--ratio", "1:1", "--tokens", "2560", "--set", "select.swap_rounds=0")
+    # no retrieval seat, the recipe's ablation and loss seats (0.25 each: ceil(0.5) = 1): one seat to the layer
+    # whose linearization alone raises the passkey answer loss most, the other to the layer that raises the held-out
+    # loss most besides it; the same probe (the cache key ignores seats)
+    res = _convert(ws, tmp_path / "C", "--ratio", "1:1", "--tokens", "2560", "--set", "select.swap_rounds=0",
+                   "--set", "select.retrieval_seats=0")
     assert res.returncode == 0, res.stderr[-3000:]
     assert "probe: cached" in res.stdout and "select: ablation seats for the layers the lookup needs most: L" in res.stdout
+    assert "select: loss seats for the layers the model needs most: L" in res.stdout
     sel_c = json.loads((tmp_path / "C" / "report.json").read_text())["stages"]["select"]
     rise = [r["retrieval_delta"] for r in sel_c["scores"]]
-    (abl,) = [int(i) for i in sel_c["ablation_seats"].split(",")]
-    assert sel_c["retrieval_seats"] == sel["retrieval_seats"] and abl != seat[0]
-    assert rise[abl] == max(v for i, v in enumerate(rise) if i != seat[0]) and rise[abl] > 0
-    assert sel_c["softmax_layers"] == ",".join(map(str, sorted([seat[0], abl])))
-    assert [r["seat"] for r in sel_c["scores"]] == [i in (seat[0], abl) for i in range(4)]
+    loss = [r["loss_delta"] for r in sel_c["scores"]]
+    (abl,), (ls,) = ([int(i) for i in sel_c[k].split(",")] for k in ("ablation_seats", "loss_seats"))
+    assert sel_c["retrieval_seats"] == "" and rise[abl] == max(rise) > 0
+    assert loss[ls] == max(v for i, v in enumerate(loss) if i != abl) > 0
+    assert sel_c["softmax_layers"] == ",".join(map(str, sorted([abl, ls])))
+    assert [r["seat"] for r in sel_c["scores"]] == [i in (abl, ls) for i in range(4)]
     assert sel_c["boundary"] is None  # no seat left to a score
-    assert "Ablation seats (kept the same way" in (tmp_path / "C" / "report.md").read_text()
+    text = (tmp_path / "C" / "report.md").read_text()
+    assert "Ablation seats (kept whatever their score" in text and "Loss seats (kept whatever their score" in text
     flat = " ".join(run_cli("info", str(tmp_path / "C")).stdout.split())
-    assert f"ablation seats: {abl}" in flat
+    assert f"ablation seats: {abl}; loss seats: {ls}" in flat
 
 
 @pytest.mark.slow
@@ -526,7 +547,7 @@ def test_convert_with_swap_check_reports_it(ws, tmp_path, monkeypatch):
     monkeypatch.setenv("LINEARIZE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     res = _convert(ws, tmp_path / "S", "--ratio", "1:1", "--tokens", "2560", "--set", "select.swap_rounds=1",
-                   "--set", "select.swap_pool=2", "--set", "select.ablation_seats=0")
+                   "--set", "select.swap_pool=2", "--set", "select.ablation_seats=0", "--set", "select.loss_seats=0")
     assert res.returncode == 0, res.stderr[-3000:]
     assert "select: swap check:" in res.stdout
     cfg = json.loads((tmp_path / "S" / "config.json").read_text())

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..convert.selection import describe_layout, select_layout
+from ..convert.selection import SEAT_FIELDS, describe_layout, select_layout
 from ..errors import SelectionError, SpecError
 from ..io.sources import load_model, local_dir, read_config, resolve, shipped_configs, vision_language_note
 from ..model.layout import GATED_DELTA
@@ -184,10 +184,9 @@ def conversion_quality(path) -> dict[str, Any]:
         if "hybrid" in (rc.get("passkey") or {}):
             out["passkey"] = {k: rc["passkey"][k] for k in ("hybrid", "teacher", "length", "prompts")}
     sel = stages.get("select") or {}
-    if sel.get("boundary") or sel.get("retrieval_seats") or sel.get("ablation_seats"):  # --select auto: how clear the choice was
+    if sel.get("boundary") or any(sel.get(k) for k in SEAT_FIELDS):  # --select auto: how clear the choice was
         out["select"] = {"softmax_layers": sel["softmax_layers"], "boundary": sel.get("boundary"),
-                         "retrieval_seats": sel.get("retrieval_seats") or "",
-                         "ablation_seats": sel.get("ablation_seats") or "",
+                         **{k: sel.get(k) or "" for k in SEAT_FIELDS},
                          "swaps": [r for r in (sel.get("swap_check") or {}).get("rounds", []) if r["kept"]]}
     return out
 

@@ -35,8 +35,8 @@ from ..units import parse_tokens
 from .plan import (AutoSelect, LayoutOptions, RunOptions, TrainingOptions, build_plan, check_context,
                    load_recipe)
 from .probe import apply_feature_maps, run_probe, score_weights, seats_for, select_report, swap_check
-from .selection import (choose_softmax_layers, describe_layout, layout_from_softmax_layers, rank_layers,
-                        selection_boundary, softmax_indices)
+from .selection import (SEAT_KINDS, choose_softmax_layers, describe_layout, layout_from_softmax_layers,
+                        rank_layers, selection_boundary, softmax_indices)
 
 
 def convert(spec: str = DEFAULT_MODEL, *, recipe: str = DEFAULT_RECIPE, overrides: dict[str, Any] | None = None,
@@ -215,16 +215,13 @@ def run_auto_select(model, tokenizer, rec, auto: AutoSelect, *, log: Callable[[s
         return layout_from_softmax_layers(list(range(count)), n), None, None
     probe = run_probe(model, tokenizer, rec, probe_tokens=auto.probe_tokens, log=log)
     scores = probe.scores(score_weights(rec))
-    readers, ablation = seats_for(probe, rec, count)
-    if readers:
-        att = probe.measurements["attention"]
-        log(f"select: retrieval seats for the layers the original retrieves with: "
-            + ", ".join(f"L{i} {att[i]:.3f}" for i in readers) + " (attention onto the key)")
-    if ablation:
-        rise = probe.measurements["retrieval"]
-        log(f"select: ablation seats for the layers the lookup needs most: "
-            + ", ".join(f"L{i} {rise[i]:+.3f}" for i in ablation) + " (passkey answer loss with only that layer linear)")
-    seats = sorted(readers + ablation)
+    by_kind = seats_for(probe, rec, count)
+    for kind in SEAT_KINDS:
+        if by_kind[kind.field]:
+            got = probe.measurements[kind.term]
+            log(f"select: {kind.field.replace('_', ' ')} for {kind.reason}: "
+                + ", ".join(f"L{i} {got[i]:{kind.fmt}}" for i in by_kind[kind.field]) + f" ({kind.measure})")
+    seats = sorted(i for got in by_kind.values() for i in got)
     softmax = choose_softmax_layers(scores, count, seats)
     top = rank_layers(scores)[: min(n, count + 3)]
     log(f"select: keeps softmax layers {','.join(map(str, softmax))} (interleave would keep "

@@ -33,10 +33,10 @@
    The caller keeps as softmax the N layers with the highest scores
    (:func:`linearize.convert.selection.choose_softmax_layers`), after the seats: the
    ``ceil(select.retrieval_seats * N)`` layers with the largest ``attention_i`` are kept whatever their score and
-   never swapped out (:func:`linearize.convert.selection.retrieval_seats`; measured for them even when
-   ``attention_weight`` is 0), and then the ``ceil(select.ablation_seats * N)`` others with the largest
-   ``retrieval_i`` the same way (:func:`linearize.convert.selection.ablation_seats`; measured for them even when
-   ``retrieval_weight`` is 0).
+   never swapped out (measured for them even when ``attention_weight`` is 0), and then the ``ceil(select.ablation_seats * N)`` others with the largest
+   ``retrieval_i`` and the ``ceil(select.loss_seats * N)`` others with the largest ``loss_i`` the same way, while
+   seats are left (:func:`linearize.convert.selection.choose_seats`; each measured for its seats even when its
+   weight is 0).
 
 The trained feature maps (and window mixing logits) of the probe are returned too, so the real
 conversion's linear layers start from them: the probe's tokens count as part of stage 1.
@@ -79,7 +79,7 @@ from ..model.layout import training_width
 from ..train.distill import distill, evaluate_layers
 from ..train.loop import training_window
 from ..version import __version__
-from .selection import LINEAR, ablation_seats, rank_layers, retrieval_seats, selection_boundary
+from .selection import LINEAR, SEAT_KINDS, choose_seats, rank_layers, selection_boundary
 
 #: bump when a measurement changes meaning (invalidates cached probes)
 PROBE_VERSION = 2  # 2: retrieval prompts use seeds disjoint from `linearize eval`'s
@@ -122,14 +122,13 @@ def score_weights(recipe) -> dict[str, float]:
     return w
 
 
-#: the seat kinds that need a term measured whatever its weight
-SEAT_TERMS = {"retrieval": "ablation_seats", "attention": "retrieval_seats"}
+#: term -> the seat kind that needs it measured whatever its weight
+SEAT_TERMS = {kind.term: kind.field for kind in SEAT_KINDS}
 
 
 def measured_terms(recipe) -> list[str]:
     """The terms the probe measures, in :data:`TERMS` order: ``mse`` always, a term with a weight > 0, and the
-    terms the seats need (``attention`` for the retrieval seats, ``retrieval`` for the ablation seats:
-    :func:`linearize.convert.selection.retrieval_seats`, :func:`linearize.convert.selection.ablation_seats`)."""
+    terms the seats need (:data:`SEAT_TERMS`)."""
     sel, weights = recipe["select"], score_weights(recipe)
     return [t for t in TERMS if t == "mse" or weights[t] > 0 or t in SEAT_TERMS and sel[SEAT_TERMS[t]] > 0]
 
@@ -229,7 +228,7 @@ def cache_key(model, tokenizer, recipe, probe_tokens: int) -> tuple[str | None, 
         "distill": {k: v for k, v in recipe["distill"].items() if k not in ("tokens", "seed", "checkpoint_every",
                                                                             "max_loss_ratio")},
         "select": {k: v for k, v in sel.items() if not k.endswith("_weight")
-                   and k not in ("probe_fraction", "retrieval_seats", "ablation_seats")},
+                   and k != "probe_fraction" and k not in SEAT_TERMS.values()},
         "measured": measured_terms(recipe),
         "probe_tokens": probe_tokens,
         "data": {"spec": data, **(source_fingerprint(src) if src.cacheable else {})},
@@ -564,12 +563,10 @@ def run_probe(model, tokenizer, recipe, *, probe_tokens: int, use_cache: bool = 
     return result
 
 
-def seats_for(result: ProbeResult, recipe, count: int) -> tuple[list[int], list[int]]:
-    """The seats of a ``count``-layer choice, ``(retrieval seats, ablation seats)``
-    (:func:`linearize.convert.selection.retrieval_seats`, :func:`linearize.convert.selection.ablation_seats`)."""
-    sel = recipe["select"]
-    readers = retrieval_seats(result.measurements.get("attention"), count, sel["retrieval_seats"])
-    return readers, ablation_seats(result.measurements.get("retrieval"), count, sel["ablation_seats"], readers)
+def seats_for(result: ProbeResult, recipe, count: int) -> dict[str, list[int]]:
+    """The seats of a ``count``-layer choice, ``{kind.field: layers}`` in
+    :data:`linearize.convert.selection.SEAT_KINDS` order (:func:`linearize.convert.selection.choose_seats`)."""
+    return choose_seats(result.measurements, count, recipe["select"])
 
 
 def select_report(result: ProbeResult, recipe, softmax: list[int], *, count_from: str,
@@ -579,8 +576,8 @@ def select_report(result: ProbeResult, recipe, softmax: list[int], *, count_from
     """The ``select`` stage report: scores, chosen layout and the probe's cost."""
     weights = score_weights(recipe)
     scores = result.scores(weights)
-    readers, ablation = seats_for(result, recipe, len(softmax))
-    seats = sorted(readers + ablation)
+    by_kind = seats_for(result, recipe, len(softmax))
+    seats = sorted(i for got in by_kind.values() for i in got)
     rank = {i: r + 1 for r, i in enumerate(rank_layers(scores))}
     rows = []
     for i in range(result.num_layers):
@@ -600,7 +597,7 @@ def select_report(result: ProbeResult, recipe, softmax: list[int], *, count_from
         "baseline_heldout_loss": result.baseline.get("heldout_loss"),
         "baseline_retrieval_loss": result.baseline.get("retrieval_loss"),
         "scoring": {"formula": SCORE_FORMULA, "weights": weights}, "scores": rows,
-        "retrieval_seats": ",".join(map(str, readers)), "ablation_seats": ",".join(map(str, ablation)),
+        **{k: ",".join(map(str, got)) for k, got in by_kind.items()},
         "boundary": selection_boundary(scores, len(softmax), seats),
     }
     if kv_budget is not None:

@@ -12,6 +12,7 @@ most that fit a cache budget) but chooses *which* layers from measured scores: s
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import SelectionError
@@ -200,47 +201,71 @@ def rank_layers(scores: list[float]) -> list[int]:
     return sorted(range(len(scores)), key=lambda i: (-scores[i], i))
 
 
-def retrieval_seats(attention: list[float] | None, count: int, share: float) -> list[int]:
-    """The layers that keep a softmax seat whatever their score: the ``ceil(share * count)`` layers on which the
-    original attends most from the answer position onto a hidden key (``attention``, the probe's term; ties: the
-    lower index; only layers with weight > 0), sorted. None measured or ``share`` 0: none.
+@dataclass(frozen=True)
+class SeatKind:
+    """One kind of softmax seat of ``--select auto``: a layer kept whatever its score and never swapped out,
+    because one probe measurement ranks it among the top ``ceil(share x softmax layers)``."""
 
-    Why a seat: on the embedded model the original retrieves through layers 20-23 at every length up to 8K. Trained
-    at 8K, a 3:1 hybrid that kept all four scored 80 / 60 / 95 / 80% passkey at 1K / 2K / 4K / 8K; two with 16
-    sinks and wider windows kept three (layer 20 scored 2.5% below the line) and two (the swap check traded 20 and
-    21 for layers that lowered the probe's 2K-token losses) and scored 75 / 25 / 15 / 5% and 30 / 0 / 15 / 0%
-    (docs/long-context-experiments.md). The attention term measures the original directly; the scores mix it
-    with the probe's losses, which a wide window or short retrieval prompts can hide it in."""
-    if not attention or share <= 0 or count <= 0:
-        return []
-    n = min(count, math.ceil(share * count - 1e-9))
-    ranked = [i for i in sorted(range(len(attention)), key=lambda i: (-attention[i], i)) if attention[i] > 0]
-    return sorted(ranked[:n])
+    field: str  # the recipe's ``select`` field (the share) and the ``select`` report's key (the layers)
+    term: str  # the probe measurement that ranks the layers (:data:`linearize.convert.probe.TERMS`)
+    reason: str  # which layers these are, for the log and the report
+    measure: str  # what the measurement is, for the log
+    fmt: str  # how one value of it is printed
 
 
-def ablation_seats(retrieval: list[float] | None, count: int, share: float, taken: list[int] = ()) -> list[int]:
-    """The layers, besides the ``taken`` seats, that keep a softmax seat because running any one of them alone as
-    linear attention raises the passkey answer loss most (``retrieval``, the probe's single-layer term; only
-    layers with a rise > 0; ties: the lower index): ``ceil(share * count)`` of them, at most the seats left, sorted.
-    None measured or ``share`` 0: none.
+#: the seat kinds, filled in this order (each after the seats before it, while seats are left). Why each:
+#:
+#: - ``retrieval_seats``: on the embedded model the original retrieves through layers 20-23 at every length up to
+#:   8K. Trained at 8K, a 3:1 hybrid that kept all four scored 80 / 60 / 95 / 80% passkey at 1K / 2K / 4K / 8K; two
+#:   with 16 sinks and wider windows kept three and two (the swap check traded 20 and 21 for layers that lowered
+#:   the probe's 2K-token losses) and scored 75 / 25 / 15 / 5% and 30 / 0 / 15 / 0%. The attention term measures
+#:   the original directly; the scores mix it with the probe's losses, which a wide window or short retrieval
+#:   prompts can hide it in.
+#: - ``ablation_seats``: the layers that read the key are not the whole lookup. Layer 18 raises the passkey answer
+#:   loss most when linearized alone (0.9 nats) while attending little onto the key; six 3:1 hybrids trained at 8K
+#:   that kept 20-23 and 18 scored 75-85% passkey at 1K where they also kept 7, 10-60% where the swap check had
+#:   traded it away. The swap check did not see it: it compares layouts on the probe's hybrid, whose joint loss did
+#:   not predict recall after training.
+#: - ``loss_seats``: the layer whose linearization alone raises the held-out loss most (layer 7 here, 0.10 nats,
+#:   twice the next) carries the lookup too, though no retrieval measurement ranks it first. At 7:1 (four seats)
+#:   the layout 7, 18, 22, 23 scored 82.5% on the needle and 41% passkey at 1K-8K, the layout without it (18, 20,
+#:   22, 23) 41% and 22.5% (the original 87.5% and 67.5%; docs/long-context-experiments.md).
+SEAT_KINDS = (
+    SeatKind("retrieval_seats", "attention", "the layers the original retrieves with", "attention onto the key",
+             ".3f"),
+    SeatKind("ablation_seats", "retrieval", "the layers the lookup needs most",
+             "passkey answer loss with only that layer linear", "+.3f"),
+    SeatKind("loss_seats", "loss", "the layers the model needs most", "held-out loss with only that layer linear",
+             "+.3f"),
+)
 
-    Why a second kind of seat: the layers that read the key (:func:`retrieval_seats`) are not the whole lookup.
-    On the embedded model layers 18 and 7 raise the answer loss most when linearized alone (0.59 and 0.30 nats,
-    the same on every probe) while attending little onto the key. Six 3:1 hybrids trained at 8K kept 20-23 and 18;
-    the three that also kept 7 scored 75-85% passkey at 1K and 95-100% on the needle at 1K / 2K, the three where the
-    swap check had traded 7 away (for 3, 8 or 13) 10-60% and 60-100% / 65-80% (docs/long-context-experiments.md).
-    The swap check did not see it: it compares layouts on the probe's hybrid (every other layer linear with maps
-    fitted on a short budget), whose joint loss did not predict recall after training."""
-    if not retrieval or share <= 0 or count <= len(taken):
+#: the ``select`` report's keys of the seats (and the recipe's share fields)
+SEAT_FIELDS = tuple(kind.field for kind in SEAT_KINDS)
+
+def top_seats(values: list[float] | None, count: int, share: float, taken: list[int] = ()) -> list[int]:
+    """The layers, besides the ``taken`` seats, with the largest ``values`` (only values > 0 and finite: not
+    noise, not a failed measurement; ties: the lower index): ``ceil(share * count)`` of them, at most the
+    ``count - len(taken)`` seats left, sorted. None measured or ``share`` 0: none."""
+    if not values or share <= 0 or count <= len(taken):
         return []
     n = min(count - len(taken), math.ceil(share * count - 1e-9))
-    ranked = [i for i in sorted(range(len(retrieval)), key=lambda i: (-retrieval[i], i))
-              if retrieval[i] > 0 and math.isfinite(retrieval[i]) and i not in taken]
+    ranked = [i for i in sorted(range(len(values)), key=lambda i: (-values[i], i))
+              if values[i] > 0 and math.isfinite(values[i]) and i not in taken]
     return sorted(ranked[:n])
+
+
+def choose_seats(measurements: dict[str, list[float] | None], count: int, shares: dict[str, float]) -> dict[str, list[int]]:
+    """``{kind.field: layers}`` for every :data:`SEAT_KINDS` kind of a ``count``-layer choice, filled in order
+    (``shares``: the recipe's ``select`` section)."""
+    seats: dict[str, list[int]] = {}
+    for kind in SEAT_KINDS:
+        seats[kind.field] = top_seats(measurements.get(kind.term), count, shares[kind.field],
+                                      [i for got in seats.values() for i in got])
+    return seats
 
 
 def choose_softmax_layers(scores: list[float], count: int, reserved: list[int] = ()) -> list[int]:
-    """The ``reserved`` layers (:func:`retrieval_seats`, :func:`ablation_seats`) and then the highest scores (ties:
+    """The ``reserved`` layers (:func:`choose_seats`) and then the highest scores (ties:
     the lower index) up to ``count`` layers, sorted."""
     if not 0 <= count <= len(scores):
         raise SelectionError(f"cannot keep {count} softmax layers of {len(scores)}")
@@ -296,12 +321,10 @@ def scores_markdown(report: dict) -> list[str]:
         lines.append(f"| {r['layer']} | {kept} | {f(r['mse'])} | "
                      f"{f(r['loss_delta'])} | {f(r.get('retrieval_delta'))} | {f(r.get('retrieval_attention'))} | "
                      f"{f(r['score'])} | {r['rank']} |")
-    if report.get("retrieval_seats"):
-        lines += ["", f"Retrieval seats (kept whatever their score, never swapped out: the layers where the original "
-                      f"attends most onto the key): {report['retrieval_seats']}."]
-    if report.get("ablation_seats"):
-        lines += ["", f"Ablation seats (kept the same way: the layers whose linearization alone raises the passkey "
-                      f"answer loss most): {report['ablation_seats']}."]
+    for kind in SEAT_KINDS:
+        if report.get(kind.field):
+            lines += ["", f"{kind.field.replace('_', ' ').capitalize()} (kept whatever their score, never swapped out: "
+                          f"{kind.reason}: {kind.measure}): {report[kind.field]}."]
     b = report.get("boundary")
     if b:
         lines += ["", f"Boundary: layer {b['kept']} kept ({b['kept_score']:.4g}), layer {b['dropped']} not "
