@@ -29,14 +29,13 @@
 
    with ``w_t`` = ``select.mse_weight``, ``select.loss_weight``, ``select.retrieval_weight``,
    ``select.attention_weight`` (a term with weight 0 is not measured, but for the seats' terms below; negative
-   values, i.e. noise, count as 0; a term that is 0 for every layer drops out of both sums). Every term is scale-free and the scores sum to 1 over layers.
-   The caller keeps as softmax the N layers with the highest scores
+   values, i.e. noise, count as 0; a term that is 0 for every layer drops out of both sums). Every term is
+   scale-free and the scores sum to 1 over layers. The caller keeps as softmax the N layers with the highest scores
    (:func:`linearize.convert.selection.choose_softmax_layers`), after the seats: the
    ``ceil(select.retrieval_seats * N)`` layers with the largest ``attention_i`` are kept whatever their score and
-   never swapped out (measured for them even when ``attention_weight`` is 0), and then the ``ceil(select.ablation_seats * N)`` others with the largest
-   ``retrieval_i`` and the ``ceil(select.loss_seats * N)`` others with the largest ``loss_i`` the same way, while
-   seats are left (:func:`linearize.convert.selection.choose_seats`; each measured for its seats even when its
-   weight is 0).
+   never swapped out, then the ``ceil(select.ablation_seats * N)`` others with the largest ``retrieval_i`` and the
+   ``ceil(select.loss_seats * N)`` others with the largest ``loss_i`` the same way, while seats are left
+   (:func:`linearize.convert.selection.choose_seats`; a seat's term is measured even when its weight is 0).
 
 The trained feature maps (and window mixing logits) of the probe are returned too, so the real
 conversion's linear layers start from them: the probe's tokens count as part of stage 1.

@@ -242,6 +242,7 @@ SEAT_KINDS = (
 #: the ``select`` report's keys of the seats (and the recipe's share fields)
 SEAT_FIELDS = tuple(kind.field for kind in SEAT_KINDS)
 
+
 def top_seats(values: list[float] | None, count: int, share: float, taken: list[int] = ()) -> list[int]:
     """The layers, besides the ``taken`` seats, with the largest ``values`` (only values > 0 and finite: not
     noise, not a failed measurement; ties: the lower index): ``ceil(share * count)`` of them, at most the
@@ -254,7 +255,8 @@ def top_seats(values: list[float] | None, count: int, share: float, taken: list[
     return sorted(ranked[:n])
 
 
-def choose_seats(measurements: dict[str, list[float] | None], count: int, shares: dict[str, float]) -> dict[str, list[int]]:
+def choose_seats(measurements: dict[str, list[float] | None], count: int,
+                 shares: dict[str, float]) -> dict[str, list[int]]:
     """``{kind.field: layers}`` for every :data:`SEAT_KINDS` kind of a ``count``-layer choice, filled in order
     (``shares``: the recipe's ``select`` section)."""
     seats: dict[str, list[int]] = {}
