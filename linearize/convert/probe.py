@@ -487,7 +487,8 @@ def swap_check(model, tokenizer, recipe, result: ProbeResult, softmax: list[int]
     (nats/token each). Each of ``select.swap_rounds`` rounds tries every swap of one of the ``select.swap_pool``
     lowest-scoring kept layers for one of the ``swap_pool`` highest-scoring dropped ones and keeps the best if
     it lowers the joint loss by more than :data:`MIN_SWAP_GAIN`; a round without such a swap ends the check.
-    ``reserved`` layers (retrieval and ablation seats) are never swapped out.
+    ``reserved`` layers (the seats: :data:`linearize.convert.selection.SEAT_KINDS`) are never swapped out; with
+    every layer a seat only the layout's joint loss is measured.
     """
     sel, d = recipe["select"], recipe["distill"]
     heldout = heldout_sequences(tokenizer, d["data"], seq_len=d["seq_len"], n_seqs=d["eval_seqs"])
