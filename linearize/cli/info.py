@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from ..bench.info import model_info, retrieval_layers
-from ..convert.selection import SEAT_FIELDS, describe_swap
+from ..convert.selection import SEAT_KINDS, describe_swap
 from ..errors import LinearizeError
 from ..settings import DEFAULT_RECIPE
 from ..units import format_bytes, format_length
@@ -77,7 +77,7 @@ def info(spec: str = typer.Argument(..., help="Model spec or hybrid checkpoint d
     if "select" in q:
         sel, b = q["select"], q["select"]["boundary"]
         console.print(f"softmax layers chosen by --select auto: {sel['softmax_layers']}"
-                      + "".join(f"; {k.replace('_', ' ')}: {sel[k]}" for k in SEAT_FIELDS if sel.get(k))
+                      + "".join(f"; {k.label}: {sel[k.field]}" for k in SEAT_KINDS if sel.get(k.field))
                       + (f"; boundary: layer {b['kept']} kept ({b['kept_score']:.4f}), layer {b['dropped']} not "
                          f"({b['dropped_score']:.4f}), {100 * b['relative_margin']:.1f}% apart"
                          + (" (a close call)" if b["close_call"] else "") if b else "")

@@ -36,7 +36,7 @@ from .plan import (AutoSelect, LayoutOptions, RunOptions, TrainingOptions, build
                    load_recipe)
 from .probe import apply_feature_maps, run_probe, score_weights, seats_for, select_report, swap_check
 from .selection import (SEAT_KINDS, choose_softmax_layers, describe_layout, layout_from_softmax_layers,
-                        rank_layers, selection_boundary, softmax_indices)
+                        rank_layers, seated, selection_boundary, softmax_indices)
 
 
 def convert(spec: str = DEFAULT_MODEL, *, recipe: str = DEFAULT_RECIPE, overrides: dict[str, Any] | None = None,
@@ -219,9 +219,9 @@ def run_auto_select(model, tokenizer, rec, auto: AutoSelect, *, log: Callable[[s
     for kind in SEAT_KINDS:
         if by_kind[kind.field]:
             got = probe.measurements[kind.term]
-            log(f"select: {kind.field.replace('_', ' ')} for {kind.reason}: "
+            log(f"select: {kind.label} for {kind.reason}: "
                 + ", ".join(f"L{i} {got[i]:{kind.fmt}}" for i in by_kind[kind.field]) + f" ({kind.measure})")
-    seats = sorted(i for got in by_kind.values() for i in got)
+    seats = seated(by_kind)
     softmax = choose_softmax_layers(scores, count, seats)
     top = rank_layers(scores)[: min(n, count + 3)]
     log(f"select: keeps softmax layers {','.join(map(str, softmax))} (interleave would keep "

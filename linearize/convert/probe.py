@@ -78,7 +78,7 @@ from ..model.layout import training_width
 from ..train.distill import distill, evaluate_layers
 from ..train.loop import training_window
 from ..version import __version__
-from .selection import LINEAR, SEAT_KINDS, choose_seats, rank_layers, selection_boundary
+from .selection import LINEAR, SEAT_KINDS, choose_seats, rank_layers, seated, selection_boundary
 
 #: bump when a measurement changes meaning (invalidates cached probes)
 PROBE_VERSION = 2  # 2: retrieval prompts use seeds disjoint from `linearize eval`'s
@@ -577,7 +577,7 @@ def select_report(result: ProbeResult, recipe, softmax: list[int], *, count_from
     weights = score_weights(recipe)
     scores = result.scores(weights)
     by_kind = seats_for(result, recipe, len(softmax))
-    seats = sorted(i for got in by_kind.values() for i in got)
+    seats = seated(by_kind)
     rank = {i: r + 1 for r, i in enumerate(rank_layers(scores))}
     rows = []
     for i in range(result.num_layers):

@@ -212,6 +212,11 @@ class SeatKind:
     measure: str  # what the measurement is, for the log
     fmt: str  # how one value of it is printed
 
+    @property
+    def label(self) -> str:
+        """``"retrieval seats"``: the field as words, for the log, the report and ``info``."""
+        return self.field.replace("_", " ")
+
 
 #: the seat kinds, filled in this order (each after the seats before it, while seats are left). Why each:
 #:
@@ -261,9 +266,13 @@ def choose_seats(measurements: dict[str, list[float] | None], count: int,
     (``shares``: the recipe's ``select`` section)."""
     seats: dict[str, list[int]] = {}
     for kind in SEAT_KINDS:
-        seats[kind.field] = top_seats(measurements.get(kind.term), count, shares[kind.field],
-                                      [i for got in seats.values() for i in got])
+        seats[kind.field] = top_seats(measurements.get(kind.term), count, shares[kind.field], seated(seats))
     return seats
+
+
+def seated(seats: dict[str, list[int]]) -> list[int]:
+    """Every layer of a :func:`choose_seats` result, whatever its kind, sorted."""
+    return sorted(i for got in seats.values() for i in got)
 
 
 def choose_softmax_layers(scores: list[float], count: int, reserved: list[int] = ()) -> list[int]:
@@ -325,7 +334,7 @@ def scores_markdown(report: dict) -> list[str]:
                      f"{f(r['score'])} | {r['rank']} |")
     for kind in SEAT_KINDS:
         if report.get(kind.field):
-            lines += ["", f"{kind.field.replace('_', ' ').capitalize()} (kept whatever their score, never swapped out: "
+            lines += ["", f"{kind.label.capitalize()} (kept whatever their score, never swapped out: "
                           f"{kind.reason}: {kind.measure}): {report[kind.field]}."]
     b = report.get("boundary")
     if b:
