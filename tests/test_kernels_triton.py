@@ -139,6 +139,7 @@ WIN_SHAPES = [
     (1, 300, 2, 1, 16, 16, 16, 192),  # wide: three 64-token key blocks back, the state lagging three chunks
     (1, 200, 4, 2, 16, 32, 16, 150),  # wide, W not a multiple of the chunk: linear pairs in two key blocks
     (1, 600, 2, 1, 16, 16, 16, 512),  # the default recipe's serving width: eight key blocks back
+    (1, 1100, 2, 1, 16, 16, 16, 700),  # past 512 (as a 2K serving window): eleven key blocks back
 ]
 
 
@@ -152,8 +153,9 @@ def test_window_triton_vs_reference(shape, dtype):
     (100, torch.bfloat16, "_win_fwd_kernel"),  # 128-token chunks
     (100, torch.float32, "_win_softmax_wide_kernel"),  # fp32 128-token chunks are not built: 64-token key blocks
     (300, torch.bfloat16, "_win_softmax_wide_kernel"),
-    (600, torch.float32, None),  # wider than MAX_WINDOW: the chunked PyTorch path
-], ids=["bf16-100", "fp32-100", "bf16-300", "fp32-600"])
+    (2048, torch.float32, "_win_softmax_wide_kernel"),  # a window wider than the sequence: key blocks masked off
+    (4100, torch.float32, None),  # wider than MAX_WINDOW (4096, the widest a recipe allows): chunked PyTorch
+], ids=["bf16-100", "fp32-100", "bf16-300", "fp32-2048", "fp32-4100"])
 def test_window_over_64_kernel_choice(W, dtype, kernel, monkeypatch):
     """Which kernel a window wider than one 64-token chunk launches (none: the chunked PyTorch path), and that
     its forward matches the float64 reference."""

@@ -233,14 +233,14 @@ def window_linear_attention(
     computed stably (shift by ``m_i = max(0, max_win s_ij)``). The final state covers
     tokens ``j <= T-1-W`` (the linear set of the last query). To continue a sequence,
     prepend the previous ``W`` tokens yourself and pass the state returned for the
-    tokens before them. The Triton backend runs ``W <= 512`` in its own kernels (windows over 128, and fp32 ones
+    tokens before them. The Triton backend runs ``W <= 4096`` in its own kernels (windows over 128, and fp32 ones
     over 64, walk several 64-token key blocks per chunk; with ``log_decay``: ``W <= 128``) and wider windows on
     the chunked PyTorch path.
 
     Keys where ``key_mask`` is False (padding, e.g. the left padding of a batch of prompts) take part in
     neither the window nor the linear sum nor the final state; the window still spans ``W`` positions, so a
     left-padded row gets exactly the outputs of its unpadded sequence. On the Triton backend a ``key_mask``
-    runs the two-pass forward for ``W <= 64`` and ``128 < W <= 512`` (fp32: ``64 < W <= 512`` too) without
+    runs the two-pass forward for ``W <= 64`` and ``128 < W <= 4096`` (fp32: ``64 < W <= 4096`` too) without
     gradients, the chunked PyTorch path otherwise.
 
     ``log_decay`` (gated): the softmax part is unchanged; the linear weights become ``(fq_i.fk_j) e^{b_i - b_j}``

@@ -44,6 +44,7 @@ from .triton_common import (
     segment_starts,
     segment_sum_launch,
     signed_projections,
+    to16,
 )
 from .tuning import ensure_applied, register
 
@@ -288,7 +289,9 @@ def _win_softmax_wide_kernel(
         s = mm(q, tl.trans(kj), PREC) * scale
         m_new = tl.maximum(m, tl.max(tl.where(win, s, NEG_INF), 1))
         alpha = tl.exp(m - m_new)
-        P = tl.where(win, w * tl.exp(s - m_new[:, None]), 0.0).to(vj.dtype)  # rounded once: num and den agree
+        # rounded once (num and den agree), to nearest under the interpreter too: over a window of thousands of
+        # keys the interpreter's truncating casts would bias every row's sums the same way
+        P = to16(tl.where(win, w * tl.exp(s - m_new[:, None]), 0.0), Vp.dtype.element_ty)
         acc = acc * alpha[:, None] + mm(P, vj, PREC)
         lsum = lsum * alpha + tl.sum(P.to(tl.float32), 1)
         m = m_new
@@ -631,9 +634,10 @@ CONFIG = {  # picked by linearize.bench.tune_kernels on an H200 (triton 3.6); me
 }
 
 
-#: widest window the Triton kernels run (wider ones: the chunked PyTorch path); a window of ``W`` tokens walks
-#: cdiv(W, 64) + 1 key blocks per query chunk, unrolled in the kernels
-MAX_WINDOW = 512
+#: widest window the Triton kernels run, the widest a recipe allows (wider ones: the chunked PyTorch path, which
+#: copies the keys and values once per 64-token block the window spans); a window of ``W`` tokens walks
+#: cdiv(W, 64) + 1 key blocks per query chunk, in loops (registers and shared memory do not grow with ``W``)
+MAX_WINDOW = 4096
 
 
 def _chunk_for(window: int, dtype: torch.dtype) -> Optional[int]:
@@ -882,7 +886,7 @@ def window_linear_attention_triton(
     initial_state: Optional[Tuple[torch.Tensor, torch.Tensor]] = None, output_final_state: bool = False,
     key_mask: Optional[torch.Tensor] = None, log_decay: Optional[torch.Tensor] = None, return_lse: bool = False,
 ):
-    """Triton path of :func:`linearize.kernels.window_linear_attention` (``window <= 512``; windows over 128, and
+    """Triton path of :func:`linearize.kernels.window_linear_attention` (``window <= 4096``; windows over 128, and
     fp32 ones over 64, walk several 64-token key blocks per chunk; wider windows run the chunked PyTorch path).
     With a ``key_mask`` (an inference forward of a padded batch): the padding rows of ``k``, ``fk``, ``v`` zeroed,
     then the two-pass forward whose window kernel reads the mask (64-token chunks, no gradient; otherwise the
