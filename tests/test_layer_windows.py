@@ -80,6 +80,39 @@ def test_checkpoint_round_trip(tmp_path):
     check_checkpoint_round_trip(hybrid, rec, tmp_path / "lw", lambda layers: [m.window for m in layers] == [8, 4, 2])
 
 
+def test_a_checkpoint_serves_at_the_width_its_config_says(tmp_path):
+    """The serving width is configuration, not weights: a saved hybrid whose config.json is edited to another
+    ``linear_attention.window`` loads with every windowed layer at it and computes what the in-memory model
+    computes at that width (and not what it computed before)."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from conftest import char_tokenizer
+    from linearize.io.checkpoint import save_checkpoint
+    from linearize.model.modeling import LinearizeForCausalLM
+
+    hybrid, rec = hybrid_with({}, window=4)
+    out = tmp_path / "H"
+    save_checkpoint(hybrid, char_tokenizer(), out, base="tiny", recipe=rec)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["linear_attention"]["window"] == 4
+    cfg["linear_attention"]["window"] = 12
+    (out / "config.json").write_text(json.dumps(cfg))
+    ids = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = hybrid(ids).logits
+        for m in hybrid.linear_modules():
+            m.window = 12
+        want, tokens = hybrid(ids).logits, hybrid.generate(ids, max_new_tokens=6, do_sample=False)
+        for loaded in (LinearizeForCausalLM.from_pretrained(out).eval(),
+                       AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()):
+            assert [m.window for m in loaded.linear_modules()] == [12, 12, 12]
+            torch.testing.assert_close(loaded(ids).logits, want)
+            assert torch.equal(loaded.generate(ids, max_new_tokens=6, do_sample=False), tokens)  # the cache's rings
+    assert not torch.allclose(want, before)
+
+
 def test_cache_bytes_count_each_layers_ring():
     hybrid, _ = hybrid_with({"0": 64, "2": 2})
     cfg = hybrid.config
