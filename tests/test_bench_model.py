@@ -115,6 +115,28 @@ def test_several_layouts_against_one_original_run(tiny_config, tmp_path):
     assert "hybrid 3:1 vs original" in r.stdout and "hybrid 1:0 vs original" in r.stdout
 
 
+def test_set_changes_the_layers_it_times(tiny_config, tmp_path, capsys):
+    """``--set attention.window=8``: the on-the-fly hybrid serves an 8-token window (its cache holds 8-slot rings,
+    the closed form agrees), the run records and prints the override; a checkpoint's own settings are not
+    overridden."""
+    kw = dict(random_weights=True, device="cpu", lengths="64", batches="1", decode_steps=1, log=lambda m: None)
+    wide = bm.bench_model(str(tiny_config), out_dir=tmp_path / "a", **kw)
+    narrow = bm.bench_model(str(tiny_config), out_dir=tmp_path / "b", overrides={"attention.window": 8}, **kw)
+    assert narrow["meta"]["overrides"] == {"attention.window": 8} and wide["meta"]["overrides"] == {}
+    rows = [{x["model"]: x for x in r["rows"]} for r in (wide, narrow)]
+    assert rows[0]["original"]["cache_bytes"] == rows[1]["original"]["cache_bytes"]
+    h512, h8 = rows[0]["hybrid"], rows[1]["hybrid"]
+    assert h8["cache_bytes"] == h8["cache_bytes_formula"] < h512["cache_bytes"] == h512["cache_bytes_formula"]
+    bm.print_result(narrow)
+    assert "| attention.window=8 |" in capsys.readouterr().out
+    hybrid = tmp_path / "h.json"  # a hybrid's config: its settings are its own
+    cfg = json.loads(tiny_config.read_text())
+    hybrid.write_text(json.dumps({**cfg, "model_type": "linearize", "base_model_type": "llama",
+                                  "layer_types": ["linear_attention", "full_attention"] * 2}))
+    with pytest.raises(bm.LinearizeError, match="has its own linear-attention settings"):
+        bm.bench_model(str(hybrid), out_dir=tmp_path / "c", overrides={"attention.window": 8}, **kw)
+
+
 def test_a_row_that_cannot_fit_is_skipped_unrun(monkeypatch):
     """Weights plus the closed-form cache above the GPU's memory: the row is named as skipped, with both sizes."""
     model = tiny_model("llama", seed=0)
@@ -142,6 +164,8 @@ def test_long_rows_warm_up_on_a_prefix():
     (["llama-3-8b", "--random-weights", "--lengths", "4K,x"], "bad length"),
     (["llama-3-8b", "--random-weights", "--ratio", "3:1,7"], "expected A:B"),
     (["llama-3-8b", "--random-weights", "--prefill-chunk", "-1"], "--prefill-chunk"),
+    (["llama-3-8b", "--random-weights", "--set", "distill.lr=1"], "only attention.* fields"),
+    (["llama-3-8b", "--random-weights", "--set", "attention.window=-3"], "attention.window"),
 ])
 def test_bad_inputs_one_line_exit_2(tmp_path, args, message):
     from typer.testing import CliRunner

@@ -880,7 +880,8 @@ def bench_model(spec: str, *, against: str | None = None, random_weights: bool =
                 recipe: str = DEFAULT_RECIPE, lengths: Any = "4K,32K,128K", batches: Any = "1,8", decode_steps: int = 64,
                 dtype: str | None = None, device: str | None = None, sdpa: str = "flash,cudnn",
                 out_dir: Path | str = "bench-model", timing: Timing | None = None,
-                log: Callable[[str], None] = print, profile: bool = False, prefill_chunk: int | None = None) -> dict:
+                log: Callable[[str], None] = print, profile: bool = False, prefill_chunk: int | None = None,
+                overrides: dict[str, Any] | None = None) -> dict:
     """Benchmark the hybrid against the original; write ``out_dir/bench_model.json``; return the result.
 
     ``spec`` is a hybrid checkpoint directory (compared with ``against`` or the base model it names), or
@@ -889,7 +890,8 @@ def bench_model(spec: str, *, against: str | None = None, random_weights: bool =
     each hybrid, built afresh, with rows named ``hybrid A:B``. With ``random_weights`` the models come from a
     shipped config (alias) or a ``config.json`` path. ``profile``: also split a few eager decode steps per row by
     kernel category (:func:`profile_steps`); ``prefill_chunk``: the hybrids' ``prefill_chunk_tokens`` for the run
-    (None: their config's; 0: one whole forward). See the module docstring for what each number means.
+    (None: their config's; 0: one whole forward); ``overrides``: ``attention.*`` recipe fields for the on-the-fly
+    conversions (``{"attention.window": 2048}``). See the module docstring for what each number means.
     """
     Ts, Bs = parse_lengths(lengths), parse_batch_sizes(batches)
     if int(decode_steps) < 1:
@@ -913,13 +915,21 @@ def bench_model(spec: str, *, against: str | None = None, random_weights: bool =
             prefill_chunk = check_chunk_size(prefill_chunk)
         except ValueError as e:
             raise LinearizeError(f"--prefill-chunk: {e}") from None
-    rec = recipes.load(recipe)
+    overrides = dict(overrides or {})
+    for field in overrides:
+        if not field.startswith("attention."):
+            raise LinearizeError(f"--set {field}: bench model builds untrained layers, so only attention.* fields "
+                                 f"change what it times")
+    rec = recipes.load(recipe, overrides or None)
     timing = timing or (Timing() if dev.type == "cuda" else Timing(min_time=0.0, max_reps=1, warmup_steps=1))
     pairs = [plan_pair(spec, against=against, random_weights=random_weights, ratio=r, recipe=rec, dtype=dt,
                        device=dev, max_len=max(Ts)) for r in ratio_list]
     pair = pairs[0]
     if len(pairs) > 1 and pair.layout_from_checkpoint:
         raise LinearizeError(f"--ratio {ratio}: several layouts compare on-the-fly conversions; {spec} has its own")
+    if overrides and pair.layout_from_checkpoint:
+        raise LinearizeError(f"--set: {spec} has its own linear-attention settings (edit its config.json to serve "
+                             f"it at another window); --set applies to on-the-fly conversions")
     kinds = ["hybrid"] if len(pairs) == 1 else [f"hybrid {r}" for r in ratio_list]
     described = [describe_layout(p.layer_types) if p.layer_types else None for p in pairs]
     out_dir = Path(out_dir)
@@ -936,7 +946,7 @@ def bench_model(spec: str, *, against: str | None = None, random_weights: bool =
             "spec": spec, "against": against, "random_weights": random_weights,
             "original": pair.original_name, "hybrid": pair.hybrid_name,
             "ratio": None if pair.layout_from_checkpoint else ",".join(ratio_list),
-            "recipe": None if pair.layout_from_checkpoint else rec.name,
+            "recipe": None if pair.layout_from_checkpoint else rec.name, "overrides": overrides,
             "layout": "; ".join(described) if pair.layer_types else None,
             "layer_types": pair.layer_types, "dtype": str(dt).replace("torch.", ""), "device": str(dev),
             "hybrids": [{"model": k, "ratio": None if p.layout_from_checkpoint else r, "layout": d,
@@ -1038,7 +1048,8 @@ def print_result(result: dict, console=None) -> None:
         console = make_console()
     con = console
     meta = result["meta"]
-    con.print(f"{meta['hybrid']} vs {meta['original']} | {meta.get('layout') or ''} | {meta['dtype']} on "
+    sets = "".join(f" | {k}={v}" for k, v in (meta.get("overrides") or {}).items())
+    con.print(f"{meta['hybrid']} vs {meta['original']} | {meta.get('layout') or ''}{sets} | {meta['dtype']} on "
               f"{meta.get('gpu', meta['device'])} | torch {meta['torch']}, transformers {meta['transformers']}",
               highlight=False)
     by = {(r["model"], r["T"], r["B"]): r for r in result["rows"]}

@@ -78,6 +78,7 @@ def bench_model_cmd(
     out: Optional[Path] = typer.Option(None, "-o", "--output", help="Output directory for bench_model.json (default: bench-model-NAME)."),
     profile: bool = typer.Option(False, "--profile", help="Also split a few eager decode steps per row by kernel category (matmul, softmax attention, linear attention, other)."),
     prefill_chunk: Optional[int] = typer.Option(None, "--prefill-chunk", help="Tokens per piece of the hybrids' chunked prefill, all rows together, for this run (default: their config's, 131072; 0: one whole forward)."),
+    set_: Optional[List[str]] = typer.Option(None, "--set", help="Override an attention.* field of the recipe for the on-the-fly conversion, e.g. attention.window=2048 (repeatable)."),
 ):
     """Hybrid vs original: prefill and decode tokens/s, peak memory, cache + state bytes (JSON + table)."""
     from ..bench.model import RESULT_FILE, bench_model, print_result  # start-up time: torch and transformers
@@ -86,7 +87,7 @@ def bench_model_cmd(
     result = bench_model(spec, against=against, random_weights=random_weights, ratio=ratio, recipe=recipe,
                          lengths=lengths, batches=batch, decode_steps=decode_steps, dtype=dtype, device=device,
                          sdpa=sdpa, out_dir=out, log=lambda m: err_console.print(m, highlight=False, soft_wrap=True),
-                         profile=profile, prefill_chunk=prefill_chunk)
+                         profile=profile, prefill_chunk=prefill_chunk, overrides=overrides(set_))
     print_result(result)
     console.print(f"wrote {out / RESULT_FILE}", highlight=False)
 
