@@ -285,9 +285,13 @@ def test_interp_fp32_intermediates(small_chunks, monkeypatch):
     check("triton", 2, 37, 4, 2, 16, 32, torch.bfloat16)
 
 
+# off-by-default settings: each chunk size once, one of them in each dtype (the defaults run both everywhere)
+BT_DTYPES = pytest.mark.parametrize("bt,dtype", [(16, torch.bfloat16), (64, torch.float32)],
+                                    ids=["bt16-bf16", "bt64-fp32"])
+
+
 @interp
-@pytest.mark.parametrize("bt", [16, 64])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@BT_DTYPES
 def test_interp_diagonal_blocks_tile_wide(bt, dtype, monkeypatch):
     """``prep_diag_rows`` off: the UT inverse's diagonal blocks by masked [BT, BT] products instead of on [16, 16]
     tiles (the default, which every other test here runs: one block at BT = 16, four at 64)."""
@@ -298,10 +302,11 @@ def test_interp_diagonal_blocks_tile_wide(bt, dtype, monkeypatch):
 
 @interp
 @pytest.mark.parametrize("bt", [16, 64])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_interp_diagonal_blocks_by_doubling(bt, dtype, monkeypatch):
-    """``prep_diag_doubling``: the diagonal blocks' inverses as (I - N)(I + N^2)(I + N^4)(I + N^8) for 16-bit keys
-    (fp32 keys keep the row steps), forward and backward (the backward recomputes the transforms the same way)."""
+def test_interp_diagonal_blocks_by_doubling(bt, monkeypatch):
+    """``prep_diag_doubling``: the diagonal blocks' inverses as (I - N)(I + N^2)(I + N^4)(I + N^8) for 16-bit keys,
+    forward and backward (the backward recomputes the transforms the same way); fp32 keys keep the row steps,
+    which every fp32 test runs."""
+    dtype = torch.bfloat16
     monkeypatch.setitem(triton_delta.CONFIG, "bt", bt)
     monkeypatch.setitem(triton_delta.CONFIG, "prep_diag_doubling", 1)
     check("triton", 1, bt + 13, 2, 1, 32, 32, dtype)
@@ -382,8 +387,7 @@ def test_interp_prep_blocks(dtype, monkeypatch):
 
 
 @interp
-@pytest.mark.parametrize("bt", [16, 64])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@BT_DTYPES
 def test_interp_prep_split(bt, dtype, monkeypatch):
     """``prep_split``: the prep as two launches (the transforms, then ``w`` and ``u``) gives exactly the one
     launch's ``w``, ``u`` and stored transforms (the forward's, 16-bit products and intermediates under bf16; the
@@ -437,4 +441,4 @@ def test_interp_empty_sequence():
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the gpu tests run the kernels directly")
 @pytest.mark.skipif(INTERPRET, reason="already interpreting: the interp tests run directly")
 def test_delta_kernels_under_interpreter():
-    assert run_under_interpreter(Path(__file__).resolve(), "interp_") == 39  # every interp test ran
+    assert run_under_interpreter(Path(__file__).resolve(), "interp_") == 33  # every interp test ran
