@@ -76,7 +76,12 @@ def test_cli_tiny_config_on_cpu(tiny_config, tmp_path):
         assert q["peak_ratio"] is None
         # the bounds: FLOPs per token and bytes per decode step of the original over the hybrid's
         T, co, ch = q["T"], o["cost"], h["cost"]
-        flops = [c["matmul_flops_per_token"] + c["attention_flops_per_token_per_T"] * T for c in (co, ch)]
+        # the hybrid's three converted layers attend exactly over their 512-token windows: sliding attention
+        assert co["sliding_windows"] == [] and ch["sliding_windows"] == [512] * 3
+        slide = 512 - 512 * 512 / (2 * T) if T > 512 else T / 2
+        flops = [co["matmul_flops_per_token"] + co["attention_flops_per_token_per_T"] * T,
+                 ch["matmul_flops_per_token"] + ch["attention_flops_per_token_per_T"] * T
+                 + 3 * ch["attention_flops_per_key"] * slide]
         assert q["prefill_bound"] == pytest.approx(flops[0] / flops[1], rel=1e-3)
         step = [c["decode_weight_bytes"] + x["cache_bytes"] for c, x in ((co, o), (ch, h))]
         assert q["decode_bound"] == pytest.approx(step[0] / step[1], rel=1e-3)

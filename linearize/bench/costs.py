@@ -14,7 +14,7 @@ import torch
 from ..model.architectures import attention_shape
 from ..model.cache import softmax_windows
 from ..model.feature_maps import build_feature_map
-from ..model.layout import CONVERTED, GATED_DELTA, layer_window
+from ..model.layout import CONVERTED, GATED_DELTA, LINEAR, layer_window
 
 
 def kv_layer_bytes(config, tokens: int, batch: int = 1, dtype_bytes: int = 2) -> int:
@@ -67,9 +67,10 @@ def cost_model(model) -> dict:
     ``matmul_flops_per_token``: 2 x the parameters a prefill token multiplies by (all but the embedding
     tables: prefill keeps the last position's logits only; of a mixture of experts' routed experts, the share a
     token is routed to); ``attention_flops_per_token_per_T``: causal attention at context T costs this x T FLOPs
-    per token (2 T H d per softmax layer: half of QK^T and PV; linear layers counted as free);
-    ``sliding_windows``: the windows of the softmax layers that slide in the base model (Gemma 2 / 3, Mistral),
-    which are left out of the previous term and cost ``attention_flops_per_key`` (4 H d) per key a token sees;
+    per token (2 T H d per softmax layer: half of QK^T and PV); ``sliding_windows``: the windows of the softmax
+    layers that slide in the base model (Gemma 2 / 3, Mistral), which are left out of the previous term, and the
+    exact-softmax windows of the converted layers, each costing ``attention_flops_per_key`` (4 H d) per key a token
+    sees (a converted layer's linear part, its feature maps and state, counted as free);
     ``decode_weight_bytes``: weight bytes every decode step reads (all but the input embedding table, which it
     only indexes unless the output layer shares it, and the routed experts); ``expert_bytes``: the routed
     experts' bytes, of which a step reads the share :func:`decode_read_bytes` estimates; ``expert_share``: the
@@ -95,10 +96,13 @@ def cost_model(model) -> dict:
     head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
     types = getattr(cfg, "layer_types", None) or ["full_attention"] * int(cfg.num_hidden_layers)
     windows = [w for t, w in zip(types, softmax_windows(cfg)) if t != "linear_attention"]  # of the softmax layers
+    la = getattr(cfg, "linear_attention", None) or {}
+    exact = [layer_window(la, i) for i, t in enumerate(getattr(cfg, "hybrid_layer_types", None) or types)
+             if t == LINEAR and la]  # the converted layers' exact windows (0: none)
     active = sum(p.numel() for p in model.parameters()) - sum(tables.values()) - expert_numel * (1 - share)
     return {"matmul_flops_per_token": int(2 * active),
             "attention_flops_per_token_per_T": 2 * windows.count(None) * heads * head_dim,
-            "sliding_windows": [w for w in windows if w], "attention_flops_per_key": 4 * heads * head_dim,
+            "sliding_windows": [w for w in windows + exact if w], "attention_flops_per_key": 4 * heads * head_dim,
             "decode_weight_bytes": nbytes - expert_bytes
             - (0 if tied or emb_in is None else emb_in.numel() * emb_in.element_size()),
             "expert_bytes": expert_bytes, "expert_share": share}
