@@ -304,6 +304,15 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), parsed
 
 
+def check_layer_overrides(overrides: dict[str, Any], command: str) -> None:
+    """Refuse overrides outside ``attention.*`` for ``command``, which builds untrained layers (``bench model``,
+    ``info``): no other section changes what it shows."""
+    for key in overrides:
+        if not key.startswith("attention."):
+            raise RecipeError(f"--set {key}: {command} builds untrained layers, so only attention.* fields change "
+                              f"what it shows")
+
+
 def validate(raw: dict[str, Any], *, source: str = "", lines: dict[str, int] | None = None) -> Recipe:
     """Check every field against :data:`SCHEMA`; fill defaults. ``lines`` (``"section.field"`` -> line
     number in the source file) puts the line into error messages."""

@@ -72,6 +72,23 @@ def test_converted_layers_are_described():
     assert "converted layers: linear attention, hedgehog maps, 512-token window (trained at 64)" in r.stdout
 
 
+def test_plan_with_a_wider_window():
+    """``--set attention.window=2048`` plans the hybrid with 2048-token windows: bigger rings in the cache (their
+    closed form) and lower prefill bounds (the windows' attention counted); only with a planned conversion, only
+    attention fields."""
+    base = model_info("llama-3-8b", ratio="7:1")
+    wide = model_info("llama-3-8b", ratio="7:1", overrides={"attention.window": 2048})
+    assert "2048-token window" in wide["converted"] and "512-token window" in base["converted"]
+    rings = 28 * 8 * (2048 - 512) * (128 + 128 + 128) * 2 + 28 * (2048 - 512)  # keys, key features, values, flags
+    assert wide["cache_bytes"]["32K"]["hybrid"] - base["cache_bytes"]["32K"]["hybrid"] == rings
+    for ctx in ("4K", "32K", "128K"):
+        assert wide["bounds"][ctx]["prefill"] < base["bounds"][ctx]["prefill"]
+    with pytest.raises(R.RecipeError, match="only attention.* fields"):
+        model_info("llama-3-8b", ratio="7:1", overrides={"finetune.lr": 1.0})
+    with pytest.raises(Exception, match="--set only applies with --ratio"):
+        model_info("llama-3-8b", overrides={"attention.window": 2048})
+
+
 def test_mixture_of_experts_plan():
     data = model_info("qwen3-30b-a3b", ratio="3:1")
     assert data["model_type"] == "qwen3_moe" and data["layout"].startswith("LLLS" * 12)

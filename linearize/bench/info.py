@@ -39,11 +39,12 @@ def base_config(spec: str):
 
 
 def model_info(spec: str, *, ratio: str | None = None, softmax_layers: str | None = None,
-               recipe: str | None = None) -> dict[str, Any]:
+               recipe: str | None = None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """Layer map, parameters (total and added by linearization) and cache bytes for a spec or hybrid dir.
 
-    ``ratio`` / ``softmax_layers`` (and ``recipe``, default ``lolcats``) plan a conversion of an original model:
-    the report is then the hybrid ``convert`` would build with that layout, computed on the meta device."""
+    ``ratio`` / ``softmax_layers`` (and ``recipe``, default ``lolcats``, with ``attention.*`` ``overrides``) plan a
+    conversion of an original model: the report is then the hybrid ``convert`` would build with that layout,
+    computed on the meta device."""
     config, name, path = base_config(spec)  # an unknown spec fails here, before the imports below
     # start-up time: an unknown spec or a bad option is one line before torch and transformers load
     import torch
@@ -69,10 +70,14 @@ def model_info(spec: str, *, ratio: str | None = None, softmax_layers: str | Non
                              "original model")
     if recipe is not None and not planned:
         raise SelectionError("info: --recipe only applies with --ratio or --softmax-layers (a planned conversion)")
+    if overrides and not planned:
+        raise SelectionError("info: --set only applies with --ratio or --softmax-layers (a planned conversion; a "
+                             "checkpoint's settings are in its config.json)")
     if planned:
         check_config_supported(config, spec)
         layout = select_layout(config.num_hidden_layers, ratio=ratio, softmax_layers=softmax_layers)
-        rec = recipes.load(recipe or DEFAULT_RECIPE)  # validated before anything is built
+        recipes.check_layer_overrides(overrides or {}, "info")
+        rec = recipes.load(recipe or DEFAULT_RECIPE, overrides or None)  # validated before anything is built
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
         if planned:

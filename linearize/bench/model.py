@@ -916,10 +916,7 @@ def bench_model(spec: str, *, against: str | None = None, random_weights: bool =
         except ValueError as e:
             raise LinearizeError(f"--prefill-chunk: {e}") from None
     overrides = dict(overrides or {})
-    for field in overrides:
-        if not field.startswith("attention."):
-            raise LinearizeError(f"--set {field}: bench model builds untrained layers, so only attention.* fields "
-                                 f"change what it times")
+    recipes.check_layer_overrides(overrides, "bench model")
     rec = recipes.load(recipe, overrides or None)
     timing = timing or (Timing() if dev.type == "cuda" else Timing(min_time=0.0, max_reps=1, warmup_steps=1))
     pairs = [plan_pair(spec, against=against, random_weights=random_weights, ratio=r, recipe=rec, dtype=dt,

@@ -3,7 +3,7 @@ conversion (:func:`linearize.bench.info.model_info`), without loading weights un
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 import typer
 from rich.table import Table
@@ -14,6 +14,7 @@ from ..errors import LinearizeError
 from ..settings import DEFAULT_RECIPE
 from ..units import format_bytes, format_length
 from .app import app, console, user_errors
+from .options import overrides
 
 
 @app.command()
@@ -22,6 +23,7 @@ def info(spec: str = typer.Argument(..., help="Model spec or hybrid checkpoint d
          ratio: Optional[str] = typer.Option(None, "--ratio", help="Plan a conversion: show the hybrid A:B would build (no weights loaded; an alias not on this machine uses its shipped published config)."),
          softmax_layers: Optional[str] = typer.Option(None, "--softmax-layers", help="Plan a conversion with these softmax layers, e.g. 3,7,11 (overrides --ratio)."),
          recipe: Optional[str] = typer.Option(None, "--recipe", help=f"With --ratio / --softmax-layers: the recipe (default {DEFAULT_RECIPE})."),
+         set_: Optional[List[str]] = typer.Option(None, "--set", help="With --ratio / --softmax-layers: override an attention.* field of the recipe, e.g. attention.window=2048 (repeatable)."),
          retrieval: Optional[str] = typer.Option(None, "--retrieval", help="LENGTHS (e.g. 1K,2K): load the original model and show, per layer, its attention from the answer position onto a hidden pass key (the layers that retrieve)."),
          dtype: Optional[str] = typer.Option(None, "--dtype", help="With --retrieval: float32, bfloat16 or float16."),
          device: Optional[str] = typer.Option(None, "--device", help="With --retrieval: cpu, cuda or cuda:N.")):
@@ -31,7 +33,7 @@ def info(spec: str = typer.Argument(..., help="Model spec or hybrid checkpoint d
     if retrieval is not None and (ratio is not None or softmax_layers is not None):
         raise LinearizeError("info: --retrieval measures the original model; it does not combine with --ratio / "
                              "--softmax-layers")
-    data = model_info(spec, ratio=ratio, softmax_layers=softmax_layers, recipe=recipe)
+    data = model_info(spec, ratio=ratio, softmax_layers=softmax_layers, recipe=recipe, overrides=overrides(set_))
     console.print(f"[bold]{data['name']}[/] ({data['model_type']}, {data['num_layers']} layers)", highlight=False)
     if data.get("note"):
         console.print(data["note"], highlight=False)
