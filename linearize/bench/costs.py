@@ -95,10 +95,9 @@ def cost_model(model) -> dict:
     heads = int(cfg.num_attention_heads)
     head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
     types = getattr(cfg, "layer_types", None) or ["full_attention"] * int(cfg.num_hidden_layers)
-    windows = [w for t, w in zip(types, softmax_windows(cfg)) if t != "linear_attention"]  # of the softmax layers
-    la = getattr(cfg, "linear_attention", None) or {}
-    exact = [layer_window(la, i) for i, t in enumerate(getattr(cfg, "hybrid_layer_types", None) or types)
-             if t == LINEAR and la]  # the converted layers' exact windows (0: none)
+    windows = [w for t, w in zip(types, softmax_windows(cfg)) if t != LINEAR]  # of the softmax layers
+    la = getattr(cfg, "linear_attention", None) or {}  # a hybrid's: its converted layers' exact windows (0: none)
+    exact = [layer_window(la, i) for i, t in enumerate(getattr(cfg, "hybrid_layer_types", None) or []) if t == LINEAR]
     active = sum(p.numel() for p in model.parameters()) - sum(tables.values()) - expert_numel * (1 - share)
     return {"matmul_flops_per_token": int(2 * active),
             "attention_flops_per_token_per_T": 2 * windows.count(None) * heads * head_dim,

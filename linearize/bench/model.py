@@ -1105,8 +1105,7 @@ def print_result(result: dict, console=None) -> None:
             who = f"{x.get('model', 'hybrid')} " if several else ""
             con.print(f"  {who}T={x['T']} B={x['B']}: at the original's efficiency the hybrid's shapes allow prefill "
                       f"{_fmt(x['prefill_bound'], '.2f')}x (FLOPs per token; windows counted, linear parts free), "
-                      f"decode "
-                      f"{_fmt(x.get('decode_bound'), '.2f') or 'n/a'}x (bytes per step: weights + cache)",
+                      f"decode {_fmt(x.get('decode_bound'), '.2f') or 'n/a'}x (bytes per step: weights + cache)",
                       highlight=False)
     for tg in result.get("targets", []):
         mark = {True: "reached", False: "not reached", None: "n/a"}[tg["met"]]

@@ -60,9 +60,9 @@ def info(spec: str = typer.Argument(..., help="Model spec or hybrid checkpoint d
         table.add_row(*cells)
     console.print(table)
     if bounds:
-        console.print("bounds: hybrid / original speed at equal efficiency, batch 1 (prefill: FLOPs per token, windows "
-                      "counted, linear parts free; decode: weight + cache bytes read per step); `linearize bench model` measures "
-                      "both", highlight=False)
+        console.print("bounds: hybrid / original speed at equal efficiency, batch 1 (prefill: FLOPs per token, "
+                      "windows counted, linear parts free; decode: weight + cache bytes read per step); `linearize "
+                      "bench model` measures both", highlight=False)
     q = data.get("quality") or {}
     if "ppl" in q:
         p = q["ppl"]
