@@ -150,6 +150,10 @@ SCHEMA: dict[str, dict[str, Field]] = {
         # kept softmax layers can adapt to the new residual stream too
         "layers": Field(str, "linear", "linear (the linearized layers) or all (every attention layer)",
                         lambda v: v in ("linear", "all")),
+        # the width stage 2 trains the windowed layers at, when it differs from attention.train_window (which the
+        # probe and stage 1 keep): null = attention.train_window, 0 = each layer's served window, N = N tokens
+        "train_window": Field(int, None, "an integer in [0, 4096] or null (attention.train_window; 0 = the served "
+                              "windows)", lambda v: 0 <= v <= 4096, nullable=True),
         "loss": Field(str, "xent", "xent (next-token cross-entropy) or kl (KL to the teacher's logits)",
                       lambda v: v in ("xent", "kl")),
         # decoder layers recompute their forward in the backward (linearize.train.memory turns it on under auto)
@@ -359,6 +363,10 @@ def _check_layer_type(values: dict[str, dict[str, Any]], where: Callable[[str], 
         raise RecipeError(f"{where('attention.train_window')}attention.train_window = {att['train_window']}: "
                           f"attention.window is 0, so the layers have no window to train narrower or wider; set a "
                           f"window or attention.train_window=0")
+    if values["finetune"]["train_window"] is not None and not att["window"]:
+        raise RecipeError(f"{where('finetune.train_window')}finetune.train_window = "
+                          f"{values['finetune']['train_window']}: attention.window is 0, so the layers have no window "
+                          f"to train at; set a window or finetune.train_window=null")
     if att["layer_windows"] and values["distill"]["windows"]:
         raise RecipeError(f"{where('distill.windows')}distill.windows = {values['distill']['windows']} draws one "
                           f"width for every layer, and attention.layer_windows gives layers their own; set one of "
@@ -403,16 +411,17 @@ def check_training(recipe: Recipe, stages: dict[str, Any], *, window: int | None
 
     ``stages`` maps ``"distill"`` / ``"finetune"`` to that stage's token budget (None = the recipe's);
     ``window`` is the model's sliding window when it differs from the recipe's (a hybrid checkpoint); the layers
-    train at ``attention.train_window`` instead when it is set.
+    train at the stage's training width instead when one is set (:func:`~linearize.model.layout.training_width`).
     Refuses a window that covers the whole training sequence (the linear part would never see a
     token), a budget smaller than one batch (distill) or one optimizer step (finetune), and a data
     spec that does not resolve or holds no text (:func:`linearize.data.checks.check_text_files`).
     """
-    trained = training_width(recipe["attention"])
-    win = trained or (widest_window(recipe["attention"]) if window is None else window)
-    name = "attention.train_window" if trained else "attention.window"
     for stage, tokens in stages.items():
         cfg = recipe[stage]
+        trained = training_width(recipe["attention"], cfg)
+        win = trained or (widest_window(recipe["attention"]) if window is None else window)
+        name = (f"{stage}.train_window" if cfg.get("train_window") else "attention.train_window") if trained \
+            else "attention.window"
         seq = cfg["seq_len"]
         if win and win >= seq:
             raise RecipeError(f"{name} = {win} is not shorter than {stage}.seq_len = {seq}: the window "

@@ -40,6 +40,12 @@ def test_recipe_field():
     for bad in (-1, 4097, 1.5):
         with pytest.raises(R.RecipeError, match="attention.train_window"):
             R.load("lolcats", {"attention.train_window": bad})
+    assert R.load("lolcats")["finetune"]["train_window"] is None  # stage 2 as the probe and stage 1
+    with pytest.raises(R.RecipeError, match="finetune.train_window = 0: attention.window is 0"):
+        R.load("lolcats", {"attention.window": 0, "finetune.train_window": 0})
+    with pytest.raises(R.RecipeError, match="finetune.train_window = 4096 is not shorter than finetune.seq_len"):
+        R.check_training(R.load("lolcats-cpu", {"attention.window": 64, "finetune.train_window": 4096}),
+                         {"finetune": None})
 
 
 def test_training_rows_are_checked_against_the_training_width():
@@ -98,6 +104,20 @@ def test_finetune_trains_at_the_training_width_and_keeps_the_served_one(corpus):
     model, report = FT.finetune(hybrid, _tokenizer(), rec, **QUIET)
     assert seen and set(seen) == {3}
     assert report["train_window"] == 3
+    assert {m.window for m in model.linear_modules()} == {8}
+
+
+@pytest.mark.parametrize("own, width", [(0, 8), (5, 5)])
+def test_finetune_trains_at_its_own_width(corpus, own, width):
+    """``finetune.train_window`` sets stage 2's width apart from the probe's and stage 1's: 0 = the served one."""
+    hybrid = finetune_hybrid()  # served at 8
+    seen = record_widths(hybrid)
+    base = {f"finetune.{k}": v for k, v in finetune_recipe(corpus, steps=2)["finetune"].items()}
+    rec = R.load("lolcats", {**base, "attention.window": 8, "attention.train_window": 3, "finetune.train_window": own})
+    assert training_width(rec["attention"]) == 3  # the probe and stage 1
+    model, report = FT.finetune(hybrid, _tokenizer(), rec, **QUIET)
+    assert seen and set(seen) == {width}
+    assert report["train_window"] == (width if own else None)
     assert {m.window for m in model.linear_modules()} == {8}
 
 

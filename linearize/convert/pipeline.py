@@ -83,9 +83,11 @@ def convert(spec: str = DEFAULT_MODEL, *, recipe: str = DEFAULT_RECIPE, override
         layer_types, probe, swaps = run_auto_select(model, tokenizer, rec, plan.auto, log=log)
         layer_types = dist.broadcast_object(layer_types)  # torchrun: every rank takes rank 0's choice
     log(f"layers: {describe_layout(layer_types)}")
-    trained = training_width(rec["attention"])
-    if plan.train and trained:
-        log(f"windows: the windowed layers train at {trained} tokens and serve at {rec['attention']['window']}"
+    trained, tuned = training_width(rec["attention"]), training_width(rec["attention"], rec["finetune"])
+    if plan.train and (trained or tuned):
+        served = rec["attention"]["window"]
+        log(f"windows: the windowed layers train at {trained or served} tokens"
+            + (f" (stage 2 at {tuned or served})" if tuned != trained else "") + f" and serve at {served}"
             + (f" (layers {rec['attention']['layer_windows']})" if rec["attention"]["layer_windows"] else ""))
     if not plan.fsdp:
         hybrid = linearize_model(model, layer_types, rec)

@@ -57,8 +57,13 @@ def widest_window(settings: dict) -> int:
     return max([int(settings.get("window") or 0), *parse_layer_windows(settings.get("layer_windows")).values()])
 
 
-def training_width(settings: dict) -> int | None:
+def training_width(settings: dict, stage: dict | None = None) -> int | None:
     """The sliding window the training stages (and the layer-choice probe) run every windowed layer at:
     ``train_window`` when set, so a hybrid can train narrow and serve at its ``window`` / ``layer_windows``;
-    None (each layer's own) otherwise."""
+    None (each layer's own) otherwise. ``stage`` (a training stage's recipe section) may hold its own
+    ``train_window``: null = the attention's, 0 = each layer's own, N = N tokens (stage 2 fitted at the served
+    width after stage 1 trained narrow)."""
+    own = (stage or {}).get("train_window")
+    if own is not None:
+        return int(own) or None
     return int(settings.get("train_window") or 0) or None

@@ -344,10 +344,11 @@ def finetune(model, tokenizer, recipe, *, state_dir: Path | None = None, resume:
     frozen, eval mode, linear attention). With ``adapter_only_dir`` the adapter is saved there
     (peft ``save_pretrained``, atomically) and the model is returned without the adapter.
     Checkpoints go to ``state_dir/finetune-state.pt`` every ``checkpoint_every`` optimizer steps;
-    ``resume=True`` continues from there when the fingerprint matches. With ``attention.train_window`` the
-    windowed layers train (and the held-out figures are taken) at that width; they keep their own after it.
+    ``resume=True`` continues from there when the fingerprint matches. With ``finetune.train_window`` (else
+    ``attention.train_window``) the windowed layers train (and the held-out figures are taken) at that width; they
+    keep their own after it.
     """
-    with training_window(model, training_width(recipe["attention"])):
+    with training_window(model, training_width(recipe["attention"], recipe["finetune"])):
         return _finetune(model, tokenizer, recipe, state_dir=state_dir, resume=resume, tokens=tokens, loss=loss,
                          adapter_only_dir=adapter_only_dir, progress=progress, log=log)
 
@@ -438,7 +439,7 @@ def _finetune(model, tokenizer, recipe, *, state_dir, resume, tokens, loss, adap
         "activation_checkpointing": checkpointed,  # the recipe's true, or auto when one row did not fit
         "copy_fraction": cfg["copy_fraction"],  # share of training rows with a long-range copy (0 = off)
         "lengths": list(cfg["lengths"]),  # row lengths drawn per step ([]: seq_len)
-        "train_window": training_width(recipe["attention"]),  # every windowed layer trained at it (None: its own)
+        "train_window": training_width(recipe["attention"], cfg),  # every windowed layer trained at it (None: its own)
         "lora": {"r": cfg["lora_r"], "alpha": cfg["lora_alpha"], "dropout": cfg["lora_dropout"],
                  "targets": list(cfg["targets"]), "layers": layers, "target_modules": target_regex,
                  "trainable_params": n_trainable},

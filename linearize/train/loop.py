@@ -51,7 +51,7 @@ from .memory import plan_pieces
 NOT_FINGERPRINTED = ("checkpoint_every", "activation_checkpointing", "max_loss_ratio")
 #: fields added after states were first written: fingerprinted only when set to something else than this value
 #: (what every run did before they existed), so those states still resume
-ADDED_LATER = {"copy_fraction": 0, "layers": "linear", "windows": [], "lengths": []}
+ADDED_LATER = {"copy_fraction": 0, "layers": "linear", "windows": [], "lengths": [], "train_window": None}
 #: history entries a run keeps (the report's ``history``)
 HISTORY = 200
 
