@@ -420,8 +420,10 @@ def check_training(recipe: Recipe, stages: dict[str, Any], *, window: int | None
         cfg = recipe[stage]
         trained = training_width(recipe["attention"], cfg)
         win = trained or (widest_window(recipe["attention"]) if window is None else window)
-        name = (f"{stage}.train_window" if cfg.get("train_window") else "attention.train_window") if trained \
-            else "attention.window"
+        if not trained:
+            name = "attention.window"
+        else:
+            name = f"{stage}.train_window" if cfg.get("train_window") else "attention.train_window"
         seq = cfg["seq_len"]
         if win and win >= seq:
             raise RecipeError(f"{name} = {win} is not shorter than {stage}.seq_len = {seq}: the window "
