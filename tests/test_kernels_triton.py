@@ -143,8 +143,14 @@ WIN_SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("shape", WIN_SHAPES, ids=lambda s: "B{}T{}H{}Hk{}D{}K{}V{}W{}".format(*s))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+# under the interpreter the two widest shapes (a tenth of its time each) run in one dtype apiece: the serving default
+# (W = 512) in bf16, where the wide forward rounds its softmax weights, and W = 700 in fp32; a GPU runs both in both
+WIN_CASES = [(s, d) for s in WIN_SHAPES for d in (torch.float32, torch.bfloat16)
+             if ON_GPU or s[-1] < 512 or (d == torch.bfloat16) == (s[-1] == 512)]
+
+
+@pytest.mark.parametrize("shape,dtype", WIN_CASES,
+                         ids=lambda c: _dtype_id(c) or "B{}T{}H{}Hk{}D{}K{}V{}W{}".format(*c))
 def test_window_triton_vs_reference(shape, dtype):
     check_window("triton", *shape, dtype, state=shape[1] % 2 == 0, device=DEV)
 
