@@ -85,6 +85,11 @@ def test_fsdp_finetune_dir_matches_one(runs, workspace):  # noqa: F811
         torch.testing.assert_close(w2[k], w1[k], rtol=1e-4, atol=1e-5, msg=k)
 
 
+#: stage 1's optimizer steps in the distill case: a quarter of test_interrupt's (26 s instead of 53 for the test on
+#: 2 cores), still seconds of torchrun after the first state appears; the stop landed at step 1 of 150 in trials
+FSDP_STEPS = 150
+
+
 def _stopped_then_resumed(ws, out, args, state_file):
     """Start ``args`` under torchrun --fsdp, stop it (SIGTERM to torchrun, which ends its workers) once
     ``state_file`` exists, then rerun with --resume; returns the resumed run and the step it resumed at."""
@@ -109,8 +114,8 @@ def _stopped_then_resumed(ws, out, args, state_file):
 @pytest.mark.parametrize("stage", ["distill", "finetune"])
 def test_fsdp_resume_matches_uninterrupted(workspace, stage):  # noqa: F811
     """A stopped --fsdp run resumed with --fsdp --resume ends with the weights of one uninterrupted process."""
-    if stage == "distill":  # 150 steps of 2 rows, checkpoint every 5
-        args = lambda out, *x: _args(workspace, out, *x)[1:]  # noqa: E731
+    if stage == "distill":  # FSDP_STEPS steps of 2 rows, a state after each
+        args = lambda out, *x: _args(workspace, out, *x, steps=FSDP_STEPS)[1:]  # noqa: E731
     else:  # a short stage 1, then 40 LoRA steps of 4 rows, checkpoint every 2
         args = lambda out, *x: _convert(workspace, out, "--set", "finetune.grad_accum=1",  # noqa: E731
                                         "--set", "finetune.checkpoint_every=2", "--finetune-tokens",

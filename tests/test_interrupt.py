@@ -26,11 +26,11 @@ def workspace(tmp_path_factory):
 STEPS = 600
 
 
-def _args(ws, out, *extra):
+def _args(ws, out, *extra, steps=STEPS):
     return [sys.executable, "-m", "linearize.cli", "convert", str(ws / "tiny"), "--ratio", "1:0",
             "--set", "attention.window=8", "--set", f"distill.data={ws / 'corpus.txt'}", "--set", "distill.seq_len=32",
             "--set", "distill.batch_size=2", "--set", "distill.eval_seqs=2", "--set", "distill.checkpoint_every=1",
-            "--tokens", str(32 * 2 * STEPS), "--no-finetune", "-o", str(out), *extra]
+            "--tokens", str(32 * 2 * steps), "--no-finetune", "-o", str(out), *extra]
 
 
 def _interruptible():
