@@ -2,7 +2,7 @@
 
 Compiles every kernel of ``triton_delta.py`` and ``triton_delta_step.py`` at the benchmark shape (bf16,
 K = V = 128, 64-token chunks, no GQA; the step with groups of 4; the forward's prep, walk and output kernels as the
-forward launches them) with the launch configuration of ``CONFIG``, and
+forward launches them, and the fused walk and output of ``fwd_fused_out``) with the launch configuration of ``CONFIG``, and
 runs ``ptxas -v`` on the PTX, as ``kernels/regs_offline.py`` does for the linear and window forwards. Triton 3.9
 emits PTX 9.x, which its bundled ``ptxas`` (CUDA 12.9) refuses; ``ptxas-blackwell`` (CUDA 13) takes it:
 
@@ -58,6 +58,10 @@ def kernels(cfg: dict):
          cfg["walk_stages"]),
         ("out", TD._out_kernel, dict(Q=bf, Kp=bf, U=wu, HS=bf, LG=f32, O=bf), {"T", "H", "HK"}, {"scale"},
          dict(base, BV=cfg["out_bv"], S32=cfg["fwd_states_fp32"], LOW16=bool(cfg["out_16bit"])), cfg["out_warps"], 2),
+        ("walk+out", TD._walk_out_kernel, dict(Q=bf, Kp=bf, W=wu, U=wu, LG=f32, INIT=f32, FIN=f32, O=bf),
+         {"T", "H", "HK"}, {"scale"}, dict(base, BV=cfg["fused_bv"], G=1, HAS_INIT=True, STORE_FINAL=True,
+                                           LOW16=bool(cfg["walk_16bit"]), S32=cfg["fwd_states_fp32"],
+                                           OUT16=bool(cfg["out_16bit"])), cfg["fused_warps"], cfg["walk_stages"]),
         ("dvl", TD._dvl_kernel, dict(Q=bf, Kp=bf, DO=bf, LG=f32, DVL=f32), {"T", "H", "HK"}, {"scale"},
          dict(base, BV=cfg["out_bv"], G=1), cfg["out_warps"], 2),
         ("bwd walk", TD._bwd_walk_kernel, dict(Q=bf, Kp=bf, W=f32, DO=bf, LG=f32, DU=f32, DSF=f32, DH=f32, DS0=f32),
