@@ -394,6 +394,46 @@ def _blocked_unit_lower_inverse(A, BT: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
+def _walk_start(INIT, pv, pbh, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                HAS_INIT: tl.constexpr):
+    """A walk's tile of value block ``pv``: key rows ``ok [BK]``, value columns ``ov [BV]``, their masks, the
+    ``[BK, BV]`` offsets ``kv`` into a ``[K, V]`` state and its mask, and the initial state's block (fp32, or 0)."""
+    ok = tl.arange(0, BK)
+    ov = pv * BV + tl.arange(0, BV)
+    mk = ok < K
+    mv = ov < V
+    m2 = mk[:, None] & mv[None, :]
+    kv = ok[:, None] * V + ov[None, :]
+    S = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_INIT:
+        S += tl.load(INIT + pbh.to(tl.int64) * K * V + kv, mask=m2, other=0.0)
+    return ok, ov, mk, mv, m2, kv, S
+
+
+@triton.jit
+def _walk_new(W, U, DT: tl.constexpr, S, row, ok, ov, mt, mk, mv, K: tl.constexpr, V: tl.constexpr,
+              PREC: tl.constexpr, LOW16: tl.constexpr):
+    """A chunk's new values ``U = u - w S`` ``[BT, BV]`` (fp32) from ``w``, ``u`` at ``row``; ``LOW16``: the product
+    on operands of the keys' dtype ``DT``, else fp32 ones."""
+    w = tl.load(W + row[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+    u = tl.load(U + row[:, None] * V + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.0).to(tl.float32)
+    if LOW16:
+        return u - mm(w.to(DT), to16(S, DT), PREC)
+    else:
+        return u - dot32(w.to(tl.float32), S, PREC)
+
+
+@triton.jit
+def _walk_advance(S, k, wk, keep, new, DT: tl.constexpr, PREC: tl.constexpr, LOW16: tl.constexpr):
+    """The state at the chunk's end: ``e^{c_last} S + (e^{c_last - c} k)^T U`` (``LOW16`` as in :func:`_walk_new`)."""
+    kd = k.to(tl.float32) * wk[:, None]  # keys decayed to the chunk's end
+    if LOW16:
+        return S * keep + mm(tl.trans(to16(kd, DT)), to16(new, DT), PREC)
+    else:
+        return S * keep + dot32(tl.trans(kd), new, PREC)
+
+
+@triton.jit
 def _walk_kernel(
     Kp, W, U, LG,  # k [B,T,HK,K], w [B,T,HK,K], u [B,T,HK,V] (becomes U = u - w S; fp32 or 16-bit), log decays
     INIT, HS, FIN,  # initial state [B,HK,K,V] fp32; states before each chunk [B,HK,N,K,V]; final state fp32
@@ -407,19 +447,10 @@ def _walk_kernel(
     products that feed the state take fp32 operands (``dot32``): this path accumulates over the whole sequence.
     ``LOW16`` (the forward under ``CONFIG["walk_16bit"]``, 16-bit inputs): their operands in the keys' dtype
     instead, as fla's walk; the state still accumulates in fp32."""
-    pv = tl.program_id(0)
     pbh = tl.program_id(1)
     b = pbh // HK
     hk = pbh % HK
-    ok = tl.arange(0, BK)
-    ov = pv * BV + tl.arange(0, BV)
-    mk = ok < K
-    mv = ov < V
-    m2 = mk[:, None] & mv[None, :]
-    kv = ok[:, None] * V + ov[None, :]
-    S = tl.zeros([BK, BV], dtype=tl.float32)
-    if HAS_INIT:
-        S += tl.load(INIT + pbh.to(tl.int64) * K * V + kv, mask=m2, other=0.0)
+    ok, ov, mk, mv, m2, kv, S = _walk_start(INIT, tl.program_id(0), pbh, K, V, BK, BV, HAS_INIT)
     N = tl.cdiv(T, BT)
     ar = tl.arange(0, BT)
     for i in range(N):
@@ -428,20 +459,11 @@ def _walk_kernel(
         mt = ot < T
         row = (b.to(tl.int64) * T + ot) * HK + hk
         _, wk, keep, _ = _chunk_decays(LG, row, mt, BT)
-        w = tl.load(W + row[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+        new = _walk_new(W, U, Kp.dtype.element_ty, S, row, ok, ov, mt, mk, mv, K, V, PREC, LOW16)
         up = U + row[:, None] * V + ov[None, :]
-        u = tl.load(up, mask=mt[:, None] & mv[None, :], other=0.0).to(tl.float32)
-        if LOW16:
-            new = u - mm(w.to(Kp.dtype.element_ty), to16(S, Kp.dtype.element_ty), PREC)
-        else:
-            new = u - dot32(w.to(tl.float32), S, PREC)
         tl.store(up, new.to(U.dtype.element_ty), mask=mt[:, None] & mv[None, :])  # the state moves by fp32 U
         k = tl.load(Kp + row[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
-        kd = k.to(tl.float32) * wk[:, None]  # keys decayed to the chunk's end
-        if LOW16:
-            S = S * keep + mm(tl.trans(to16(kd, Kp.dtype.element_ty)), to16(new, Kp.dtype.element_ty), PREC)
-        else:
-            S = S * keep + dot32(tl.trans(kd), new, PREC)
+        S = _walk_advance(S, k, wk, keep, new, Kp.dtype.element_ty, PREC, LOW16)
     if STORE_FINAL:
         tl.store(FIN + pbh.to(tl.int64) * K * V + kv, S, mask=m2)
 
@@ -507,36 +529,20 @@ def _walk_out_kernel(
     :func:`_out_kernel` does, from the state and ``U`` while they are in registers: neither the chunk states nor
     ``U`` go to memory. ``LOW16`` the walk's 16-bit products, ``OUT16`` the output's, ``S32`` ``q S`` on the fp32
     state (else on the state rounded to the keys' dtype, as the stored states are)."""
-    pv = tl.program_id(0)
     pbh = tl.program_id(1)
     b = pbh // HK
     hk = pbh % HK
     DT = Kp.dtype.element_ty
-    ok = tl.arange(0, BK)
-    ov = pv * BV + tl.arange(0, BV)
-    mk = ok < K
-    mv = ov < V
-    m2 = mk[:, None] & mv[None, :]
-    kv = ok[:, None] * V + ov[None, :]
-    S = tl.zeros([BK, BV], dtype=tl.float32)
-    if HAS_INIT:
-        S += tl.load(INIT + pbh.to(tl.int64) * K * V + kv, mask=m2, other=0.0)
+    ok, ov, mk, mv, m2, kv, S = _walk_start(INIT, tl.program_id(0), pbh, K, V, BK, BV, HAS_INIT)
     N = tl.cdiv(T, BT)
     ar = tl.arange(0, BT)
     for i in range(N):
         ot = i * BT + ar
         mt = ot < T
         mtk = mt[:, None] & mk[None, :]
-        mtv = mt[:, None] & mv[None, :]
         row = (b.to(tl.int64) * T + ot) * HK + hk
         gam, wk, keep, M = _chunk_decays(LG, row, mt, BT)
-        w = tl.load(W + row[:, None] * K + ok[None, :], mask=mtk, other=0.0)
-        u = tl.load(U + row[:, None] * V + ov[None, :], mask=mtv, other=0.0).to(tl.float32)
-        S16 = to16(S, DT)
-        if LOW16:
-            new = u - mm(w.to(DT), S16, PREC)
-        else:
-            new = u - dot32(w.to(tl.float32), S, PREC)
+        new = _walk_new(W, U, DT, S, row, ok, ov, mt, mk, mv, K, V, PREC, LOW16)
         k = tl.load(Kp + row[:, None] * K + ok[None, :], mask=mtk, other=0.0)
         for g in range(G):
             qrow = (b.to(tl.int64) * T + ot) * H + hk * G + g
@@ -544,17 +550,14 @@ def _walk_out_kernel(
             if S32:
                 o = dot32(q.to(tl.float32), S, PREC)
             else:
-                o = mm(q, S16, PREC)
+                o = mm(q, to16(S, DT), PREC)
             if OUT16:
                 o = gam[:, None] * o + mm(to16(mm(q, tl.trans(k), PREC) * M, DT), to16(new, DT), PREC)
             else:
                 o = gam[:, None] * o + dot32(mm(q, tl.trans(k), PREC) * M, new, PREC)
-            tl.store(O + qrow[:, None] * V + ov[None, :], (o * scale).to(O.dtype.element_ty), mask=mtv)
-        kd = k.to(tl.float32) * wk[:, None]  # keys decayed to the chunk's end
-        if LOW16:
-            S = S * keep + mm(tl.trans(to16(kd, DT)), to16(new, DT), PREC)
-        else:
-            S = S * keep + dot32(tl.trans(kd), new, PREC)
+            tl.store(O + qrow[:, None] * V + ov[None, :], (o * scale).to(O.dtype.element_ty),
+                     mask=mt[:, None] & mv[None, :])
+        S = _walk_advance(S, k, wk, keep, new, DT, PREC, LOW16)
     if STORE_FINAL:
         tl.store(FIN + pbh.to(tl.int64) * K * V + kv, S, mask=m2)
 
