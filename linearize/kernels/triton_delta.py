@@ -397,7 +397,8 @@ def _blocked_unit_lower_inverse(A, BT: tl.constexpr, PREC: tl.constexpr):
 def _walk_start(INIT, pv, pbh, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                 HAS_INIT: tl.constexpr):
     """A walk's tile of value block ``pv``: key rows ``ok [BK]``, value columns ``ov [BV]``, their masks, the
-    ``[BK, BV]`` offsets ``kv`` into a ``[K, V]`` state and its mask, and the initial state's block (fp32, or 0)."""
+    ``[BK, BV]`` offsets ``kv`` into a ``[K, V]`` state and its mask, and the block of the state (or, in the
+    backward, of its gradient) the walk starts from: ``INIT``'s (fp32) under ``HAS_INIT``, else zeros."""
     ok = tl.arange(0, BK)
     ov = pv * BV + tl.arange(0, BV)
     mk = ok < K
@@ -616,19 +617,10 @@ def _bwd_walk_kernel(
     """Program (value block, batch x KV head): walks the chunks backwards with the ``[K, BV]`` state gradient in
     fp32 registers, stores it after each chunk (``dS1``), completes ``dU`` in place and moves the gradient to the
     chunk's start; at the end it is the initial state's gradient."""
-    pv = tl.program_id(0)
     pbh = tl.program_id(1)
     b = pbh // HK
     hk = pbh % HK
-    ok = tl.arange(0, BK)
-    ov = pv * BV + tl.arange(0, BV)
-    mk = ok < K
-    mv = ov < V
-    m2 = mk[:, None] & mv[None, :]
-    kv = ok[:, None] * V + ov[None, :]
-    dS = tl.zeros([BK, BV], dtype=tl.float32)
-    if HAS_DSF:
-        dS += tl.load(DSF + pbh.to(tl.int64) * K * V + kv, mask=m2, other=0.0)
+    ok, ov, mk, mv, m2, kv, dS = _walk_start(DSF, tl.program_id(0), pbh, K, V, BK, BV, HAS_DSF)
     N = tl.cdiv(T, BT)
     ar = tl.arange(0, BT)
     for it in range(N):
