@@ -516,11 +516,11 @@ def _out_kernel(
     tl.store(O + qrow[:, None] * V + ov[None, :], (o * scale).to(O.dtype.element_ty), mask=mt[:, None] & mv[None, :])
 
 
-
 @triton.jit
 def _walk_out_kernel(
-    Q, Kp, W, U, LG, INIT, FIN, O,  # q [B,T,H,K], k, w [B,T,HK,K], u [B,T,HK,V] (read only), log decays, initial /
-    T, H, HK, scale,  #               final state [B,HK,K,V] fp32, o [B,T,H,V]
+    Q, Kp, W, U, LG,  # q [B,T,H,K], k [B,T,HK,K], w [B,T,HK,K], u [B,T,HK,V] (read only), log decays
+    INIT, FIN, O,  # initial and final state [B,HK,K,V] fp32, o [B,T,H,V]
+    T, H, HK, scale,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, G: tl.constexpr,
     HAS_INIT: tl.constexpr, STORE_FINAL: tl.constexpr, PREC: tl.constexpr, LOW16: tl.constexpr, S32: tl.constexpr,
     OUT16: tl.constexpr,
