@@ -136,16 +136,19 @@ def test_fp32_intermediates(T, monkeypatch):
     check("triton", 2, T, 4, 2, 128, 128, torch.bfloat16, state=True, device=DEV)
 
 
-#: launch settings that change the arithmetic, each on and off the default (kernels/README.md times them)
-ARITHMETIC = [("prep_diag_rows", 0), ("prep_diag_doubling", 1), ("walk_16bit", 0), ("prep_16bit", 0), ("prep_blocks", 1),
-              ("out_16bit", 0), ("fwd_fused_out", 1)]
+#: launch settings that change the arithmetic, each off the default (kernels/README.md times them); the row steps
+#: and the tile-wide products for 16-bit keys need the doubling inverse (their default) off
+ARITHMETIC = {"row_steps": {"prep_diag_doubling": 0}, "tile_wide": {"prep_diag_doubling": 0, "prep_diag_rows": 0},
+              "walk_fp32": {"walk_16bit": 0}, "prep_fp32": {"prep_16bit": 0}, "prep_blocks": {"prep_blocks": 1},
+              "out_fp32": {"out_16bit": 0}, "fused_out": {"fwd_fused_out": 1}}
 
 
 @gpu
-@pytest.mark.parametrize("setting,value", ARITHMETIC, ids=[k for k, _ in ARITHMETIC])
+@pytest.mark.parametrize("settings", ARITHMETIC.values(), ids=ARITHMETIC.keys())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_arithmetic_settings(setting, value, dtype, monkeypatch):
-    monkeypatch.setitem(triton_delta.CONFIG, setting, value)
+def test_arithmetic_settings(settings, dtype, monkeypatch):
+    for name, value in settings.items():
+        monkeypatch.setitem(triton_delta.CONFIG, name, value)
     check("triton", 2, 1024, 4, 2, 128, 128, dtype, state=True, device=DEV)
 
 
@@ -294,22 +297,22 @@ BT_DTYPES = pytest.mark.parametrize("bt,dtype", [(16, torch.bfloat16), (64, torc
 @BT_DTYPES
 def test_interp_diagonal_blocks_tile_wide(bt, dtype, monkeypatch):
     """``prep_diag_rows`` off: the UT inverse's diagonal blocks by masked [BT, BT] products instead of on [16, 16]
-    tiles (the default, which every other test here runs: one block at BT = 16, four at 64)."""
+    tiles (one block at BT = 16, four at 64); 16-bit keys need the doubling inverse off to take it."""
     monkeypatch.setitem(triton_delta.CONFIG, "bt", bt)
     monkeypatch.setitem(triton_delta.CONFIG, "prep_diag_rows", 0)
+    monkeypatch.setitem(triton_delta.CONFIG, "prep_diag_doubling", 0)
     check("triton", 1, bt + 13, 2, 1, 32, 32, dtype)
 
 
 @interp
 @pytest.mark.parametrize("bt", [16, 64])
-def test_interp_diagonal_blocks_by_doubling(bt, monkeypatch):
-    """``prep_diag_doubling``: the diagonal blocks' inverses as (I - N)(I + N^2)(I + N^4)(I + N^8) for 16-bit keys,
-    forward and backward (the backward recomputes the transforms the same way); fp32 keys keep the row steps,
-    which every fp32 test runs."""
-    dtype = torch.bfloat16
+def test_interp_diagonal_blocks_by_row_steps(bt, monkeypatch):
+    """``prep_diag_doubling`` off: 16-bit keys' diagonal blocks by the 15 row steps, forward and backward (the
+    backward recomputes the transforms the same way). The default, (I - N)(I + N^2)(I + N^4)(I + N^8), runs in every
+    bf16 test here; fp32 keys take the row steps always, in every fp32 test."""
     monkeypatch.setitem(triton_delta.CONFIG, "bt", bt)
-    monkeypatch.setitem(triton_delta.CONFIG, "prep_diag_doubling", 1)
-    check("triton", 1, bt + 13, 2, 1, 32, 32, dtype)
+    monkeypatch.setitem(triton_delta.CONFIG, "prep_diag_doubling", 0)
+    check("triton", 1, bt + 13, 2, 1, 32, 32, torch.bfloat16)
 
 
 @triton.jit

@@ -35,14 +35,15 @@ _INTERP = tl.constexpr(interpreting())
 
 CONFIG = {  # launch configuration: untuned; registers and spills from an offline sm_90a compile (kernels/README.md)
     "bt": 64,  # chunk of every kernel (they share the per-chunk states)
-    "prep_warps": 4,  # 214 registers, no spills (226 with prep_diag_rows 0)
+    "prep_warps": 4,  # 255 registers, no spills (214 with the row steps, 226 with prep_diag_rows 0)
     # the UT inverse's 16-row diagonal blocks on [16, 16] tiles (15 row steps of two small reductions) instead of 15
     # masked [BT, BT] tensor-core products (_unit_lower_inverse): H100, bf16, 2K x 16, the UT launch 1.69 -> 1.62 ms
     "prep_diag_rows": 1,
     # for 16-bit keys, those diagonal blocks by doubling instead (_diagonal_inverses_doubling: (I - N)(I + N^2)
     # (I + N^4)(I + N^8), six batched fp32 [16, 16] products three squarings deep, where the row steps are 15
-    # dependent reductions); not yet timed
-    "prep_diag_doubling": 0,
+    # dependent reductions). H100, bf16, 2K x 16: the prep 1.22 -> 0.92 ms, forward 2.87 -> 2.59 ms, forward and
+    # backward 15.17 -> 14.50 ms; relative error 3.81e-3 either way (fla's 3.77e-3)
+    "prep_diag_doubling": 1,
     # the forward's w = T (beta gamma k) and u = T (beta v) on 16-bit operands (16-bit inputs; as fla's
     # recompute_w_u) instead of tf32 ones; the transform T is computed in fp32 either way. H200, bf16, 2K x 16: the
     # prep launch 1.68 -> 1.24 ms; relative error 3.1e-3 -> 3.5e-3 (fla's 3.8e-3)
@@ -90,10 +91,12 @@ CONFIG = {  # launch configuration: untuned; registers and spills from an offlin
     # the forward's walk and output as one launch (_walk_out_kernel): each chunk's outputs made from the state and U
     # while they are in registers, so the chunk states (the forward's largest intermediate) and U never go to memory:
     # ~130 instead of ~220 KB of traffic per chunk and KV head at K = V = 128; the output's products join the
-    # walk's serial loop. The backward recomputes its walk either way. Not yet timed
+    # walk's serial loop. The backward recomputes its walk either way. H100 under Triton 3.6 (72 bytes spilled at
+    # the default block, 404 at 64): slower, the forward 2.87 -> 3.92 ms at 2K x 16 (3.00 at fused_bv 64), 3.51 ->
+    # 3.89 ms at 32K x 1 (4.59); off
     "fwd_fused_out": 0,
-    # its value block and warps (sm_90a offline, K = V = 128: 255 registers and no spills at 32 and 8 warps; 224
-    # bytes spilled at 64, 32 at 32 with 4 warps): the value blocks of a KV head reload its q, k and w, mostly from L2
+    # its value block and warps (sm_90a offline, Triton 3.9, K = V = 128: 255 registers and no spills at 32 and 8
+    # warps; 224 bytes spilled at 64, 32 at 32 with 4 warps): the value blocks of a KV head reload its q, k and w
     "fused_bv": 32,
     "fused_warps": 8,
 }
