@@ -47,6 +47,15 @@ def mm(a, b, PREC: tl.constexpr):
 
 
 @triton.jit
+def mm_acc(a, b, acc, PREC: tl.constexpr):
+    """``acc + a b`` as one tl.dot accumulating into ``acc`` (fp32): no second accumulator in registers."""
+    if _INTERP:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc, input_precision=PREC)
+
+
+@triton.jit
 def to16(x, DT: tl.constexpr):
     """fp32 ``x`` as a 16-bit operand of dtype ``DT``, rounded to nearest even as the GPU's cast does; the
     interpreter truncates bf16 casts, so there the rounding is done on the bits first (the cast is then exact)."""

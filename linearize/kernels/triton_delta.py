@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import decay_cumsum, decay_pairs, interpreting, launch, mm, new_empty, num_sms, pow2, prec, to16
+from .triton_common import decay_cumsum, decay_pairs, interpreting, launch, mm, mm_acc, new_empty, num_sms, pow2, prec, to16
 from .tuning import ensure_applied, register
 
 _INTERP = tl.constexpr(interpreting())
@@ -61,7 +61,8 @@ CONFIG = {  # launch configuration: untuned; registers and spills from an offlin
     "wu_warps": 4,
     # value block of the forward and backward walks (the [K, BV] fp32 state lives in registers), halved to 32 while
     # the grid has fewer than walk_waves programs per SM (long T, small batch: the walk is serial); walk_warps for
-    # state tiles of 128 x 64 or more (at 4 warps: ~90 bytes spilled at K = 128, 656 at 256 x 32), 4 below (none)
+    # state tiles of 128 x 64 or more, walk_warps_narrow below (sm_90a offline, Triton 3.6, K = V = 128, BV 64: the
+    # forward walk 222 registers at 8 warps, 255 at 4; the backward walk 44 bytes spilled at 8, 156 at 4)
     "walk_bv": 64,
     "walk_waves": 1.0,
     "walk_warps": 8,
@@ -129,6 +130,16 @@ def _chunk_decays(LG, row, mt, BT: tl.constexpr):
     hi, lo, last_hi, last_lo = decay_cumsum(tl.load(LG + row, mask=mt, other=0.0), BT)
     return (tl.exp(hi + lo), tl.exp((last_hi - hi) + (last_lo - lo)), tl.exp(last_hi + last_lo),
             decay_pairs(hi, lo, BT))
+
+
+@triton.jit
+def _walk_decays(LG, row, mt):
+    """``(gamma [BT] = e^c, wk [BT] = e^{c_last - c}, keep = e^{c_last})`` of a chunk for the walks, without
+    :func:`_chunk_decays`' ``[BT, BT]`` work: ``c`` a plain prefix sum, ``c_last - c_t`` a suffix sum of the log
+    decays after ``t`` (the inclusive suffix sum less the token's own: at most an ulp of a sum that its ``exp``
+    shrinks below it, so ``wk`` is within ~1e-7 absolute), and ``c_last`` the chunk's total."""
+    lg = tl.load(LG + row, mask=mt, other=0.0)
+    return tl.exp(tl.cumsum(lg, 0)), tl.exp(tl.cumsum(lg, 0, reverse=True) - lg), tl.exp(tl.sum(lg, 0))
 
 
 @triton.jit
@@ -428,13 +439,15 @@ def _walk_new(W, U, DT: tl.constexpr, S, row, ok, ov, mt, mk, mv, K: tl.constexp
 
 
 @triton.jit
-def _walk_advance(S, k, wk, keep, new, DT: tl.constexpr, PREC: tl.constexpr, LOW16: tl.constexpr):
-    """The state at the chunk's end: ``e^{c_last} S + (e^{c_last - c} k)^T U`` (``LOW16`` as in :func:`_walk_new`)."""
-    kd = k.to(tl.float32) * wk[:, None]  # keys decayed to the chunk's end
+def _walk_advance(S, kt, wk, keep, new, DT: tl.constexpr, PREC: tl.constexpr, LOW16: tl.constexpr):
+    """The state at the chunk's end: ``e^{c_last} S + k^T (e^{c_last - c} U)``, with ``kt [BK, BT]`` the chunk's
+    keys transposed (loaded so from memory) and the decay on the values; ``LOW16`` as in :func:`_walk_new`, the
+    product then accumulating into the decayed state."""
+    nd = new * wk[:, None]  # new values decayed to the chunk's end
     if LOW16:
-        return S * keep + mm(tl.trans(to16(kd, DT)), to16(new, DT), PREC)
+        return mm_acc(kt.to(DT), to16(nd, DT), S * keep, PREC)
     else:
-        return S * keep + dot32(tl.trans(kd), new, PREC)
+        return S * keep + dot32(kt.to(tl.float32), nd, PREC)
 
 
 @triton.jit
@@ -462,12 +475,12 @@ def _walk_kernel(
         ot = i * BT + ar
         mt = ot < T
         row = (b.to(tl.int64) * T + ot) * HK + hk
-        _, wk, keep, _ = _chunk_decays(LG, row, mt, BT)
+        _, wk, keep = _walk_decays(LG, row, mt)
         new = _walk_new(W, U, Kp.dtype.element_ty, S, row, ok, ov, mt, mk, mv, K, V, PREC, LOW16)
         up = U + row[:, None] * V + ov[None, :]
         tl.store(up, new.to(U.dtype.element_ty), mask=mt[:, None] & mv[None, :])  # the state moves by fp32 U
-        k = tl.load(Kp + row[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
-        S = _walk_advance(S, k, wk, keep, new, Kp.dtype.element_ty, PREC, LOW16)
+        kt = tl.load(Kp + row[None, :] * K + ok[:, None], mask=mk[:, None] & mt[None, :], other=0.0)  # [BK, BT]
+        S = _walk_advance(S, kt, wk, keep, new, Kp.dtype.element_ty, PREC, LOW16)
     if STORE_FINAL:
         tl.store(FIN + pbh.to(tl.int64) * K * V + kv, S, mask=m2)
 
@@ -545,7 +558,8 @@ def _walk_out_kernel(
         mt = ot < T
         mtk = mt[:, None] & mk[None, :]
         row = (b.to(tl.int64) * T + ot) * HK + hk
-        gam, wk, keep, M = _chunk_decays(LG, row, mt, BT)
+        gam, _, _, M = _chunk_decays(LG, row, mt, BT)  # the output's, as _out_kernel's
+        _, wk, keep = _walk_decays(LG, row, mt)  # the walk's, as _walk_kernel's
         new = _walk_new(W, U, DT, S, row, ok, ov, mt, mk, mv, K, V, PREC, LOW16)
         k = tl.load(Kp + row[:, None] * K + ok[None, :], mask=mtk, other=0.0)
         for g in range(G):
@@ -561,7 +575,7 @@ def _walk_out_kernel(
                 o = gam[:, None] * o + dot32(mm(q, tl.trans(k), PREC) * M, new, PREC)
             tl.store(O + qrow[:, None] * V + ov[None, :], (o * scale).to(O.dtype.element_ty),
                      mask=mt[:, None] & mv[None, :])
-        S = _walk_advance(S, k, wk, keep, new, DT, PREC, LOW16)
+        S = _walk_advance(S, tl.trans(k), wk, keep, new, DT, PREC, LOW16)
     if STORE_FINAL:
         tl.store(FIN + pbh.to(tl.int64) * K * V + kv, S, mask=m2)
 
@@ -632,18 +646,18 @@ def _bwd_walk_kernel(
         ot = i * BT + ar
         mt = ot < T
         krow = (b.to(tl.int64) * T + ot) * HK + hk
-        gam, wk, keep, _ = _chunk_decays(LG, krow, mt, BT)
+        gam, wk, keep = _walk_decays(LG, krow, mt)
         k = tl.load(Kp + krow[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
         dup = DU + krow[:, None] * V + ov[None, :]
         du = tl.load(dup, mask=mt[:, None] & mv[None, :], other=0.0) + dot32(k.to(tl.float32) * wk[:, None], dS, PREC)
         tl.store(dup, du, mask=mt[:, None] & mv[None, :])
-        w = tl.load(W + krow[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
-        dS = dS * keep - dot32(tl.trans(w), du, PREC)
+        wt = tl.load(W + krow[None, :] * K + ok[:, None], mask=mk[:, None] & mt[None, :], other=0.0)  # [BK, BT]
+        dS = dS * keep - dot32(wt, du, PREC)
         for g in tl.static_range(G):
             qrow = (b.to(tl.int64) * T + ot) * H + hk * G + g
-            q = tl.load(Q + qrow[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+            qt = tl.load(Q + qrow[None, :] * K + ok[:, None], mask=mk[:, None] & mt[None, :], other=0.0)  # [BK, BT]
             do = tl.load(DO + qrow[:, None] * V + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
-            dS += dot32(tl.trans(q.to(tl.float32) * (gam * scale)[:, None]), do.to(tl.float32), PREC)
+            dS += dot32(qt.to(tl.float32) * (gam * scale)[None, :], do.to(tl.float32), PREC)
     if STORE_DS0:
         tl.store(DS0 + pbh.to(tl.int64) * K * V + kv, dS, mask=m2)
 
