@@ -161,11 +161,18 @@ def test_the_recall_check_scores_the_passkey_beside_the_copy(monkeypatch):
            "teacher_strict": 0.5, "hybrid": 0.7, "hybrid_strict": 0.5,
            "passkey": {"length": 1024, "prompts": 10, "teacher": 0.9, "hybrid": 0.8}}
     lines = []
-    rep = RecallCheck.from_report(old, None, log=lines.append).finish("HYBRID")
-    assert calls == [("HYBRID", 1024)]  # the teacher's score is the report's, the hybrid scored again
+    hybrid = SimpleNamespace(config=SimpleNamespace(linear_attention={"window": 0}))
+    rep = RecallCheck.from_report(old, None, log=lines.append).finish(hybrid)
+    assert calls == [(hybrid, 1024)]  # the teacher's score is the report's, the hybrid scored again
     assert rep["passkey"] == {"length": 1024, "prompts": 10, "teacher": 0.9, "hybrid": 0.2}
     assert lines[-1].startswith("recall check (passkey, 1024 tokens, 10 prompts): teacher 90% -> hybrid 20%; the "
                                 "hybrid lost most of the teacher's retrieval")
+    assert "attention.window=4096" not in lines[-1] and lines[-1].endswith(")")  # no window to widen
+    # windowed layers: the line names the measured remedy, a wider served window with stage 2 fitted to it
+    windowed = SimpleNamespace(config=SimpleNamespace(linear_attention={"window": 512}))
+    RecallCheck.from_report(old, None, log=lines.append).finish(windowed)
+    assert "--set attention.window=4096 --set attention.train_window=64 --set finetune.train_window=0" in lines[-1]
+    assert lines[-1].endswith("docs/guide.md)")
     # a report from before the passkey part: the copy alone, no passkey measured
     calls.clear()
     del old["passkey"]

@@ -200,10 +200,16 @@ class RecallCheck:
             pk = passkey.quick_check(hybrid, self.tokenizer, length=self.length)
             rep["passkey"] = {"length": self.length, "prompts": pk["prompts"], "teacher": tpk["score"],
                               "hybrid": pk["score"]}
+            lost = pk["score"] < 0.5 * tpk["score"]
+            windowed = int((getattr(hybrid.config, "linear_attention", None) or {}).get("window") or 0) > 0
             self.log(f"recall check (passkey, {self.length} tokens, {pk['prompts']} prompts): teacher "
                      f"{100 * rep['passkey']['teacher']:.0f}% -> hybrid {100 * pk['score']:.0f}%"
                      + ("; the hybrid lost most of the teacher's retrieval (check it with `linearize eval --task "
-                        "passkey,niah --against`)" if pk["score"] < 0.5 * tpk["score"] else ""))
+                        "passkey,niah --against`" if lost else "")
+                     + ("; a served window as long as your prompts with stage 2 fitted to it, --set "
+                        "attention.window=4096 --set attention.train_window=64 --set finetune.train_window=0, "
+                        "kept it at 7:1: docs/guide.md" if lost and windowed else "")
+                     + (")" if lost else ""))
         rep["seconds"] = round(self.seconds + time.time() - t, 1)
         return rep
 
