@@ -28,7 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import decay_cumsum, decay_pairs, interpreting, launch, mm, mm_acc, new_empty, num_sms, pow2, prec, to16
+from .triton_common import (decay_cumsum, decay_pairs, interpreting, launch, mm, mm_acc, new_empty, num_sms, pow2,
+                            prec, to16)
 from .tuning import ensure_applied, register
 
 _INTERP = tl.constexpr(interpreting())
