@@ -119,6 +119,10 @@ def test_finetune_trains_at_its_own_width(corpus, own, width):
     assert seen and set(seen) == {width}
     assert report["train_window"] == (width if own else None)
     assert {m.window for m in model.linear_modules()} == {8}
+    # `linearize info` reads the report: the layers trained at 3, stage 2 at its own width
+    la = {**rec["attention"], "window": 8, "train_window": 3}
+    fitted = "the served width" if own == 0 else str(own)
+    assert describe_converted(la, report).endswith(f"8-token window (trained at 3, stage 2 at {fitted})")
 
 
 def test_finetune_restores_the_width_when_it_fails(corpus):
@@ -148,6 +152,9 @@ def test_info_says_what_the_layers_trained_at():
     assert "512-token window (layers 24-29: 64, trained at 64)" in describe_converted(la)
     assert "(trained" not in describe_converted(dict(R.load("lolcats-cpu")["attention"]))
     assert describe_converted(dict(R.load("lolcats")["attention"])).endswith("512-token window (trained at 64)")
+    # stage 2 as the layers (the default) or a report from before the field: no stage-2 note
+    assert describe_converted(dict(R.load("lolcats")["attention"]), {"train_window": 64}).endswith("(trained at 64)")
+    assert describe_converted(dict(R.load("lolcats")["attention"]), {}).endswith("(trained at 64)")
 
 
 @pytest.mark.slow

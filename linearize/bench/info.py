@@ -98,7 +98,8 @@ def model_info(spec: str, *, ratio: str | None = None, softmax_layers: str | Non
         "num_layers": config.num_hidden_layers,
         "layout": layout_line,
         "sliding": describe_sliding(softmax_windows(config)),
-        "converted": describe_converted(config.linear_attention) if config.model_type == "linearize" else None,
+        "converted": describe_converted(config.linear_attention, report_stages(path).get("finetune"))
+        if config.model_type == "linearize" else None,
         "layer_types": getattr(config, "layer_types", None),
         "parameters": total,
         "extra_parameters": extra,
@@ -109,10 +110,12 @@ def model_info(spec: str, *, ratio: str | None = None, softmax_layers: str | Non
     }
 
 
-def describe_converted(la: dict) -> str:
+def describe_converted(la: dict, stage2: dict | None = None) -> str:
     """One line on what the converted layers compute, e.g. ``linear attention, hedgehog maps, 64-token window
-    (layers 0-19: 512), 16 sinks, learned decay``, ``..., 512-token window (trained at 64), ...`` or ``gated delta
-    rule``."""
+    (layers 0-19: 512), 16 sinks, learned decay``, ``..., 512-token window (trained at 64), ...``, ``...,
+    4096-token window (trained at 64, stage 2 at the served width)`` or ``gated delta rule``. ``stage2``: the
+    conversion report's stage 2 (its ``train_window``, the width stage 2 ran every windowed layer at; None: each
+    layer's own), when it differs from the layers' ``train_window``."""
     if la.get("layer_type") == GATED_DELTA:
         return "gated delta rule" + (", output gate" if la.get("delta_output_gate") else "")
     parts = ["linear attention", f"{la.get('feature_map', 'hedgehog')} maps"]
@@ -120,6 +123,9 @@ def describe_converted(la: dict) -> str:
         notes = [f"layers {k}: {w}" for k, w in (la.get("layer_windows") or {}).items()]
         if la.get("train_window"):
             notes.append(f"trained at {la['train_window']}")
+            fitted = (stage2 or {}).get("train_window", la["train_window"])
+            if fitted != la["train_window"]:
+                notes[-1] += f", stage 2 at {fitted}" if fitted else ", stage 2 at the served width"
         parts.append(f"{la['window']}-token window" + (f" ({', '.join(notes)})" if notes else ""))
     if la.get("sinks"):
         parts.append(f"{la['sinks']} sinks")
@@ -171,13 +177,21 @@ def speed_bounds(model, config, extra_parameters: int) -> dict[str, dict[str, fl
     return out
 
 
-def conversion_quality(path) -> dict[str, Any]:
-    """From a hybrid's ``report.json``: held-out perplexity vs the teacher (stage 2), the recall check (copy and
-    passkey, teacher vs hybrid) and ``--select auto``'s boundary; empty for other directories or untrained hybrids."""
+def report_stages(path) -> dict[str, Any]:
+    """The ``stages`` of a hybrid's ``report.json`` (empty without the file or a path)."""
+    if path is None:
+        return {}
     try:
         stages = json.loads((Path(path) / "report.json").read_text()).get("stages") or {}
     except (OSError, ValueError, AttributeError):
         return {}
+    return stages if isinstance(stages, dict) else {}
+
+
+def conversion_quality(path) -> dict[str, Any]:
+    """From a hybrid's ``report.json``: held-out perplexity vs the teacher (stage 2), the recall check (copy and
+    passkey, teacher vs hybrid) and ``--select auto``'s boundary; empty for other directories or untrained hybrids."""
+    stages = report_stages(path)
     out: dict[str, Any] = {}
     ft = stages.get("finetune") or {}
     if "heldout_ppl_end" in ft and ft.get("heldout_ppl_teacher"):
