@@ -155,6 +155,9 @@ def test_info_says_what_the_layers_trained_at():
     # stage 2 as the layers (the default) or a report from before the field: no stage-2 note
     assert describe_converted(dict(R.load("lolcats")["attention"]), {"train_window": 64}).endswith("(trained at 64)")
     assert describe_converted(dict(R.load("lolcats")["attention"]), {}).endswith("(trained at 64)")
+    served = dict(R.load("lolcats", {"attention.window": 512})["attention"])  # trained at the served width
+    assert describe_converted(served, {"train_window": None}).endswith("512-token window")
+    assert describe_converted(served, {"train_window": 64}).endswith("512-token window (stage 2 at 64)")
 
 
 @pytest.mark.slow

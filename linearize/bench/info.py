@@ -121,11 +121,12 @@ def describe_converted(la: dict, stage2: dict | None = None) -> str:
     parts = ["linear attention", f"{la.get('feature_map', 'hedgehog')} maps"]
     if la.get("window"):
         notes = [f"layers {k}: {w}" for k, w in (la.get("layer_windows") or {}).items()]
-        if la.get("train_window"):
-            notes.append(f"trained at {la['train_window']}")
-            fitted = (stage2 or {}).get("train_window", la["train_window"])
-            if fitted != la["train_window"]:
-                notes[-1] += f", stage 2 at {fitted}" if fitted else ", stage 2 at the served width"
+        own = la.get("train_window") or None  # None: trained at the served widths
+        if own:
+            notes.append(f"trained at {own}")
+        fitted = (stage2 or {}).get("train_window", own)
+        if fitted != own:
+            notes.append(f"stage 2 at {fitted}" if fitted else "stage 2 at the served width")
         parts.append(f"{la['window']}-token window" + (f" ({', '.join(notes)})" if notes else ""))
     if la.get("sinks"):
         parts.append(f"{la['sinks']} sinks")
