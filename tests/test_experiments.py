@@ -1,6 +1,7 @@
 """The experiment scripts behind docs/ run: ``experiments/serve_window.py`` serves a hybrid's window layers (all, or
 the ``--layers`` it names) at another width, optionally with attention sinks, and the perplexity moves only with the
-layers it changed."""
+layers it changed; ``experiments/window_floor.py`` windows every layer but the kept ones; ``prefill_chunks.py`` runs
+on a tiny config."""
 import json
 import os
 import subprocess
@@ -67,3 +68,50 @@ def test_prefill_chunks_runs_on_a_tiny_config(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     rows = [ln.split(",") for ln in r.stdout.splitlines() if ln.startswith("96,")]
     assert [row[2] for row in rows] == ["0", "64"] and all(float(row[3]) > 0 and row[4] == "n/a" for row in rows)
+
+
+def _window_floor():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("window_floor", ROOT / "experiments" / "window_floor.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_window_floor_windows_only_the_layers_it_does_not_keep():
+    """``experiments/window_floor.py``'s attention: a kept layer is the model's causal attention; a windowed one sees
+    the last W tokens and the sinks (checked against the eager masked softmax), and changes the logits only past W."""
+    import torch
+    from transformers import AttentionInterface
+
+    from conftest import tiny_model
+
+    wf = _window_floor()
+    mask = wf.band_mask(6, 3, 1, "cpu")
+    assert mask.int().tolist() == [[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0],
+                                   [1, 1, 1, 1, 0, 0], [1, 0, 1, 1, 1, 0], [1, 0, 0, 1, 1, 1]]
+    model = tiny_model("llama", layers=2)
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+        AttentionInterface.register(wf.NAME, wf.windowed_attention)
+        model.set_attn_implementation(wf.NAME)
+        wf.SETTING.update(window=16, sinks=0, keep=frozenset({0, 1}))
+        assert torch.allclose(model(input_ids=ids).logits, ref, atol=1e-5)  # both kept: the original
+        wf.SETTING.update(keep=frozenset({0}))
+        cut = model(input_ids=ids).logits
+        assert torch.allclose(cut[:, :16], ref[:, :16], atol=1e-5) and not torch.allclose(cut[:, 16:], ref[:, 16:])
+        # layer 1 windowed by hand: its attention with the band as an eager mask, layer 0 untouched
+        att = model.model.layers[1].self_attn
+        q = torch.randn(1, 4, 40, 16)
+        k, v = torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
+        wf.SETTING.update(sinks=2)
+        got, _ = wf.windowed_attention(att, q, k, v, None, scaling=0.25)  # [B, T, H, D]
+        s = (q @ k.repeat_interleave(2, 1).transpose(-1, -2)) * 0.25
+        s = s.masked_fill(~wf.band_mask(40, 16, 2, "cpu"), float("-inf"))
+        want = (s.softmax(-1) @ v.repeat_interleave(2, 1)).transpose(1, 2)
+        assert torch.allclose(got, want, atol=1e-5)
+    model.set_attn_implementation("sdpa")
+    assert wf.parse_keep("all,none,3+1", 4) == [("all", frozenset(range(4))), ("none", frozenset()),
+                                               ("3+1", frozenset({1, 3}))]
