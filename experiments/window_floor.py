@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from linearize.evals import passkey
-from linearize.evals.common import EvalConfig
+from linearize.evals.common import EvalConfig, ModelHandle, tail_logits
 from linearize.evals.prompts import PieceEncoder
 from linearize.io.sources import load_model
 from linearize.units import parse_length
@@ -50,8 +50,8 @@ def band_mask(T: int, window: int, sinks: int, device) -> torch.Tensor:
 
 def windowed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """SDPA over ``[B, H, T, D]`` without padding: causal for a kept layer, the band for the others."""
-    if attention_mask is not None and attention_mask.dtype == torch.bool and not bool(attention_mask.all()):
-        raise ValueError("padded batches are not supported here")
+    if attention_mask is not None:  # the masks here are built from positions alone
+        raise ValueError("window_floor runs single unpadded sequences (no attention mask)")
     T = query.shape[2]
     gqa = query.shape[1] != key.shape[1]
     if module.layer_idx in SETTING["keep"] or T <= SETTING["window"]:
@@ -75,11 +75,10 @@ def parse_keep(value: str, layers: int) -> list[tuple[str, frozenset]]:
 
 
 @torch.no_grad()
-def key_found(model, ids: list[int], answer: list[int]) -> bool:
-    """Every token of the key the argmax after the prompt and the key's earlier tokens."""
-    x = torch.tensor([ids + answer])
-    logits = model(input_ids=x, logits_to_keep=len(answer) + 1).logits[0, :-1]
-    return bool((logits.argmax(-1) == torch.tensor(answer)).all())
+def key_found(handle: ModelHandle, ids: list[int], answer: list[int]) -> bool:
+    """Every token of the key the argmax after the prompt and the key's earlier tokens (the recall check's rule)."""
+    pred = tail_logits(handle, ids + answer, len(answer) + 1)[:-1].argmax(-1).cpu()
+    return bool((pred == torch.as_tensor(answer)).all())
 
 
 def main() -> None:
@@ -101,6 +100,7 @@ def main() -> None:
     SETTING.update(window=args.window, sinks=args.sinks)
     chat = bool(getattr(tok, "chat_template", None))
     enc = PieceEncoder(tok)
+    handle = ModelHandle(args.model, "model", model, tok, chat)
     depths = [float(d) for d in args.depths.split(",")]
     lengths = [parse_length(x, what="--lengths") for x in args.lengths.split(",")]
     cfg = EvalConfig(lengths=lengths, depths=depths, seeds=list(range(args.seeds)))
@@ -115,7 +115,7 @@ def main() -> None:
             for p in prompts:
                 row = p["row"]
                 if row["length"] == L:
-                    hits[row["depth"]] += key_found(model, p["ids"], passkey.answer_ids(enc, row["expected"][0]))
+                    hits[row["depth"]] += key_found(handle, p["ids"], passkey.answer_ids(enc, row["expected"][0]))
             total = sum(hits.values()) / (len(depths) * args.seeds)
             print(f"keep {name:<14} {L:>6}: {100 * total:5.1f}%  by depth " + " / ".join(str(hits[d]) for d in depths)
                   + f"  ({time.time() - t0:.0f} s)", flush=True)

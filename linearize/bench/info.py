@@ -92,20 +92,21 @@ def model_info(spec: str, *, ratio: str | None = None, softmax_layers: str | Non
     else:
         layout_line = describe_layout(["full_attention"] * config.num_hidden_layers) + " (not converted)"
         base_type = config.model_type
+    stages = report_stages(path) if not planned else {}  # the conversion's report.json, read once
     return {
         "name": name,
         "model_type": base_type,
         "num_layers": config.num_hidden_layers,
         "layout": layout_line,
         "sliding": describe_sliding(softmax_windows(config)),
-        "converted": describe_converted(config.linear_attention, report_stages(path).get("finetune"))
+        "converted": describe_converted(config.linear_attention, stages.get("finetune"))
         if config.model_type == "linearize" else None,
         "layer_types": getattr(config, "layer_types", None),
         "parameters": total,
         "extra_parameters": extra,
         "cache_bytes": {ctx: cache_bytes(config, n) for ctx, n in CONTEXTS.items()},
         "bounds": speed_bounds(model, config, extra) if config.model_type == "linearize" else None,
-        "quality": conversion_quality(path) if path is not None and not planned else {},
+        "quality": conversion_quality(stages),
         "note": vision_language_note(path) if path is not None else None,
     }
 
@@ -189,10 +190,10 @@ def report_stages(path) -> dict[str, Any]:
     return stages if isinstance(stages, dict) else {}
 
 
-def conversion_quality(path) -> dict[str, Any]:
-    """From a hybrid's ``report.json``: held-out perplexity vs the teacher (stage 2), the recall check (copy and
-    passkey, teacher vs hybrid) and ``--select auto``'s boundary; empty for other directories or untrained hybrids."""
-    stages = report_stages(path)
+def conversion_quality(stages: dict[str, Any]) -> dict[str, Any]:
+    """From a hybrid's report stages (:func:`report_stages`): held-out perplexity vs the teacher (stage 2), the
+    recall check (copy and passkey, teacher vs hybrid) and ``--select auto``'s boundary; empty for other directories
+    or untrained hybrids."""
     out: dict[str, Any] = {}
     ft = stages.get("finetune") or {}
     if "heldout_ppl_end" in ft and ft.get("heldout_ppl_teacher"):
