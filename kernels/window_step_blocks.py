@@ -4,7 +4,9 @@ value columns of each (batch, KV head) in one program (``step_bv=128``, 64 progr
 blocks (the default: ``step_waves`` programs per SM) and a few warp counts, one process, CUDA-graph replays
 (``triton.testing.do_bench_cudagraph``), and the KV group's query heads spread over several programs
 (``step_heads``), and the rings held whole or read a block of rows at a time (``step_ring_block``, for ``W``
-over 32); outputs checked against the PyTorch step. Then the plain linear step
+over 32) or split over programs that each read their rows once for a whole KV group (``step_ring_split``, for
+``W`` over 64; ``B=1 W=4096`` is the batch-1 decode of a 4096-token window); outputs checked against the PyTorch
+step. Then the plain linear step
 (``linear_attention_step_hedgehog``, the same shape without rings) split over value blocks for a few
 ``linear_step_waves`` (with the features computed in the kernel its blocks are at most
 ``FUSED_LINEAR_STEP_MAX_BV`` = 64 wide, so one program per pair is no longer an option here), and with its query
@@ -78,7 +80,9 @@ rows = [("default", {}), ("one program per (batch, KV head)", {"step_bv": 128, *
     for n in (4, 2, 1) if n < H // HK for bv in (0, 64, 128)] + [
     (f"the whole ring, warps {w or 'auto'}", {"step_ring_block_from": 0, "step_warps": w}) for w in (0, 8)] + [
     (f"rings in blocks of {rb}, warps {w or 'auto'}", {"step_ring_block": rb, "step_ring_block_from": 2, "step_warps": w})
-    for rb in (32, 64, 128) for w in (0, 8) if rb < W]
+    for rb in (32, 64, 128) for w in (0, 8) if rb < W] + [
+    (f"ring split in parts of {rs} rows", {"step_ring_split": rs, "step_ring_split_from": 2})
+    for rs in (64, 128, 256, 512, 1024) if rs < W]
 base = dict(triton_step.CONFIG)
 
 

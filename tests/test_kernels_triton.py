@@ -360,8 +360,14 @@ def test_window_step_triton(prefill, W, bv, heads, H, ring, dtype, monkeypatch):
     a time (two or four blocks), as 512-row rings do by default."""
     _launch(monkeypatch, step_bv=bv, step_heads=heads, step_ring_block=ring, step_ring_block_from=ring and 8)
     # under the interpreter (each step a launch of a second) four steps once the ring has wrapped
-    B, T, Hk, D, K, V = 2, 24 if ON_GPU else min(24, prefill + W + 4), 2, 16, 16, 32
-    inp = window_inputs(B, T, H, Hk, D, K, V, dtype=dtype, device=DEV)
+    _check_window_steps(24 if ON_GPU else min(24, prefill + W + 4), H, W, prefill, dtype)
+
+
+def _check_window_steps(T: int, H: int, W: int, prefill: int, dtype, seed: int = 0) -> None:
+    """Triton decode steps from ``prefill`` (a Triton prefill's state, or an empty one) to ``T`` equal the
+    reference's full forward (outputs, S, z); B = 2, two KV heads, D = K = 16, V = 32."""
+    B, Hk, D, K, V = 2, 2, 16, 16, 32
+    inp = window_inputs(B, T, H, Hk, D, K, V, dtype=dtype, device=DEV, seed=seed)
     q, k, fq, fk, v = (inp[n] for n in ("q", "k", "fq", "fk", "v"))
     wf = inp["window_factor"]
     o_full, st_full = window_linear_attention(q, k, fq, fk, v, wf, window=W, output_final_state=True,
@@ -373,13 +379,25 @@ def test_window_step_triton(prefill, W, bv, heads, H, ring, dtype, monkeypatch):
     else:
         state = empty_window_state(B, Hk, D, K, V, W, dtype=dtype, device=DEV)
     out = torch.full((B, H, V), float("nan"), dtype=dtype, device=DEV)
-    outs = []
-    for t in range(prefill, T):
-        outs.append(window_linear_attention_step(q[:, t], k[:, t], fq[:, t], fk[:, t], v[:, t], wf, state,
-                                                 out=out, backend="triton").clone())
+    outs = [window_linear_attention_step(q[:, t], k[:, t], fq[:, t], fk[:, t], v[:, t], wf, state, out=out,
+                                         backend="triton").clone() for t in range(prefill, T)]
     assert int(state.seen) == T
     assert rel_err(torch.stack(outs, 1), o_full[:, prefill:]) < (1e-5 if dtype == torch.float32 else 1e-2)
     assert rel_err(state.S, st_full[0]) < 1e-5 and rel_err(state.z, st_full[1]) < 1e-5
+
+
+@pytest.mark.parametrize("prefill,heads,H,dtype", step_matrix([(0, 0, 4), (42, 0, 4), (45, 1, 6)], [(42, 0, 4)]),
+                         ids=_dtype_id)
+def test_window_step_ring_split_triton(prefill, heads, H, dtype, monkeypatch):
+    """A 40-token ring walked in parts of 16 rows (the last one 8, then padding), each part once for all of a KV
+    group's query heads, the step kernel merging the parts' softmax sums: decode steps as the reference's full
+    forward before the ring fills (prefill 0) and after it wraps, the state too; heads = 1 with H = 6: each of a
+    group's three heads in its own program (the commit kernel folding S), merging the same parts."""
+    from linearize.kernels import triton_step
+
+    _launch(monkeypatch, step_ring_split=16, step_ring_split_from=8, step_heads=heads)
+    assert triton_step.ring_split(64) == 16 and triton_step.ring_split(4) == 0
+    _check_window_steps(prefill + 6, H, 40, prefill, dtype, seed=5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -1144,13 +1162,16 @@ def test_window_sinks_and_lse_triton(case, dtype, monkeypatch):
         assert rel_err(out["triton"][name], ref, floor=1e-2) <= tol * (3 if name.startswith("d") else 1), name
 
 
-@pytest.mark.parametrize("hedgehog,ring,dtype", step_matrix([(h, r) for h in (False, True) for r in (0, 4)],
+@pytest.mark.parametrize("hedgehog,ring,dtype", step_matrix([(h, r) for h in (False, True) for r in (0, 4, 16)],
                                                         [(True, 4)]), ids=_dtype_id)
 def test_window_step_with_sinks_triton(hedgehog, ring, dtype, monkeypatch):
     """The Triton window step reads the sinks and adds those out of its window to the softmax part: prefill +
     steps equal the float64 reference's forward with the same sinks (ring = 4: the rings walked in blocks, the
-    sinks' maximum starting the online softmax)."""
-    _launch(monkeypatch, step_ring_block=ring, step_ring_block_from=ring and 8)
+    sinks' maximum starting the online softmax; ring = 16: the ring walked in one part, merged with the sinks)."""
+    if ring == 16:
+        _launch(monkeypatch, step_ring_split=16, step_ring_split_from=8)
+    else:
+        _launch(monkeypatch, step_ring_block=ring, step_ring_block_from=ring and 8)
     check_sink_steps("triton", dtype, device=DEV, hedgehog=hedgehog)
 
 

@@ -12,9 +12,12 @@ columns of ``S`` and answer the group's query heads for those columns, reading `
 unchanged; a second, small kernel then updates ``z`` and writes the new key and key features into the rings
 (stream order makes that race-free without one program owning the whole state, so a batch of 8 with 8 KV
 heads fills the GPU). With ``CONFIG["step_heads"]`` a group's query heads are also spread over programs; those
-only read the state, and the second kernel writes the fold into ``S`` and the new value as well. Nothing is
-allocated except the output (``out=`` avoids that too), so a CUDA graph can replay the call; the window step's
-token counter ``seen`` is read on the device and incremented by one in-place add after the kernels.
+only read the state, and the second kernel writes the fold into ``S`` and the new value as well. Wide rings
+(``CONFIG["step_ring_split"]``) are first walked in parts, each read once for all of a KV group's heads, whose
+partial softmax sums the step kernel merges. Nothing is allocated except the output (``out=`` avoids that too)
+and the parts' scratch, so a CUDA graph can replay the call (under capture the scratch comes from the graph's
+pool); the window step's token counter ``seen`` is read on the device and incremented by one in-place add after
+the kernels.
 
 At small batches (``CONFIG["small_grid_heads_per_sm"]``) both steps answer one query head per program.
 """
@@ -171,17 +174,63 @@ def _ring_walk(q, m, KR, VR, KEEP, base, b, slot, t, W, k_new, v_new, od, ov, md
 
 
 @triton.jit
+def _window_ring_part_kernel(
+    Q, Kr, Vp, KR, VR, SEEN, KEEP,  # q [B,H,D] (raw rows); new k [B,HK,D], v [B,HK,V]; rings; seen; keep [B,W]
+    PM, PT, PA,  # out, fp32: row maximum and sum of weights [B*HK, NP, BG], weighted values [B*HK, NP, BG, V]
+    H, HK, W, NP, scale,
+    D: tl.constexpr, V: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
+    RS: tl.constexpr, RB: tl.constexpr,
+):
+    """Program (batch x KV head, ring part): the softmax part of every query head of the KV group over ring rows
+    ``[part * RS, (part + 1) * RS)`` (the new token in its slot), ``RB`` rows at a time with an online softmax
+    from the floor 0: ``(m, sum_j p_j, sum_j p_j v_j)``, ``p_j = exp(s_j - m)``, for :func:`_window_step_kernel`
+    to merge. Each key and value row is read once per step, whatever the group's size."""
+    pbh = tl.program_id(0)
+    part = tl.program_id(1)
+    b = pbh // HK
+    hk = pbh % HK
+    od, ov, og = tl.arange(0, BD), tl.arange(0, BV), tl.arange(0, BG)
+    md, mv, mg = od < D, ov < V, og < G
+    base = pbh.to(tl.int64)
+    t = tl.load(SEEN)
+    slot = (t % W).to(tl.int32)
+    k_new = tl.load(Kr + base * D + od, mask=md, other=0.0)
+    v_new = tl.load(Vp + base * V + ov, mask=mv, other=0.0)
+    qrow = b.to(tl.int64) * H + hk * G + og  # [BG]: the group's query heads (rows past G masked)
+    q = tl.load(Q + qrow[:, None] * D + od[None, :], mask=mg[:, None] & md[None, :], other=0.0).to(tl.float32)
+    m = tl.zeros([BG], tl.float32)
+    total = tl.zeros([BG], tl.float32)
+    acc = tl.zeros([BG, BV], tl.float32)
+    for r0 in range(0, RS, RB):
+        kb, vb, valid = _ring_rows(KR, VR, KEEP, base, b, part * RS + r0 + tl.arange(0, RB), slot, t, W, k_new,
+                                   v_new, od, ov, md, mv, D, V)
+        sc = tl.dot(q, tl.trans(kb), input_precision="ieee") * scale  # [BG, RB]
+        sc = tl.where(valid[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m, tl.max(sc, 1))
+        alpha = tl.exp(m - m_new)
+        p = tl.where(valid[None, :], tl.exp(sc - m_new[:, None]), 0.0)
+        acc = acc * alpha[:, None] + tl.dot(p, vb, input_precision="ieee")
+        total = total * alpha + tl.sum(p, 1)
+        m = m_new
+    out = (base * NP + part) * BG + og
+    tl.store(PM + out, m)
+    tl.store(PT + out, total)
+    tl.store(PA + out[:, None] * V + ov[None, :], acc, mask=mv[None, :])
+
+
+@triton.jit
 def _window_step_kernel(
     Q, FQ, Kr, Vp, WF,  # q [B,H,D], fq [B,H,K] (not read with FUSE), k [B,HK,D], v [B,HK,V], wf [H] fp32
     S, Z, KR, FKR, VR, SEEN, KEEP,  # state; rings [B,HK,W,*]; seen int64 [1]; keep bool [B,W] (False: padding)
     O,
     WQX,  # FUSE: Hedgehog map [Wq, -Wq] [H,D,K]; fq is then computed here
     SK, SV, SPOS, SVALID,  # SINKS: sink keys [B,NS,HK,D], values [B,NS,HK,V], positions int64 / valid bool [B,NS]
-    H, HK, W, NS, scale, eps, feps,
+    PM, PT, PA,  # NP > 0: the ring parts of _window_ring_part_kernel
+    H, HK, W, NS, NP, scale, eps, feps,
     D: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BD: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BW: tl.constexpr, G: tl.constexpr,
     FUSE: tl.constexpr, GH: tl.constexpr, OWN: tl.constexpr, SINKS: tl.constexpr, BN: tl.constexpr,
-    RB: tl.constexpr,
+    RB: tl.constexpr, PARTS: tl.constexpr, BP: tl.constexpr, BG: tl.constexpr,
 ):
     """Program (batch x KV head, value block, head group): answers ``GH`` of the KV group's ``G`` query heads for
     its value columns, with the token leaving the window folded into ``S`` and the new value in the ring. With
@@ -189,7 +238,9 @@ def _window_step_kernel(
     with several, every program only reads the state and :func:`_window_step_commit_kernel` writes them.
     ``z``, the key ring and the key-feature ring are shared by every value block, so they are read here and
     written only by the commit kernel, launched after this one. ``RB`` > 0: each head walks the rings in blocks
-    of ``RB`` rows with an online softmax (:func:`_ring_walk`) instead of holding them whole (``BW`` rows)."""
+    of ``RB`` rows with an online softmax (:func:`_ring_walk`) instead of holding them whole (``BW`` rows).
+    ``PARTS``: :func:`_window_ring_part_kernel` walked the rings (``NP`` parts, ``BP`` = pow2); each head merges
+    its parts' ``(m, sum p, sum p v)`` instead."""
     pbh = tl.program_id(0)
     pv = tl.program_id(1)
     pg = tl.program_id(2)
@@ -205,7 +256,7 @@ def _window_step_kernel(
     fk_old = tl.load(FKR + (base * W + slot) * K + ok, mask=mk, other=0.0).to(tl.float32) * fold  # [BK]
     k_new = tl.load(Kr + base * D + od, mask=md, other=0.0)
     v_new = tl.load(Vp + base * V + ov, mask=mv, other=0.0)
-    if RB == 0:  # the whole rings, read once for every head of the program (before the writes below)
+    if RB == 0 and not PARTS:  # the whole rings, read once for every head of the program (before the writes below)
         kr, vr, valid = _ring_rows(KR, VR, KEEP, base, b, ow, slot, t, W, k_new, v_new, od, ov, md, mv, D, V)
     v_old = tl.load(VR + (base * W + slot) * V + ov, mask=mv, other=0.0).to(tl.float32)  # before the slot's write
     sp = S + base * K * V + ok[:, None] * V + ov[None, :]
@@ -238,7 +289,17 @@ def _window_step_kernel(
         if SINKS:
             ss = tl.where(sseen, tl.sum(sk * q[None, :], 1) * scale, float("-inf"))
             m = tl.maximum(m, tl.max(ss, 0))
-        if RB == 0:
+        if PARTS:  # m_p >= 0 (the parts' floor), so the merged maximum is the one a single walk reaches
+            op = tl.arange(0, BP)
+            mp = op < NP
+            prow = (base * NP + op) * BG + tl.minimum(pg * GH + g, G - 1)  # [BP]
+            pm = tl.load(PM + prow, mask=mp, other=0.0)
+            m = tl.maximum(m, tl.max(pm, 0))
+            e = tl.where(mp, tl.exp(pm - m), 0.0)
+            total = tl.sum(e * tl.load(PT + prow, mask=mp, other=0.0), 0)
+            acc = tl.sum(e[:, None] * tl.load(PA + prow[:, None] * V + ov[None, :], mask=mp[:, None] & mv[None, :],
+                                              other=0.0), 0)
+        elif RB == 0:
             acc, total, m = _softmax_rows(q, kr, vr, valid, m, tl.zeros([BV], tl.float32), tl.zeros([], tl.float32),
                                           scale)
         else:
@@ -316,6 +377,13 @@ CONFIG = {  # tuned on an H200 with CUDA graphs; measurements in kernels/README.
     # Not yet timed on a GPU
     "step_ring_block": 64,
     "step_ring_block_from": 512,
+    # rings of at least step_ring_split_from rows (pow2(W)) are split over programs of step_ring_split rows, each
+    # walking its rows once for all of a KV group's query heads (_window_ring_part_kernel), the step kernel then
+    # merging the parts (0: never; a power of two >= 16). Otherwise every program of the step walks the whole
+    # ring: at batch 1 with a 4096-token window that read each row 16 times per step (decode at 75-77% of its
+    # bound on an H100). Not yet timed on a GPU, so off
+    "step_ring_split": 0,
+    "step_ring_split_from": 1024,
     # the linear step's split over value blocks (then z is added by a second kernel; 0 = one program per
     # (batch, KV head)): half a wave of programs was fastest
     "linear_step_waves": 0.5,
@@ -413,6 +481,13 @@ def ring_block(BW: int) -> int:
     return min(rb, BW) if rb and start and BW >= start else 0
 
 
+def ring_split(BW: int) -> int:
+    """Rows per program of the ring's split walk (:func:`_window_ring_part_kernel`) for a ring tile of ``BW`` rows:
+    ``step_ring_split`` (at least 16, the smallest ``tl.dot``) from ``step_ring_split_from`` rows on, else 0."""
+    rs, start = int(CONFIG["step_ring_split"]), int(CONFIG["step_ring_split_from"])
+    return max(16, triton.next_power_of_2(rs)) if rs and start and BW >= start else 0
+
+
 def window_step_warps(BD: int, BK: int, BV: int, BW: int, fuse: bool) -> int:
     """Warps of :func:`_window_step_kernel`: ``step_warps`` at value blocks <= 64 (twice that for rings of 65-256
     rows, four times beyond: at 4 warps a 128-row ring spills 0.8 KB per thread, a 256-row one 12 KB; with 8 warps
@@ -485,12 +560,22 @@ def window_step_triton(q, k, fq, fk, v, wf, st, *, scale, eps=1e-12, out=None, w
     NS = sinks.k.shape[1] if sinks is not None else 0
     sk, sv, spos, svalid = ((sinks.k.contiguous(), sinks.v.contiguous(), sinks.pos.contiguous(),
                              sinks.valid.contiguous()) if sinks is not None else (q, q, st.seen, st.keep))
+    RS = ring_split(BW)
+    NP, BG = (triton.cdiv(W, RS), max(16, pow2(G))) if RS else (0, 1)
+    pm = pt = pa = q
+    if RS:  # the rings walked once, in parts; scratch from the graph's pool under CUDA-graph capture
+        pm, pt = (torch.empty((B * HK, NP, BG), dtype=torch.float32, device=q.device) for _ in range(2))
+        pa = torch.empty((B * HK, NP, BG, V), dtype=torch.float32, device=q.device)
+        _window_ring_part_kernel[(B * HK, NP)](
+            q, k, v, st.k_ring, st.v_ring, st.seen, st.keep, pm, pt, pa, H, HK, W, NP, float(scale),
+            D=D, V=V, BD=BD, BV=pow2(V), G=G, BG=BG, RS=RS, RB=min(RS, 64), num_warps=4)
+        RB = 0
     _window_step_kernel[(B * HK, triton.cdiv(V, BV), triton.cdiv(G, GH))](
         q, q if fuse else fq.contiguous(), k, v, wf.contiguous(), st.S, st.z, st.k_ring, st.fk_ring, st.v_ring,
-        st.seen, st.keep, out, wqx if fuse else q, sk, sv, spos, svalid,
-        H, HK, W, NS, float(scale), eps, float(feps), D=D, K=K, V=V, BD=BD, BK=BK, BV=BV, BW=BW, G=G, FUSE=fuse,
-        GH=GH, OWN=not split, SINKS=NS > 0, BN=pow2(max(NS, 1)), RB=RB,
-        num_warps=window_step_warps(BD, BK, BV, RB or BW, fuse),
+        st.seen, st.keep, out, wqx if fuse else q, sk, sv, spos, svalid, pm, pt, pa,
+        H, HK, W, NS, NP, float(scale), eps, float(feps), D=D, K=K, V=V, BD=BD, BK=BK, BV=BV, BW=BW, G=G,
+        FUSE=fuse, GH=GH, OWN=not split, SINKS=NS > 0, BN=pow2(max(NS, 1)), RB=RB, PARTS=RS > 0,
+        BP=pow2(max(NP, 1)), BG=BG, num_warps=window_step_warps(BD, BK, BV, RB or (16 if RS else BW), fuse),
     )
     BVC, warps = _commit_launch(BD, BK, V, fuse, split)
     _window_step_commit_kernel[(B * HK,)](
