@@ -566,9 +566,10 @@ def window_step_triton(q, k, fq, fk, v, wf, st, *, scale, eps=1e-12, out=None, w
     if RS:  # the rings walked once, in parts; scratch from the graph's pool under CUDA-graph capture
         pm, pt = (torch.empty((B * HK, NP, BG), dtype=torch.float32, device=q.device) for _ in range(2))
         pa = torch.empty((B * HK, NP, BG, V), dtype=torch.float32, device=q.device)
+        RBP = min(RS, 64 if max(BD, pow2(V)) <= 128 else 32)  # fp32 key and value blocks: 64 registers each at 128
         _window_ring_part_kernel[(B * HK, NP)](
             q, k, v, st.k_ring, st.v_ring, st.seen, st.keep, pm, pt, pa, H, HK, W, NP, float(scale),
-            D=D, V=V, BD=BD, BV=pow2(V), G=G, BG=BG, RS=RS, RB=min(RS, 64), num_warps=4)
+            D=D, V=V, BD=BD, BV=pow2(V), G=G, BG=BG, RS=RS, RB=RBP, num_warps=4)
         RB = 0
     _window_step_kernel[(B * HK, triton.cdiv(V, BV), triton.cdiv(G, GH))](
         q, q if fuse else fq.contiguous(), k, v, wf.contiguous(), st.S, st.z, st.k_ring, st.fk_ring, st.v_ring,
