@@ -332,6 +332,39 @@ def _write_tiny(config: dict | None = None):
 
 
 @torch.no_grad()
+def test_original_prefills_in_pieces_where_one_forward_runs_out_of_memory(monkeypatch):
+    """The original's prefill in pieces (the rows together) leaves the cache one forward leaves, and decodes the
+    same; a row whose one-forward prefill runs out of memory is prefilled again in pieces and measured, its note
+    saying so; without pieces it stays out of memory."""
+    cfg, _ = bm.load_config(_write_tiny())
+    model = bm.random_model(cfg, dtype=torch.float32, device="cpu")
+    T = 33
+    ids = torch.randint(0, 256, (2, T), generator=torch.Generator().manual_seed(1))
+    whole, pieces = bm.prefill(model, ids), bm.prefill(model, ids, pieces=20)  # 10 tokens per row: 4 pieces
+    for a, b in zip(whole.layers, pieces.layers):
+        assert a.keys.shape == b.keys.shape == (2, 2, T, 16)
+        torch.testing.assert_close(b.keys, a.keys, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(b.values, a.values, rtol=1e-5, atol=1e-5)
+    real, calls = bm.prefill, []
+
+    def tight(model, ids, pieces=0):  # one forward over 2 x 33 tokens does not fit; pieces of 20 do
+        calls.append(pieces)
+        if not pieces:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(model, ids, pieces)
+
+    monkeypatch.setattr(bm, "prefill", tight)
+    kw = dict(steps=2, backends=[None], dev=torch.device("cpu"), timing=bm.Timing(min_time=0.0, max_reps=1,
+                                                                                    warmup_steps=1))
+    row = bm.bench_row(model, "original", T, 2, pieces=20, **kw)
+    assert row["status"] == "ok" and row["prefill_pieces_tokens"] == 20 and calls[0] == 0 and set(calls[1:]) == {20}
+    assert "pieces of 20 tokens" in row["note"] and row["decode_tok_s"] > 0
+    assert row["cache_bytes"] == bm.cache_nbytes(whole)
+    row = bm.bench_row(model, "original", T, 2, **kw)
+    assert row["status"] == "oom" and row["prefill_tok_s"] == "oom" and "prefill_pieces_tokens" not in row
+    assert bm.bench_row(model, "original", T, 2, pieces=66, **kw)["status"] == "oom"  # one piece is the whole
+
+
 def test_decode_cache_steps_in_place_at_position_t_minus_1():
     cfg, _ = bm.load_config(_write_tiny())
     model = bm.random_model(cfg, dtype=torch.float32, device="cpu")

@@ -20,7 +20,9 @@ For every context length ``T`` and batch size ``B`` each model gets one row:
   :func:`linearize.bench.costs.cache_bytes`.
 
 Out of memory in a row is recorded as ``"oom"`` and the run goes on (larger rows that cannot fit
-either are skipped). ``--random-weights`` builds the models from a published config shipped in
+either are skipped). An original whose one-forward prefill runs out of memory is prefilled again in the
+hybrids' default pieces (``PREFILL_CHUNK_TOKENS``, or ``--prefill-chunk``), so its decode is still measured
+where its cache fits (the Llama-3-8B shape at 32K x 8 on an 80 GB GPU); the row's note says so. ``--random-weights`` builds the models from a published config shipped in
 ``linearize/model_configs/`` (or any ``config.json``): instantiated on the meta device, materialized
 directly on the target device and initialized there in place, so no weights are downloaded and no
 CPU copy is made.
@@ -62,7 +64,7 @@ from ..io.sources import load_model, local_dir, read_config, resolve, resolve_dt
 from ..model import modeling  # noqa: F401  (registers the linearize model type)
 from ..model.architectures import arch_spec
 from ..model.cache import HybridCache, LinearStateLayer
-from ..model.prefill import check_chunk_size
+from ..model.prefill import PREFILL_CHUNK_TOKENS, check_chunk_size, chunked_forward, row_chunk
 from ..progress import make_console
 from ..settings import DEFAULT_RATIO, DEFAULT_RECIPE
 from ..units import format_bytes
@@ -402,10 +404,18 @@ class Timing:
 
 
 @torch.no_grad()
-def prefill(model, ids: torch.Tensor):
-    """One forward over ``ids`` with a fresh cache; returns the filled cache."""
+def prefill(model, ids: torch.Tensor, pieces: int = 0):
+    """One forward over ``ids`` with a fresh cache; returns the filled cache. ``pieces`` > 0: consecutive cached
+    forwards of ``pieces`` tokens (the rows together), as a hybrid's chunked prefill runs, when ``ids`` is longer."""
     cache = new_cache(model)
-    model(input_ids=ids, use_cache=True, logits_to_keep=1, **_cache_kwargs(model, cache))
+    kwargs = _cache_kwargs(model, cache)
+    chunk = row_chunk(pieces, ids.shape[0])
+    if chunk and ids.shape[1] > chunk:
+        chunked_forward(lambda **piece: model(use_cache=True, **kwargs, **piece), chunk, input_ids=ids,
+                        inputs_embeds=None, attention_mask=None, position_ids=None, past=0, logits_to_keep=1,
+                        return_cache=False)
+    else:
+        model(input_ids=ids, use_cache=True, logits_to_keep=1, **kwargs)
     return cache
 
 
@@ -445,20 +455,20 @@ def warmup_ids(ids: torch.Tensor) -> torch.Tensor:
     return ids[:, :WARMUP_PREFIX] if ids.numel() >= LONG_ROW_TOKENS else ids
 
 
-def _prefill_phase(model, ids, backends, dev, timing: Timing, holder: dict) -> dict:
+def _prefill_phase(model, ids, backends, dev, timing: Timing, holder: dict, pieces: int = 0) -> dict:
     warmed = []
 
     def run(be):
         with _sdpa(be):
             if not warmed:  # compile / autotune kernels for this shape once
                 holder["cache"] = None
-                holder["cache"] = prefill(model, warmup_ids(ids))
+                holder["cache"] = prefill(model, warmup_ids(ids), pieces)
                 warmed.append(be)
             times = []
             while True:
                 holder["cache"] = None
                 t0 = _now(dev)
-                holder["cache"] = prefill(model, ids)
+                holder["cache"] = prefill(model, ids, pieces)
                 times.append(_now(dev) - t0)
                 if len(times) >= timing.max_reps or sum(times) >= timing.min_time:
                     break
@@ -468,7 +478,7 @@ def _prefill_phase(model, ids, backends, dev, timing: Timing, holder: dict) -> d
     best = min(results, key=results.get)
     if holder["cache"] is None:  # the last backend tried failed after an earlier one succeeded
         with _sdpa(best):
-            holder["cache"] = prefill(model, ids)
+            holder["cache"] = prefill(model, ids, pieces)
     B, T = ids.shape
     return {"prefill_s": round(results[best], 6), "prefill_tok_s": round(B * T / results[best], 2),
             "prefill_warmup_tokens": warmup_ids(ids).shape[1], "prefill_sdpa": best or "default",
@@ -623,8 +633,11 @@ def _decode_phase(model, cache, T, B, steps, backends, dev, timing: Timing, gen,
 
 
 def bench_row(model, kind: str, T: int, B: int, *, steps: int, backends: list[str | None], dev: torch.device,
-              timing: Timing, seed: int = 0, profile: bool = False) -> dict:
-    """One (model, T, B) row: prefill, decode, peak memory, cache bytes. Out of memory is recorded."""
+              timing: Timing, seed: int = 0, profile: bool = False, pieces: int = 0) -> dict:
+    """One (model, T, B) row: prefill, decode, peak memory, cache bytes. Out of memory is recorded. ``pieces`` > 0
+    (a model without a chunked prefill of its own, the original): a prefill that runs out of memory in one forward
+    runs again as consecutive cached forwards of ``pieces`` tokens, the rows together (the hybrids' default
+    pieces), so that its decode is still measured; the row says so in ``prefill_pieces_tokens`` and its note."""
     row: dict[str, Any] = {"model": kind, "T": T, "B": B, "status": "ok"}
     _free(dev)
     if dev.type == "cuda":
@@ -635,7 +648,20 @@ def bench_row(model, kind: str, T: int, B: int, *, steps: int, backends: list[st
     phase = "prefill"
     try:
         ids = torch.randint(0, int(model.config.vocab_size), (B, T), generator=gen).to(dev)
-        row.update(_prefill_phase(model, ids, backends, dev, timing, holder))
+        try:
+            row.update(_prefill_phase(model, ids, backends, dev, timing, holder))
+        except Exception as e:  # noqa: BLE001 - out of memory in one forward: in pieces, if asked
+            if not (_is_oom(e) and row_chunk(pieces, B) and T > row_chunk(pieces, B)):
+                raise
+            del e  # its traceback holds the failed forward's activations
+            holder["cache"] = None
+            _free(dev)
+            if dev.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(dev)
+            row.update(_prefill_phase(model, ids, backends, dev, timing, holder, pieces))
+            row["prefill_pieces_tokens"] = pieces
+            row["note"] = (f"prefilled in pieces of {pieces:,} tokens (the rows together), as the hybrids' "
+                           "default; one forward ran out of memory")
         del ids
         row["cache_bytes"] = cache_nbytes(holder["cache"])
         row["cache_bytes_formula"] = model_cache_bytes(model, T, B)
@@ -915,6 +941,8 @@ def bench_model(spec: str, *, against: str | None = None, random_weights: bool =
             prefill_chunk = check_chunk_size(prefill_chunk)
         except ValueError as e:
             raise LinearizeError(f"--prefill-chunk: {e}") from None
+    # the original's prefill falls back to these pieces where one forward runs out of memory (bench_row)
+    original_pieces = PREFILL_CHUNK_TOKENS if prefill_chunk is None else prefill_chunk
     overrides = dict(overrides or {})
     recipes.check_layer_overrides(overrides, "bench model")
     rec = recipes.load(recipe, overrides or None)
@@ -983,7 +1011,7 @@ def bench_model(spec: str, *, against: str | None = None, random_weights: bool =
                 else:
                     t0 = time.time()
                     row = bench_row(model, kind, T, B, steps=int(decode_steps), backends=backends, dev=dev,
-                                    timing=timing, profile=profile)
+                                    timing=timing, profile=profile, pieces=original_pieces if kind == "original" else 0)
                     row["wall_s"] = round(time.time() - t0, 2)
                     row["cost"] = cost
                     if row["status"] == "oom" and row.get("oom_phase") == "prefill":
