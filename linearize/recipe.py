@@ -178,14 +178,13 @@ SCHEMA: dict[str, dict[str, Field]] = {
         # score and never swapped out: ceil(share x softmax layers)
         "retrieval_seats": Field(float, 0.5, "a number in [0, 1] (share of the softmax layers; 0 = none)",
                                  lambda v: 0.0 <= v <= 1.0),
-        # then for the layers whose linearization alone raises the held-out loss most (the probe's loss term):
-        # ceil(share x softmax layers) more, after those (convert.selection.SEAT_KINDS)
-        "loss_seats": Field(float, 0.125, "a number in [0, 1] (share of the softmax layers; 0 = none)",
-                            lambda v: 0.0 <= v <= 1.0),
-        # then, while seats are left, for the layers whose linearization alone raises the passkey answer loss most
-        # (the probe's retrieval term)
+        # and for the layers whose linearization alone raises the passkey answer loss most (the probe's retrieval
+        # term): ceil(share x softmax layers) more, after those (convert.selection.SEAT_KINDS)
         "ablation_seats": Field(float, 0.25, "a number in [0, 1] (share of the softmax layers; 0 = none)",
                                 lambda v: 0.0 <= v <= 1.0),
+        # and for the layers whose linearization alone raises the held-out loss most (the probe's loss term)
+        "loss_seats": Field(float, 0.25, "a number in [0, 1] (share of the softmax layers; 0 = none)",
+                            lambda v: 0.0 <= v <= 1.0),
         "retrieval_length": Field(int, 2048, "an integer in [64, 1048576] (tokens)", lambda v: 64 <= v <= 1048576),
         "retrieval_prompts": Field(int, 4, "an integer in [1, 256]", lambda v: 1 <= v <= 256),
         "seed": Field(int, 1, "an integer >= 0", lambda v: v >= 0),

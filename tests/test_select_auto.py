@@ -131,19 +131,18 @@ def test_combine_scores_and_choice():
     assert top_seats(rise, 3, 1.0, [2]) == [0, 5]  # never more than the seats left
     assert top_seats(rise, 8, 1.0) == [0, 1, 2, 5]  # only a rise > 0 (not noise, not a failed measurement)
     assert top_seats(rise, 2, 0.5, [0, 2]) == [] and top_seats(rise, 4, 0.0) == []
-    # the kinds in order: retrieval (attention onto the key), loss (held-out loss), ablation (passkey loss)
+    # the kinds in order: retrieval (attention onto the key), ablation (passkey loss), loss (held-out loss)
     loss = [0.02, 0.01, 0.03, 0.002, 0.1, 0.0]
-    shares = {"retrieval_seats": 0.5, "loss_seats": 0.125, "ablation_seats": 0.25}  # the recipes' defaults
-    m = {"attention": att, "retrieval": rise, "loss": loss}
-    got = choose_seats(m, 4, shares)
-    assert list(got) == list(SEAT_FIELDS) == ["retrieval_seats", "loss_seats", "ablation_seats"]
-    assert got == {"retrieval_seats": [2, 3], "loss_seats": [4], "ablation_seats": [0]}
-    assert choose_seats(m, 3, shares) == {  # no seat left for the third kind
-        "retrieval_seats": [2, 3], "loss_seats": [4], "ablation_seats": []}
-    got = choose_seats(m, 7, shares)  # 4 + 1 + 2 of 7
-    assert got == {"retrieval_seats": [1, 2, 3, 4], "loss_seats": [0], "ablation_seats": [5]}  # 4: taken; 2 too
+    shares = {"retrieval_seats": 0.5, "ablation_seats": 0.25, "loss_seats": 0.25}
+    got = choose_seats({"attention": att, "retrieval": rise, "loss": loss}, 4, shares)
+    assert list(got) == list(SEAT_FIELDS) and got == {"retrieval_seats": [2, 3], "ablation_seats": [0],
+                                                      "loss_seats": [4]}
+    assert choose_seats({"attention": att, "retrieval": rise, "loss": loss}, 3, shares) == {
+        "retrieval_seats": [2, 3], "ablation_seats": [0], "loss_seats": []}  # no seat left for the third kind
+    got = choose_seats({"attention": att, "retrieval": rise, "loss": loss}, 7, shares)  # 4 + 2 + 1 of 7
+    assert got == {"retrieval_seats": [1, 2, 3, 4], "ablation_seats": [0, 5], "loss_seats": []}  # 4: taken; 2 too
     assert choose_seats({"attention": None, "retrieval": None, "loss": loss}, 4, shares) == {
-        "retrieval_seats": [], "loss_seats": [4], "ablation_seats": []}
+        "retrieval_seats": [], "ablation_seats": [], "loss_seats": [4]}
     # the probe's measurements on the embedded model (30 layers; H100, 2026-12-06; rounded, the unrecorded rises
     # below the recorded ones): 3:1, 7:1 and 15:1 keep the layouts measured in docs/benchmarks.md
     att = [0.01] * 30
@@ -156,7 +155,9 @@ def test_combine_scores_and_choice():
         loss[layer] = v
     embedded = {"attention": att, "retrieval": rise, "loss": loss}
     layouts = {count: seated(choose_seats(embedded, count, shares)) for count in (7, 4, 2)}
-    assert layouts == {7: [7, 17, 18, 20, 21, 22, 23], 4: [7, 18, 22, 23], 2: [7, 23]}
+    assert layouts == {7: [7, 17, 18, 20, 21, 22, 23], 4: [7, 18, 22, 23], 2: [18, 23]}
+    # without ablation seats the loss seat takes 15:1's second seat: layers 7 and 23 (measured beside 18 and 23)
+    assert seated(choose_seats(embedded, 2, {**shares, "ablation_seats": 0.0})) == [7, 23]
     scores = [0.5, 0.1, 0.05, 0.3, 0.02, 0.03]
     assert choose_softmax_layers(scores, 3, [2, 4]) == [0, 2, 4]  # the one free seat: the best score
     edge = selection_boundary(scores, 3, [2, 4])  # free seats are judged among the other layers: 0 vs 3
@@ -417,9 +418,9 @@ def test_convert_select_auto_cli(ws, tmp_path, monkeypatch):
     wa, wb = (load_file(str(tmp_path / d / "model-00001-of-00001.safetensors")) for d in ("A", "B"))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)  # cached = fresh, bit for bit
 
-    # no retrieval seat, the recipe's loss and ablation seats (0.125 and 0.25: one each of two): one seat to the
-    # layer whose linearization alone raises the held-out loss most, the other to the layer that raises the passkey
-    # answer loss most besides it; the same probe (the cache key ignores seats)
+    # no retrieval seat, the recipe's ablation and loss seats (0.25 each: ceil(0.5) = 1): one seat to the layer
+    # whose linearization alone raises the passkey answer loss most, the other to the layer that raises the held-out
+    # loss most besides it; the same probe (the cache key ignores seats)
     res = _convert(ws, tmp_path / "C", "--ratio", "1:1", "--tokens", "2560", "--set", "select.swap_rounds=0",
                    "--set", "select.retrieval_seats=0")
     assert res.returncode == 0, res.stderr[-3000:]
@@ -429,15 +430,15 @@ def test_convert_select_auto_cli(ws, tmp_path, monkeypatch):
     rise = [r["retrieval_delta"] for r in sel_c["scores"]]
     loss = [r["loss_delta"] for r in sel_c["scores"]]
     (abl,), (ls,) = ([int(i) for i in sel_c[k].split(",")] for k in ("ablation_seats", "loss_seats"))
-    assert sel_c["retrieval_seats"] == "" and loss[ls] == max(loss) > 0
-    assert rise[abl] == max(v for i, v in enumerate(rise) if i != ls) > 0
+    assert sel_c["retrieval_seats"] == "" and rise[abl] == max(rise) > 0
+    assert loss[ls] == max(v for i, v in enumerate(loss) if i != abl) > 0
     assert sel_c["softmax_layers"] == ",".join(map(str, sorted([abl, ls])))
     assert [r["seat"] for r in sel_c["scores"]] == [i in (abl, ls) for i in range(4)]
     assert sel_c["boundary"] is None  # no seat left to a score
     text = (tmp_path / "C" / "report.md").read_text()
     assert "Ablation seats (kept whatever their score" in text and "Loss seats (kept whatever their score" in text
     flat = " ".join(run_cli("info", str(tmp_path / "C")).stdout.split())
-    assert f"loss seats: {ls}; ablation seats: {abl}" in flat
+    assert f"ablation seats: {abl}; loss seats: {ls}" in flat
 
 
 @pytest.mark.slow

@@ -33,8 +33,8 @@
    scale-free and the scores sum to 1 over layers. The caller keeps as softmax the N layers with the highest scores
    (:func:`linearize.convert.selection.choose_softmax_layers`), after the seats: the
    ``ceil(select.retrieval_seats * N)`` layers with the largest ``attention_i`` are kept whatever their score and
-   never swapped out, then the ``ceil(select.loss_seats * N)`` others with the largest ``loss_i`` and the
-   ``ceil(select.ablation_seats * N)`` others with the largest ``retrieval_i`` the same way, while seats are left
+   never swapped out, then the ``ceil(select.ablation_seats * N)`` others with the largest ``retrieval_i`` and the
+   ``ceil(select.loss_seats * N)`` others with the largest ``loss_i`` the same way, while seats are left
    (:func:`linearize.convert.selection.choose_seats`; a seat's term is measured even when its weight is 0).
 
 The trained feature maps (and window mixing logits) of the probe are returned too, so the real

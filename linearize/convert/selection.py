@@ -226,29 +226,22 @@ class SeatKind:
 #:   the probe's 2K-token losses) and scored 75 / 25 / 15 / 5% and 30 / 0 / 15 / 0%. The attention term measures
 #:   the original directly; the scores mix it with the probe's losses, which a wide window or short retrieval
 #:   prompts can hide it in.
-#: - ``loss_seats`` (one per eight softmax layers, at least one): the layer whose linearization alone raises the
-#:   held-out loss most (layer 7 here, 0.10 nats, twice the next) carries the lookup too, though no retrieval
-#:   measurement ranks it first. At 7:1 (four seats) the layout 7, 18, 22, 23 scored 82.5% on the needle and 41%
-#:   passkey at 1K-8K, the layout without it (18, 20, 22, 23) 41% and 22.5% (the original 87.5% and 67.5%). With
-#:   every other layer cut to a 4,096-token window, the original finds an 8K passkey at the window's edge in 4 of
-#:   4 prompts when layer 7 stays exact beside 23 or 18, in 0-1 when it does not (docs/long-context-experiments.md):
-#:   so at 15:1 (two seats) it takes the second seat, before the ablation seats: served and fitted at 4096, 7 and
-#:   23 found 10% of 8K passkeys and 45% of needles, 18 and 23 none and 40%.
 #: - ``ablation_seats``: the layers that read the key are not the whole lookup. Layer 18 raises the passkey answer
 #:   loss most when linearized alone (0.9 nats) while attending little onto the key; six 3:1 hybrids trained at 8K
 #:   that kept 20-23 and 18 scored 75-85% passkey at 1K where they also kept 7, 10-60% where the swap check had
 #:   traded it away. The swap check did not see it: it compares layouts on the probe's hybrid, whose joint loss did
 #:   not predict recall after training.
-#:
-#: On the embedded model the default shares keep 20-23 | 7 | 17, 18 at 3:1, 22, 23 | 7 | 18 at 7:1 and 23 | 7 at
-#: 15:1.
+#: - ``loss_seats``: the layer whose linearization alone raises the held-out loss most (layer 7 here, 0.10 nats,
+#:   twice the next) carries the lookup too, though no retrieval measurement ranks it first. At 7:1 (four seats)
+#:   the layout 7, 18, 22, 23 scored 82.5% on the needle and 41% passkey at 1K-8K, the layout without it (18, 20,
+#:   22, 23) 41% and 22.5% (the original 87.5% and 67.5%; docs/long-context-experiments.md).
 SEAT_KINDS = (
     SeatKind("retrieval_seats", "attention", "the layers the original retrieves with", "attention onto the key",
              ".3f"),
-    SeatKind("loss_seats", "loss", "the layers the model needs most", "held-out loss with only that layer linear",
-             "+.3f"),
     SeatKind("ablation_seats", "retrieval", "the layers the lookup needs most",
              "passkey answer loss with only that layer linear", "+.3f"),
+    SeatKind("loss_seats", "loss", "the layers the model needs most", "held-out loss with only that layer linear",
+             "+.3f"),
 )
 
 #: the ``select`` report's keys of the seats (and the recipe's share fields)
