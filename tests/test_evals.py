@@ -16,6 +16,7 @@ from linearize.evals import (EvalError, EvalOptions, LoadOptions, ReportOptions,
 from linearize.evals import agreement, niah, passkey, ppl, recall, report, speed
 from linearize.evals.common import EvalConfig, ModelHandle, Progress, substring_score, whole_match
 from linearize.evals.prompts import PieceEncoder
+from linearize.evals.stats import paired_by_length, sign_test, wilson_interval
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -310,6 +311,26 @@ class _NextToken(torch.nn.Module):
         return SimpleNamespace(logits=logits[:, -logits_to_keep:] if logits_to_keep else logits)
 
 
+def test_intervals_and_the_paired_sign_test():
+    """Wilson intervals of a mean over n prompts (14 of 20: 48-85%; none or all of them stay inside [0, 1]), the
+    exact two-sided sign test, and prompts matched by identity across the two sides, by length."""
+    lo, hi = wilson_interval(0.7, 20)
+    assert (round(lo, 3), round(hi, 3)) == (0.481, 0.855)
+    assert wilson_interval(0.0, 20)[0] == 0.0 and wilson_interval(1.0, 20)[1] == 1.0
+    assert wilson_interval(1.0, 20)[0] == pytest.approx(0.8389, abs=1e-4) and wilson_interval(0.5, 0) == (0.0, 1.0)
+    assert sign_test(0, 0) == 1.0 and sign_test(2, 0) == 0.5 and sign_test(0, 8) == pytest.approx(2 / 256)
+    assert sign_test(1, 6) == pytest.approx(2 * 8 / 128) and sign_test(5, 5) == 1.0
+    key = lambda r: (r["length"], r["seed"]) if r["seed"] >= 0 else None  # noqa: E731
+    mine = [{"length": 1024, "seed": s, "score": x} for s, x in enumerate([1, 1, 0, 0.5])] + [
+        {"length": 2048, "seed": 0, "score": 1.0}, {"length": 2048, "seed": -1, "score": 1.0},
+        {"length": 2048, "seed": 9, "score": 0.0}]
+    theirs = [{"length": 1024, "seed": s, "score": x} for s, x in enumerate([0, 1, 1, 0])] + [
+        {"length": 2048, "seed": 0, "score": 0.0}]
+    assert paired_by_length(mine, theirs, key) == {
+        "1024": {"pairs": 4, "better": 2, "worse": 1, "p": 1.0},
+        "2048": {"pairs": 1, "better": 1, "worse": 0, "p": 1.0}}  # unmatched and keyless rows left out
+
+
 def test_passkey_quick_check_reads_the_key_off_the_argmax(tok):
     reader = _NextToken(len(tok)).train()
     r = passkey.quick_check(reader, tok, length=300)
@@ -463,6 +484,17 @@ def test_run_eval_side_by_side(tmp_path, tiny, tok):
             assert k in r
     md = (out / "report.md").read_text()
     assert "| task | metric | model | original | difference |" in md
+    # per length: each side's prompts and Wilson interval; prompt by prompt against the original (all ties here)
+    pk = on_disk["tasks"]["passkey"]
+    assert pk["n_by_length"] == {"256": 3, "512": 3}
+    for L, (lo, hi) in pk["interval_by_length"].items():
+        assert lo <= pk["by_length"][L] <= hi and (lo, hi) == pytest.approx(wilson_interval(pk["by_length"][L], 3),
+                                                                          abs=1e-4)
+    assert on_disk["difference"]["passkey"]["paired_by_length"] == {
+        L: {"pairs": 3, "better": 0, "worse": 0, "p": 1.0} for L in ("256", "512")}
+    assert set(on_disk["difference"]["niah"]["paired_by_length"]["256"]) == {"pairs", "better", "worse", "p"}
+    assert "paired_by_length" not in on_disk["difference"]["ppl"]
+    assert "| 256 | " in md and "| 0 / 0 of 3 | 1 |" in md and "prompts per length; the interval is Wilson's 95%" in md
     # the random tiny model misses: the summary and the report quote the first misses with their outputs
     pk = on_disk["tasks"]["passkey"]
     prow = [r for r in rows if r["task"] == "passkey" and r["model"] == "model"]

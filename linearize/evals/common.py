@@ -19,6 +19,8 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from linearize.io.sources import input_device
+
+from .stats import wilson_interval
 from linearize.units import UnitError, parse_length
 
 __all__ = [
@@ -338,7 +340,8 @@ MISS_OUTPUT_CHARS = 120
 
 def grid_summary(rows: list[dict], cfg: "EvalConfig", *, with_grid: bool = True) -> dict:
     """Aggregate per-sample rows (with ``length``, ``depth``, ``score``, ``strict``) into the
-    summary shape: overall score/strict, ``by_length``, ``by_depth`` and the length x depth grid; rows
+    summary shape: overall score/strict, ``by_length`` (with ``n_by_length`` prompts and the 95% Wilson
+    ``interval_by_length``, :mod:`linearize.evals.stats`), ``by_depth`` and the length x depth grid; rows
     with an ``output`` also give ``misses``: the first :data:`MISS_EXAMPLES` samples scored below 1 (length,
     depth, seed, expected values, the output's first :data:`MISS_OUTPUT_CHARS` characters)."""
     out: dict = {
@@ -356,6 +359,9 @@ def grid_summary(rows: list[dict], cfg: "EvalConfig", *, with_grid: bool = True)
     if with_grid:
         out["strict_by_length"] = {str(L): _mean([r["strict"] for r in rows if r["length"] == L])
                                    for L in cfg.lengths if any(r["length"] == L for r in rows)}
+        out["n_by_length"] = {L: sum(r["length"] == int(L) for r in rows) for L in out["by_length"]}
+        out["interval_by_length"] = {L: [round(x, 4) for x in wilson_interval(v, out["n_by_length"][L])]
+                                     for L, v in out["by_length"].items()}  # 95%, evals.stats
         out["by_depth"] = {depth_key(d): _mean([r["score"] for r in rows if r["depth"] == d])
                            for d in cfg.depths if any(r["depth"] == d for r in rows)}
         out["grid"] = {

@@ -249,6 +249,37 @@ def _lengths_label(k: str) -> str:
     return format_length(int(k))
 
 
+def _interval(x: Any) -> str:
+    return f"{100 * x[0]:.0f}–{100 * x[1]:.0f}%" if isinstance(x, (list, tuple)) and len(x) == 2 else "–"
+
+
+def _score_by_length(m: dict, a: dict | None, d: dict | None) -> list[str]:
+    """The per-length score table of a recall task, with each side's prompts and 95% interval and, against the
+    original, the prompts the model did better / worse on and the sign test's p (:mod:`linearize.evals.stats`;
+    reports from before these fields show dashes)."""
+    keys = sorted(m["by_length"], key=int)
+    paired = (d or {}).get("paired_by_length") or {}
+    header = ["length", "model", "95% interval"] + (["original", "95% interval", "difference",
+                                                      "prompts better / worse", "p (sign test)"] if a is not None else [])
+    rows = []
+    for k in keys:
+        row = [_lengths_label(k), fmt(m["by_length"].get(k), "score"), _interval((m.get("interval_by_length") or {}).get(k))]
+        if a is not None:
+            pk = paired.get(k)
+            row += [fmt(a["by_length"].get(k), "score"), _interval((a.get("interval_by_length") or {}).get(k)),
+                    fmt((d or {}).get("by_length", {}).get(k), "score", signed=True),
+                    f"{pk['better']} / {pk['worse']} of {pk['pairs']}" if pk else "–",
+                    f"{pk['p']:.3g}" if pk else "–"]
+        rows.append(row)
+    n = sorted(set((m.get("n_by_length") or {}).values()))
+    note = (f"{'/'.join(map(str, n))} prompts per length; the interval is Wilson's 95% for that many. "
+            if n else "")
+    if a is not None and paired:
+        note += ("Against the original on the same prompts: p is the chance of a better / worse split at least "
+                 "that lopsided if neither model were better (prompts both scored alike left out).")
+    return _table(header, rows) + ([""] + [note.strip()] if note else [])
+
+
 def render_markdown(summary: dict, images: dict[str, dict[str, str]]) -> str:
     m_all = summary["tasks"]
     ag = summary.get("against") or None
@@ -301,9 +332,7 @@ def render_markdown(summary: dict, images: dict[str, dict[str, str]]) -> str:
                 L.append(" ".join(f"![{ROLE_LABEL[r]}]({p})" for r, p in imgs.items()))
                 L.append("")
             L += ["Score (fraction of expected values found) by context length:", ""]
-            L += _table(_sbs_header("length", has_a), _sbs_rows(sorted(m["by_length"], key=int), m["by_length"],
-                                                                 a and a["by_length"], d and d.get("by_length"), "score",
-                                                                 _lengths_label)) + [""]
+            L += _score_by_length(m, a, d) + [""]
             L += ["Strict score by context length:", ""]
             L += _table(_sbs_header("length", has_a), _sbs_rows(sorted(m["strict_by_length"], key=int), m["strict_by_length"],
                                                                  a and a["strict_by_length"], d and d.get("strict_by_length"),

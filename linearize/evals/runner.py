@@ -29,6 +29,7 @@ from .common import (EvalConfig, EvalError, ModelHandle, Progress, parse_batch_s
 from .corpus import check_data
 from .earlier import is_report, load_earlier
 from .report import summary_table, task_difference, write_report
+from .stats import paired_by_length
 
 TASKS: dict[str, ModuleType] = {
     "niah": niah, "passkey": passkey, "copy": copyspan, "ppl": ppl, "recall": recall,
@@ -173,6 +174,10 @@ def _peek_max_positions(spec: str) -> int | None:
         return None
     n = cfg.get("max_position_embeddings") or (cfg.get("text_config") or {}).get("max_position_embeddings")
     return int(n) if isinstance(n, int) else None
+
+
+#: tasks whose rows score one prompt each (niah, passkey, copy): compared prompt by prompt with the original
+PAIRED_TASKS = ("niah", "passkey", "copy")
 
 
 def _row_key(r: dict) -> tuple | None:
@@ -390,6 +395,11 @@ def run_eval(spec: str, tasks: str | Sequence[str], report: ReportOptions, *, ag
             "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "versions": _versions(),
         }
+        for t, d in (summary["difference"] or {}).items():  # recall tasks: prompt by prompt against the original
+            if t in PAIRED_TASKS:
+                d["paired_by_length"] = paired_by_length([r for r in rows_by_role["model"] if r["task"] == t],
+                                                         [r for r in rows_by_role["against"] if r["task"] == t],
+                                                         _row_key)
         if earlier and summary["prompts_identical"] is False:
             raise EvalError(f"--against {earlier.path}: that report's prompts differ from this run's (another "
                             f"tokenizer or chat template): evaluate the original again")
