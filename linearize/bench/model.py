@@ -22,7 +22,8 @@ For every context length ``T`` and batch size ``B`` each model gets one row:
 Out of memory in a row is recorded as ``"oom"`` and the run goes on (larger rows that cannot fit
 either are skipped). An original whose one-forward prefill runs out of memory is prefilled again in the
 hybrids' default pieces (``PREFILL_CHUNK_TOKENS``, or ``--prefill-chunk``), so its decode is still measured
-where its cache fits (the Llama-3-8B shape at 32K x 8 on an 80 GB GPU); the row's note says so. ``--random-weights`` builds the models from a published config shipped in
+where its cache fits (the Llama-3-8B shape at 32K x 8 on an 80 GB GPU); the row's note says so.
+``--random-weights`` builds the models from a published config shipped in
 ``linearize/model_configs/`` (or any ``config.json``): instantiated on the meta device, materialized
 directly on the target device and initialized there in place, so no weights are downloaded and no
 CPU copy is made.

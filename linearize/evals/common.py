@@ -19,9 +19,9 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from linearize.io.sources import input_device
+from linearize.units import UnitError, parse_length
 
 from .stats import wilson_interval
-from linearize.units import UnitError, parse_length
 
 __all__ = [
     "EvalError",
