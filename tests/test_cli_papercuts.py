@@ -114,6 +114,18 @@ def test_card_and_info_show_the_passkey_check(tmp_path):
     assert res.exit_code == 0, res.output
     assert "recall check (copy, 2048 tokens, 12 samples): hybrid 76.0%, teacher 77.0%" in res.output
     assert "recall check (passkey, 2048 tokens, 10 prompts): hybrid 20%, teacher 90%" in res.output
+    assert "sign test" not in res.output + card  # a report from before the prompt-by-prompt split
+    # since: which side found which key, and the sign test of that split
+    recall["passkey"].update(better=0, worse=7, p=0.0156, teacher_found=[1] * 9 + [0], hybrid_found=[1, 1] + [0] * 8)
+    out = save_checkpoint(_hybrid(), char_tokenizer(), tmp_path / "h2", base="tiny", recipe=R.load("elu"),
+                          reports={"recall": recall})
+    assert ("teacher 90% → hybrid **20%** (the hybrid found 0 keys the teacher missed and missed 7 it found; sign "
+            "test p = 0.016).") in (out / "README.md").read_text()
+    res = CliRunner().invoke(app, ["info", str(out)])
+    assert res.exit_code == 0, res.output
+    flat = " ".join(res.output.split())
+    assert ("recall check (passkey, 2048 tokens, 10 prompts): hybrid 20%, teacher 90% (found 0 the teacher missed, "
+            "missed 7 it found: sign test p = 0.016)") in flat
 
 
 @pytest.mark.parametrize("mask,file_mode,dir_mode", [(0o022, 0o644, 0o755), (0o027, 0o640, 0o750)])

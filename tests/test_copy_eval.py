@@ -153,7 +153,7 @@ def test_the_recall_check_scores_the_passkey_beside_the_copy(monkeypatch):
 
     def fake_passkey(model, tok, *, length, **kw):
         calls.append((model, length))
-        return {"task": "passkey", "length": length, "prompts": 10, "score": 0.2}
+        return {"task": "passkey", "length": length, "prompts": 10, "score": 0.2, "found": [1, 1] + [0] * 8}
 
     monkeypatch.setattr(copyspan, "quick_check", fake_copy)
     monkeypatch.setattr(passkey, "quick_check", fake_passkey)
@@ -164,7 +164,7 @@ def test_the_recall_check_scores_the_passkey_beside_the_copy(monkeypatch):
     hybrid = SimpleNamespace(config=SimpleNamespace(linear_attention={"window": 0}))
     rep = RecallCheck.from_report(old, None, log=lines.append).finish(hybrid)
     assert calls == [(hybrid, 1024)]  # the teacher's score is the report's, the hybrid scored again
-    assert rep["passkey"] == {"length": 1024, "prompts": 10, "teacher": 0.9, "hybrid": 0.2}
+    assert rep["passkey"] == {"length": 1024, "prompts": 10, "teacher": 0.9, "hybrid": 0.2}  # no teacher prompts
     assert lines[-1].startswith("recall check (passkey, 1024 tokens, 10 prompts): teacher 90% -> hybrid 20%; the "
                                 "hybrid lost most of the teacher's retrieval")
     assert "attention.window=4096" not in lines[-1] and lines[-1].endswith(")")  # no window to widen
@@ -173,6 +173,17 @@ def test_the_recall_check_scores_the_passkey_beside_the_copy(monkeypatch):
     RecallCheck.from_report(old, None, log=lines.append).finish(windowed)
     assert "--set attention.window=4096 --set attention.train_window=64 --set finetune.train_window=0" in lines[-1]
     assert lines[-1].endswith("docs/guide.md)")
+    # the teacher's prompt by prompt (a fresh conversion, or a report since they are kept): which side found which
+    # key, and the sign test of that split, in the line and the report; a rerun from that report pairs them again
+    teacher = {"task": "passkey", "length": 1024, "prompts": 10, "score": 0.9, "found": [0] + [1] * 9}
+    check = RecallCheck(None, length=1024, data="wiki", teacher={"score": 0.8, "strict": 0.5},
+                        teacher_passkey=teacher, log=lines.append)
+    rep = check.finish(hybrid)
+    assert {k: rep["passkey"][k] for k in ("better", "worse", "p")} == {"better": 1, "worse": 8, "p": 0.0391}
+    assert rep["passkey"]["teacher_found"] == teacher["found"] and rep["passkey"]["hybrid_found"] == [1, 1] + [0] * 8
+    assert "teacher 90% -> hybrid 20% (found 1 the teacher missed, missed 8 it found: sign test p = 0.039);" in lines[-1]
+    again = RecallCheck.from_report(rep, None, log=lines.append).finish(hybrid)
+    assert again["passkey"]["p"] == 0.0391 and "sign test p = 0.039" in lines[-1]
     # a report from before the passkey part: the copy alone, no passkey measured
     calls.clear()
     del old["passkey"]

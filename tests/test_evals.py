@@ -334,7 +334,7 @@ def test_intervals_and_the_paired_sign_test():
 def test_passkey_quick_check_reads_the_key_off_the_argmax(tok):
     reader = _NextToken(len(tok)).train()
     r = passkey.quick_check(reader, tok, length=300)
-    assert r == {"task": "passkey", "length": 300, "prompts": 10, "score": 1.0, "chat": True}
+    assert r == {"task": "passkey", "length": 300, "prompts": 10, "score": 1.0, "found": [1] * 10, "chat": True}
     assert reader.training and all(300 < n <= 310 for n in reader.seen)  # prompt + key, mode restored
     assert passkey.quick_check(_NextToken(len(tok), shift=1), tok, length=300)["score"] == 0.0
     # its keys are not `linearize eval`'s: the same grid with eval's seeds draws others

@@ -203,7 +203,8 @@ def conversion_quality(stages: dict[str, Any]) -> dict[str, Any]:
     if "hybrid" in rc:
         out["copy"] = {k: rc[k] for k in ("hybrid", "teacher", "length", "samples")}
         if "hybrid" in (rc.get("passkey") or {}):
-            out["passkey"] = {k: rc["passkey"][k] for k in ("hybrid", "teacher", "length", "prompts")}
+            out["passkey"] = {k: rc["passkey"][k] for k in ("hybrid", "teacher", "length", "prompts", "better",
+                                                            "worse", "p") if k in rc["passkey"]}
     sel = stages.get("select") or {}
     if sel.get("boundary") or any(sel.get(k) for k in SEAT_FIELDS):  # --select auto: how clear the choice was
         out["select"] = {"softmax_layers": sel["softmax_layers"], "boundary": sel.get("boundary"),

@@ -75,7 +75,9 @@ def info(spec: str = typer.Argument(..., help="Model spec or hybrid checkpoint d
     if "passkey" in q:
         k = q["passkey"]
         console.print(f"recall check (passkey, {k['length']} tokens, {k['prompts']} prompts): "
-                      f"hybrid {100 * k['hybrid']:.0f}%, teacher {100 * k['teacher']:.0f}%", highlight=False)
+                      f"hybrid {100 * k['hybrid']:.0f}%, teacher {100 * k['teacher']:.0f}%"
+                      + (f" (found {k['better']} the teacher missed, missed {k['worse']} it found: sign test p = "
+                         f"{k['p']:.2g})" if "p" in k else ""), highlight=False)
     if "select" in q:
         sel, b = q["select"], q["select"]["boundary"]
         console.print(f"softmax layers chosen by --select auto: {sel['softmax_layers']}"

@@ -21,6 +21,7 @@ from ..evals import copyspan, passkey
 from ..evals.common import EvalError
 from ..evals.copyspan import POOL_TOKENS
 from ..evals.corpus import heldout_stream
+from ..evals.stats import sign_test
 from ..io.checkpoint import check_output_dir, save_checkpoint, verify_checkpoint
 from ..io.outputs import is_hybrid_dir
 from ..io.sources import check_device, load_model, local_dir, resolve
@@ -177,7 +178,8 @@ class RecallCheck:
         pk = report.get("passkey") or {}
         return cls(tokenizer, length=report["length"], data=report["data"], span=report["span"], log=log,
                    teacher={"score": report["teacher"], "strict": report["teacher_strict"]},
-                   teacher_passkey={"score": pk["teacher"]} if "teacher" in pk else None)
+                   teacher_passkey=({"score": pk["teacher"], "found": pk.get("teacher_found")} if "teacher" in pk
+                                    else None))
 
     def finish(self, hybrid) -> dict[str, Any]:
         """Score the trained hybrid and return the report (``teacher`` / ``hybrid`` copy scores; ``passkey``: the
@@ -200,10 +202,18 @@ class RecallCheck:
             pk = passkey.quick_check(hybrid, self.tokenizer, length=self.length)
             rep["passkey"] = {"length": self.length, "prompts": pk["prompts"], "teacher": tpk["score"],
                               "hybrid": pk["score"]}
+            paired = ""
+            if len(tpk.get("found") or ()) == len(pk["found"]):  # the same prompts: which side found which key
+                better = sum(h > t for h, t in zip(pk["found"], tpk["found"]))
+                worse = sum(h < t for h, t in zip(pk["found"], tpk["found"]))
+                rep["passkey"].update(better=better, worse=worse, p=round(sign_test(better, worse), 4),
+                                      teacher_found=list(tpk["found"]), hybrid_found=pk["found"])
+                paired = (f" (found {better} the teacher missed, missed {worse} it found: sign test p = "
+                          f"{rep['passkey']['p']:.2g})")
             lost = pk["score"] < 0.5 * tpk["score"]
             windowed = int((getattr(hybrid.config, "linear_attention", None) or {}).get("window") or 0) > 0
             self.log(f"recall check (passkey, {self.length} tokens, {pk['prompts']} prompts): teacher "
-                     f"{100 * rep['passkey']['teacher']:.0f}% -> hybrid {100 * pk['score']:.0f}%"
+                     f"{100 * rep['passkey']['teacher']:.0f}% -> hybrid {100 * pk['score']:.0f}%{paired}"
                      + ("; the hybrid lost most of the teacher's retrieval (check it with `linearize eval --task "
                         "passkey,niah --against`" if lost else "")
                      + ("; a served window as long as your prompts with stage 2 fitted to it, --set "

@@ -101,7 +101,8 @@ def quick_check(model, tokenizer, *, length: int, seeds: int = 2,
     conversion's built-in recall check (the same prompts for the teacher and the hybrid; the tokenizer's chat
     template when it has one, as ``eval``). A prompt scores when every token of its key is the model's argmax
     after the prompt and the key's earlier tokens -- what greedy decoding answers first -- from one forward, no
-    generation. Returns ``score`` and what was run; ``skipped`` (a reason) when ``length`` cannot hold a prompt."""
+    generation. Returns ``score``, ``found`` (per prompt, 1 or 0, in a fixed order) and what was run; ``skipped`` (a
+    reason) when ``length`` cannot hold a prompt."""
     chat = bool(getattr(tokenizer, "chat_template", None))
     cfg = EvalConfig(lengths=[length], depths=list(depths), seeds=[QUICK_SEED_OFFSET + s for s in range(seeds)])
     try:
@@ -110,11 +111,11 @@ def quick_check(model, tokenizer, *, length: int, seeds: int = 2,
         return {"task": NAME, "length": length, "skipped": str(e)}
     enc = PieceEncoder(tokenizer)
     handle = ModelHandle("check", "model", model, tokenizer, chat)
-    hits = 0
+    found = []
     with eval_mode(model):
         for s in samples:
             answer = answer_ids(enc, s["row"]["expected"][0])
             pred = tail_logits(handle, s["ids"] + answer, len(answer) + 1)[:-1].argmax(-1).cpu()  # [len(answer)]
-            hits += bool((pred == torch.as_tensor(answer)).all())
-    return {"task": NAME, "length": length, "prompts": len(samples), "score": round(hits / len(samples), 4),
-            "chat": chat}
+            found.append(int((pred == torch.as_tensor(answer)).all()))
+    return {"task": NAME, "length": length, "prompts": len(samples), "score": round(sum(found) / len(samples), 4),
+            "found": found, "chat": chat}

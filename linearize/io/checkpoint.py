@@ -260,7 +260,9 @@ def model_card(model, *, base: str, recipe_name: str, reports: dict[str, Any], b
         if "hybrid" in pk:
             lines += [f"Passkey check (`linearize eval --task passkey`, {pk['prompts']} prompts of {pk['length']} "
                       f"tokens, the key read off the argmax): teacher {100 * pk['teacher']:.0f}% → hybrid "
-                      f"**{100 * pk['hybrid']:.0f}%**.", ""]
+                      f"**{100 * pk['hybrid']:.0f}%**"
+                      + (f" (the hybrid found {pk['better']} keys the teacher missed and missed {pk['worse']} it "
+                         f"found; sign test p = {pk['p']:.2g})" if "p" in pk else "") + ".", ""]
     lines += stage_summary(reports)
     for stage, rep in reports.items():
         lines.append(f"- **{stage}**: " + ", ".join(f"{k}={v}" for k, v in rep.items() if not isinstance(v, (dict, list))))
