@@ -11,6 +11,7 @@ from rich.table import Table
 from ..bench.info import model_info, retrieval_layers
 from ..convert.selection import SEAT_KINDS, describe_swap
 from ..errors import LinearizeError
+from ..evals.stats import paired_note
 from ..settings import DEFAULT_RECIPE
 from ..units import format_bytes, format_length
 from .app import app, console, user_errors
@@ -76,8 +77,7 @@ def info(spec: str = typer.Argument(..., help="Model spec or hybrid checkpoint d
         k = q["passkey"]
         console.print(f"recall check (passkey, {k['length']} tokens, {k['prompts']} prompts): "
                       f"hybrid {100 * k['hybrid']:.0f}%, teacher {100 * k['teacher']:.0f}%"
-                      + (f" (found {k['better']} the teacher missed, missed {k['worse']} it found: sign test p = "
-                         f"{k['p']:.2g})" if "p" in k else ""), highlight=False)
+                      + (f" ({paired_note(k['better'], k['worse'], k['p'])})" if "p" in k else ""), highlight=False)
     if "select" in q:
         sel, b = q["select"], q["select"]["boundary"]
         console.print(f"softmax layers chosen by --select auto: {sel['softmax_layers']}"

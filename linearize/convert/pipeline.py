@@ -17,11 +17,10 @@ from .. import distributed as dist
 from .. import recipe as recipes
 from ..data.checks import check_text_files, check_training_source
 from ..errors import DataError, LinearizeError
-from ..evals import copyspan, passkey
+from ..evals import copyspan, passkey, stats
 from ..evals.common import EvalError
 from ..evals.copyspan import POOL_TOKENS
 from ..evals.corpus import heldout_stream
-from ..evals.stats import sign_test
 from ..io.checkpoint import check_output_dir, save_checkpoint, verify_checkpoint
 from ..io.outputs import is_hybrid_dir
 from ..io.sources import check_device, load_model, local_dir, resolve
@@ -204,12 +203,10 @@ class RecallCheck:
                               "hybrid": pk["score"]}
             paired = ""
             if len(tpk.get("found") or ()) == len(pk["found"]):  # the same prompts: which side found which key
-                better = sum(h > t for h, t in zip(pk["found"], tpk["found"]))
-                worse = sum(h < t for h, t in zip(pk["found"], tpk["found"]))
-                rep["passkey"].update(better=better, worse=worse, p=round(sign_test(better, worse), 4),
+                split = stats.paired(pk["found"], tpk["found"])
+                rep["passkey"].update(better=split["better"], worse=split["worse"], p=split["p"],
                                       teacher_found=list(tpk["found"]), hybrid_found=pk["found"])
-                paired = (f" (found {better} the teacher missed, missed {worse} it found: sign test p = "
-                          f"{rep['passkey']['p']:.2g})")
+                paired = f" ({stats.paired_note(split['better'], split['worse'], split['p'])})"
             lost = pk["score"] < 0.5 * tpk["score"]
             windowed = int((getattr(hybrid.config, "linear_attention", None) or {}).get("window") or 0) > 0
             self.log(f"recall check (passkey, {self.length} tokens, {pk['prompts']} prompts): teacher "

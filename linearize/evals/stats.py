@@ -15,7 +15,7 @@ prompt moves it by 5 points. Two numbers say how much of a difference that is:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 
 #: the normal quantile of a two-sided 95% interval
 Z95 = 1.959964
@@ -44,21 +44,30 @@ def sign_test(better: int, worse: int) -> float:
     return min(1.0, 2 * tail)
 
 
+def paired(mine: Sequence[float], theirs: Sequence[float]) -> dict:
+    """``{"pairs", "better", "worse", "p"}`` of two score sequences over the same prompts, in the same order: how
+    many pairs, on how many ``mine`` was higher / lower, and :func:`sign_test` of those two counts."""
+    better = sum(a > b for a, b in zip(mine, theirs))
+    worse = sum(a < b for a, b in zip(mine, theirs))
+    return {"pairs": min(len(mine), len(theirs)), "better": better, "worse": worse,
+            "p": round(sign_test(better, worse), 4)}
+
+
+def paired_note(better: int, worse: int, p: float) -> str:
+    """The conversion's recall check in words: ``found B the teacher missed, missed W it found: sign test p = P``."""
+    return f"found {better} the teacher missed, missed {worse} it found: sign test p = {p:.2g}"
+
+
 def paired_by_length(model_rows: Iterable[dict], against_rows: Iterable[dict],
                      key: Callable[[dict], Hashable | None]) -> dict[str, dict]:
-    """``{length: {"pairs", "better", "worse", "p"}}`` over the prompts both sides scored (matched by ``key``, a
-    row's prompt identity: task, variant, seed, length, depth): how many pairs, on how many the model's score was
-    higher / lower than the original's, and :func:`sign_test` of those two counts."""
+    """``{length: paired(...)}`` over the prompts both sides scored (matched by ``key``, a row's prompt identity:
+    task, variant, seed, length, depth)."""
     theirs = {k: r["score"] for r in against_rows if (k := key(r)) is not None}
-    out: dict[str, dict] = {}
+    scores: dict[str, tuple[list, list]] = {}
     for r in model_rows:
         k = key(r)
-        if k is None or k not in theirs:
-            continue
-        cell = out.setdefault(str(r["length"]), {"pairs": 0, "better": 0, "worse": 0})
-        cell["pairs"] += 1
-        cell["better"] += r["score"] > theirs[k]
-        cell["worse"] += r["score"] < theirs[k]
-    for cell in out.values():
-        cell["p"] = round(sign_test(cell["better"], cell["worse"]), 4)
-    return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
+        if k is not None and k in theirs:
+            mine_l, theirs_l = scores.setdefault(str(r["length"]), ([], []))
+            mine_l.append(r["score"])
+            theirs_l.append(theirs[k])
+    return {L: paired(*scores[L]) for L in sorted(scores, key=int)}
