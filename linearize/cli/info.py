@@ -11,7 +11,6 @@ from rich.table import Table
 from ..bench.info import model_info, retrieval_layers
 from ..convert.selection import SEAT_KINDS, describe_swap
 from ..errors import LinearizeError
-from ..evals.stats import paired_note
 from ..settings import DEFAULT_RECIPE
 from ..units import format_bytes, format_length
 from .app import app, console, user_errors
@@ -74,6 +73,8 @@ def info(spec: str = typer.Argument(..., help="Model spec or hybrid checkpoint d
         console.print(f"recall check (copy, {c['length']} tokens, {c['samples']} samples): hybrid {100 * c['hybrid']:.1f}%, "
                       f"teacher {100 * c['teacher']:.1f}%", highlight=False)
     if "passkey" in q:
+        from ..evals.stats import paired_note  # here: the evals package imports torch, which `info` defers
+
         k = q["passkey"]
         console.print(f"recall check (passkey, {k['length']} tokens, {k['prompts']} prompts): "
                       f"hybrid {100 * k['hybrid']:.0f}%, teacher {100 * k['teacher']:.0f}%"
