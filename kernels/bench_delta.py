@@ -11,8 +11,8 @@ ours are). Needs a GPU:
 ``triton_delta.CONFIG`` entries (ints; booleans as 0 / 1); ``VARIANTS="fwd_states_fp32=1;walk_bv=128"`` adds a row of
 ours per ``;``-separated set of overrides (on top of the shipped, saved or ``CONFIG`` configuration), in the same
 process. ``PHASES=1`` adds the forward's time per launch (UT transform, state walk, output; the last two together
-under ``fwd_fused_out``) at 2K x 16 and 32K x 1, as the forward launches them, shipped and under each variant, and
-fla's forward per kernel at the same shapes (``torch.profiler``). ``HK=8`` runs GQA (fla's rows then repeat the KV
+under ``fwd_fused_out``) at 2K x 16 and 32K x 1, as the forward launches them, shipped and under each variant, and,
+per kernel (``torch.profiler``), fla's forward and ours and fla's forward + backward at the same shapes. ``HK=8`` runs GQA (fla's rows then repeat the KV
 heads, as its kernel has no GQA). Ends with fla's time / ours per length and variant.
 """
 import dataclasses
@@ -97,37 +97,66 @@ def forward_phases(labels: list[str]) -> None:
                   f"whole {whole:.3f} ms", flush=True)
 
 
-def fla_phases() -> None:
-    """fla's forward per kernel at the same shapes (``torch.profiler``'s CUDA times, mean over 10 calls after a
-    warm-up, in launch order): which of its launches ours lose to. One line per shape; nothing without fla."""
+def kernel_times(call, calls: int = 10) -> tuple[dict, float]:
+    """``call``'s CUDA kernels under ``torch.profiler``: name -> ms a call (first-launch order; a warm-up first),
+    and their sum."""
+    from torch.profiler import ProfilerActivity, profile
+
+    call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+    order = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            order[ev.name] = order.get(ev.name, 0.0) + ev.time_range.elapsed_us() / calls / 1000
+    return order, sum(order.values())
+
+
+def kernel_phases() -> None:
+    """Per kernel (``torch.profiler``'s CUDA times, mean over 10 calls) at the phase shapes: fla's forward, and
+    ours and fla's forward + backward (one backward from a fixed output gradient): which launches ours lose to.
+    fla's lines need fla (and, for its backward on Hopper, Triton >= 3.7.1)."""
+    from linearize.kernels.delta import gated_delta_rule
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except ImportError:
+        chunk_gated_delta_rule = None
         print("fla is not installed: no fla phase lines")
-        return
-    from torch.profiler import ProfilerActivity, profile
+
+    def show(what, call):
+        try:
+            order, total = kernel_times(call)
+        except Exception as e:  # fla refuses its backward on some Triton versions: say so, go on
+            print(f"{what}: {type(e).__name__}: {str(e).splitlines()[0][:160]}", flush=True)
+            return
+        cells = ", ".join(f"{name.split('(')[0][:40]} {ms:.3f}" for name, ms in order.items())
+        print(f"{what}: {cells}; all kernels {total:.3f} ms", flush=True)
 
     for B, T in PHASE_SHAPES:
-        q, k, v, beta, lg = phase_inputs(B, T)
+        q, k, v, beta, lg = (x.requires_grad_() for x in phase_inputs(B, T))
+        do = torch.randn_like(v)
+        scale = 128 ** -0.5
 
-        def call():
-            return chunk_gated_delta_rule(q, k, v, g=lg, beta=beta, scale=128 ** -0.5)
+        def ours(grad):
+            o = gated_delta_rule(q, k, v, beta, lg, scale=scale, backend="triton")[0]
+            if grad:
+                o.backward(do)
 
-        call()
-        torch.cuda.synchronize()
-        calls = 10
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(calls):
-                call()
-            torch.cuda.synchronize()
-        order, total = {}, 0.0  # kernel name -> microseconds a call, first-launch order
-        for ev in prof.events():
-            if ev.device_type == torch.autograd.DeviceType.CUDA:
-                us = ev.time_range.elapsed_us() / calls
-                order[ev.name] = order.get(ev.name, 0.0) + us
-                total += us
-        cells = ", ".join(f"{name.split('(')[0][:40]} {us / 1000:.3f}" for name, us in order.items())
-        print(f"fla forward at T={bk.format_length(T)} x {B}: {cells}; all kernels {total / 1000:.3f} ms", flush=True)
+        def fla(grad):
+            o = chunk_gated_delta_rule(q, k, v, g=lg, beta=beta, scale=scale)[0]
+            if grad:
+                o.backward(do)
+
+        at = f"T={bk.format_length(T)} x {B}"
+        if chunk_gated_delta_rule is not None:
+            with torch.no_grad():
+                show(f"fla forward at {at}", lambda: fla(False))
+        show(f"ours forward+backward at {at}", lambda: ours(True))
+        if chunk_gated_delta_rule is not None:
+            show(f"fla forward+backward at {at}", lambda: fla(True))
 
 
 def main() -> None:
@@ -154,7 +183,7 @@ def main() -> None:
             print(f"  T={bk.format_length(T):<5} {impl:<32} " + ", ".join(cells))
     if os.environ.get("PHASES") == "1":
         forward_phases(labels)
-        fla_phases()
+        kernel_phases()
 
 
 if __name__ == "__main__":

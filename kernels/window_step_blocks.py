@@ -16,6 +16,8 @@ an elu layer's). Each part starts with the defaults' row. Needs a GPU:
     python kernels/window_step_blocks.py
 
 (``DEV=cpu TRITON_INTERPRET=1 B=1 H=2 HK=1 D=16 F=8 V=32 W=8``: a dry run of the script under the interpreter.)
+``ROWS="default;ring split"`` keeps the window step's rows whose names start with one of the ``;``-separated
+prefixes and skips the plain linear step (a wide ring compiles slowly: ``B=1 W=4096 ROWS="default;ring split"``).
 """
 import os
 import time
@@ -83,6 +85,8 @@ rows = [("default", {}), ("one program per (batch, KV head)", {"step_bv": 128, *
     for rb in (32, 64, 128) for w in (0, 8) if rb < W] + [
     (f"ring split in parts of {rs} rows", {"step_ring_split": rs, "step_ring_split_from": 2})
     for rs in (64, 128, 256, 512, 1024) if rs < W]
+if os.environ.get("ROWS"):
+    rows = [r for r in rows if r[0].startswith(tuple(os.environ["ROWS"].split(";")))]
 base = dict(triton_step.CONFIG)
 
 
@@ -97,6 +101,8 @@ def main(extra=()):
         print(f"  {name:40s} {us:7.2f} us  ({gh} heads, BV {bv}; {state_mb / us * 1e3:6.0f} GB/s)  "
               f"err {check(ours):.1e}", flush=True)
     triton_step.CONFIG.update(base)
+    if os.environ.get("ROWS"):
+        return
     linear_mb = B * HK * (2 * F * V * 4 * 2 + 2 * F * 4 * 2) / 1e6
     print(f"linear step, same shape: ~{linear_mb:.1f} MB of state")
     for fuse in (True, False):
