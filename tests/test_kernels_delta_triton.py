@@ -140,7 +140,8 @@ def test_fp32_intermediates(T, monkeypatch):
 #: and the tile-wide products for 16-bit keys need the doubling inverse (their default) off
 ARITHMETIC = {"row_steps": {"prep_diag_doubling": 0}, "tile_wide": {"prep_diag_doubling": 0, "prep_diag_rows": 0},
               "walk_fp32": {"walk_16bit": 0}, "prep_fp32": {"prep_16bit": 0}, "prep_blocks": {"prep_blocks": 1},
-              "out_fp32": {"out_16bit": 0}, "fused_out": {"fwd_fused_out": 1}}
+              "out_fp32": {"out_16bit": 0}, "fused_out": {"fwd_fused_out": 1},
+              "bwd_states_16bit": {"bwd_states_16bit": 1}}
 
 
 @gpu
@@ -426,6 +427,29 @@ def test_interp_fused_walk_and_output(dtype, small_chunks, monkeypatch):
     (o1, f1), (o2, f2) = outs
     assert o2.dtype == o1.dtype == dtype and torch.equal(f2, f1)
     assert rel_err(o2.double(), o1.double()) < (1e-6 if dtype == torch.float32 else 1e-2)
+    check("triton", 2, 37, 4, 2, 16, 40, dtype)
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_interp_backward_16bit_states(dtype, small_chunks, monkeypatch):
+    """``bwd_states_16bit``: the backward's stored chunk states and state gradients in bf16 for bf16 inputs (fp32
+    inputs keep fp32 ones: the same gradients bit for bit); gradients of every input, the initial state's included,
+    still match the reference (GQA, K != V, a partial last chunk, a final-state gradient)."""
+    inp = delta_inputs(2, 37, 4, 2, 16, 40, dtype=dtype, device=DEV, seed=5)
+    grads = []
+    for on in (0, 1):
+        monkeypatch.setitem(triton_delta.CONFIG, "bwd_states_16bit", on)
+        x = {n: t.detach().clone().requires_grad_() for n, t in inp.items()}
+        o, S = triton_delta.gated_delta_rule_triton(*(x[n] for n in NAMES), initial_state=x["initial_state"],
+                                                    output_final_state=True)
+        torch.autograd.backward((o, S), (torch.ones_like(o), torch.ones_like(S)))
+        grads.append([x[n].grad for n in (*NAMES, "initial_state")])
+    for a, b in zip(*grads):
+        if dtype == torch.float32:
+            assert torch.equal(a, b)
+        else:
+            assert rel_err(b.double(), a.double()) < 2e-2
     check("triton", 2, 37, 4, 2, 16, 40, dtype)
 
 

@@ -90,6 +90,11 @@ CONFIG = {  # launch configuration: untuned; registers and spills from an offlin
     # only this chunk's outputs see the rounding; the backward recomputes them in fp32 either way. H100, bf16, 2K x
     # 16: forward 4.34 -> 3.84 ms, 2.1e-3 -> 3.0e-3 relative error (fla's: 3.8e-3; kernels/README.md)
     "fwd_inter_16bit": True,
+    # the backward's chunk states and state gradients ([B, HK, N, K, V], its largest intermediates: 1 GB each in
+    # fp32 at 2K x 16, H = 32, K = V = 128, written once and read twice) stored in the inputs' 16-bit dtype (16-bit
+    # inputs; as fla keeps them); both walks still carry them in fp32 registers, so only the chunk-parallel
+    # kernels' products see the rounding. Not yet timed: off
+    "bwd_states_16bit": 0,
     # the forward's walk and output as one launch (_walk_out_kernel): each chunk's outputs made from the state and U
     # while they are in registers, so the chunk states (the forward's largest intermediate) and U never go to memory:
     # ~130 instead of ~220 KB of traffic per chunk and KV head at K = V = 128; the output's products join the
@@ -645,7 +650,7 @@ def _bwd_walk_kernel(
     ar = tl.arange(0, BT)
     for it in range(N):
         i = N - 1 - it
-        tl.store(DH + (pbh.to(tl.int64) * N + i) * K * V + kv, dS, mask=m2)
+        tl.store(DH + (pbh.to(tl.int64) * N + i) * K * V + kv, dS.to(DH.dtype.element_ty), mask=m2)
         ot = i * BT + ar
         mt = ot < T
         krow = (b.to(tl.int64) * T + ot) * HK + hk
@@ -705,6 +710,7 @@ def _dqk_kernel(
             do = tl.load(DO + qrow[:, None] * V + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
             do = do.to(tl.float32)
             S0 = tl.load(HS + st + ok[:, None] * V + ov[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
+            S0 = S0.to(tl.float32)
             new = tl.load(U + krow[:, None] * V + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
             X += dot32(do, tl.trans(S0), PREC)
             DP += dot32(do, tl.trans(new), PREC)
@@ -767,8 +773,8 @@ def _wy_kernel(
         mv = ov < V
         m_tv = mt[:, None] & mv[None, :]
         m_kv = mk[:, None] & mv[None, :]
-        S0 = tl.load(HS + st + ok[:, None] * V + ov[None, :], mask=m_kv, other=0.0)
-        dS1 = tl.load(DH + st + ok[:, None] * V + ov[None, :], mask=m_kv, other=0.0)
+        S0 = tl.load(HS + st + ok[:, None] * V + ov[None, :], mask=m_kv, other=0.0).to(tl.float32)
+        dS1 = tl.load(DH + st + ok[:, None] * V + ov[None, :], mask=m_kv, other=0.0).to(tl.float32)
         new = tl.load(U + row[:, None] * V + ov[None, :], mask=m_tv, other=0.0)
         du = tl.load(DU + row[:, None] * V + ov[None, :], mask=m_tv, other=0.0)
         v = tl.load(Vp + row[:, None] * V + ov[None, :], mask=m_tv, other=0.0).to(tl.float32)
@@ -946,14 +952,16 @@ def _bwd(q, k, v, beta, lg, S0, scale, do, dS_f, need_dS0):
     f32 = torch.float32
     pr = prec(q.dtype)
     BK = pow2(K)
+    # the chunk states and their gradients as stored between launches (each walk keeps its own in fp32)
+    sdt = k.dtype if _sixteen("bwd_states_16bit", k) else f32
     w, u, Tm = _prep(k, v, beta, lg, store_t=True)
-    hs, _ = _walk(k, w, u, lg, S0, state_dtype=f32, want_final=False)  # u is now U
+    hs, _ = _walk(k, w, u, lg, S0, state_dtype=sdt, want_final=False)  # u is now U
     do = do.contiguous()
     du = new_empty((B, T, HK, V), dtype=f32, device=dev)
     BVo = _blocks("out_bv", V)
     launch(_dvl_kernel, (triton.cdiv(V, BVo), N, B * HK), q, k, do, lg, du, T, H, HK, float(scale),
            K=K, V=V, BK=BK, BV=BVo, BT=BT, G=G, PREC=pr, num_warps=CONFIG["out_warps"])
-    dh = new_empty((B, HK, N, K, V), dtype=f32, device=dev)
+    dh = new_empty((B, HK, N, K, V), dtype=sdt, device=dev)
     dS0 = new_empty((B, HK, K, V), dtype=f32, device=dev) if need_dS0 else None
     BVw, warps = _walk_launch(B * HK, K, V, dev)
     launch(_bwd_walk_kernel, (triton.cdiv(V, BVw), B * HK), q, k, w, do, lg, du,
