@@ -141,7 +141,7 @@ def test_fp32_intermediates(T, monkeypatch):
 ARITHMETIC = {"row_steps": {"prep_diag_doubling": 0}, "tile_wide": {"prep_diag_doubling": 0, "prep_diag_rows": 0},
               "walk_fp32": {"walk_16bit": 0}, "prep_fp32": {"prep_16bit": 0}, "prep_blocks": {"prep_blocks": 1},
               "out_fp32": {"out_16bit": 0}, "fused_out": {"fwd_fused_out": 1},
-              "bwd_states_16bit": {"bwd_states_16bit": 1}}
+              "bwd_states_16bit": {"bwd_states_16bit": 1}, "bwd_inter_16bit": {"bwd_inter_16bit": 1}}
 
 
 @gpu
@@ -431,15 +431,17 @@ def test_interp_fused_walk_and_output(dtype, small_chunks, monkeypatch):
 
 
 @interp
+@pytest.mark.parametrize("setting", ["bwd_states_16bit", "bwd_inter_16bit"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_interp_backward_16bit_states(dtype, small_chunks, monkeypatch):
-    """``bwd_states_16bit``: the backward's stored chunk states and state gradients in bf16 for bf16 inputs (fp32
-    inputs keep fp32 ones: the same gradients bit for bit); gradients of every input, the initial state's included,
-    still match the reference (GQA, K != V, a partial last chunk, a final-state gradient)."""
+def test_interp_backward_16bit_intermediates(setting, dtype, small_chunks, monkeypatch):
+    """``bwd_states_16bit`` (the backward's stored chunk states and state gradients) and ``bwd_inter_16bit`` (its
+    ``w``, ``U`` and ``dU``) in bf16 for bf16 inputs (fp32 inputs keep fp32 ones: the same gradients bit for bit);
+    gradients of every input, the initial state's included, still match the reference (GQA, K != V, a partial
+    last chunk, a final-state gradient)."""
     inp = delta_inputs(2, 37, 4, 2, 16, 40, dtype=dtype, device=DEV, seed=5)
     grads = []
     for on in (0, 1):
-        monkeypatch.setitem(triton_delta.CONFIG, "bwd_states_16bit", on)
+        monkeypatch.setitem(triton_delta.CONFIG, setting, on)
         x = {n: t.detach().clone().requires_grad_() for n, t in inp.items()}
         o, S = triton_delta.gated_delta_rule_triton(*(x[n] for n in NAMES), initial_state=x["initial_state"],
                                                     output_final_state=True)

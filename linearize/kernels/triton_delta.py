@@ -95,6 +95,9 @@ CONFIG = {  # launch configuration: untuned; registers and spills from an offlin
     # inputs; as fla keeps them); both walks still carry them in fp32 registers, so only the chunk-parallel
     # kernels' products see the rounding. Not yet timed: off
     "bwd_states_16bit": 0,
+    # the backward's w, U and dU ([B, T, HK, K or V], fp32: written once, read two or three times) stored in the
+    # inputs' 16-bit dtype (16-bit inputs; as fla keeps them); the walks move by the unrounded U and dU. Not yet timed
+    "bwd_inter_16bit": 0,
     # the forward's walk and output as one launch (_walk_out_kernel): each chunk's outputs made from the state and U
     # while they are in registers, so the chunk states (the forward's largest intermediate) and U never go to memory:
     # ~130 instead of ~220 KB of traffic per chunk and KV head at K = V = 128; the output's products join the
@@ -627,7 +630,7 @@ def _dvl_kernel(
         do = tl.load(DO + qrow[:, None] * V + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
         P = mm(q, tl.trans(k), PREC) * M * scale  # [t, j]
         acc += dot32(tl.trans(P), do.to(tl.float32), PREC)
-    tl.store(DVL + krow[:, None] * V + ov[None, :], acc, mask=mt[:, None] & mv[None, :])
+    tl.store(DVL + krow[:, None] * V + ov[None, :], acc.to(DVL.dtype.element_ty), mask=mt[:, None] & mv[None, :])
 
 
 @triton.jit
@@ -657,9 +660,11 @@ def _bwd_walk_kernel(
         gam, wk, keep = _walk_decays(LG, krow, mt)
         k = tl.load(Kp + krow[:, None] * K + ok[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
         dup = DU + krow[:, None] * V + ov[None, :]
-        du = tl.load(dup, mask=mt[:, None] & mv[None, :], other=0.0) + dot32(k.to(tl.float32) * wk[:, None], dS, PREC)
-        tl.store(dup, du, mask=mt[:, None] & mv[None, :])
+        du = tl.load(dup, mask=mt[:, None] & mv[None, :], other=0.0).to(tl.float32)
+        du += dot32(k.to(tl.float32) * wk[:, None], dS, PREC)
+        tl.store(dup, du.to(DU.dtype.element_ty), mask=mt[:, None] & mv[None, :])  # the gradient moves by fp32 du
         wt = tl.load(W + krow[None, :] * K + ok[:, None], mask=mk[:, None] & mt[None, :], other=0.0)  # [BK, BT]
+        wt = wt.to(tl.float32)
         dS = dS * keep - dot32(wt, du, PREC)
         for g in tl.static_range(G):
             qrow = (b.to(tl.int64) * T + ot) * H + hk * G + g
@@ -712,6 +717,7 @@ def _dqk_kernel(
             S0 = tl.load(HS + st + ok[:, None] * V + ov[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
             S0 = S0.to(tl.float32)
             new = tl.load(U + krow[:, None] * V + ov[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
+            new = new.to(tl.float32)
             X += dot32(do, tl.trans(S0), PREC)
             DP += dot32(do, tl.trans(new), PREC)
         DP = DP * M * scale
@@ -775,8 +781,8 @@ def _wy_kernel(
         m_kv = mk[:, None] & mv[None, :]
         S0 = tl.load(HS + st + ok[:, None] * V + ov[None, :], mask=m_kv, other=0.0).to(tl.float32)
         dS1 = tl.load(DH + st + ok[:, None] * V + ov[None, :], mask=m_kv, other=0.0).to(tl.float32)
-        new = tl.load(U + row[:, None] * V + ov[None, :], mask=m_tv, other=0.0)
-        du = tl.load(DU + row[:, None] * V + ov[None, :], mask=m_tv, other=0.0)
+        new = tl.load(U + row[:, None] * V + ov[None, :], mask=m_tv, other=0.0).to(tl.float32)
+        du = tl.load(DU + row[:, None] * V + ov[None, :], mask=m_tv, other=0.0).to(tl.float32)
         v = tl.load(Vp + row[:, None] * V + ov[None, :], mask=m_tv, other=0.0).to(tl.float32)
         dVb = dot32(Tt, du, PREC)
         tl.store(DV + row[:, None] * V + ov[None, :], (dVb * beta[:, None]).to(DV.dtype.element_ty), mask=m_tv)
@@ -952,12 +958,14 @@ def _bwd(q, k, v, beta, lg, S0, scale, do, dS_f, need_dS0):
     f32 = torch.float32
     pr = prec(q.dtype)
     BK = pow2(K)
-    # the chunk states and their gradients as stored between launches (each walk keeps its own in fp32)
+    # the chunk states and their gradients, and w, U and dU, as stored between launches (each walk keeps its state
+    # or gradient, and the U or dU it moves by, in fp32)
     sdt = k.dtype if _sixteen("bwd_states_16bit", k) else f32
-    w, u, Tm = _prep(k, v, beta, lg, store_t=True)
+    idt = k.dtype if _sixteen("bwd_inter_16bit", k) else f32
+    w, u, Tm = _prep(k, v, beta, lg, store_t=True, dtype=idt)
     hs, _ = _walk(k, w, u, lg, S0, state_dtype=sdt, want_final=False)  # u is now U
     do = do.contiguous()
-    du = new_empty((B, T, HK, V), dtype=f32, device=dev)
+    du = new_empty((B, T, HK, V), dtype=idt, device=dev)
     BVo = _blocks("out_bv", V)
     launch(_dvl_kernel, (triton.cdiv(V, BVo), N, B * HK), q, k, do, lg, du, T, H, HK, float(scale),
            K=K, V=V, BK=BK, BV=BVo, BT=BT, G=G, PREC=pr, num_warps=CONFIG["out_warps"])
