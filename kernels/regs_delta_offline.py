@@ -42,6 +42,8 @@ def kernels(cfg: dict):
     wbv = cfg["walk_bv"]
     wwarps = cfg["walk_warps"] if K * wbv >= 128 * 64 else cfg["walk_warps_narrow"]
     wu = bf if cfg["fwd_inter_16bit"] else f32  # the forward's w, u, U
+    bs = bf if cfg["bwd_states_16bit"] else f32  # the backward's chunk states and state gradients
+    bi = bf if cfg["bwd_inter_16bit"] else f32  # the backward's w, U and dU
     diag = 2 if cfg["prep_diag_doubling"] else int(bool(cfg["prep_diag_rows"]))  # bf16 keys: _inverse_settings
     return [
         ("prep", TD._prep_kernel, dict(Kp=bf, Vp=bf, BETA=bf, LG=f32, W=wu, U=wu, TM=f32), {"T", "HK"}, set(),
@@ -62,15 +64,21 @@ def kernels(cfg: dict):
          {"T", "H", "HK"}, {"scale"}, dict(base, BV=cfg["fused_bv"], G=1, HAS_INIT=True, STORE_FINAL=True,
                                            LOW16=bool(cfg["walk_16bit"]), S32=cfg["fwd_states_fp32"],
                                            OUT16=bool(cfg["out_16bit"])), cfg["fused_warps"], cfg["walk_stages"]),
-        ("dvl", TD._dvl_kernel, dict(Q=bf, Kp=bf, DO=bf, LG=f32, DVL=f32), {"T", "H", "HK"}, {"scale"},
+        # the backward: its prep (transforms stored, fp32 products) and walk (fp32 products) recomputed, then its own
+        ("prep bwd", TD._prep_kernel, dict(Kp=bf, Vp=bf, BETA=bf, LG=f32, W=bi, U=bi, TM=f32), {"T", "HK"}, set(),
+         dict(base, BV=64, NV_BLK=V // 64, STORE_T=True, DIAG=diag, LOW16=False, BLOCKS=bool(cfg["prep_blocks"])),
+         cfg["prep_warps"], 1),
+        ("walk bwd", TD._walk_kernel, dict(Kp=bf, W=bi, U=bi, LG=f32, INIT=f32, HS=bs, FIN=f32), {"T", "HK"}, set(),
+         dict(base, BV=wbv, HAS_INIT=True, STORE_FINAL=False, LOW16=False), wwarps, cfg["walk_stages"]),
+        ("dvl", TD._dvl_kernel, dict(Q=bf, Kp=bf, DO=bf, LG=f32, DVL=bi), {"T", "H", "HK"}, {"scale"},
          dict(base, BV=cfg["out_bv"], G=1), cfg["out_warps"], 2),
-        ("bwd walk", TD._bwd_walk_kernel, dict(Q=bf, Kp=bf, W=f32, DO=bf, LG=f32, DU=f32, DSF=f32, DH=f32, DS0=f32),
+        ("bwd walk", TD._bwd_walk_kernel, dict(Q=bf, Kp=bf, W=bi, DO=bf, LG=f32, DU=bi, DSF=f32, DH=bs, DS0=f32),
          {"T", "H", "HK"}, {"scale"}, dict(base, BV=wbv, G=1, HAS_DSF=True, STORE_DS0=True), wwarps,
          cfg["walk_stages"]),
-        ("dqk", TD._dqk_kernel, dict(Q=bf, Kp=bf, DO=bf, HS=f32, U=f32, LG=f32, DQ=bf, DKA=f32, DGA=f32),
+        ("dqk", TD._dqk_kernel, dict(Q=bf, Kp=bf, DO=bf, HS=bs, U=bi, LG=f32, DQ=bf, DKA=f32, DGA=f32),
          {"T", "H", "HK"}, {"scale"}, dict(base, BV=cfg["bwd_bv"], G=1, NV_BLK=V // cfg["bwd_bv"]),
          cfg["bwd_warps"], 1),
-        ("wy", TD._wy_kernel, dict(Kp=bf, Vp=bf, BETA=bf, LG=f32, TM=f32, HS=f32, DH=f32, U=f32, DU=f32, DKA=f32,
+        ("wy", TD._wy_kernel, dict(Kp=bf, Vp=bf, BETA=bf, LG=f32, TM=f32, HS=bs, DH=bs, U=bi, DU=bi, DKA=f32,
                                    DGA=f32, DK=bf, DV=bf, DBETA=bf, DLG=f32),
          {"T", "HK"}, set(), dict(base, BV=cfg["bwd_bv"], NV_BLK=V // cfg["bwd_bv"]), cfg["bwd_warps"], 1),
         ("step", TS._delta_step_kernel, dict(Q=bf, Kp=bf, Vp=bf, BETA=bf, LD=f32, S=f32, O=bf), {"H", "HK"},
