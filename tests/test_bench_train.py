@@ -113,28 +113,43 @@ def test_vocabulary_too_small_for_the_tokenizer(tmp_path, embedded_dir):
 
 def test_data_parallel_under_torchrun(tiny, tmp_path, embedded_dir):
     """Two gloo processes share each global micro-batch: global tokens, one printed table, GPU-hours judged, and
-    the per-step losses of the one-process run (2 micro-batches of 2 rows per step in both)."""
-    def run(out, *launcher):
+    the per-step losses of the one-process run (2 micro-batches of 2 rows per step in both); with --fsdp the same
+    losses from a model sharded over the two, and tokens/s per GPU in the table."""
+    def run(out, *launcher, extra=()):
         args = ["-m", "linearize.cli", "bench", "train", str(tiny), "--random-weights", "--device", "cpu",
                 "--seq-len", "128", "--batch", "2", "--grad-accum", "2", "--steps", "2", "--warmup-steps", "1",
-                "--tokens", "40M", "-o", str(out)]
+                "--tokens", "40M", "-o", str(out), *extra]
         r = subprocess.run([sys.executable, *launcher, *args], capture_output=True, text=True, timeout=600,
                            env={**os.environ, "COLUMNS": "200"})
         assert r.returncode == 0, r.stderr[-3000:]
         return r, json.loads((out / bt.RESULT_FILE).read_text())
 
-    r2, two = run(tmp_path / "bt2", "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone")
+    torchrun = ("-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone")
+    r2, two = run(tmp_path / "bt2", *torchrun)
     assert r2.stdout.count("wrote ") == 1 and "x 2 micro-batches over 2 processes" in r2.stdout  # rank 0 prints
+    rf, sharded = run(tmp_path / "bt2f", *torchrun, extra=("--fsdp",))
+    assert "over 2 processes, sharded (FSDP)" in rf.stdout and "tokens/s per GPU" in rf.stdout
+    assert "root sharded over 2 processes on cpu" in rf.stderr  # the shard log line (rank 0)
     r1, one = run(tmp_path / "bt1")
     assert (one["world_size"], two["world_size"], two["grad_accum"]) == (1, 2, 2)
+    assert (one["fsdp"], two["fsdp"], sharded["fsdp"], sharded["layout"]) == (False, False, True, one["layout"])
     for stage in ("distill", "finetune"):
-        rows = one["stages"][stage], two["stages"][stage]
-        assert rows[0]["tokens"] == rows[1]["tokens"] == 2 * 2 * 2 * 128  # steps x global batch x micro-batches
-        assert len(rows[1]["losses"]) == 2
-        assert rows[1]["losses"] == pytest.approx(rows[0]["losses"], rel=1e-4, abs=1e-7), stage  # as test_distributed
+        rows = one["stages"][stage], two["stages"][stage], sharded["stages"][stage]
+        assert rows[0]["tokens"] == rows[1]["tokens"] == rows[2]["tokens"] == 2 * 2 * 2 * 128  # steps x batch x mb
+        for row in rows[1:]:
+            assert len(row["losses"]) == 2
+            assert row["losses"] == pytest.approx(rows[0]["losses"], rel=1e-4, abs=1e-7), stage  # as test_distributed
+            assert row["tokens_per_second_per_gpu"] == pytest.approx(row["tokens_per_second"] / 2)
     proj = two["projection"]
     assert proj["gpu_seconds"] == pytest.approx(2 * proj["total_seconds"], rel=1e-3)
     assert proj["target"]["met"] == (proj["gpu_seconds"] <= 3600)
+
+
+def test_fsdp_without_torchrun_is_one_line(tiny, tmp_path):
+    out = tmp_path / "btf"
+    r = run_cli("bench", "train", str(tiny), "--random-weights", "--device", "cpu", "--fsdp", "-o", str(out))
+    assert r.returncode != 0 and "--fsdp shards the model over torchrun processes" in r.stderr
+    assert "Traceback" not in r.stderr and not out.exists()
 
 
 def test_indivisible_batch_under_torchrun_is_one_line(tiny, tmp_path):

@@ -14,7 +14,10 @@ with ``tokens`` split evenly across the stages (or the recipe's budgets): the fi
 
 Under ``torchrun`` the stages train data parallel as ``convert`` does (:mod:`linearize.distributed`): ``batch``
 is the global micro-batch, split by rows over the processes, tokens/s are global, the peak memory is rank 0's
-and the target is judged on GPU-hours (wall time x processes). Rank 0 alone prints and writes.
+and the target is judged on GPU-hours (wall time x processes). Rank 0 alone prints and writes. With ``fsdp``
+(``--fsdp``) the model is sharded over the processes as ``convert --fsdp`` shards it (:mod:`linearize.train.fsdp`:
+rank 0 builds it on the CPU and does the surgery, every rank keeps its shards): the way to time a model that
+does not fit one device; each row then also holds tokens/s per GPU.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from ..io.sources import check_device, load_model, local_dir, resolve, resolve_d
 from ..progress import make_console
 from ..settings import DEFAULT_MODEL, DEFAULT_RATIO, DEFAULT_RECIPE
 from ..train.distill import distill
+from ..train import fsdp as sharding
 from ..train.finetune import finetune
 from ..units import format_tokens, parse_tokens
 from .model import _versions, _write, load_config, random_model
@@ -95,9 +99,10 @@ def bench_train(spec: str, *, random_weights: bool = False, ratio: str = DEFAULT
                 stages: str = "distill,finetune", seq_len: int = 2048, batch: int = 4, grad_accum: int = 1,
                 steps: int = 10, warmup: int = 2, tokens: str | int | None = None, tokenizer: str = DEFAULT_MODEL,
                 dtype: str | None = None, device: str | None = None, out_dir: Path | str = "bench-train",
-                overrides: dict | None = None, log: Callable[[str], None] = print) -> dict:
+                overrides: dict | None = None, fsdp: bool = False, log: Callable[[str], None] = print) -> dict:
     """Time ``steps`` training steps of each stage after ``warmup`` steps; write ``out_dir/bench_train.json``.
-    ``overrides`` (``--set``) change recipe fields; the timing options above take precedence over them."""
+    ``overrides`` (``--set``) change recipe fields; the timing options above take precedence over them; ``fsdp``
+    (under torchrun) shards the model over the processes instead of copying it to each."""
     names = parse_stages(stages)
     seq_len, batch, steps = _positive("--seq-len", seq_len), _positive("--batch", batch), _positive("--steps", steps)
     grad_accum = _positive("--grad-accum", grad_accum)
@@ -105,6 +110,8 @@ def bench_train(spec: str, *, random_weights: bool = False, ratio: str = DEFAULT
     total = parse_tokens(tokens) if tokens is not None else None
     rec = recipes.load(recipe, overrides or None)
     check_device(device)
+    if fsdp:
+        sharding.check_options(train=True)
     if batch % dist.world_size():  # torchrun: the global batch is split by rows
         raise LinearizeError(f"--batch {batch} cannot be split over {dist.world_size()} torchrun processes; use a "
                              f"multiple of {dist.world_size()}")
@@ -117,9 +124,22 @@ def bench_train(spec: str, *, random_weights: bool = False, ratio: str = DEFAULT
     out_dir = Path(out_dir)
     if main:
         check_output_dir(out_dir, overwrite=True)
-    model, tok, name = _build(spec, random_weights=random_weights, tokenizer=tokenizer, dtype=dt, device=dev)
-    layer_types = select_layout(model.config.num_hidden_layers, ratio=ratio)
-    hybrid = linearize_model(model, layer_types, rec)
+    if fsdp:  # rank 0 builds the model on the CPU and converts it; every rank keeps only its shards
+        load_at, load_dtype = sharding.load_device(device, dtype)
+
+        def build():
+            model, tok, name = _build(spec, random_weights=random_weights, tokenizer=tokenizer, dtype=load_dtype,
+                                      device=load_at)
+            return model, (tok, name)
+
+        hybrid, (tok, name) = sharding.build_and_shard(
+            build, device, log=log,
+            prepare=lambda m: linearize_model(m, select_layout(m.config.num_hidden_layers, ratio=ratio), rec))
+        layer_types = list(hybrid.config.hybrid_layer_types)
+    else:
+        model, tok, name = _build(spec, random_weights=random_weights, tokenizer=tokenizer, dtype=dt, device=dev)
+        layer_types = select_layout(model.config.num_hidden_layers, ratio=ratio)
+        hybrid = linearize_model(model, layer_types, rec)
     n = sum(p.numel() for p in hybrid.parameters())
     size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
     log(f"{name}: {describe_layout(layer_types)}, {size} parameters, {str(dt).replace('torch.', '')} on {dev}")
@@ -127,7 +147,8 @@ def bench_train(spec: str, *, random_weights: bool = False, ratio: str = DEFAULT
         "model": name, "recipe": rec.name, "overrides": dict(overrides or {}),
         "layout": describe_layout(layer_types), "device": str(dev),
         "dtype": str(dt).replace("torch.", ""), "seq_len": seq_len, "batch": batch, "grad_accum": grad_accum,
-        "steps": steps, "warmup_steps": warmup, "world_size": dist.world_size(), "versions": _versions(),
+        "steps": steps, "warmup_steps": warmup, "world_size": dist.world_size(), "fsdp": bool(fsdp),
+        "versions": _versions(),
         "date": time.strftime("%Y-%m-%d"), "stages": {},
     }
     step_tokens = seq_len * batch * grad_accum  # one optimizer step
@@ -148,7 +169,8 @@ def bench_train(spec: str, *, random_weights: bool = False, ratio: str = DEFAULT
             hybrid, rep = run(stage, steps)
             tps = float(rep["tokens_per_second"])  # from the unrounded training time of the timed run
             row.update({"tokens": int(rep["tokens"]), "train_seconds": rep["train_seconds"],
-                        "tokens_per_second": tps, "seconds_per_step": round(step_tokens / max(tps, 1e-9), 4),
+                        "tokens_per_second": tps, "tokens_per_second_per_gpu": tps / dist.world_size(),
+                        "seconds_per_step": round(step_tokens / max(tps, 1e-9), 4),
                         # the timed steps' global losses: a run on N GPUs should log the 1-GPU run's
                         "losses": [h["loss"] for h in rep.get("history", [])],
                         # > 1: each micro-batch ran as that many passes to fit memory (linearize.train.memory)
@@ -210,19 +232,22 @@ def print_result(result: dict, console=None) -> None:
     shape = f"batch {result['batch']} x {result['seq_len']}"
     if result.get("grad_accum", 1) > 1:
         shape += f" x {result['grad_accum']} micro-batches"
-    if result.get("world_size", 1) > 1:
-        shape += f" over {result['world_size']} processes"
+    per_gpu = result.get("world_size", 1) > 1
+    if per_gpu:
+        shape += f" over {result['world_size']} processes" + (", sharded (FSDP)" if result.get("fsdp") else "")
     table = Table(title=f"bench train: {result['model']} | {result['layout']} | {result['dtype']} on "
                         f"{result['versions'].get('gpu', result['device'])} | {shape}")
-    for col in ("stage", "tokens/s", "s/step", "peak GiB", "projected"):
+    cols = ("stage", "tokens/s", *(("tokens/s per GPU",) if per_gpu else ()), "s/step", "peak GiB", "projected")
+    for col in cols:
         table.add_column(col, justify="right" if col != "stage" else "left")
     proj = result.get("projection", {})
     for stage, row in result["stages"].items():
         if row["status"] != "ok":
-            table.add_row(stage, "oom", "", "", "")
+            table.add_row(stage, "oom", *[""] * (len(cols) - 2))
             continue
         p = proj.get("seconds", {}).get(stage)
-        table.add_row(stage, f"{row['tokens_per_second']:,.0f}", f"{row['seconds_per_step']:.3f}",
+        gpu = (f"{row['tokens_per_second'] / result['world_size']:,.0f}",) if per_gpu else ()
+        table.add_row(stage, f"{row['tokens_per_second']:,.0f}", *gpu, f"{row['seconds_per_step']:.3f}",
                       str(row.get("peak_gib", "n/a")),
                       f"{format_tokens(proj['budgets'][stage])} tokens: {p / 60:.1f} min" if p else "")
     console.print(table)

@@ -10,7 +10,7 @@ import typer
 
 from ..settings import DEFAULT_MODEL, DEFAULT_RATIO, DEFAULT_RECIPE
 from .app import bench_app, console, err_console, fail, user_errors
-from .options import BENCH_DEVICE, BENCH_DTYPE, SET, overrides
+from .options import BENCH_DEVICE, BENCH_DTYPE, FSDP, SET, overrides
 
 
 @bench_app.command("kernels")
@@ -111,8 +111,10 @@ def bench_train_cmd(
     device: Optional[str] = BENCH_DEVICE,
     out: Path = typer.Option(Path("bench-train"), "-o", "--output", help="Output directory for bench_train.json."),
     set_: Optional[List[str]] = SET,
+    fsdp: bool = FSDP,
 ):
-    """Training throughput per conversion stage and the projected conversion time (data parallel under torchrun)."""
+    """Training throughput per conversion stage and the projected conversion time (data parallel under torchrun;
+    sharded with --fsdp)."""
     # start-up time: torch, transformers and the training stages
     from ..bench.train import RESULT_FILE, bench_train, print_result
     from ..distributed import is_main
@@ -120,7 +122,8 @@ def bench_train_cmd(
     result = bench_train(spec, random_weights=random_weights, ratio=ratio, recipe=recipe, stages=stages,
                          seq_len=seq_len, batch=batch, grad_accum=grad_accum, steps=steps, warmup=warmup_steps,
                          tokens=tokens, tokenizer=tokenizer, dtype=dtype, device=device, out_dir=out,
-                         overrides=overrides(set_), log=lambda m: err_console.print(m, highlight=False, soft_wrap=True))
+                         overrides=overrides(set_), fsdp=fsdp,
+                         log=lambda m: err_console.print(m, highlight=False, soft_wrap=True))
     if is_main():  # torchrun: rank 0 alone prints
         print_result(result, console)
         console.print(f"wrote {out / RESULT_FILE}", highlight=False)

@@ -36,7 +36,7 @@ from .. import distributed as dist
 from ..errors import LinearizeError
 from ..io.sources import load_model, resolve_dtype
 
-__all__ = ["check_options", "load_device", "load_and_shard", "shard", "is_sharded",
+__all__ = ["check_options", "load_device", "load_and_shard", "build_and_shard", "shard", "is_sharded",
            "merge_lora", "full_state_dict"]
 
 
@@ -65,29 +65,38 @@ def load_and_shard(spec: str, device: str | None, dtype, prepare=None, log=None)
     :class:`LinearizeForCausalLM`), build the same model on the meta device on the other ranks, and shard
     it over all ranks with rank 0's weights. Returns ``(model, tokenizer)`` on every rank. A load error on
     rank 0 is raised on every rank (one line), so no rank waits forever."""
+    load_at, load_dtype = load_device(device, dtype)
+    return build_and_shard(lambda: load_model(spec, dtype=load_dtype, device=load_at), device, prepare=prepare,
+                           log=log)
+
+
+def build_and_shard(build, device: str | None, prepare=None, log=None):
+    """:func:`load_and_shard` for any source: ``build()`` runs on rank 0 only and returns ``(model, extra)`` (the
+    model on the CPU, in the dtype of :func:`load_device`; ``extra`` picklable, e.g. the tokenizer), ``prepare``
+    turns the model into a :class:`LinearizeForCausalLM` there. Returns ``(sharded model, extra)`` on every rank;
+    an error in ``build`` or ``prepare`` ends every rank with its line."""
     # start-up time: the model code imports transformers; a bad spec is one line before it loads
     from ..model.modeling import LinearizeForCausalLM
 
-    load_at, load_dtype = load_device(device, dtype)
     model = payload = None
     if dist.is_main():
         try:
-            model, tokenizer = load_model(spec, dtype=load_dtype, device=load_at)
+            model, extra = build()
             if prepare is not None:
                 model = prepare(model)
-            payload = ("ok", model.config, tokenizer)
+            payload = ("ok", model.config, extra)
         except Exception as e:  # the other ranks wait in the broadcast below: tell them, then fail here
             dist.broadcast_object(("error", str(e).splitlines()[0] if str(e) else type(e).__name__))
             raise
     payload = dist.broadcast_object(payload)
     if payload[0] == "error":
         raise LinearizeError(payload[1])
-    _, config, tokenizer = payload
+    _, config, extra = payload
     if model is None:
         with torch.device("meta"):
             model = LinearizeForCausalLM(config)
         model.eval()
-    return shard(model, device, log=log), tokenizer
+    return shard(model, device, log=log), extra
 
 
 def _stage1_params(model) -> list[torch.nn.Parameter]:
