@@ -12,8 +12,9 @@ ours are). Needs a GPU:
 ours per ``;``-separated set of overrides (on top of the shipped, saved or ``CONFIG`` configuration), in the same
 process. ``PHASES=1`` adds the forward's time per launch (UT transform, state walk, output; the last two together
 under ``fwd_fused_out``) at 2K x 16 and 32K x 1, as the forward launches them, shipped and under each variant, and,
-per kernel (``torch.profiler``), fla's forward and ours and fla's forward + backward at the same shapes. ``HK=8`` runs GQA (fla's rows then repeat the KV
-heads, as its kernel has no GQA). Ends with fla's time / ours per length and variant.
+per kernel (``torch.profiler``), fla's forward and ours and fla's forward + backward at the same shapes. ``HK=8``
+runs GQA (fla's rows then repeat the KV heads, as its kernel has no GQA). Ends with fla's time / ours per length
+and variant.
 """
 import dataclasses
 import os
