@@ -141,23 +141,15 @@ def kernel_phases() -> None:
         do = torch.randn_like(v)
         scale = 128 ** -0.5
 
-        def ours(grad):
-            o = gated_delta_rule(q, k, v, beta, lg, scale=scale, backend="triton")[0]
-            if grad:
-                o.backward(do)
-
-        def fla(grad):
-            o = chunk_gated_delta_rule(q, k, v, g=lg, beta=beta, scale=scale)[0]
-            if grad:
-                o.backward(do)
-
+        impls = {"ours": lambda: gated_delta_rule(q, k, v, beta, lg, scale=scale, backend="triton")[0]}
+        if chunk_gated_delta_rule is not None:
+            impls["fla"] = lambda: chunk_gated_delta_rule(q, k, v, g=lg, beta=beta, scale=scale)[0]
         at = f"T={bk.format_length(T)} x {B}"
-        if chunk_gated_delta_rule is not None:
+        if "fla" in impls:
             with torch.no_grad():
-                show(f"fla forward at {at}", lambda: fla(False))
-        show(f"ours forward+backward at {at}", lambda: ours(True))
-        if chunk_gated_delta_rule is not None:
-            show(f"fla forward+backward at {at}", lambda: fla(True))
+                show(f"fla forward at {at}", impls["fla"])
+        for name, fwd in impls.items():
+            show(f"{name} forward+backward at {at}", lambda fwd=fwd: fwd().backward(do))
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ tl = triton.language
 
 from linearize.kernels import triton_common, triton_delta, triton_delta_step  # noqa: E402
 from linearize.kernels.delta import gated_delta_rule, gated_delta_rule_step  # noqa: E402
-from linearize.kernels.delta_testing import NAMES, TOL, check, delta_inputs  # noqa: E402
+from linearize.kernels.delta_testing import NAMES, TOL, backend_fn, check, delta_inputs, run  # noqa: E402
 from linearize.kernels.testing import rel_err  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
@@ -430,16 +430,11 @@ def test_interp_fused_walk_and_output(dtype, small_chunks, monkeypatch):
     check("triton", 2, 37, 4, 2, 16, 40, dtype)
 
 
-def backward_grads(inp: dict, settings: dict, monkeypatch) -> list:
-    """Gradients of every input (the initial state's included) under ``settings``, from ones on the outputs and
-    the final state."""
+def backward_grads(inp: dict, settings: dict, monkeypatch) -> dict:
+    """The Triton path's gradients of every input (the initial state's included) under ``settings``."""
     for name, value in settings.items():
         monkeypatch.setitem(triton_delta.CONFIG, name, value)
-    x = {n: t.detach().clone().requires_grad_() for n, t in inp.items()}
-    o, S = triton_delta.gated_delta_rule_triton(*(x[n] for n in NAMES), initial_state=x["initial_state"],
-                                                output_final_state=True)
-    torch.autograd.backward((o, S), (torch.ones_like(o), torch.ones_like(S)))
-    return [x[n].grad for n in (*NAMES, "initial_state")]
+    return run(backend_fn("triton"), inp)[2]
 
 
 @interp
@@ -451,7 +446,7 @@ def test_interp_backward_16bit_intermediates(setting, small_chunks, monkeypatch)
     a final-state gradient)."""
     inp = delta_inputs(2, 37, 4, 2, 16, 40, dtype=torch.bfloat16, device=DEV, seed=5)
     off, on = (backward_grads(inp, {setting: v}, monkeypatch) for v in (0, 1))
-    assert all(rel_err(b.double(), a.double()) < 1e-2 for a, b in zip(off, on))
+    assert all(rel_err(on[n].double(), off[n].double()) < 1e-2 for n in off)
     check("triton", 2, 37, 4, 2, 16, 40, torch.bfloat16)
 
 
@@ -461,7 +456,7 @@ def test_interp_backward_16bit_settings_leave_fp32_alone(small_chunks, monkeypat
     inp = delta_inputs(1, 21, 2, 1, 16, 24, dtype=torch.float32, device=DEV, seed=6)
     off = backward_grads(inp, {}, monkeypatch)
     on = backward_grads(inp, {"bwd_states_16bit": 1, "bwd_inter_16bit": 1}, monkeypatch)
-    assert all(torch.equal(a, b) for a, b in zip(off, on))
+    assert all(torch.equal(off[n], on[n]) for n in off)
 
 
 @interp

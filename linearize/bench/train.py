@@ -124,22 +124,21 @@ def bench_train(spec: str, *, random_weights: bool = False, ratio: str = DEFAULT
     out_dir = Path(out_dir)
     if main:
         check_output_dir(out_dir, overwrite=True)
+
+    def build(device, dtype):  # -> (model, (tokenizer, name))
+        model, tok, name = _build(spec, random_weights=random_weights, tokenizer=tokenizer, dtype=dtype, device=device)
+        return model, (tok, name)
+
+    def convert(model):
+        return linearize_model(model, select_layout(model.config.num_hidden_layers, ratio=ratio), rec)
+
     if fsdp:  # rank 0 builds the model on the CPU and converts it; every rank keeps only its shards
-        load_at, load_dtype = sharding.load_device(device, dtype)
-
-        def build():
-            model, tok, name = _build(spec, random_weights=random_weights, tokenizer=tokenizer, dtype=load_dtype,
-                                      device=load_at)
-            return model, (tok, name)
-
-        hybrid, (tok, name) = sharding.build_and_shard(
-            build, device, log=log,
-            prepare=lambda m: linearize_model(m, select_layout(m.config.num_hidden_layers, ratio=ratio), rec))
-        layer_types = list(hybrid.config.hybrid_layer_types)
+        hybrid, (tok, name) = sharding.build_and_shard(lambda: build(*sharding.load_device(device, dtype)), device,
+                                                       prepare=convert, log=log)
     else:
-        model, tok, name = _build(spec, random_weights=random_weights, tokenizer=tokenizer, dtype=dt, device=dev)
-        layer_types = select_layout(model.config.num_hidden_layers, ratio=ratio)
-        hybrid = linearize_model(model, layer_types, rec)
+        model, (tok, name) = build(dev, dt)
+        hybrid = convert(model)
+    layer_types = list(hybrid.config.hybrid_layer_types)
     n = sum(p.numel() for p in hybrid.parameters())
     size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
     log(f"{name}: {describe_layout(layer_types)}, {size} parameters, {str(dt).replace('torch.', '')} on {dev}")
@@ -246,7 +245,7 @@ def print_result(result: dict, console=None) -> None:
             table.add_row(stage, "oom", *[""] * (len(cols) - 2))
             continue
         p = proj.get("seconds", {}).get(stage)
-        gpu = (f"{row['tokens_per_second'] / result['world_size']:,.0f}",) if per_gpu else ()
+        gpu = (f"{row['tokens_per_second_per_gpu']:,.0f}",) if per_gpu else ()
         table.add_row(stage, f"{row['tokens_per_second']:,.0f}", *gpu, f"{row['seconds_per_step']:.3f}",
                       str(row.get("peak_gib", "n/a")),
                       f"{format_tokens(proj['budgets'][stage])} tokens: {p / 60:.1f} min" if p else "")
