@@ -10,9 +10,9 @@ ours are). Needs a GPU:
 ``LENGTHS=2K,8K,32K`` (the default), ``DECODE_BATCH=8``. ``CONFIG="walk_warps=8 bwd_bv=32"`` overrides
 ``triton_delta.CONFIG`` entries (ints; booleans as 0 / 1); ``VARIANTS="fwd_states_fp32=1;walk_bv=128"`` adds a row of
 ours per ``;``-separated set of overrides (on top of the shipped, saved or ``CONFIG`` configuration), in the same
-process. ``PHASES=1`` adds the forward's time per launch (UT transform, state walk, output; the last two together
-under ``fwd_fused_out``) at 2K x 16 and 32K x 1, as the forward launches them, shipped and under each variant, and,
-per kernel (``torch.profiler``), fla's forward and ours and fla's forward + backward at the same shapes. ``HK=8``
+process. ``PHASES=1`` adds the forward's time per launch (UT transform, state walk, output) at 2K x 16 and
+32K x 1, as the forward launches them, shipped and under each variant, and, per kernel (``torch.profiler``),
+fla's forward and ours and fla's forward + backward at the same shapes. ``HK=8``
 runs GQA (fla's rows then repeat the KV heads, as its kernel has no GQA). Ends with fla's time / ours per length
 and variant.
 """
@@ -84,18 +84,15 @@ def forward_phases(labels: list[str]) -> None:
             def phases():
                 w, u = TD._fwd_prep(k, v, beta, lg)
                 prep = do_bench(lambda: TD._fwd_prep(k, v, beta, lg))
-                fused = TD.CONFIG["fwd_fused_out"]  # one launch for the walk and the output: timed together
-                walk = None if fused else do_bench(lambda: TD._fwd_walk(k, w, u, lg, None, False))
+                walk = do_bench(lambda: TD._fwd_walk(k, w, u, lg, None, False))
                 whole = do_bench(lambda: TD._fwd(q, k, v, beta, lg, None, 128 ** -0.5, False))
                 # the split prep's first launch alone (its transforms in the keys' dtype, as the forward passes them)
                 ut = do_bench(lambda: TD._transforms(k, beta, lg, dtype=k.dtype)) if TD.CONFIG["prep_split"] else None
                 return prep, ut, walk, whole
             prep, ut, walk, whole = under(overrides(label), phases)()
             split = f" (transforms {ut:.3f} ms, w and u {prep - ut:.3f} ms)" if ut is not None else ""
-            rest = (f"walk and output (one launch) {whole - prep:.3f} ms" if walk is None else
-                    f"walk {walk:.3f} ms, output {whole - prep - walk:.3f} ms")
-            print(f"forward at T={bk.format_length(T)} x {B} {label or '(shipped)'}: prep {prep:.3f} ms{split}, {rest}, "
-                  f"whole {whole:.3f} ms", flush=True)
+            print(f"forward at T={bk.format_length(T)} x {B} {label or '(shipped)'}: prep {prep:.3f} ms{split}, "
+                  f"walk {walk:.3f} ms, output {whole - prep - walk:.3f} ms, whole {whole:.3f} ms", flush=True)
 
 
 def kernel_times(call, calls: int = 10) -> tuple[dict, float]:

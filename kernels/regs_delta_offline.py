@@ -2,9 +2,9 @@
 
 Compiles every kernel of ``triton_delta.py`` and ``triton_delta_step.py`` at the benchmark shape (bf16,
 K = V = 128, 64-token chunks, no GQA; the step with groups of 4; the forward's prep, walk and output kernels as the
-forward launches them, and the fused walk and output of ``fwd_fused_out``) with the launch configuration of ``CONFIG``, and
-runs ``ptxas -v`` on the PTX, as ``kernels/regs_offline.py`` does for the linear and window forwards. Triton 3.9
-emits PTX 9.x, which its bundled ``ptxas`` (CUDA 12.9) refuses; ``ptxas-blackwell`` (CUDA 13) takes it:
+forward launches them) with the launch configuration of ``CONFIG``, and runs ``ptxas -v`` on the PTX, as
+``kernels/regs_offline.py`` does for the linear and window forwards. Triton 3.9 emits PTX 9.x, which its bundled
+``ptxas`` (CUDA 12.9) refuses; ``ptxas-blackwell`` (CUDA 13) takes it:
 
     python kernels/regs_delta_offline.py                      # the shipped CONFIG
     python kernels/regs_delta_offline.py walk_warps=4 bwd_bv=64   # overrides (ints)
@@ -60,10 +60,6 @@ def kernels(cfg: dict):
          cfg["walk_stages"]),
         ("out", TD._out_kernel, dict(Q=bf, Kp=bf, U=wu, HS=bf, LG=f32, O=bf), {"T", "H", "HK"}, {"scale"},
          dict(base, BV=cfg["out_bv"], S32=cfg["fwd_states_fp32"], LOW16=bool(cfg["out_16bit"])), cfg["out_warps"], 2),
-        ("walk+out", TD._walk_out_kernel, dict(Q=bf, Kp=bf, W=wu, U=wu, LG=f32, INIT=f32, FIN=f32, O=bf),
-         {"T", "H", "HK"}, {"scale"}, dict(base, BV=cfg["fused_bv"], G=1, HAS_INIT=True, STORE_FINAL=True,
-                                           LOW16=bool(cfg["walk_16bit"]), S32=cfg["fwd_states_fp32"],
-                                           OUT16=bool(cfg["out_16bit"])), cfg["fused_warps"], cfg["walk_stages"]),
         # the backward: its prep (transforms stored, fp32 products) and walk (fp32 products) recomputed, then its own
         ("prep bwd", TD._prep_kernel, dict(Kp=bf, Vp=bf, BETA=bf, LG=f32, W=bi, U=bi, TM=f32), {"T", "HK"}, set(),
          dict(base, BV=64, NV_BLK=V // 64, STORE_T=True, DIAG=diag, LOW16=False, BLOCKS=bool(cfg["prep_blocks"])),

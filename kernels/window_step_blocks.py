@@ -5,7 +5,8 @@ blocks (the default: ``step_waves`` programs per SM) and a few warp counts, one 
 (``triton.testing.do_bench_cudagraph``), and the KV group's query heads spread over several programs
 (``step_heads``), and the rings held whole or read a block of rows at a time (``step_ring_block``, for ``W``
 over 32) or split over programs that each read their rows once for a whole KV group (``step_ring_split``, for
-``W`` over 64; ``B=1 W=4096`` is the batch-1 decode of a 4096-token window); outputs checked against the PyTorch
+``W`` over 64, with the parts' products on 16-bit or fp32 operands and 8 or 4 warps; ``B=1 W=4096`` is the
+batch-1 decode of a 4096-token window); outputs checked against the PyTorch
 step. Then the plain linear step
 (``linear_attention_step_hedgehog``, the same shape without rings) split over value blocks for a few
 ``linear_step_waves`` (with the features computed in the kernel its blocks are at most
@@ -84,7 +85,10 @@ rows = [("default", {}), ("one program per (batch, KV head)", {"step_bv": 128, *
     (f"rings in blocks of {rb}, warps {w or 'auto'}", {"step_ring_block": rb, "step_ring_block_from": 2, "step_warps": w})
     for rb in (32, 64, 128) for w in (0, 8) if rb < W] + [
     (f"ring split in parts of {rs} rows", {"step_ring_split": rs, "step_ring_split_from": 2})
-    for rs in (64, 128, 256, 512, 1024) if rs < W]
+    for rs in (64, 128, 256, 512, 1024) if rs < W] + [
+    (f"ring split in parts of {rs} rows, {name}", {"step_ring_split": rs, "step_ring_split_from": 2, **cfg})
+    for rs in (128, 256) if rs < W
+    for name, cfg in (("fp32 products", {"step_ring_part_16bit": 0}), ("4 warps", {"step_ring_part_warps": 4}))]
 if os.environ.get("ROWS"):
     rows = [r for r in rows if r[0].startswith(tuple(os.environ["ROWS"].split(";")))]
 base = dict(triton_step.CONFIG)

@@ -386,16 +386,19 @@ def _check_window_steps(T: int, H: int, W: int, prefill: int, dtype, seed: int =
     assert rel_err(state.S, st_full[0]) < 1e-5 and rel_err(state.z, st_full[1]) < 1e-5
 
 
-@pytest.mark.parametrize("prefill,heads,H,dtype", step_matrix([(0, 0, 4), (42, 0, 4), (45, 1, 6)], [(42, 0, 4)]),
+@pytest.mark.parametrize("prefill,heads,H,part16,dtype",
+                         step_matrix([(0, 0, 4, 1), (42, 0, 4, 1), (45, 1, 6, 1)], [(42, 0, 4, 1), (42, 0, 4, 0)]),
                          ids=_dtype_id)
-def test_window_step_ring_split_triton(prefill, heads, H, dtype, monkeypatch):
+def test_window_step_ring_split_triton(prefill, heads, H, part16, dtype, monkeypatch):
     """A 40-token ring walked in parts of 16 rows (the last one 8, then padding), each part once for all of a KV
     group's query heads, the step kernel merging the parts' softmax sums: decode steps as the reference's full
     forward before the ring fills (prefill 0) and after it wraps, the state too; heads = 1 with H = 6: each of a
-    group's three heads in its own program (the commit kernel folding S), merging the same parts."""
+    group's three heads in its own program (the commit kernel folding S), merging the same parts. bf16 rings: the
+    parts' products on 16-bit operands (``part16``) and in exact fp32."""
     from linearize.kernels import triton_step
 
-    _launch(monkeypatch, step_ring_split=16, step_ring_split_from=8, step_heads=heads)
+    _launch(monkeypatch, step_ring_split=16, step_ring_split_from=8, step_heads=heads,
+            step_ring_part_16bit=part16)
     assert triton_step.ring_split(64) == 16 and triton_step.ring_split(4) == 0
     _check_window_steps(prefill + 6, H, 40, prefill, dtype, seed=5)
 

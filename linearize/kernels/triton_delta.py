@@ -98,17 +98,6 @@ CONFIG = {  # launch configuration: untuned; registers and spills from an offlin
     # the backward's w, U and dU ([B, T, HK, K or V], fp32: written once, read two or three times) stored in the
     # inputs' 16-bit dtype (16-bit inputs; as fla keeps them); the walks move by the unrounded U and dU. Not yet timed
     "bwd_inter_16bit": 0,
-    # the forward's walk and output as one launch (_walk_out_kernel): each chunk's outputs made from the state and U
-    # while they are in registers, so the chunk states (the forward's largest intermediate) and U never go to memory:
-    # ~130 instead of ~220 KB of traffic per chunk and KV head at K = V = 128; the output's products join the
-    # walk's serial loop. The backward recomputes its walk either way. H100 under Triton 3.6 (72 bytes spilled at
-    # the default block, 404 at 64): slower, the forward 2.87 -> 3.92 ms at 2K x 16 (3.00 at fused_bv 64), 3.51 ->
-    # 3.89 ms at 32K x 1 (4.59); off
-    "fwd_fused_out": 0,
-    # its value block and warps (sm_90a offline, Triton 3.9, K = V = 128: 255 registers and no spills at 32 and 8
-    # warps; 224 bytes spilled at 64, 32 at 32 with 4 warps): the value blocks of a KV head reload its q, k and w
-    "fused_bv": 32,
-    "fused_warps": 8,
 }
 
 
@@ -544,62 +533,6 @@ def _out_kernel(
 
 
 @triton.jit
-def _walk_out_kernel(
-    Q, Kp, W, U, LG,  # q [B,T,H,K], k [B,T,HK,K], w [B,T,HK,K], u [B,T,HK,V] (read only), log decays
-    INIT, FIN, O,  # initial and final state [B,HK,K,V] fp32, o [B,T,H,V]
-    T, H, HK, scale,
-    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, G: tl.constexpr,
-    HAS_INIT: tl.constexpr, STORE_FINAL: tl.constexpr, PREC: tl.constexpr, LOW16: tl.constexpr, S32: tl.constexpr,
-    OUT16: tl.constexpr,
-):
-    """Program (value block, batch x KV head) of the fused forward (``CONFIG["fwd_fused_out"]``): the walk of
-    :func:`_walk_kernel` that also makes each chunk's outputs for the KV head's ``G`` query heads, as
-    :func:`_out_kernel` does, from the state and ``U`` while they are in registers: neither the chunk states nor
-    ``U`` go to memory. ``LOW16`` the walk's 16-bit products, ``OUT16`` the output's, ``S32`` ``q S`` on the fp32
-    state (else on the state rounded to the keys' dtype, as the stored states are)."""
-    pbh = tl.program_id(1)
-    b = pbh // HK
-    hk = pbh % HK
-    DT = Kp.dtype.element_ty
-    ok, ov, mk, mv, m2, kv, S = _walk_start(INIT, tl.program_id(0), pbh, K, V, BK, BV, HAS_INIT)
-    N = tl.cdiv(T, BT)
-    ar = tl.arange(0, BT)
-    for i in range(N):
-        ot = i * BT + ar
-        mt = ot < T
-        mtk = mt[:, None] & mk[None, :]
-        row = (b.to(tl.int64) * T + ot) * HK + hk
-        gam, _, _, M = _chunk_decays(LG, row, mt, BT)  # the output's, as _out_kernel's
-        _, wk, keep = _walk_decays(LG, row, mt)  # the walk's, as _walk_kernel's
-        new = _walk_new(W, U, DT, S, row, ok, ov, mt, mk, mv, K, V, PREC, LOW16)
-        k = tl.load(Kp + row[:, None] * K + ok[None, :], mask=mtk, other=0.0)
-        for g in range(G):
-            qrow = (b.to(tl.int64) * T + ot) * H + hk * G + g
-            q = tl.load(Q + qrow[:, None] * K + ok[None, :], mask=mtk, other=0.0)
-            if S32:
-                o = dot32(q.to(tl.float32), S, PREC)
-            else:
-                o = mm(q, to16(S, DT), PREC)
-            if OUT16:
-                o = gam[:, None] * o + mm(to16(mm(q, tl.trans(k), PREC) * M, DT), to16(new, DT), PREC)
-            else:
-                o = gam[:, None] * o + dot32(mm(q, tl.trans(k), PREC) * M, new, PREC)
-            tl.store(O + qrow[:, None] * V + ov[None, :], (o * scale).to(O.dtype.element_ty),
-                     mask=mt[:, None] & mv[None, :])
-        S = _walk_advance(S, tl.trans(k), wk, keep, new, DT, PREC, LOW16)
-    if STORE_FINAL:
-        tl.store(FIN + pbh.to(tl.int64) * K * V + kv, S, mask=m2)
-
-
-# ---------------------------------------------------------------------------
-# backward. Per chunk, with S0 / S1 the states before / after it, U its new values, dO_h the output gradients of
-# its query heads, dS1 the gradient of S1 (from the chunks after it, or of the final state):
-#   dU = sum_h P_h^T dO_h + Kd dS1                 (P_h = scale tril(Q_h K^T) * M, Kd = e^{c_last - c} K)
-#   dS0 = e^{c_last} dS1 + sum_h (gamma scale Q_h)^T dO_h - w^T dU
-# then the chunk-parallel rest (kernels/README.md has every term).
-
-
-@triton.jit
 def _dvl_kernel(
     Q, Kp, DO, LG, DVL,  # q [B,T,H,K], k, do [B,T,H,V], log decays, dvl [B,T,HK,V] fp32
     T, H, HK, scale,
@@ -913,30 +846,11 @@ def _fwd_walk(k, w, u, lg, S0, want_final):
     return hs, fin, s32
 
 
-def _fwd_walk_out(q, k, v, w, u, lg, S0, scale, want_final):
-    """The fused walk and output (``CONFIG["fwd_fused_out"]``): ``(o, final state)``; ``u`` is left as it is."""
-    B, T, H, K = q.shape
-    HK, V = k.shape[2], u.shape[-1]
-    dev = q.device
-    o = new_empty((B, T, H, V), dtype=v.dtype, device=dev)
-    fin = new_empty((B, HK, K, V), dtype=torch.float32, device=dev) if want_final else None
-    BV = _blocks("fused_bv", V)
-    s32 = bool(CONFIG["fwd_states_fp32"]) or k.dtype == torch.float32
-    launch(_walk_out_kernel, (triton.cdiv(V, BV), B * HK), q, k, w, u, lg, S0 if S0 is not None else o,
-           fin if want_final else o, o, T, H, HK, float(scale), K=K, V=V, BK=pow2(K), BV=BV, BT=CONFIG["bt"],
-           G=H // HK, HAS_INIT=S0 is not None, STORE_FINAL=want_final, PREC=prec(k.dtype),
-           LOW16=_sixteen("walk_16bit", k), S32=s32, OUT16=_sixteen("out_16bit", k), num_warps=CONFIG["fused_warps"],
-           num_stages=CONFIG["walk_stages"])
-    return o, fin
-
-
 def _fwd(q, k, v, beta, lg, S0, scale, want_final):
     B, T, H, K = q.shape
     V = v.shape[-1]
     BT = CONFIG["bt"]
     w, u = _fwd_prep(k, v, beta, lg)
-    if CONFIG["fwd_fused_out"]:
-        return _fwd_walk_out(q, k, v, w, u, lg, S0, scale, want_final)
     hs, fin, s32 = _fwd_walk(k, w, u, lg, S0, want_final)
     o = new_empty((B, T, H, V), dtype=v.dtype, device=q.device)
     BV = _blocks("out_bv", V)

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import hedgehog_row, num_sms, pow2
+from .triton_common import hedgehog_row, mm, num_sms, pow2, to16
 from .tuning import ensure_applied, register
 
 
@@ -134,16 +134,19 @@ def _linear_step_commit_kernel(
 
 @triton.jit
 def _ring_rows(KR, VR, KEEP, base, b, rows, slot, t, W, k_new, v_new, od, ov, md, mv,
-               D: tl.constexpr, V: tl.constexpr):
-    """Rows ``rows`` of the key and value rings as fp32 ``[R, BD]`` / ``[R, BV]``, the new token in row ``slot``,
-    and which of them a query sees ``[R]`` (written, not padding; the new token never is)."""
+               D: tl.constexpr, V: tl.constexpr, RING_DTYPE: tl.constexpr = False):
+    """Rows ``rows`` of the key and value rings as fp32 ``[R, BD]`` / ``[R, BV]`` (``RING_DTYPE``: in the rings'
+    dtype), the new token in row ``slot``, and which of them a query sees ``[R]`` (written, not padding; the new
+    token never is)."""
     mr = rows < W
     here = rows == slot
     kr = tl.load(KR + (base * W + rows[:, None]) * D + od[None, :], mask=mr[:, None] & md[None, :], other=0.0)
-    kr = tl.where(here[:, None], k_new.to(KR.dtype.element_ty)[None, :], kr).to(tl.float32)
+    kr = tl.where(here[:, None], k_new.to(KR.dtype.element_ty)[None, :], kr)
     vr = tl.load(VR + (base * W + rows[:, None]) * V + ov[None, :], mask=mr[:, None] & mv[None, :], other=0.0)
-    vr = tl.where(here[:, None], v_new.to(VR.dtype.element_ty)[None, :], vr).to(tl.float32)
+    vr = tl.where(here[:, None], v_new.to(VR.dtype.element_ty)[None, :], vr)
     kept = tl.load(KEEP + b.to(tl.int64) * W + rows, mask=mr, other=0) != 0
+    if not RING_DTYPE:
+        kr, vr = kr.to(tl.float32), vr.to(tl.float32)
     return kr, vr, (rows <= t) & mr & (kept | here)
 
 
@@ -179,12 +182,14 @@ def _window_ring_part_kernel(
     PM, PT, PA,  # out, fp32: row maximum and sum of weights [B*HK, NP, BG], weighted values [B*HK, NP, BG, V]
     H, HK, W, NP, scale,
     D: tl.constexpr, V: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
-    RS: tl.constexpr, RB: tl.constexpr,
+    RS: tl.constexpr, RB: tl.constexpr, LOW16: tl.constexpr,
 ):
     """Program (batch x KV head, ring part): the softmax part of every query head of the KV group over ring rows
     ``[part * RS, (part + 1) * RS)`` (the new token in its slot), ``RB`` rows at a time with an online softmax
     from the floor 0: ``(m, sum_j p_j, sum_j p_j v_j)``, ``p_j = exp(s_j - m)``, for :func:`_window_step_kernel`
-    to merge. Each key and value row is read once per step, whatever the group's size."""
+    to merge. Each key and value row is read once per step, whatever the group's size. ``LOW16`` (16-bit rings):
+    both products on tensor cores with the rings' dtype as operands and fp32 sums, as a flash-decoding kernel
+    (``q k^T`` exact for 16-bit ``q``; the weights ``p`` rounded to 16 bits for ``p V``), else in exact fp32."""
     pbh = tl.program_id(0)
     part = tl.program_id(1)
     b = pbh // HK
@@ -201,15 +206,22 @@ def _window_ring_part_kernel(
     m = tl.zeros([BG], tl.float32)
     total = tl.zeros([BG], tl.float32)
     acc = tl.zeros([BG, BV], tl.float32)
+    DT = KR.dtype.element_ty
     for r0 in range(0, RS, RB):
         kb, vb, valid = _ring_rows(KR, VR, KEEP, base, b, part * RS + r0 + tl.arange(0, RB), slot, t, W, k_new,
-                                   v_new, od, ov, md, mv, D, V)
-        sc = tl.dot(q, tl.trans(kb), input_precision="ieee") * scale  # [BG, RB]
+                                   v_new, od, ov, md, mv, D, V, LOW16)
+        if LOW16:
+            sc = mm(to16(q, DT), tl.trans(kb), "tf32") * scale  # [BG, RB]
+        else:
+            sc = tl.dot(q, tl.trans(kb), input_precision="ieee") * scale
         sc = tl.where(valid[None, :], sc, float("-inf"))
         m_new = tl.maximum(m, tl.max(sc, 1))
         alpha = tl.exp(m - m_new)
         p = tl.where(valid[None, :], tl.exp(sc - m_new[:, None]), 0.0)
-        acc = acc * alpha[:, None] + tl.dot(p, vb, input_precision="ieee")
+        if LOW16:
+            acc = acc * alpha[:, None] + mm(to16(p, DT), vb, "tf32")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p, vb, input_precision="ieee")
         total = total * alpha + tl.sum(p, 1)
         m = m_new
     out = (base * NP + part) * BG + og
@@ -384,6 +396,14 @@ CONFIG = {  # tuned on an H200 with CUDA graphs; measurements in kernels/README.
     # bound on an H100). Not yet timed on a GPU, so off
     "step_ring_split": 0,
     "step_ring_split_from": 1024,
+    # warps of the ring parts' kernel: offline for sm_90a (triton 3.6, 128-row parts of 64-row blocks, fp32
+    # products) 4 warps capped it at 72 registers with 2.4 KB spilled per thread, which made the split 15% slower
+    # than the whole walk on an H100 (130 against 113 us at batch 1, W = 4096) and 8-13x at 256 / 512 rows;
+    # 8 warps: 108-122 registers, no spills
+    "step_ring_part_warps": 8,
+    # 16-bit rings: the parts' two products on tensor cores with 16-bit operands (p rounded to 16 bits for p V)
+    # instead of exact fp32 ones
+    "step_ring_part_16bit": 1,
     # the linear step's split over value blocks (then z is added by a second kernel; 0 = one program per
     # (batch, KV head)): half a wave of programs was fastest
     "linear_step_waves": 0.5,
@@ -566,10 +586,12 @@ def window_step_triton(q, k, fq, fk, v, wf, st, *, scale, eps=1e-12, out=None, w
     if RS:  # the rings walked once, in parts; scratch from the graph's pool under CUDA-graph capture
         pm, pt = (torch.empty((B * HK, NP, BG), dtype=torch.float32, device=q.device) for _ in range(2))
         pa = torch.empty((B * HK, NP, BG, V), dtype=torch.float32, device=q.device)
-        RBP = min(RS, 64 if max(BD, pow2(V)) <= 128 else 32)  # fp32 key and value blocks: 64 registers each at 128
+        low16 = bool(CONFIG["step_ring_part_16bit"]) and st.k_ring.dtype in (torch.bfloat16, torch.float16)
+        RBP = min(RS, 64 if max(BD, pow2(V)) <= 128 else 32)  # key and value blocks: 64 fp32 registers each at 128
         _window_ring_part_kernel[(B * HK, NP)](
             q, k, v, st.k_ring, st.v_ring, st.seen, st.keep, pm, pt, pa, H, HK, W, NP, float(scale),
-            D=D, V=V, BD=BD, BV=pow2(V), G=G, BG=BG, RS=RS, RB=RBP, num_warps=4)
+            D=D, V=V, BD=BD, BV=pow2(V), G=G, BG=BG, RS=RS, RB=RBP, LOW16=low16,
+            num_warps=int(CONFIG["step_ring_part_warps"]))
         RB = 0
     _window_step_kernel[(B * HK, triton.cdiv(V, BV), triton.cdiv(G, GH))](
         q, q if fuse else fq.contiguous(), k, v, wf.contiguous(), st.S, st.z, st.k_ring, st.fk_ring, st.v_ring,
