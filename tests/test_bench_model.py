@@ -365,6 +365,34 @@ def test_original_prefills_in_pieces_where_one_forward_runs_out_of_memory(monkey
     assert bm.bench_row(model, "original", T, 2, pieces=66, **kw)["status"] == "oom"  # one piece is the whole
 
 
+def test_original_prefill_halves_its_pieces_until_they_fit(monkeypatch):
+    """Pieces of the hybrids' default that still run out of memory are halved until a prefill fits (the 8B
+    original at 32K x 8 on an 80 GB GPU), down to the floor per row; the row names the pieces it used."""
+    cfg, _ = bm.load_config(_write_tiny())
+    model = bm.random_model(cfg, dtype=torch.float32, device="cpu")
+    real, calls = bm.prefill, []
+
+    def fits_below(limit):
+        def tight(model, ids, pieces=0):
+            calls.append(pieces)
+            if not pieces or pieces > limit:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            return real(model, ids, pieces)
+        return tight
+
+    monkeypatch.setattr(bm, "MIN_PIECE_ROW_TOKENS", 2)
+    kw = dict(steps=2, backends=[None], dev=torch.device("cpu"), timing=bm.Timing(min_time=0.0, max_reps=1,
+                                                                                    warmup_steps=1))
+    monkeypatch.setattr(bm, "prefill", fits_below(10))
+    row = bm.bench_row(model, "original", 33, 2, pieces=40, **kw)
+    assert calls[:3] == [0, 40, 20] and set(calls[3:]) == {10}
+    assert row["status"] == "ok" and row["prefill_pieces_tokens"] == 10 and "halved from" in row["note"]
+    calls.clear()
+    monkeypatch.setattr(bm, "prefill", fits_below(1))  # under the floor: out of memory, after 40, 20, 10, 5
+    row = bm.bench_row(model, "original", 33, 2, pieces=40, **kw)
+    assert row["status"] == "oom" and calls == [0, 40, 20, 10, 5]
+
+
 def test_decode_cache_steps_in_place_at_position_t_minus_1():
     cfg, _ = bm.load_config(_write_tiny())
     model = bm.random_model(cfg, dtype=torch.float32, device="cpu")

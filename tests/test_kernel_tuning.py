@@ -77,6 +77,25 @@ def test_files_from_before_the_step_sweeps_still_apply(iso):
     assert triton_linear.CONFIG["fwd_warps"] == 4 and triton_step.CONFIG == steps
 
 
+def test_a_module_imported_after_the_first_launch_gets_its_section(iso, monkeypatch):
+    """A model's prefill launches the forward kernels (and loads the file) before the first decode step imports the
+    steps' module: the steps' saved section still applies when that module registers, and an unknown key there
+    leaves its defaults."""
+    triton_step.CONFIG["step_ring_split"] = 64
+    tuning.save("NVIDIA Test GPU 80GB")
+    triton_step.CONFIG["step_ring_split"] = 0
+    del tuning._CONFIGS["step"]  # not imported yet
+    tuning.ensure_applied(torch.device("cuda", 0))
+    assert triton_step.CONFIG["step_ring_split"] == 0 and tuning.applied_from() is not None
+    tuning.register("step", triton_step.CONFIG)  # the first decode step imports it
+    assert triton_step.CONFIG["step_ring_split"] == 64
+    late = dict(triton_step.CONFIG, no_such_knob=1)
+    monkeypatch.setitem(tuning._STATE["tuned"], "late", late)
+    fresh = {"step_ring_split": 0}
+    tuning.register("late", fresh)
+    assert fresh == {"step_ring_split": 0}
+
+
 def test_cpu_and_opt_out_leave_the_defaults(iso, monkeypatch):
     triton_linear.CONFIG["fwd_warps"] = 4
     tuning.save("NVIDIA Test GPU 80GB")

@@ -633,12 +633,17 @@ def _decode_phase(model, cache, T, B, steps, backends, dev, timing: Timing, gen,
     return row
 
 
+#: the smallest pieces (tokens per row) an original's prefill is retried in after running out of memory
+MIN_PIECE_ROW_TOKENS = 512
+
+
 def bench_row(model, kind: str, T: int, B: int, *, steps: int, backends: list[str | None], dev: torch.device,
               timing: Timing, seed: int = 0, profile: bool = False, pieces: int = 0) -> dict:
     """One (model, T, B) row: prefill, decode, peak memory, cache bytes. Out of memory is recorded. ``pieces`` > 0
     (a model without a chunked prefill of its own, the original): a prefill that runs out of memory in one forward
     runs again as consecutive cached forwards of ``pieces`` tokens, the rows together (the hybrids' default
-    pieces), so that its decode is still measured; the row says so in ``prefill_pieces_tokens`` and its note."""
+    pieces), halved while those run out of memory too (down to :data:`MIN_PIECE_ROW_TOKENS` per row), so that its
+    decode is still measured; the row says so in ``prefill_pieces_tokens`` and its note."""
     row: dict[str, Any] = {"model": kind, "T": T, "B": B, "status": "ok"}
     _free(dev)
     if dev.type == "cuda":
@@ -649,20 +654,27 @@ def bench_row(model, kind: str, T: int, B: int, *, steps: int, backends: list[st
     phase = "prefill"
     try:
         ids = torch.randint(0, int(model.config.vocab_size), (B, T), generator=gen).to(dev)
-        try:
-            row.update(_prefill_phase(model, ids, backends, dev, timing, holder))
-        except Exception as e:  # noqa: BLE001 - out of memory in one forward: in pieces, if asked
-            if not (_is_oom(e) and row_chunk(pieces, B) and T > row_chunk(pieces, B)):
-                raise
-            del e  # its traceback holds the failed forward's activations
-            holder["cache"] = None
-            _free(dev)
-            if dev.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(dev)
-            row.update(_prefill_phase(model, ids, backends, dev, timing, holder, pieces))
-            row["prefill_pieces_tokens"] = pieces
-            row["note"] = (f"prefilled in pieces of {pieces:,} tokens (the rows together), as the hybrids' "
-                           "default; one forward ran out of memory")
+        tried = 0  # 0: one forward, then pieces of `pieces` tokens, halved while they run out of memory
+        while True:
+            try:
+                row.update(_prefill_phase(model, ids, backends, dev, timing, holder, tried))
+                break
+            except Exception as e:  # noqa: BLE001 - out of memory: in (smaller) pieces, if asked
+                nxt = pieces if not tried else tried // 2
+                floor = MIN_PIECE_ROW_TOKENS if tried else 1  # the pieces asked for are tried whatever their size
+                if not (_is_oom(e) and row_chunk(nxt, B) >= floor and T > row_chunk(nxt, B)):
+                    raise
+                del e  # its traceback holds the failed forward's activations
+                holder["cache"] = None
+                _free(dev)
+                if dev.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(dev)
+                tried = nxt
+        if tried:
+            row["prefill_pieces_tokens"] = tried
+            row["note"] = (f"prefilled in pieces of {tried:,} tokens (the rows together)"
+                           + (", as the hybrids' default" if tried == pieces else
+                              f", halved from the hybrids' {pieces:,}") + "; one forward ran out of memory")
         del ids
         row["cache_bytes"] = cache_nbytes(holder["cache"])
         row["cache_bytes_formula"] = model_cache_bytes(model, T, B)

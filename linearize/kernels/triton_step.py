@@ -391,18 +391,17 @@ CONFIG = {  # tuned on an H200 with CUDA graphs; measurements in kernels/README.
     "step_ring_block_from": 512,
     # rings of at least step_ring_split_from rows (pow2(W)) are split over programs of step_ring_split rows, each
     # walking its rows once for all of a KV group's query heads (_window_ring_part_kernel), the step kernel then
-    # merging the parts (0: never; a power of two >= 16). Otherwise every program of the step walks the whole
-    # ring: at batch 1 with a 4096-token window that read each row 16 times per step (decode at 75-77% of its
-    # bound on an H100). Not yet timed on a GPU, so off
-    "step_ring_split": 0,
+    # merging the parts (0: never; a power of two >= 16). Otherwise every program of the step walks the whole ring,
+    # reading each row 16 times per step at batch 1. H100, batch 1, W = 4096 (kernels/window_step_blocks.py): the
+    # whole walk 113.8 us, the split 23.2 us in parts of 128 rows, 24.5 / 25.5 / 33.5 / 50.1 at 64 / 256 / 512 /
+    # 1024
+    "step_ring_split": 128,
     "step_ring_split_from": 1024,
-    # warps of the ring parts' kernel: offline for sm_90a (triton 3.6, 128-row parts of 64-row blocks, fp32
-    # products) 4 warps capped it at 72 registers with 2.4 KB spilled per thread, which made the split 15% slower
-    # than the whole walk on an H100 (130 against 113 us at batch 1, W = 4096) and 8-13x at 256 / 512 rows;
-    # 8 warps: 108-122 registers, no spills
-    "step_ring_part_warps": 8,
-    # 16-bit rings: the parts' two products on tensor cores with 16-bit operands (p rounded to 16 bits for p V)
-    # instead of exact fp32 ones
+    # warps of the ring parts' kernel: 4 (23.2 us) and 8 (28.2) alike with 16-bit products; with fp32 products 4
+    # warps spill 2.4 KB per thread (sm_90a, Triton 3.6) and 8 take 191 us
+    "step_ring_part_warps": 4,
+    # 16-bit rings: the parts' two products on tensor cores with 16-bit operands (p rounded to 16 bits for p V;
+    # 3.9e-4 from the PyTorch step at W = 4096) instead of exact fp32 ones (6.1e-5, 8x slower)
     "step_ring_part_16bit": 1,
     # the linear step's split over value blocks (then z is added by a second kernel; 0 = one program per
     # (batch, KV head)): half a wave of programs was fastest

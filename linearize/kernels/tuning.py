@@ -64,8 +64,10 @@ def save(gpu_name: str) -> Path:
 
 
 def load(gpu_name: str) -> dict | None:
-    """The saved configurations for ``gpu_name`` if usable (same GPU and Triton version, only known keys); a
-    module the file does not name keeps its defaults (files written before it was tuned)."""
+    """The saved configurations for ``gpu_name`` if usable (same GPU and Triton version, only known keys in the
+    modules registered so far), by module name; a module the file does not name keeps its defaults (files
+    written before it was tuned), and the sections of modules not yet imported are kept for :func:`register`
+    (the decode steps' module is imported at the first decode step, after the prefill's kernels ran)."""
     path = tuned_path(gpu_name)
     try:
         blob = json.loads(path.read_text())
@@ -73,12 +75,10 @@ def load(gpu_name: str) -> dict | None:
         return None
     if not isinstance(blob, dict) or blob.get("gpu") != gpu_name or blob.get("triton") != _triton_version():
         return None
-    out = {}
-    for name, known in _CONFIGS.items():
-        cfg = blob.get(name, {})
-        if not isinstance(cfg, dict) or not set(cfg) <= set(known):
+    out = {name: cfg for name, cfg in blob.items() if name not in ("gpu", "triton")}
+    for name, cfg in out.items():
+        if not isinstance(cfg, dict) or (name in _CONFIGS and not set(cfg) <= set(_CONFIGS[name])):
             return None  # written by another version of the kernels
-        out[name] = cfg
     return out
 
 
@@ -95,7 +95,7 @@ def ensure_applied(device) -> None:
         return
     _STATE["tuned"] = tuned
     for key, cfg in _CONFIGS.items():
-        cfg.update(tuned[key])
+        cfg.update(tuned.get(key, {}))
     _STATE["source"] = str(tuned_path(name))
 
 
