@@ -177,9 +177,19 @@ def _ring_walk(q, m, KR, VR, KEEP, base, b, slot, t, W, k_new, v_new, od, ov, md
 
 
 @triton.jit
+def _part_dot(a, b, DT: tl.constexpr, LOW16: tl.constexpr):
+    """``a b`` (``a`` fp32) with fp32 sums: under ``LOW16`` on tensor cores with ``a`` rounded to the 16-bit ``DT``
+    of ``b``, else exact fp32 products."""
+    if LOW16:
+        return mm(to16(a, DT), b, "tf32")
+    else:
+        return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
 def _window_ring_part_kernel(
     Q, Kr, Vp, KR, VR, SEEN, KEEP,  # q [B,H,D] (raw rows); new k [B,HK,D], v [B,HK,V]; rings; seen; keep [B,W]
-    PM, PT, PA,  # out, fp32: row maximum and sum of weights [B*HK, NP, BG], weighted values [B*HK, NP, BG, V]
+    PM, PT, PA,  # out, fp32: row maximum and sum of weights [B*HK, NP, G], weighted values [B*HK, NP, G, V]
     H, HK, W, NP, scale,
     D: tl.constexpr, V: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
     RS: tl.constexpr, RB: tl.constexpr, LOW16: tl.constexpr,
@@ -210,24 +220,17 @@ def _window_ring_part_kernel(
     for r0 in range(0, RS, RB):
         kb, vb, valid = _ring_rows(KR, VR, KEEP, base, b, part * RS + r0 + tl.arange(0, RB), slot, t, W, k_new,
                                    v_new, od, ov, md, mv, D, V, LOW16)
-        if LOW16:
-            sc = mm(to16(q, DT), tl.trans(kb), "tf32") * scale  # [BG, RB]
-        else:
-            sc = tl.dot(q, tl.trans(kb), input_precision="ieee") * scale
-        sc = tl.where(valid[None, :], sc, float("-inf"))
+        sc = tl.where(valid[None, :], _part_dot(q, tl.trans(kb), DT, LOW16) * scale, float("-inf"))  # [BG, RB]
         m_new = tl.maximum(m, tl.max(sc, 1))
         alpha = tl.exp(m - m_new)
         p = tl.where(valid[None, :], tl.exp(sc - m_new[:, None]), 0.0)
-        if LOW16:
-            acc = acc * alpha[:, None] + mm(to16(p, DT), vb, "tf32")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p, vb, input_precision="ieee")
+        acc = acc * alpha[:, None] + _part_dot(p, vb, DT, LOW16)
         total = total * alpha + tl.sum(p, 1)
         m = m_new
-    out = (base * NP + part) * BG + og
-    tl.store(PM + out, m)
-    tl.store(PT + out, total)
-    tl.store(PA + out[:, None] * V + ov[None, :], acc, mask=mv[None, :])
+    out = (base * NP + part) * G + og  # the group's heads only (the padding rows past G are not stored)
+    tl.store(PM + out, m, mask=mg)
+    tl.store(PT + out, total, mask=mg)
+    tl.store(PA + out[:, None] * V + ov[None, :], acc, mask=mg[:, None] & mv[None, :])
 
 
 @triton.jit
@@ -304,7 +307,7 @@ def _window_step_kernel(
         if PARTS:  # m_p >= 0 (the parts' floor), so the merged maximum is the one a single walk reaches
             op = tl.arange(0, BP)
             mp = op < NP
-            prow = (base * NP + op) * BG + tl.minimum(pg * GH + g, G - 1)  # [BP]
+            prow = (base * NP + op) * G + tl.minimum(pg * GH + g, G - 1)  # [BP]
             pm = tl.load(PM + prow, mask=mp, other=0.0)
             m = tl.maximum(m, tl.max(pm, 0))
             e = tl.where(mp, tl.exp(pm - m), 0.0)
@@ -397,8 +400,8 @@ CONFIG = {  # tuned on an H200 with CUDA graphs; measurements in kernels/README.
     # 1024
     "step_ring_split": 128,
     "step_ring_split_from": 1024,
-    # warps of the ring parts' kernel: 4 (23.2 us) and 8 (28.2) alike with 16-bit products; with fp32 products 4
-    # warps spill 2.4 KB per thread (sm_90a, Triton 3.6) and 8 take 191 us
+    # warps of the ring parts' kernel with 16-bit products: 4 (23.2 us) and 8 (28.2) alike; with fp32 products
+    # (fp32 rings) it runs twice as many: at 4 they spill 2.4 KB per thread (sm_90a, Triton 3.6), at 8 none
     "step_ring_part_warps": 4,
     # 16-bit rings: the parts' two products on tensor cores with 16-bit operands (p rounded to 16 bits for p V;
     # 3.9e-4 from the PyTorch step at W = 4096) instead of exact fp32 ones (6.1e-5, 8x slower)
@@ -583,14 +586,14 @@ def window_step_triton(q, k, fq, fk, v, wf, st, *, scale, eps=1e-12, out=None, w
     NP, BG = (triton.cdiv(W, RS), max(16, pow2(G))) if RS else (0, 1)
     pm = pt = pa = q
     if RS:  # the rings walked once, in parts; scratch from the graph's pool under CUDA-graph capture
-        pm, pt = (torch.empty((B * HK, NP, BG), dtype=torch.float32, device=q.device) for _ in range(2))
-        pa = torch.empty((B * HK, NP, BG, V), dtype=torch.float32, device=q.device)
+        pm, pt = (torch.empty((B * HK, NP, G), dtype=torch.float32, device=q.device) for _ in range(2))
+        pa = torch.empty((B * HK, NP, G, V), dtype=torch.float32, device=q.device)
         low16 = bool(CONFIG["step_ring_part_16bit"]) and st.k_ring.dtype in (torch.bfloat16, torch.float16)
         RBP = min(RS, 64 if max(BD, pow2(V)) <= 128 else 32)  # key and value blocks: 64 fp32 registers each at 128
         _window_ring_part_kernel[(B * HK, NP)](
             q, k, v, st.k_ring, st.v_ring, st.seen, st.keep, pm, pt, pa, H, HK, W, NP, float(scale),
             D=D, V=V, BD=BD, BV=pow2(V), G=G, BG=BG, RS=RS, RB=RBP, LOW16=low16,
-            num_warps=int(CONFIG["step_ring_part_warps"]))
+            num_warps=int(CONFIG["step_ring_part_warps"]) * (1 if low16 else 2))  # fp32 blocks: twice the warps
         RB = 0
     _window_step_kernel[(B * HK, triton.cdiv(V, BV), triton.cdiv(G, GH))](
         q, q if fuse else fq.contiguous(), k, v, wf.contiguous(), st.S, st.z, st.k_ring, st.fk_ring, st.v_ring,
