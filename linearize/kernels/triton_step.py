@@ -183,7 +183,7 @@ def _part_dot(a, b, DT: tl.constexpr, LOW16: tl.constexpr):
     if LOW16:
         return mm(to16(a, DT), b, "tf32")
     else:
-        return tl.dot(a, b, input_precision="ieee")
+        return mm(a, b, "ieee")
 
 
 @triton.jit
